@@ -1,0 +1,53 @@
+"""``kvroute`` console script: one entry, subcommands dispatched to the module that owns them.
+
+Each subcommand module exposes ``cli_main(argv: list[str]) -> int`` and is imported lazily, so
+``kvroute serve`` never imports the simulator, matplotlib or sglang.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+__all__ = ["SUBCOMMANDS", "main"]
+
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "serve": ("router.gateway.serve", "run the gateway"),
+    "demo": ("loadtests.demo", "gateway + emulated replicas + coding-agent load, live view, report"),
+    "emulate": ("replica.emulator.cli", "serve SGLang-compatible emulated replicas"),
+    "sim": ("loadtests.sim.cli", "discrete-event fleet simulation of routing policies"),
+    "load": ("loadtests.live", "closed-loop HTTP load driver against any OpenAI-compatible URL"),
+    "bench": ("loadtests.bench", "benchmarks: peers, overhead, redis"),
+    "sidecar": ("replica.agent", "replica sidecar: register, heartbeat, drain"),
+    "launch": ("replica.launch", "launch a real SGLang replica from a deployment profile"),
+}
+
+
+def _usage() -> str:
+    lines = ["usage: kvroute <command> [options]", "", "commands:"]
+    lines += [f"  {name:<9} {help_}" for name, (_, help_) in SUBCOMMANDS.items()]
+    lines += ["", "kvroute <command> --help for the options of one command."]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in {"-h", "--help", "help"}:
+        print(_usage())
+        return 0
+    if args[0] == "--version":
+        from router import __version__
+
+        print(f"kvroute {__version__}")
+        return 0
+    cmd = args[0]
+    if cmd not in SUBCOMMANDS:
+        print(f"kvroute: unknown command {cmd!r}\n\n{_usage()}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(SUBCOMMANDS[cmd][0])
+    rc: int = module.cli_main(args[1:])
+    return rc
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

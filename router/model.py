@@ -1,0 +1,242 @@
+"""Frozen value types shared by the policy, the state stores, the gateway and the simulator.
+
+Rules:
+  1. Everything here is immutable (``frozen=True, slots=True``) and free of I/O.
+  2. Times are float seconds on the *store's* clock (monotonic in the gateway, virtual in the
+     simulator). Token counts are ints.
+  3. The policy reads a :class:`ClusterSnapshot` and returns a :class:`RouteDecision` whose
+     ``effects`` describe state changes; a store performs them (atomically in Redis).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+__all__ = [
+    "AffinityBreak",
+    "BindSession",
+    "ClusterSnapshot",
+    "Completion",
+    "Effect",
+    "EngineLoad",
+    "KeySource",
+    "Lease",
+    "Reason",
+    "ReplicaId",
+    "ReplicaSpec",
+    "ReplicaState",
+    "ReplicaStatus",
+    "RouteDecision",
+    "RouteRequest",
+    "SessionState",
+    "SetOverflow",
+]
+
+ReplicaId = str
+"""A replica's id: ``host:port`` of its URL unless configured otherwise (path-safe)."""
+
+
+class ReplicaStatus(StrEnum):
+    JOINING = "joining"  # registered, no good health check yet: gets nothing
+    ACTIVE = "active"
+    DRAINING = "draining"  # finishes in-flight work, gets no new sessions, sessions move at next turn
+    DOWN = "down"  # failed health checks / ejected: gets nothing
+
+
+class KeySource(StrEnum):
+    HEADER = "header"  # session id from a configured header (Modal-Session-Id, ...)
+    PREFIX = "prefix"  # derived from a hash chain over the request's first prompt blocks
+    NONE = "none"  # nothing to key on (e.g. an empty body)
+
+
+class Reason(StrEnum):
+    """Why a replica was chosen. Low cardinality: used as a metric label and response header."""
+
+    AFFINITY = "affinity"  # known session, home is fine
+    THICC_SPLIT = "thicc_split"  # session has too many requests in flight at home -> overflow replica
+    PLACED_NEW = "placed_new"  # first request of a session
+    PLACED_EVICTED = "placed_evicted"  # home's cache of this session is surely gone: placed afresh by load
+    REASSIGNED_OVERLOAD = "reassigned_overload"  # home persistently overloaded: moved at turn start
+    REASSIGNED_DRAINING = "reassigned_draining"  # home draining
+    REASSIGNED_GONE = "reassigned_gone"  # home down or removed
+    RETRY = "retry"  # previous choice failed before the first byte
+    RANDOM = "random"
+    ROUND_ROBIN = "round_robin"
+    LEAST_LOADED = "least_loaded"
+    HASH = "hash"
+
+
+class AffinityBreak(StrEnum):
+    """Why a response's cached tokens fell short of the session's previous context."""
+
+    OVERLOAD_SPILL = "overload_spill"
+    THICC_SPLIT = "thicc_split"
+    REPLICA_GONE = "replica_gone"
+    EVICTED = "evicted"
+    NO_SESSION_ID = "no_session_id"
+    GATEWAY_DISAGREEMENT = "gateway_disagreement"
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaSpec:
+    """How a replica is registered (static config, admin API, sidecar heartbeat)."""
+
+    id: ReplicaId
+    url: str  # base URL, e.g. http://127.0.0.1:31001 (no trailing slash)
+    model: str = ""
+    capacity_tokens: int = 0  # KV capacity in HBM (max_total_num_tokens); 0 = unknown
+    host_capacity_tokens: int = 0  # HiCache host tier; 0 = none
+    tp_size: int = 0
+    source: str = "static"  # static | admin | registry
+
+
+@dataclass(frozen=True, slots=True)
+class EngineLoad:
+    """Figures the engine reports about itself (scraped from /metrics; a little stale)."""
+
+    running: int = 0
+    queued: int = 0
+    kv_util: float = 0.0  # sglang:token_usage, 0..1
+    capacity_tokens: int = 0  # sglang:max_total_num_tokens
+    host_used_tokens: int = 0
+    host_capacity_tokens: int = 0
+    cache_hit_rate: float = 0.0
+    gen_throughput: float = 0.0
+    updated_at: float = 0.0  # store clock; 0 = never scraped
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaState:
+    """One replica as the policy sees it."""
+
+    id: ReplicaId
+    url: str
+    status: ReplicaStatus = ReplicaStatus.ACTIVE
+    joined_at: float = 0.0  # when it first became ACTIVE (scale-up ramp)
+    in_flight: int = 0  # requests in flight through all gateways (exact, immediate)
+    engine: EngineLoad = field(default_factory=EngineLoad)
+    capacity_tokens: int = 0  # HBM KV capacity (spec or engine; 0 = unknown -> policy default)
+    host_capacity_tokens: int = 0
+    sessions_active: int = 0  # sessions homed here and seen within the active window
+    active_context_tokens: int = 0  # sum of their context tokens: the working set
+    tokens_written: int = 0  # cumulative tokens our requests wrote into its cache (residency clock)
+    placed_recent: int = 0  # new sessions placed here within the ramp window
+    model: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class SessionState:
+    """One session's routing state."""
+
+    session_id: str
+    home: ReplicaId | None = None
+    overflow: tuple[ReplicaId, ...] = ()
+    in_flight: tuple[tuple[ReplicaId, int], ...] = ()  # per replica, only non-zero entries, sorted
+    context_tokens: int = 0  # prompt + completion tokens of the last finished turn
+    last_seen: float = 0.0
+    residency_mark: int = 0  # home's tokens_written right after this session last wrote there
+    turns: int = 0
+
+    def in_flight_at(self, replica_id: ReplicaId) -> int:
+        for rid, n in self.in_flight:
+            if rid == replica_id:
+                return n
+        return 0
+
+    @property
+    def in_flight_total(self) -> int:
+        return sum(n for _, n in self.in_flight)
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterSnapshot:
+    """What the policy sees for one request: all replicas plus the request's own session."""
+
+    now: float
+    replicas: tuple[ReplicaState, ...]  # sorted by id
+    session: SessionState | None = None  # None: unknown session (or no key)
+    seq: int = 0  # monotone request counter of the store (round robin cursor)
+    sessions_active: int = 0  # fleet-wide sessions seen within the active window
+
+    def replica(self, replica_id: ReplicaId | None) -> ReplicaState | None:
+        if replica_id is None:
+            return None
+        for r in self.replicas:
+            if r.id == replica_id:
+                return r
+        return None
+
+
+@dataclass(frozen=True, slots=True)
+class RouteRequest:
+    """What the gateway extracted from an HTTP request (the policy never sees HTTP)."""
+
+    session_key: str | None
+    key_source: KeySource = KeySource.HEADER
+    route: str = "/v1/chat/completions"
+    model: str | None = None
+    prompt_tokens_estimate: int = 0  # rough (body bytes / 4); refined by responses
+    excluded: frozenset[ReplicaId] = frozenset()  # replicas that already failed this request
+
+
+# ---- effects: the policy describes, the store performs -------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class BindSession:
+    """Make ``replica_id`` the session's home.
+
+    ``only_if`` expresses the compare-and-set: the bind takes effect only if the session's current
+    home equals it (``None`` = only if unbound: the atomic first bind). If it does not, the store
+    keeps the existing home and the request goes there (``Lease.replica_id``).
+    """
+
+    session_id: str
+    replica_id: ReplicaId
+    only_if: ReplicaId | None
+    reason: Reason
+
+
+@dataclass(frozen=True, slots=True)
+class SetOverflow:
+    """Replace the session's overflow replicas (thicc split grows or collapses)."""
+
+    session_id: str
+    replicas: tuple[ReplicaId, ...]
+
+
+Effect = BindSession | SetOverflow
+
+
+@dataclass(frozen=True, slots=True)
+class RouteDecision:
+    replica_id: ReplicaId
+    reason: Reason
+    effects: tuple[Effect, ...] = ()
+    scores: tuple[tuple[ReplicaId, float], ...] = ()  # lower is better for kv_aware (expected delay)
+    expected_break: AffinityBreak | None = None  # the cache loss this decision knowingly accepts
+
+
+@dataclass(frozen=True, slots=True)
+class Lease:
+    """A request held in flight on a replica (returned by ``StateStore.acquire``)."""
+
+    lease_id: str
+    replica_id: ReplicaId
+    session_id: str | None
+    reason: Reason
+    acquired_at: float
+    disagreement: bool = False  # the store overrode the decision (another gateway bound first)
+    prev_context_tokens: int = 0  # session context known when the request started
+
+
+@dataclass(frozen=True, slots=True)
+class Completion:
+    """What the gateway learned from the response; feeds context sizes and residency marks."""
+
+    ok: bool
+    prompt_tokens: int | None = None
+    cached_tokens: int | None = None
+    completion_tokens: int | None = None
+    started_output: bool = False  # at least one byte reached the client
