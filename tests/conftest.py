@@ -1,0 +1,85 @@
+"""Shared fixtures. Redis fixtures start their own ``redis-server`` on a free port (never 6379).
+
+Under CI (``CI=true``) a missing ``redis-server`` is a failure, not a skip; locally those tests skip
+with the reason.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Iterator
+
+import pytest
+
+from tests.redis_server import RedisCluster, RedisServer, RedisUnavailable, ci_requires_redis
+
+
+def _unavailable(reason: str) -> None:
+    if ci_requires_redis():
+        pytest.fail(f"Redis is required under CI: {reason}", pytrace=False)
+    pytest.skip(f"no local Redis: {reason}")
+
+
+def _flushall(port: int) -> None:
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+        s.sendall(b"FLUSHALL\r\n")
+        if not s.recv(64).startswith(b"+OK"):
+            raise RuntimeError("FLUSHALL failed")
+
+
+@pytest.fixture(scope="session")
+def redis_server_session() -> Iterator[RedisServer]:
+    """One redis-server for the whole test session (do not kill it: use ``redis_killable``)."""
+    try:
+        server = RedisServer().start()
+    except RedisUnavailable as exc:
+        _unavailable(str(exc))
+        raise  # unreachable: _unavailable skips or fails
+    try:
+        yield server
+    finally:
+        server.cleanup()
+
+
+@pytest.fixture
+def redis_url(redis_server_session: RedisServer) -> str:
+    """URL of a real, empty Redis (the session server, flushed before each test)."""
+    if not redis_server_session.running:  # a test broke it: bring it back for the next ones
+        redis_server_session.start()
+    _flushall(redis_server_session.port)
+    return redis_server_session.url
+
+
+@pytest.fixture
+def redis_killable() -> Iterator[RedisServer]:
+    """A private redis-server a test may ``kill()`` and ``restart()`` (same port)."""
+    try:
+        server = RedisServer().start()
+    except RedisUnavailable as exc:
+        _unavailable(str(exc))
+        raise
+    try:
+        yield server
+    finally:
+        server.cleanup()
+
+
+@pytest.fixture(scope="session")
+def redis_cluster_session() -> Iterator[RedisCluster]:
+    """A local 3-master Redis Cluster; skipped (also under CI) with the reason if it cannot start."""
+    try:
+        cluster = RedisCluster(size=3).start()
+    except RedisUnavailable as exc:
+        pytest.skip(f"local Redis Cluster could not be started: {exc}")
+        raise
+    try:
+        yield cluster
+    finally:
+        cluster.cleanup()
+
+
+@pytest.fixture
+def redis_cluster_url(redis_cluster_session: RedisCluster) -> str:
+    for node in redis_cluster_session.nodes:
+        _flushall(node.port)
+    return redis_cluster_session.url

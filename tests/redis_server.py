@@ -1,0 +1,221 @@
+"""Start, stop, kill and restart real ``redis-server`` processes for tests (and a local 3-node cluster).
+
+Rules:
+  1. Every server listens on 127.0.0.1 on a free port, with persistence off (``--save "" --appendonly no``)
+     and its files in a private temporary directory.
+  2. ``RedisServer.restart()`` comes back on the *same* port, so clients holding the URL reconnect.
+  3. Nothing here is imported by the product; tests and ``loadtests/bench_redis.py`` use it.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+__all__ = [
+    "RedisCluster",
+    "RedisServer",
+    "RedisUnavailable",
+    "ci_requires_redis",
+    "free_port",
+    "redis_server_binary",
+]
+
+
+class RedisUnavailable(RuntimeError):
+    """redis-server (or redis-cli for a cluster) is not installed, or it did not come up."""
+
+
+def redis_server_binary() -> str | None:
+    return shutil.which("redis-server")
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def _ping(port: int, timeout_s: float = 0.2) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=timeout_s) as s:
+            s.sendall(b"PING\r\n")
+            return s.recv(64).startswith(b"+PONG")
+    except OSError:
+        return False
+
+
+@dataclass
+class RedisServer:
+    """One redis-server process. ``extra_args`` are appended to the command line."""
+
+    port: int = 0
+    extra_args: tuple[str, ...] = ()
+    workdir: Path | None = None
+    _proc: subprocess.Popen[bytes] | None = field(default=None, repr=False)
+    _own_dir: bool = field(default=False, repr=False)
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    @property
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    @property
+    def pid(self) -> int | None:
+        return None if self._proc is None else self._proc.pid
+
+    def start(self, timeout_s: float = 10.0) -> RedisServer:
+        binary = redis_server_binary()
+        if binary is None:
+            raise RedisUnavailable("redis-server is not on PATH (apt-get install redis-server)")
+        if self.port == 0:
+            self.port = free_port()
+        if self.workdir is None:
+            self.workdir = Path(tempfile.mkdtemp(prefix=f"kvroute-redis-{self.port}-"))
+            self._own_dir = True
+        cmd = [
+            binary,
+            "--port", str(self.port),
+            "--bind", "127.0.0.1",
+            "--save", "",
+            "--appendonly", "no",
+            "--dir", str(self.workdir),
+            "--daemonize", "no",
+            "--loglevel", "warning",
+            *self.extra_args,
+        ]  # fmt: skip
+        self._proc = subprocess.Popen(  # noqa: S603 - fixed binary, our own arguments
+            cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True
+        )
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self._proc.poll() is not None:
+                err = self._proc.stderr.read().decode(errors="replace") if self._proc.stderr else ""
+                raise RedisUnavailable(f"redis-server exited with {self._proc.returncode}: {err[-500:]}")
+            if _ping(self.port):
+                return self
+            time.sleep(0.02)
+        self.kill()
+        raise RedisUnavailable(f"redis-server did not answer PING on port {self.port} within {timeout_s}s")
+
+    def kill(self) -> None:
+        """SIGKILL: the abrupt failure a degradation test wants."""
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.send_signal(signal.SIGKILL)
+            self._proc.wait(timeout=10)
+        self._close_pipes()
+
+    def stop(self) -> None:
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.terminate()
+            try:
+                self._proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait(timeout=5)
+        self._close_pipes()
+
+    def restart(self, timeout_s: float = 10.0) -> RedisServer:
+        """Bring the server back on the same port (empty: persistence is off)."""
+        self.kill()
+        return self.start(timeout_s)
+
+    def cleanup(self) -> None:
+        self.stop()
+        if self._own_dir and self.workdir is not None:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+
+    def _close_pipes(self) -> None:
+        if self._proc is not None and self._proc.stderr is not None:
+            self._proc.stderr.close()
+
+    def __enter__(self) -> RedisServer:
+        return self.start() if not self.running else self
+
+    def __exit__(self, *exc: object) -> None:
+        self.cleanup()
+
+
+@dataclass
+class RedisCluster:
+    """A local N-master Redis Cluster (no replicas), created with ``redis-cli --cluster create``."""
+
+    size: int = 3
+    nodes: list[RedisServer] = field(default_factory=list)
+    _base: Path | None = field(default=None, repr=False)
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.nodes[0].port}/0?cluster=1"
+
+    def start(self, timeout_s: float = 30.0) -> RedisCluster:
+        cli = shutil.which("redis-cli")
+        if cli is None or redis_server_binary() is None:
+            raise RedisUnavailable("redis-server / redis-cli not on PATH")
+        base = self._base = Path(tempfile.mkdtemp(prefix="kvroute-rcluster-"))
+        try:
+            for i in range(self.size):
+                d = base / str(i)
+                d.mkdir()
+                node = RedisServer(
+                    workdir=d,
+                    extra_args=(
+                        "--cluster-enabled", "yes",
+                        "--cluster-config-file", str(d / "nodes.conf"),
+                        "--cluster-node-timeout", "2000",
+                    ),
+                )  # fmt: skip
+                self.nodes.append(node.start())
+            addrs = [f"127.0.0.1:{n.port}" for n in self.nodes]
+            res = subprocess.run(  # noqa: S603
+                [cli, "--cluster", "create", *addrs, "--cluster-replicas", "0", "--cluster-yes"],
+                capture_output=True,
+                timeout=timeout_s,
+                check=False,
+            )
+            if res.returncode != 0:
+                raise RedisUnavailable(f"redis-cli --cluster create failed: {res.stdout[-500:]!r}")
+            deadline = time.monotonic() + timeout_s
+            while time.monotonic() < deadline:
+                info = subprocess.run(  # noqa: S603
+                    [cli, "-p", str(self.nodes[0].port), "cluster", "info"],
+                    capture_output=True,
+                    timeout=5,
+                    check=False,
+                ).stdout
+                if b"cluster_state:ok" in info:
+                    return self
+                time.sleep(0.1)
+            raise RedisUnavailable("cluster did not reach cluster_state:ok")
+        except BaseException:
+            self.cleanup()
+            raise
+
+    def cleanup(self) -> None:
+        for n in self.nodes:
+            n.stop()
+        self.nodes.clear()
+        if self._base is not None:
+            shutil.rmtree(self._base, ignore_errors=True)
+            self._base = None
+
+    def __enter__(self) -> RedisCluster:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.cleanup()
+
+
+def ci_requires_redis() -> bool:
+    return os.environ.get("CI", "").lower() in {"1", "true", "yes"}
