@@ -1,0 +1,294 @@
+"""`kvroute launch`: profiles -> SGLang command; validated with SGLang's own parser when available."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from replica.launch import (
+    PROFILES_DIR,
+    SGLANG_PYTHON_ENV,
+    available_profiles,
+    build_command,
+    check_with_sglang,
+    load_profile,
+    parse_profile,
+)
+from router.errors import ConfigError
+
+# Env needed to expand every shipped profile (DFlash has no public draft model to default to).
+PROFILE_ENV = {"KVROUTE_DFLASH_DRAFT_MODEL_PATH": "/models/kimi-k2.6-dflash-draft"}
+KVROUTE = [sys.executable, "-m", "router.cli"]
+
+
+def _flag_value(flags: tuple[str, ...], name: str) -> str | None:
+    for i, tok in enumerate(flags):
+        if tok == name:
+            return flags[i + 1] if i + 1 < len(flags) and not flags[i + 1].startswith("--") else ""
+    return None
+
+
+def _sglang_python() -> str | None:
+    """An interpreter that can import sglang's parser: env var, the documented venv, or this one."""
+    candidates = [os.environ.get(SGLANG_PYTHON_ENV), "/work/sglang-venv/bin/python"]
+    for c in candidates:
+        if c and Path(c).exists():
+            return c
+    try:
+        import sglang.srt.server_args  # noqa: F401
+    except ImportError:
+        return None
+    return sys.executable
+
+
+def test_reference_profile_has_the_reference_flags() -> None:
+    profile = load_profile("kimi-k2.6-b200-tp4")
+    cmd = build_command(profile, python="python", environ={})
+    flags = cmd.server_flags
+    assert cmd.argv[:3] == ("python", "-m", "sglang.launch_server")
+    expected = {
+        "--tp-size": "4",
+        "--quantization": "modelopt_fp4",
+        "--kv-cache-dtype": "fp8_e4m3",
+        "--hicache-ratio": "2",
+        "--speculative-algorithm": "EAGLE3",
+        "--reasoning-parser": "kimi_k2",
+        "--tool-call-parser": "kimi_k2",
+        "--model-path": "nvidia/Kimi-K2.6-NVFP4",
+        "--host": "0.0.0.0",
+        "--port": "30000",
+    }
+    for flag, value in expected.items():
+        assert _flag_value(flags, flag) == value, flag
+    for bare in (
+        "--enable-hierarchical-cache",
+        "--enable-metrics",
+        "--enable-cache-report",
+        "--trust-remote-code",
+    ):
+        assert _flag_value(flags, bare) == "", bare
+    # every flag named once
+    names = [t for t in flags if t.startswith("--")]
+    assert len(names) == len(set(names))
+    assert dict(cmd.env)["HF_HOME"] == "/models/hf"
+
+
+def test_placeholders_come_from_the_environment() -> None:
+    profile = load_profile("kimi-k2.6-b200-tp4")
+    cmd = build_command(profile, python="py", environ={"KVROUTE_MODEL_PATH": "/models/k26", "HF_HOME": "/hf"})
+    assert _flag_value(cmd.server_flags, "--model-path") == "/models/k26"
+    assert dict(cmd.env)["HF_HOME"] == "/hf"
+
+
+def test_missing_required_placeholder_names_the_variable() -> None:
+    profile = load_profile("kimi-k2.6-b200-tp4-dflash")
+    with pytest.raises(ConfigError, match="KVROUTE_DFLASH_DRAFT_MODEL_PATH"):
+        build_command(profile, python="py", environ={})
+
+
+def test_overrides_and_extra_flags_replace_profile_flags() -> None:
+    profile = load_profile("kimi-k2.6-b200-tp4")
+    cmd = build_command(
+        profile,
+        python="py",
+        environ={},
+        overrides=[("port", 31001), ("enable-cache-report", False), ("schedule-policy", "lpm")],
+        extra=["--max-running-requests", "32", "--mem-fraction-static=0.85"],
+    )
+    flags = cmd.server_flags
+    assert _flag_value(flags, "--port") == "31001"
+    assert "--enable-cache-report" not in flags
+    assert _flag_value(flags, "--schedule-policy") == "lpm"
+    assert flags.count("--max-running-requests") == 1
+    assert flags[-3:] == ("--max-running-requests", "32", "--mem-fraction-static=0.85")
+    assert _flag_value(flags, "--mem-fraction-static") is None  # dropped from the profile part
+    assert "0.9" not in flags
+
+
+def test_render_value_kinds() -> None:
+    profile = parse_profile(
+        {
+            "name": "t",
+            "args": {
+                "model-path": "m",
+                "extra-metric-labels": {"pool": "a", "az": "b"},
+                "lora-paths": ["x", "${LP:-y}"],
+                "disable-radix-cache": False,
+                "watchdog-timeout": 600,
+                "schedule-policy": None,
+            },
+        }
+    )
+    flags = build_command(profile, python="py", environ={}).server_flags
+    assert flags == (
+        "--model-path",
+        "m",
+        "--extra-metric-labels",
+        '{"az":"b","pool":"a"}',
+        "--lora-paths",
+        "x",
+        "y",
+        "--watchdog-timeout",
+        "600",
+    )
+
+
+@pytest.mark.parametrize(
+    ("doc", "match"),
+    [
+        ([], "mapping"),
+        ({"args": {}}, "'name'"),
+        ({"name": "x", "bogus": 1}, "unknown profile keys"),
+        ({"name": "x", "args": {"--tp-size": 4}}, "no leading --"),
+        ({"name": "x", "args": {"tp-size": {1, 2}}}, "unsupported type"),
+        ({"name": "x", "env": {"1BAD": "v"}}, "valid variable name"),
+        ({"name": "x", "module": "not a module"}, "dotted module"),
+    ],
+)
+def test_bad_profiles_are_rejected_with_the_key(doc: object, match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        parse_profile(doc, source="t.yaml")
+
+
+def test_unknown_profile_lists_known_ones() -> None:
+    with pytest.raises(ConfigError, match="kimi-k2.6-b200-tp4"):
+        load_profile("no-such-profile")
+
+
+def test_cli_dry_run_prints_the_command() -> None:
+    out = subprocess.run(
+        [
+            *KVROUTE,
+            "launch",
+            "--profile",
+            "kimi-k2.6-b200-tp4",
+            "--dry-run",
+            "--json",
+            "--port",
+            "31005",
+            "--",
+            "--max-running-requests",
+            "16",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    )
+    doc = json.loads(out.stdout)
+    argv = tuple(doc["argv"])
+    assert argv[1:3] == ("-m", "sglang.launch_server")
+    assert _flag_value(argv, "--port") == "31005"
+    assert _flag_value(argv, "--max-running-requests") == "16"
+    assert doc["env"]["HF_HOME"]
+    shell = subprocess.run(
+        [*KVROUTE, "launch", "--profile", "kimi-k2.6-b200-tp4", "--dry-run"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    ).stdout
+    assert "-m sglang.launch_server" in shell and "--quantization modelopt_fp4" in shell
+
+
+def test_cli_errors_exit_2_with_message() -> None:
+    res = subprocess.run(
+        [*KVROUTE, "launch", "--profile", "kimi-k2.6-b200-tp4-dflash", "--dry-run"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        env={k: v for k, v in os.environ.items() if k != "KVROUTE_DFLASH_DRAFT_MODEL_PATH"},
+    )
+    assert res.returncode == 2
+    assert "KVROUTE_DFLASH_DRAFT_MODEL_PATH" in res.stderr
+
+
+def test_cli_execs_the_server_module(tmp_path: Path) -> None:
+    """Without --dry-run the launcher really execs `python -m <module> flags` with the profile env."""
+    (tmp_path / "fake_server.py").write_text(
+        "import json, os, sys\n"
+        "print(json.dumps({'argv': sys.argv[1:], 'hf': os.environ.get('HF_HOME'), 'pid': os.getpid()}))\n"
+    )
+    profile = tmp_path / "fake.yaml"
+    profile.write_text(
+        "name: fake\nmodule: fake_server\nenv: {HF_HOME: /x/hf}\nargs:\n  model-path: m\n  port: 1\n"
+    )
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    res = subprocess.run(
+        [*KVROUTE, "launch", "--profile", str(profile), "--port", "4242", "--", "--enable-metrics"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+        check=True,
+    )
+    doc = json.loads(res.stdout.strip().splitlines()[-1])
+    assert doc["argv"] == ["--model-path", "m", "--port", "4242", "--enable-metrics"]
+    assert doc["hf"] == "/x/hf"
+
+
+# ---- SGLang's own parser -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", available_profiles())
+def test_every_profile_passes_sglangs_parser(name: str) -> None:
+    py = _sglang_python()
+    if py is None:
+        pytest.skip(
+            f"sglang not importable and no ${SGLANG_PYTHON_ENV}: build it with replica/build_sglang_cpu_env.sh"
+        )
+    profile = load_profile(name, PROFILES_DIR)
+    cmd = build_command(profile, python="python", environ=PROFILE_ENV)
+    result = check_with_sglang(cmd, py)
+    assert result.ok, result.output
+    resolved = result.resolved
+    assert resolved["tp_size"] == 4
+    assert resolved["quantization"] == "modelopt_fp4"
+    assert resolved["kv_cache_dtype"] == "fp8_e4m3"
+    assert resolved["enable_hierarchical_cache"] is True
+    assert resolved["hicache_ratio"] == 2.0
+    assert resolved["reasoning_parser"] == resolved["tool_call_parser"] == "kimi_k2"
+    assert resolved["enable_metrics"] is True and resolved["enable_cache_report"] is True
+    assert resolved["speculative_algorithm"] in {"EAGLE3", "DFLASH"}
+
+
+def test_sglangs_parser_rejects_a_bad_choice() -> None:
+    """The check is real: `--quantization nvfp4` is not an SGLang choice (nvfp4 is a KV dtype only)."""
+    py = _sglang_python()
+    if py is None:
+        pytest.skip(f"sglang not importable and no ${SGLANG_PYTHON_ENV}")
+    cmd = build_command(
+        load_profile("kimi-k2.6-b200-tp4"), python="python", environ={}, overrides=[("quantization", "nvfp4")]
+    )
+    result = check_with_sglang(cmd, py)
+    assert not result.ok
+    assert "invalid choice: 'nvfp4'" in result.output
+
+
+def test_cli_check_uses_the_sglang_interpreter() -> None:
+    py = _sglang_python()
+    if py is None:
+        pytest.skip(f"sglang not importable and no ${SGLANG_PYTHON_ENV}")
+    res = subprocess.run(
+        [*KVROUTE, "launch", "--profile", "kimi-k2.6-b200-tp4", "--check", "--sglang-python", py],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert json.loads(res.stdout.strip().splitlines()[-1])["resolved"]["speculative_algorithm"] == "EAGLE3"
+
+
+def test_build_script_is_valid_bash() -> None:
+    script = Path(__file__).resolve().parents[2] / "replica" / "build_sglang_cpu_env.sh"
+    bash = shutil.which("bash")
+    assert bash is not None
+    subprocess.run([bash, "-n", str(script)], check=True, timeout=30)
