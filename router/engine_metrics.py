@@ -1,0 +1,104 @@
+"""PURE: SGLang's Prometheus exposition (``GET /metrics``, ``Accept: text/plain``) -> ``EngineLoad``.
+
+Names are those of ``reference/sglang.md`` §2 (``sglang:num_running_reqs`` ...); the underscore
+spelling (``sglang_num_running_reqs``, OpenMetrics / ``/v1/loads?format=prometheus``) is accepted too.
+
+Robustness rules (a scrape must never crash the poller or invent load):
+  1. HELP text is ignored (older multiprocess registries write "Multiprocess metric").
+  2. Missing families leave the field at its default (0); NaN and infinite samples are skipped.
+  3. Several label sets of one family are combined: samples that differ only in *rank-like* labels
+     (``tp_rank``, ``pp_rank``, ``moe_ep_rank``, ``attn_tp_rank``, ``pid``) are copies of one figure
+     (``--enable-metrics-for-all-schedulers``, pid-labelled gauges): take the max among them. The
+     remaining groups (``dp_rank``, ``engine_type``, ...) are distinct schedulers: sum counts and
+     capacities over them, take the max of utilisations.
+  4. With priority scheduling, ``priority=""`` is the total; the per-priority series are ignored.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Iterable
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from router.model import EngineLoad
+
+__all__ = ["MetricsParseError", "parse_engine_metrics", "scrape_values"]
+
+_PREFIX = "sglang_"
+_RANK_LABELS = frozenset({"tp_rank", "pp_rank", "moe_ep_rank", "attn_tp_rank", "attn_cp_rank", "pid"})
+
+# family (underscore spelling, no prefix) -> how label groups combine
+_SUM = "sum"
+_MAX = "max"
+_WANTED: dict[str, str] = {
+    "num_running_reqs": _SUM,
+    "num_queue_reqs": _SUM,
+    "token_usage": _MAX,
+    "max_total_num_tokens": _SUM,
+    "hicache_host_used_tokens": _SUM,
+    "hicache_host_total_tokens": _SUM,
+    "cache_hit_rate": _MAX,
+    "gen_throughput": _SUM,
+}
+
+
+class MetricsParseError(ValueError):
+    """The text is not a Prometheus exposition."""
+
+
+def _norm(name: str) -> str | None:
+    n = name.replace(":", "_")
+    return n[len(_PREFIX):] if n.startswith(_PREFIX) else None
+
+
+def scrape_values(text: str, wanted: Iterable[str] = _WANTED) -> dict[str, float]:
+    """Combined value of each wanted gauge family present in ``text`` (rules 2–4)."""
+    want = {w: _WANTED.get(w, _SUM) for w in wanted}
+    # family -> group labels -> values of that group's rank-copies
+    groups: dict[str, dict[tuple[tuple[str, str], ...], list[float]]] = defaultdict(lambda: defaultdict(list))
+    try:
+        families = list(text_string_to_metric_families(text))
+    except (ValueError, TypeError, IndexError) as exc:
+        raise MetricsParseError(f"not a Prometheus text exposition: {exc}") from exc
+    for fam in families:
+        for sample in fam.samples:
+            key = _norm(sample.name)
+            if key is None or key not in want:
+                continue
+            value = float(sample.value)
+            if math.isnan(value) or math.isinf(value):
+                continue
+            labels = sample.labels
+            if "priority" in labels and labels["priority"] != "":
+                continue
+            group = tuple(sorted((k, v) for k, v in labels.items() if k not in _RANK_LABELS))
+            groups[key][group].append(value)
+    out: dict[str, float] = {}
+    for key, by_group in groups.items():
+        per_group = [max(vs) for vs in by_group.values() if vs]
+        if not per_group:
+            continue
+        out[key] = sum(per_group) if want[key] == _SUM else max(per_group)
+    return out
+
+
+def parse_engine_metrics(text: str, *, now: float = 0.0) -> EngineLoad:
+    """Parse one scrape into an ``EngineLoad`` stamped ``updated_at=now`` (the caller's clock).
+
+    Raises :class:`MetricsParseError` if the text is not an exposition at all.
+    """
+    v = scrape_values(text)
+    kv = v.get("token_usage", 0.0)
+    return EngineLoad(
+        running=max(0, round(v.get("num_running_reqs", 0.0))),
+        queued=max(0, round(v.get("num_queue_reqs", 0.0))),
+        kv_util=min(1.0, max(0.0, kv)),
+        capacity_tokens=max(0, round(v.get("max_total_num_tokens", 0.0))),
+        host_used_tokens=max(0, round(v.get("hicache_host_used_tokens", 0.0))),
+        host_capacity_tokens=max(0, round(v.get("hicache_host_total_tokens", 0.0))),
+        cache_hit_rate=min(1.0, max(0.0, v.get("cache_hit_rate", 0.0))),
+        gen_throughput=max(0.0, v.get("gen_throughput", 0.0)),
+        updated_at=now,
+    )

@@ -1,0 +1,151 @@
+"""GatewayConfig: sources, precedence, validation messages that name the key."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from router.config import DEFAULT_SESSION_HEADERS, GatewayConfig, load_config, replica_id_from_url
+from router.errors import ConfigError
+
+
+def test_defaults() -> None:
+    c = load_config([], {})
+    assert c.host == "127.0.0.1"
+    assert c.policy == "kv_aware"
+    assert c.session_headers == DEFAULT_SESSION_HEADERS
+    assert c.routing_key_header == "x-smg-routing-key"
+    assert c.decision_headers is True
+    assert c.limits.max_body_bytes == 16 * 1024 * 1024
+    assert c.limits.max_session_id_len == 256
+    assert c.max_retries == 2
+    assert c.health.scrape_interval_s == 1.0
+    assert c.redis_url is None and c.admin_token is None
+    assert c.store.to_store_config().session_ttl_s == 3600.0
+
+
+def test_frozen() -> None:
+    c = load_config([], {})
+    with pytest.raises(ValidationError):
+        c.port = 1  # type: ignore[misc]
+    with pytest.raises(ValidationError):
+        c.limits.max_body_bytes = 1  # type: ignore[misc]
+
+
+def test_constructing_never_reads_process_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVROUTE_PORT", "1234")
+    assert GatewayConfig().port == 8000
+    assert load_config([], {}).port == 8000
+
+
+def test_serve_flags() -> None:
+    c = load_config(
+        ["--host", "0.0.0.0", "--port", "9000", "--replica", "http://10.0.0.5:30000/",
+         "--replica", "http://10.0.0.6:30000", "--policy", "hash", "--no-decision-headers",
+         "--policy-param", "thicc_threshold=4", "--set", "limits.max_body_bytes=2048",
+         "--redis", "redis://127.0.0.1:6390/0", "--session-header", "X-Conv"],
+        {},
+    )
+    assert (c.host, c.port, c.policy, c.decision_headers) == ("0.0.0.0", 9000, "hash", False)
+    assert c.replicas == ("http://10.0.0.5:30000", "http://10.0.0.6:30000")
+    assert [s.id for s in c.replica_specs()] == ["10.0.0.5:30000", "10.0.0.6:30000"]
+    assert c.policy_params == {"thicc_threshold": 4}
+    assert c.policy_params_obj().thicc_threshold == 4
+    assert c.limits.max_body_bytes == 2048
+    assert c.redis_url == "redis://127.0.0.1:6390/0"
+    assert c.session_headers == ("X-Conv",)
+
+
+def test_env_nested_and_lists() -> None:
+    env = {
+        "KVROUTE_PORT": "9100",
+        "KVROUTE_REPLICAS": "http://a:1,http://b:2",
+        "KVROUTE_LIMITS__MAX_SESSION_ID_LEN": "64",
+        "KVROUTE_TIMEOUTS__CONNECT_S": "0.5",
+        "KVROUTE_SESSION_HEADERS": '["X-A", "X-B"]',
+        "KVROUTE_POLICY_PARAMS": '{"max_overflow": 1}',
+        "KVROUTE_ADMIN_TOKEN": "s3cret",
+        "OTHER_VAR": "ignored",
+    }
+    c = load_config([], env)
+    assert c.port == 9100
+    assert c.replicas == ("http://a:1", "http://b:2")
+    assert c.limits.max_session_id_len == 64
+    assert c.timeouts.connect_s == 0.5
+    assert c.session_headers == ("X-A", "X-B")
+    assert c.policy_params == {"max_overflow": 1}
+    assert c.admin_token is not None and c.admin_token.get_secret_value() == "s3cret"
+    assert "s3cret" not in repr(c)
+
+
+def test_precedence_cli_env_yaml_defaults(tmp_path: Path) -> None:
+    cfg = tmp_path / "gw.yaml"
+    cfg.write_text(
+        "port: 7000\nhost: 0.0.0.0\nmax_retries: 1\nlimits:\n  max_body_bytes: 100\n  max_session_id_len: 32\n"
+        "policy_params:\n  thicc_threshold: 5\n  max_overflow: 1\n"
+    )
+    env = {"KVROUTE_PORT": "7100", "KVROUTE_LIMITS__MAX_BODY_BYTES": "200", "KVROUTE_MAX_RETRIES": "3"}
+    c = load_config(["--config", str(cfg), "--port", "7200", "--policy-param", "max_overflow=2"], env)
+    assert c.port == 7200  # CLI beats env and YAML
+    assert c.max_retries == 3  # env beats YAML
+    assert c.limits.max_body_bytes == 200  # env beats YAML, key by key inside a section
+    assert c.limits.max_session_id_len == 32  # YAML beats defaults
+    assert c.host == "0.0.0.0"
+    assert c.policy_params == {"thicc_threshold": 5, "max_overflow": 2}
+    # KVROUTE_CONFIG names the file too
+    assert load_config([], {"KVROUTE_CONFIG": str(cfg)}).port == 7000
+
+
+@pytest.mark.parametrize(
+    ("argv", "env", "names"),
+    [
+        ([], {"KVROUTE_LIMITS__MAX_BODY_BYTES": "-1"}, ["limits.max_body_bytes", "KVROUTE_LIMITS__MAX_BODY_BYTES"]),
+        ([], {"KVROUTE_PORT": "http"}, ["port", "KVROUTE_PORT"]),
+        (["--port", "70000"], {}, ["port"]),
+        (["--replica", "ftp://x:1"], {}, ["replicas", "ftp://x:1"]),
+        (["--replica", "http://a:1", "--replica", "http://a:1/"], {}, ["replicas", "duplicate"]),
+        (["--policy-param", "thicc_threshold=0"], {}, ["policy_params.thicc_threshold"]),
+        (["--policy-param", "no_such_knob=1"], {}, ["policy_params.no_such_knob"]),
+        (["--set", "timeouts.connect_s=abc"], {}, ["timeouts.connect_s"]),
+        (["--set", "limits.session_id_pattern=(["], {}, ["limits.session_id_pattern"]),
+        (["--set", "nope=1"], {}, ["nope"]),
+        (["--session-header", "bad header"], {}, ["session_headers"]),
+        (["--redis", "http://x"], {}, ["redis_url"]),
+        (["--log-level", "loud"], {}, ["log_level"]),
+        ([], {"KVROUTE_BOGUS": "1"}, ["KVROUTE_BOGUS", "bogus"]),
+        ([], {"KVROUTE_LIMITS__NOPE": "1"}, ["KVROUTE_LIMITS__NOPE", "limits.nope"]),
+    ],
+)
+def test_errors_name_the_key(argv: list[str], env: dict[str, str], names: list[str]) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(argv, env)
+    for name in names:
+        assert name in str(info.value)
+
+
+def test_yaml_errors(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("port: [1,\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(["--config", str(bad)], {})
+    lst = tmp_path / "list.yaml"
+    lst.write_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError, match="mapping"):
+        load_config(["--config", str(lst)], {})
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_config(["--config", str(tmp_path / "missing.yaml")], {})
+    unknown = tmp_path / "unknown.yaml"
+    unknown.write_text("limits:\n  max_bodybytes: 1\n")
+    with pytest.raises(ConfigError, match=r"limits\.max_bodybytes"):
+        load_config(["--config", str(unknown)], {})
+
+
+@pytest.mark.parametrize(
+    ("url", "rid"),
+    [("http://127.0.0.1:31001", "127.0.0.1:31001"), ("http://host", "host:80"), ("https://h", "h:443"),
+     ("http://[::1]:5", "[::1]:5")],
+)
+def test_replica_ids(url: str, rid: str) -> None:
+    assert replica_id_from_url(url) == rid

@@ -1,0 +1,108 @@
+"""The SGLang /metrics parser against the 0.5.23 sample exposition (reference/sglang.md §2.4)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from router.engine_metrics import MetricsParseError, parse_engine_metrics, scrape_values
+from router.model import EngineLoad
+
+SAMPLE = (Path(__file__).parent / "fixtures" / "sglang_metrics_0.5.23.txt").read_text()
+
+LABELS = 'engine_type="unified",model_name="m",moe_ep_rank="0",pp_rank="0"'
+
+
+def test_sample_exposition() -> None:
+    load = parse_engine_metrics(SAMPLE, now=12.5)
+    assert load == EngineLoad(
+        running=12,
+        queued=3,
+        kv_util=0.41,
+        capacity_tokens=446744,
+        host_used_tokens=512000,
+        host_capacity_tokens=0,  # family absent from the sample
+        cache_hit_rate=0.6421,
+        gen_throughput=812.37,
+        updated_at=12.5,
+    )
+
+
+def test_help_text_is_irrelevant() -> None:
+    old_style = "\n".join(
+        "# HELP " + line.split()[2] + " Multiprocess metric" if line.startswith("# HELP") else line
+        for line in SAMPLE.splitlines()
+    )
+    assert parse_engine_metrics(old_style) == parse_engine_metrics(SAMPLE)
+    no_comments = "\n".join(line for line in SAMPLE.splitlines() if not line.startswith("#"))
+    assert parse_engine_metrics(no_comments).running == 12
+
+
+def test_missing_families_and_empty_text() -> None:
+    assert parse_engine_metrics("") == EngineLoad()
+    only_queue = f"sglang:num_queue_reqs{{{LABELS}}} 4.0\n"
+    assert parse_engine_metrics(only_queue, now=1.0) == EngineLoad(queued=4, updated_at=1.0)
+
+
+def test_nan_is_skipped() -> None:
+    text = (
+        "# TYPE sglang:token_usage gauge\n"
+        f'sglang:token_usage{{{LABELS},tp_rank="0"}} NaN\n'
+        f'sglang:num_running_reqs{{{LABELS},tp_rank="0"}} NaN\n'
+        f'sglang:num_running_reqs{{{LABELS},dp_rank="1",tp_rank="0"}} 2.0\n'
+    )
+    load = parse_engine_metrics(text)
+    assert load.kv_util == 0.0
+    assert load.running == 2
+
+
+def test_dp_ranks_sum_running_and_max_usage() -> None:
+    text = "".join(
+        f'sglang:num_running_reqs{{dp_rank="{dp}",{LABELS},tp_rank="0"}} {run}\n'
+        f'sglang:num_queue_reqs{{dp_rank="{dp}",{LABELS},tp_rank="0"}} {q}\n'
+        f'sglang:token_usage{{dp_rank="{dp}",{LABELS},tp_rank="0"}} {u}\n'
+        f'sglang:max_total_num_tokens{{dp_rank="{dp}",{LABELS},tp_rank="0"}} 1000.0\n'
+        for dp, run, q, u in [(0, 5.0, 1.0, 0.2), (1, 7.0, 2.0, 0.9), (2, 1.0, 0.0, 0.5)]
+    )
+    load = parse_engine_metrics(text)
+    assert (load.running, load.queued, load.kv_util, load.capacity_tokens) == (13, 3, 0.9, 3000)
+
+
+def test_rank_copies_and_pid_labels_are_not_double_counted() -> None:
+    # --enable-metrics-for-all-schedulers: every TP rank reports the same figure
+    text = "".join(f'sglang:num_running_reqs{{{LABELS},tp_rank="{tp}"}} 6.0\n' for tp in range(4))
+    text += f'sglang:num_queue_reqs{{{LABELS},pid="100",tp_rank="0"}} 2.0\n'
+    text += f'sglang:num_queue_reqs{{{LABELS},pid="101",tp_rank="0"}} 3.0\n'
+    load = parse_engine_metrics(text)
+    assert load.running == 6
+    assert load.queued == 3
+
+
+def test_priority_total_series_only() -> None:
+    text = (
+        f'sglang:num_queue_reqs{{{LABELS},priority="",tp_rank="0"}} 5.0\n'
+        f'sglang:num_queue_reqs{{{LABELS},priority="1",tp_rank="0"}} 2.0\n'
+        f'sglang:num_queue_reqs{{{LABELS},priority="2",tp_rank="0"}} 3.0\n'
+    )
+    assert parse_engine_metrics(text).queued == 5
+
+
+def test_underscore_names_from_openmetrics() -> None:
+    text = 'sglang_num_running_reqs{dp_rank="0"} 9\nsglang_token_usage{dp_rank="0"} 0.25\n'
+    load = parse_engine_metrics(text)
+    assert (load.running, load.kv_util) == (9, 0.25)
+
+
+def test_other_prefixes_ignored() -> None:
+    text = "vllm:num_requests_running 40\nnum_running_reqs 40\n"
+    assert parse_engine_metrics(text) == EngineLoad()
+
+
+def test_garbage_raises_our_error() -> None:
+    with pytest.raises(MetricsParseError):
+        parse_engine_metrics("sglang:num_running_reqs{broken 1\n")
+
+
+def test_scrape_values_subset() -> None:
+    assert scrape_values(SAMPLE, ["num_running_reqs"]) == {"num_running_reqs": 12.0}
