@@ -1,0 +1,190 @@
+"""The DESIGN §7 measures, computed the same way for the simulator and the live load driver.
+
+Feed a ``MeasureCollector`` with one ``RequestRecord`` per finished request and with periodic
+per-replica in-flight samples, then call ``result()``. Pure: no clock, no I/O.
+
+Definitions (exact, so that tests can pin them):
+  * measured window: records with ``t_start >= warmup_s`` (and ``< end_s`` if given); samples with
+    ``warmup_s <= t`` (``< end_s``). Warm-up is excluded from every figure, counters included.
+  * ``chr`` = Σ cached_tokens / Σ input_tokens over ok records; ``ideal_chr`` = Σ ideal_cached /
+    Σ input over the same records (``ideal_cached_tokens``: what one infinite cache would have hit).
+  * ``dispersion`` = population variance / mean of the pooled per-replica in-flight values of all
+    samples in the window (None if there are none or the mean is 0); ``p_load_le1`` /
+    ``p_load_ge12`` = fraction of pooled values ``<= 1`` / ``>= 12``.
+  * percentiles interpolate linearly between closest ranks (numpy's default); ``ttft_*`` and
+    ``e2e_*`` over ok records; ``tps_user_p50`` = median over ok records with output > 1 token and
+    e2e > ttft of ``output_tokens / (e2e_s - ttft_s)`` (decode speed one user sees).
+  * ``throughput_tok_s_per_replica`` = Σ (input + output) of ok records / window length / replicas;
+    window length = (``end_s`` or the last record's end) - ``warmup_s``; replicas = the mean number
+    of replicas per sample (or the ``replicas`` given to the constructor when there are no samples).
+  * ``cold_prefill_tokens`` = Σ max(0, ideal_cached - cached) over ok records: tokens recomputed
+    that an infinite cache would have served (evictions, moves, spills).
+  * ``affinity_breaks`` = count of records by ``break_reason`` (records with a reason only).
+  * ``sessions_moved`` / ``sessions_moved_by_scaleup``: counted by the driver (home changes) via
+    ``session_moved``; only moves at ``t >= warmup_s`` count.
+  * ``gateway_overhead_*_ms``: percentiles of ``add_gateway_overhead`` samples; None when none.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["MEASURE_FIELDS", "MeasureCollector", "RequestRecord", "percentile"]
+
+MEASURE_FIELDS: tuple[str, ...] = (
+    "chr",
+    "ideal_chr",
+    "dispersion",
+    "p_load_le1",
+    "p_load_ge12",
+    "ttft_p50_s",
+    "ttft_p99_s",
+    "e2e_p99_s",
+    "tps_user_p50",
+    "throughput_tok_s_per_replica",
+    "affinity_breaks",
+    "cold_prefill_tokens",
+    "sessions_moved",
+    "sessions_moved_by_scaleup",
+    "gateway_overhead_p50_ms",
+    "gateway_overhead_p99_ms",
+    "requests",
+    "errors",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class RequestRecord:
+    """One finished request (ok or not). Times in seconds on the driver's clock."""
+
+    session_id: str | None
+    replica: str | None
+    t_start: float
+    ttft_s: float
+    e2e_s: float
+    input_tokens: int
+    cached_tokens: int
+    output_tokens: int
+    ideal_cached_tokens: int
+    ok: bool = True
+    break_reason: str | None = None
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """Linear-interpolation percentile (numpy ``method="linear"``); ``q`` in [0, 100]."""
+    if not values:
+        return None
+    s = sorted(values)
+    if len(s) == 1:
+        return float(s[0])
+    pos = (len(s) - 1) * q / 100.0
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(s) - 1)
+    frac = pos - lo
+    return float(s[lo] + (s[hi] - s[lo]) * frac)
+
+
+class MeasureCollector:
+    """Accumulates records and samples; ``result()`` returns the DESIGN §7 dict."""
+
+    def __init__(self, *, warmup_s: float = 0.0, end_s: float | None = None, replicas: int = 0) -> None:
+        self.warmup_s = warmup_s
+        self.end_s = end_s
+        self.replicas = replicas
+        self._records: list[RequestRecord] = []
+        self._load_count: Counter[int] = Counter()  # pooled per-replica in-flight values
+        self._samples = 0
+        self._replica_slots = 0
+        self._moved = 0
+        self._moved_by_scaleup = 0
+        self._overhead_ms: list[float] = []
+
+    def _in_window(self, t: float) -> bool:
+        return t >= self.warmup_s and (self.end_s is None or t < self.end_s)
+
+    def add(self, record: RequestRecord) -> None:
+        if self._in_window(record.t_start):
+            self._records.append(record)
+
+    def sample(self, t: float, loads: Sequence[int]) -> None:
+        """Per-replica in-flight at time ``t`` (one value per replica present at ``t``)."""
+        if not self._in_window(t):
+            return
+        self._samples += 1
+        self._replica_slots += len(loads)
+        self._load_count.update(loads)
+
+    def session_moved(self, t: float, *, by_scaleup: bool = False) -> None:
+        """A session that already had a home got a different one at time ``t``."""
+        if not self._in_window(t):
+            return
+        self._moved += 1
+        if by_scaleup:
+            self._moved_by_scaleup += 1
+
+    def add_gateway_overhead(self, ms: float) -> None:
+        self._overhead_ms.append(ms)
+
+    @property
+    def records(self) -> tuple[RequestRecord, ...]:
+        return tuple(self._records)
+
+    def load_histogram(self) -> dict[int, int]:
+        """Pooled per-replica in-flight values -> count (for plots)."""
+        return dict(sorted(self._load_count.items()))
+
+    def result(self) -> dict[str, Any]:
+        ok = [r for r in self._records if r.ok]
+        sum_in = sum(r.input_tokens for r in ok)
+        sum_cached = sum(r.cached_tokens for r in ok)
+        sum_ideal = sum(r.ideal_cached_tokens for r in ok)
+        ttfts = [r.ttft_s for r in ok]
+        e2es = [r.e2e_s for r in ok]
+        tps = [
+            r.output_tokens / (r.e2e_s - r.ttft_s)
+            for r in ok
+            if r.output_tokens > 1 and r.e2e_s > r.ttft_s
+        ]
+        n = sum(self._load_count.values())
+        dispersion: float | None = None
+        p_le1: float | None = None
+        p_ge12: float | None = None
+        if n:
+            mean = sum(v * c for v, c in self._load_count.items()) / n
+            var = sum(c * (v - mean) ** 2 for v, c in self._load_count.items()) / n
+            dispersion = var / mean if mean > 0 else None
+            p_le1 = sum(c for v, c in self._load_count.items() if v <= 1) / n
+            p_ge12 = sum(c for v, c in self._load_count.items() if v >= 12) / n
+        end = self.end_s
+        if end is None and self._records:
+            end = max(r.t_start + r.e2e_s for r in self._records)
+        window = (end - self.warmup_s) if end is not None else 0.0
+        replicas = self._replica_slots / self._samples if self._samples else float(self.replicas)
+        throughput: float | None = None
+        if window > 0 and replicas > 0:
+            throughput = sum(r.input_tokens + r.output_tokens for r in ok) / window / replicas
+        breaks = Counter(r.break_reason for r in self._records if r.break_reason)
+        return {
+            "chr": sum_cached / sum_in if sum_in else None,
+            "ideal_chr": sum_ideal / sum_in if sum_in else None,
+            "dispersion": dispersion,
+            "p_load_le1": p_le1,
+            "p_load_ge12": p_ge12,
+            "ttft_p50_s": percentile(ttfts, 50),
+            "ttft_p99_s": percentile(ttfts, 99),
+            "e2e_p99_s": percentile(e2es, 99),
+            "tps_user_p50": percentile(tps, 50),
+            "throughput_tok_s_per_replica": throughput,
+            "affinity_breaks": dict(sorted(breaks.items())),
+            "cold_prefill_tokens": sum(max(0, r.ideal_cached_tokens - r.cached_tokens) for r in ok),
+            "sessions_moved": self._moved,
+            "sessions_moved_by_scaleup": self._moved_by_scaleup,
+            "gateway_overhead_p50_ms": percentile(self._overhead_ms, 50),
+            "gateway_overhead_p99_ms": percentile(self._overhead_ms, 99),
+            "requests": len(self._records),
+            "errors": len(self._records) - len(ok),
+        }

@@ -1,0 +1,76 @@
+from __future__ import annotations
+
+import pytest
+
+from loadtests.measures import MEASURE_FIELDS, MeasureCollector, RequestRecord, percentile
+
+
+def rec(t: float, ttft: float, e2e: float, inp: int, cached: int, out: int, ideal: int, **kw: object) -> RequestRecord:
+    return RequestRecord("s", "r0", t, ttft, e2e, inp, cached, out, ideal, **kw)  # type: ignore[arg-type]
+
+
+def test_percentile_matches_linear_interpolation() -> None:
+    assert percentile([], 50) is None
+    assert percentile([3.0], 99) == 3.0
+    assert percentile([1.0, 2.0, 3.0, 4.0], 50) == pytest.approx(2.5)
+    assert percentile([1.0, 2.0, 3.0, 4.0], 99) == pytest.approx(3.97)
+    assert percentile(list(range(101)), 99) == pytest.approx(99.0)
+
+
+def test_result_fields_exact() -> None:
+    m = MeasureCollector(warmup_s=10.0, end_s=110.0)
+    m.add(rec(5.0, 9.0, 9.0, 1000, 0, 10, 0))  # warm-up: ignored
+    m.add(rec(10.0, 0.5, 2.5, 1000, 900, 11, 950))
+    m.add(rec(20.0, 1.5, 3.5, 3000, 1000, 21, 2900, break_reason="evicted"))
+    m.add(rec(30.0, 0.0, 0.1, 500, 0, 0, 0, ok=False, break_reason="replica_gone"))
+    m.sample(5.0, [100, 100])  # warm-up: ignored
+    m.sample(10.0, [0, 2, 4])
+    m.sample(20.0, [1, 12, 5])
+    m.session_moved(5.0, by_scaleup=True)  # warm-up
+    m.session_moved(50.0)
+    m.session_moved(60.0, by_scaleup=True)
+    m.sample(110.0, [50])  # end_s is exclusive
+    r = m.result()
+    assert set(r) == set(MEASURE_FIELDS)
+    assert r["chr"] == pytest.approx(1900 / 4000)
+    assert r["ideal_chr"] == pytest.approx(3850 / 4000)
+    vals = [0, 2, 4, 1, 12, 5]
+    mean = sum(vals) / 6
+    var = sum((v - mean) ** 2 for v in vals) / 6
+    assert r["dispersion"] == pytest.approx(var / mean)
+    assert r["p_load_le1"] == pytest.approx(2 / 6)
+    assert r["p_load_ge12"] == pytest.approx(1 / 6)
+    assert r["ttft_p50_s"] == pytest.approx(1.0)
+    assert r["ttft_p99_s"] == pytest.approx(0.5 + 0.99)
+    assert r["e2e_p99_s"] == pytest.approx(2.5 + 0.99)
+    assert r["tps_user_p50"] == pytest.approx((11 / 2 + 21 / 2) / 2)
+    assert r["throughput_tok_s_per_replica"] == pytest.approx((1011 + 3021) / 100.0 / 3)
+    assert r["affinity_breaks"] == {"evicted": 1, "replica_gone": 1}
+    assert r["cold_prefill_tokens"] == 50 + 1900
+    assert r["sessions_moved"] == 2
+    assert r["sessions_moved_by_scaleup"] == 1
+    assert r["gateway_overhead_p50_ms"] is None and r["gateway_overhead_p99_ms"] is None
+    assert r["requests"] == 3 and r["errors"] == 1
+    assert m.load_histogram() == {0: 1, 1: 1, 2: 1, 4: 1, 5: 1, 12: 1}
+
+
+def test_empty_and_overhead() -> None:
+    m = MeasureCollector(replicas=4)
+    for x in (0.1, 0.2, 0.3, 10.0):
+        m.add_gateway_overhead(x)
+    r = m.result()
+    assert r["chr"] is None and r["dispersion"] is None and r["throughput_tok_s_per_replica"] is None
+    assert r["gateway_overhead_p50_ms"] == pytest.approx(0.25)
+    assert r["gateway_overhead_p99_ms"] == pytest.approx(0.3 + 9.7 * 0.97)
+    assert r["requests"] == 0
+
+
+def test_uniform_load_has_zero_dispersion_and_throughput_uses_replicas_arg() -> None:
+    m = MeasureCollector(replicas=2)
+    m.sample(1.0, [3, 3])
+    m.sample(2.0, [3, 3])
+    m.add(rec(0.0, 0.1, 4.0, 100, 0, 100, 0))
+    r = m.result()
+    assert r["dispersion"] == 0.0
+    assert r["p_load_le1"] == 0.0
+    assert r["throughput_tok_s_per_replica"] == pytest.approx(200 / 4.0 / 2)
