@@ -1,0 +1,133 @@
+from __future__ import annotations
+
+from replica.emulator.cache import PrefixCache
+
+PAGE = 4
+
+
+def chain(tag: int, n: int, base: tuple[int, ...] = ()) -> list[int]:
+    """Fake chained hashes: a chain is identified by its full tuple of ids (unique per prefix)."""
+    return list(base) + [hash((tag, len(base) + i)) & 0xFFFFFFFFFFFF for i in range(n)]
+
+
+def run(cache: PrefixCache, hashes: list[int], total: int) -> int:
+    """Admit, 'prefill', finish. Returns cached device tokens at admission."""
+    got = cache.try_lock(hashes, total)
+    assert got is not None
+    lease, m = got
+    cache.insert(lease, hashes[m.device_blocks + m.host_blocks :])
+    cache.release(lease)
+    return m.device_tokens
+
+
+def test_cold_then_warm() -> None:
+    c = PrefixCache(capacity_tokens=100, page_size=PAGE)
+    h = chain(1, 5)
+    assert run(c, h, 22) == 0
+    assert c.used_tokens == 20 and c.evictable_tokens == 20
+    assert run(c, h + chain(1, 2, tuple(h))[5:], 30) == 20
+    s = c.stats()
+    assert s.device_hit_tokens == 20 and s.lookup_tokens == 20 + 28
+    assert 0 < s.hit_rate < 1
+
+
+def test_lru_eviction_at_capacity_evicts_oldest_leaf_first() -> None:
+    c = PrefixCache(capacity_tokens=40, page_size=PAGE)  # 10 blocks
+    a, b = chain(1, 5), chain(2, 5)
+    run(c, a, 20)
+    run(c, b, 20)
+    assert c.free_tokens == 0
+    # touch a again: b is now least recent
+    assert run(c, a, 20) == 20
+    cc = chain(3, 3)
+    run(c, cc, 12)  # needs 3 blocks: evicts b's 3 deepest blocks, never a's
+    assert c.match(a).device_blocks == 5
+    mb = c.match(b)
+    assert mb.device_blocks == 2  # prefix-closed: b's first two blocks survive
+    assert c.stats().device_evicted_tokens == 12
+
+
+def test_pinned_blocks_not_evicted_and_admission_refused() -> None:
+    c = PrefixCache(capacity_tokens=40, page_size=PAGE)
+    a = chain(1, 6)
+    got = c.try_lock(a, 24)
+    assert got is not None
+    lease, _ = got
+    c.insert(lease, a)
+    assert c.evictable_tokens == 0
+    # a request needing 20 slots cannot fit: 24 pinned + 20 > 40
+    before = c.stats()
+    assert c.try_lock(chain(2, 5), 20) is None
+    assert c.stats() == before  # nothing changed
+    # 16 fits exactly
+    got2 = c.try_lock(chain(3, 4), 16)
+    assert got2 is not None
+    assert c.match(a).device_blocks == 6
+    c.release(lease)
+    c.release(got2[0])
+    assert c.evictable_tokens == 24 and c.used_tokens == 24
+    assert c.flush()
+    assert c.used_tokens == 0
+
+
+def test_shared_prefix_pinned_by_two_requests() -> None:
+    c = PrefixCache(capacity_tokens=64, page_size=PAGE)
+    base = chain(9, 4)
+    run(c, base, 16)
+    x = c.try_lock(base + chain(1, 2, tuple(base))[4:], 24)
+    y = c.try_lock(base + chain(2, 2, tuple(base))[4:], 24)
+    assert x and y
+    assert x[1].device_blocks == 4 and y[1].device_blocks == 4
+    c.release(x[0])
+    assert c.evictable_tokens == 0  # still pinned by y
+    c.release(y[0])
+    c.release(y[0])  # idempotent
+    assert c.evictable_tokens == 16 and c.used_tokens == 16
+
+
+def test_host_tier_demotes_and_promotes() -> None:
+    c = PrefixCache(capacity_tokens=40, page_size=PAGE, host_capacity_tokens=80)
+    a, b = chain(1, 8), chain(2, 8)
+    run(c, a, 32)
+    run(c, b, 32)  # evicts 6 of a's blocks to host (deepest first)
+    m = c.match(a)
+    assert m.device_blocks == 2 and m.host_blocks == 6
+    assert c.host_used_tokens == 24
+    got = c.try_lock(a, 32)
+    assert got is not None
+    lease, m2 = got
+    assert (m2.device_tokens, m2.host_tokens) == (8, 24)
+    c.release(lease)
+    assert c.match(a).device_blocks == 8
+    s = c.stats()
+    assert s.host_hit_tokens == 24 and s.device_hit_tokens == 8
+    assert c.match(b).host_blocks == 6 and c.host_used_tokens == 24  # b demoted to make room
+
+
+def test_host_tier_capacity_drops_oldest() -> None:
+    c = PrefixCache(capacity_tokens=16, page_size=PAGE, host_capacity_tokens=16)
+    chains = [chain(i, 4) for i in range(4)]
+    for h in chains:
+        run(c, h, 16)
+    assert c.host_used_tokens == 16
+    assert c.match(chains[0]).tokens == 0  # dropped from both tiers
+    assert c.match(chains[2]).host_blocks == 4
+    assert c.match(chains[3]).device_blocks == 4
+    assert c.stats().host_evicted_tokens == 32
+
+
+def test_extra_output_blocks_cached_on_release() -> None:
+    c = PrefixCache(capacity_tokens=100, page_size=PAGE)
+    p = chain(5, 3)
+    full = p + chain(5, 2, tuple(p))[3:]
+    got = c.try_lock(p, 12 + 9)  # 3 prompt blocks + 9 output tokens
+    assert got
+    c.insert(got[0], p)
+    c.release(got[0], extra=full[3:])
+    assert c.match(full).device_blocks == 5
+    assert c.used_tokens == 20
+
+
+def test_too_big_never_fits() -> None:
+    c = PrefixCache(capacity_tokens=16, page_size=PAGE)
+    assert c.try_lock(chain(1, 5), 20) is None
