@@ -1,0 +1,669 @@
+"""Closed-loop live load driver for any OpenAI-compatible URL (kvroute, a peer router, one replica).
+
+``kvroute load --url URL --replica-url R1 --replica-url R2 ... --json out.json``
+
+Theory of operation:
+  * Each :class:`~loadtests.workloads.SessionSpec` becomes one asyncio task that starts at its
+    ``start_s`` and runs its turns closed-loop: think (``think_s``), send the turn's request, wait for
+    the whole response, repeat. Branches (sub-agents) run as concurrent tasks with their own transcript
+    but the parent's session id; a turn with ``parallel = k`` sends k requests at once (thicc).
+  * Time is scaled like the emulator's: wall seconds = modelled seconds x ``time_scale``. Every time
+    in the output JSON is in *modelled* seconds (``"time_unit": "modelled_s"``), i.e. wall / time_scale.
+  * Sizes are scaled by ``token_unit``: each emulated token (4 bytes of prompt text) stands for
+    ``token_unit`` model tokens. Token counts in the JSON are model tokens (emulated x token_unit).
+  * Requests are chat completions, ``stream: true`` with ``stream_options.include_usage``, ``max_tokens``
+    = the turn's output. TTFT = first SSE ``data:`` event; cached tokens come from the usage chunk.
+  * The session id goes in ``Modal-Session-Id``, ``x-session-id`` and ``X-SMG-Routing-Key`` so kvroute
+    and both peer routers see it.
+  * Per-replica load is sampled every ``sample_interval_s`` (wall) FROM THE REPLICAS (``/_emulator/state``,
+    else ``/metrics``: running + queued), never from the router under test.
+  * Ideal cached tokens come from the workload: one infinite cache holds every prompt sent so far, so a
+    request's ideal hit is its conversation's previous prompt (or the shared prefix on a first turn once
+    any session sent it).
+  * The run stops issuing requests at ``duration_s`` (wall) or ``max_requests``; in-flight requests get
+    ``drain_s`` to finish, the rest are cancelled and counted as ``censored`` (not errors).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import random
+import sys
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from loadtests.textgen import Conversation, emulated_tokens
+
+__all__ = [
+    "DEFAULT_SESSION_HEADERS",
+    "LiveStats",
+    "LoadConfig",
+    "LoadResult",
+    "LoadSampler",
+    "Outcome",
+    "cli_main",
+    "run_load",
+]
+
+DEFAULT_SESSION_HEADERS: tuple[str, ...] = ("Modal-Session-Id", "x-session-id", "X-SMG-Routing-Key")
+_REPLICA_HEADERS = ("X-Emulator-Replica", "X-Kvroute-Replica")
+
+
+@dataclass(frozen=True, slots=True)
+class LoadConfig:
+    """How to drive one run. Wall-clock knobs end in ``_s`` and are wall seconds unless named ``modelled``."""
+
+    url: str  # base URL, e.g. http://127.0.0.1:8000 (the driver posts to {url}/v1/chat/completions)
+    replica_urls: tuple[str, ...] = ()  # where to sample per-replica load (the emulated replicas)
+    model: str = "default"
+    time_scale: float = 1.0  # wall = modelled x time_scale (same knob as the emulator)
+    token_unit: int = 1  # each emulated token stands for this many model tokens
+    duration_s: float = 60.0  # wall seconds of issuing requests
+    max_requests: int | None = None
+    warmup_s: float = 0.0  # wall seconds excluded from load samples and request measures
+    drain_s: float = 10.0  # wall seconds in-flight requests get after the end
+    sample_interval_s: float = 0.25  # wall seconds between load samples
+    fresh_connections: bool = False  # one TCP connection per request (sglang-router's keep-alive SSE delay)
+    max_think_modelled_s: float = 120.0  # cap on a single think time (heavy tails would idle a short run)
+    session_headers: tuple[str, ...] = DEFAULT_SESSION_HEADERS
+    request_timeout_s: float = 600.0
+    stream: bool = True
+    break_tolerance: float = 0.95  # cached < tolerance x ideal counts as an affinity break
+
+    def __post_init__(self) -> None:
+        if self.time_scale <= 0:
+            raise ValueError(f"time_scale must be > 0, got {self.time_scale}")
+        if self.token_unit < 1:
+            raise ValueError(f"token_unit must be >= 1, got {self.token_unit}")
+        if self.duration_s <= 0:
+            raise ValueError(f"duration_s must be > 0, got {self.duration_s}")
+        if self.sample_interval_s <= 0:
+            raise ValueError(f"sample_interval_s must be > 0, got {self.sample_interval_s}")
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """One request as the client saw it (times in modelled seconds since the run started)."""
+
+    session_id: str
+    replica: str | None
+    t_start: float
+    ttft_s: float | None
+    e2e_s: float | None
+    input_tokens: int  # model tokens (usage x token_unit; estimate if no usage)
+    cached_tokens: int
+    output_tokens: int
+    ideal_cached_tokens: int
+    ok: bool
+    break_reason: str | None
+    status: int = 0
+    error: str | None = None
+    side: bool = False  # an extra concurrent request of a thicc turn
+
+
+@dataclass(slots=True)
+class LiveStats:
+    """Running figures for a live view; updated by the driver, read by the demo/progress bar."""
+
+    started: int = 0
+    finished: int = 0
+    errors: int = 0
+    in_flight: int = 0
+    input_tokens: int = 0
+    cached_tokens: int = 0
+    ideal_cached_tokens: int = 0
+    ttfts: list[float] = field(default_factory=list)
+    last_loads: tuple[int, ...] = ()
+    replica_names: tuple[str, ...] = ()
+    load_n: int = 0
+    load_sum: float = 0.0
+    load_sumsq: float = 0.0
+    elapsed_s: float = 0.0  # wall
+
+    @property
+    def chr(self) -> float:
+        return self.cached_tokens / self.input_tokens if self.input_tokens else 0.0
+
+    @property
+    def ideal_chr(self) -> float:
+        return self.ideal_cached_tokens / self.input_tokens if self.input_tokens else 0.0
+
+    @property
+    def dispersion(self) -> float:
+        if self.load_n == 0 or self.load_sum == 0:
+            return 0.0
+        mean = self.load_sum / self.load_n
+        var = self.load_sumsq / self.load_n - mean * mean
+        return max(var, 0.0) / mean
+
+    def ttft_quantile(self, q: float) -> float:
+        if not self.ttfts:
+            return 0.0
+        xs = sorted(self.ttfts)
+        return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+    def add_loads(self, loads: Sequence[int]) -> None:
+        for x in loads:
+            self.load_n += 1
+            self.load_sum += x
+            self.load_sumsq += x * x
+
+
+@dataclass(frozen=True, slots=True)
+class LoadResult:
+    measures: dict[str, Any]  # DESIGN §7 fields (+ run metadata)
+    outcomes: tuple[Outcome, ...]
+    load_samples: tuple[tuple[float, tuple[int, ...]], ...]  # (modelled t, per-replica in-flight)
+    replica_names: tuple[str, ...]
+
+
+# ---- load sampling (from the replicas, never the router) ------------------------------------------
+
+
+def _load_from_state(doc: Any) -> int:
+    """running + queued from an emulator ``/_emulator/state`` document (tolerant of its shape)."""
+    if not isinstance(doc, dict):
+        raise TypeError("state is not an object")
+    for key in ("in_flight", "num_in_flight"):
+        if isinstance(doc.get(key), int):
+            return int(doc[key])
+    inner = doc.get("load")
+    load: dict[str, Any] = inner if isinstance(inner, dict) else doc
+    running = load.get("running", load.get("num_running_reqs", 0))
+    queued = load.get("queued", load.get("num_queue_reqs", load.get("waiting", 0)))
+    return int(running or 0) + int(queued or 0)
+
+
+def _load_from_metrics(text: str) -> int:
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(("sglang:num_running_reqs", "sglang:num_queue_reqs")):
+            try:
+                total += float(line.rsplit(" ", 1)[1])
+            except (IndexError, ValueError):
+                continue
+    return int(total)
+
+
+class LoadSampler:
+    """Polls each replica for its in-flight requests (running + queued)."""
+
+    def __init__(self, session: aiohttp.ClientSession, replica_urls: Sequence[str]) -> None:
+        self._session = session
+        self._urls = [u.rstrip("/") for u in replica_urls]
+        self._use_metrics = [False] * len(self._urls)
+        self._timeout = aiohttp.ClientTimeout(total=5.0)
+
+    async def _one(self, i: int) -> int:
+        url = self._urls[i]
+        if not self._use_metrics[i]:
+            async with self._session.get(f"{url}/_emulator/state", timeout=self._timeout) as resp:
+                if resp.status == 200:
+                    return _load_from_state(await resp.json())
+                self._use_metrics[i] = True
+        async with self._session.get(
+            f"{url}/metrics", headers={"Accept": "text/plain"}, timeout=self._timeout
+        ) as resp:
+            return _load_from_metrics(await resp.text())
+
+    async def sample(self) -> tuple[int, ...]:
+        res = await asyncio.gather(*(self._one(i) for i in range(len(self._urls))), return_exceptions=True)
+        return tuple(r if isinstance(r, int) else 0 for r in res)
+
+    async def names(self) -> tuple[str, ...]:
+        return tuple(u.split("://", 1)[-1] for u in self._urls)
+
+
+# ---- the driver ------------------------------------------------------------------------------------
+
+
+class _Run:
+    def __init__(
+        self,
+        config: LoadConfig,
+        session: aiohttp.ClientSession,
+        stats: LiveStats,
+    ) -> None:
+        self.c = config
+        self.http = session
+        self.stats = stats
+        self.t0 = time.monotonic()
+        self.deadline = self.t0 + config.duration_s
+        self.outcomes: list[Outcome] = []
+        self.stopping = asyncio.Event()
+        self.shared_seen: set[int] = set()
+        self.tasks: list[asyncio.Task[None]] = []
+        self.last_replica: dict[str, str] = {}
+        self.move_times: list[float] = []  # modelled t of each session home change
+        self.issued = 0
+        self._url = config.url.rstrip("/") + "/v1/chat/completions"
+
+    def modelled_now(self) -> float:
+        return (time.monotonic() - self.t0) / self.c.time_scale
+
+    def may_issue(self) -> bool:
+        if self.stopping.is_set() or time.monotonic() >= self.deadline:
+            self.stopping.set()
+            return False
+        if self.c.max_requests is not None and self.issued >= self.c.max_requests:
+            self.stopping.set()
+            return False
+        return True
+
+    async def sleep_modelled(self, modelled_s: float) -> bool:
+        """Sleep; False if the run ends first."""
+        wall = max(modelled_s, 0.0) * self.c.time_scale
+        remaining = self.deadline - time.monotonic()
+        if wall >= remaining:
+            await asyncio.sleep(max(remaining, 0.0))
+            self.stopping.set()
+            return False
+        if wall > 0:
+            try:
+                await asyncio.wait_for(self.stopping.wait(), timeout=wall)
+                return False
+            except TimeoutError:
+                pass
+        return not self.stopping.is_set()
+
+    def spawn(self, spec: Any, delay_modelled_s: float) -> None:
+        self.tasks.append(asyncio.create_task(self.chain(spec, delay_modelled_s)))
+
+    async def chain(self, spec: Any, delay_modelled_s: float) -> None:
+        """Run one chain (a session or a branch) closed-loop; branches spawn after their parent turn."""
+        from loadtests.workloads import turn_inputs
+
+        c = self.c
+        if not await self.sleep_modelled(delay_modelled_s):
+            return
+        sid = str(spec.routing_key)
+        inputs = turn_inputs(spec)
+        shared_model = int(spec.shared_prefix_tokens)
+        shared = emulated_tokens(shared_model, c.token_unit)
+        conv: Conversation | None = None
+        prev_in = prev_out = 0  # model tokens of the previous turn
+        prev_prompt = 0  # emulated tokens of the previous request's prompt
+        for k, turn in enumerate(spec.turns):
+            if k > 0 and not await self.sleep_modelled(min(float(turn.think_s), c.max_think_modelled_s)):
+                return
+            if not self.may_issue():
+                return
+            if conv is None or turn.reset or inputs[k] < prev_in + prev_out:
+                # a new context (first turn, compaction): shared prefix + new text
+                conv = Conversation(key=f"{spec.session_id}~{k}", shared_prefix_tokens=shared)
+                # one infinite cache holds the shared prefix once any session has sent it
+                ideal = shared if shared_model in self.shared_seen else 0
+                conv.add_user(emulated_tokens(max(inputs[k] - shared_model, 1), c.token_unit))
+            else:
+                ideal = prev_prompt
+                conv.add_assistant(emulated_tokens(prev_out, c.token_unit))
+                conv.add_user(emulated_tokens(max(inputs[k] - prev_in - prev_out, 0), c.token_unit))
+            if shared_model > 0:
+                self.shared_seen.add(shared_model)
+            out = max(1, emulated_tokens(int(turn.output_tokens), c.token_unit))
+            body = json.dumps(self._body(conv.messages, out), separators=(",", ":")).encode()
+            main = spec.parent is None
+            reqs = [self.request(sid, body, ideal, conv.prompt_tokens, side=False, main=main)]
+            for _ in range(max(1, int(turn.parallel)) - 1):
+                if not self.may_issue():
+                    break
+                reqs.append(self.request(sid, body, ideal, conv.prompt_tokens, side=True, main=False))
+            await asyncio.gather(*reqs)
+            prev_in, prev_out, prev_prompt = inputs[k], int(turn.output_tokens), conv.prompt_tokens
+            for b in getattr(spec, "branches", ()):
+                if int(b.spawn_after_turn) == k:
+                    self.spawn(b, float(b.start_s))
+
+    def _body(self, messages: list[dict[str, str]], max_tokens: int) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "model": self.c.model,
+            "messages": messages,
+            "max_tokens": max_tokens,
+            "ignore_eos": True,
+            "stream": self.c.stream,
+        }
+        if self.c.stream:
+            body["stream_options"] = {"include_usage": True}
+        return body
+
+    async def request(
+        self, sid: str, body: bytes, ideal_emul: int, prompt_emul: int, *, side: bool, main: bool
+    ) -> None:
+        c = self.c
+        self.issued += 1
+        self.stats.started += 1
+        self.stats.in_flight += 1
+        headers = {name: sid for name in c.session_headers}
+        headers["Content-Type"] = "application/json"
+        t_start = time.monotonic()
+        ttft: float | None = None
+        usage: dict[str, Any] | None = None
+        replica: str | None = None
+        status = 0
+        error: str | None = None
+        try:
+            async with self.http.post(self._url, data=body, headers=headers) as resp:
+                status = resp.status
+                replica = next((resp.headers[h] for h in _REPLICA_HEADERS if h in resp.headers), None)
+                if status != 200:
+                    error = (await resp.text())[:300]
+                elif c.stream:
+                    async for line in resp.content:
+                        if not line.startswith(b"data:"):
+                            continue
+                        if ttft is None:
+                            ttft = time.monotonic() - t_start
+                        if b'"error"' in line and b'"choices"' not in line:
+                            error = line.decode(errors="replace")[:300]
+                        elif b'"usage"' in line:
+                            u = json.loads(line[5:]).get("usage")
+                            if isinstance(u, dict):
+                                usage = u
+                else:
+                    doc = await resp.json()
+                    ttft = time.monotonic() - t_start
+                    usage = doc.get("usage")
+        except asyncio.CancelledError:
+            self.stats.in_flight -= 1
+            raise
+        except (aiohttp.ClientError, TimeoutError, ValueError, TypeError) as exc:
+            error = f"{type(exc).__name__}: {exc}"[:300]
+        e2e = time.monotonic() - t_start
+        self.stats.in_flight -= 1
+        self._record(sid, replica, t_start, ttft, e2e, usage, ideal_emul, prompt_emul, status, error, side, main)
+
+    def _record(
+        self,
+        sid: str,
+        replica: str | None,
+        t_start: float,
+        ttft: float | None,
+        e2e: float,
+        usage: dict[str, Any] | None,
+        ideal_emul: int,
+        prompt_emul: int,
+        status: int,
+        error: str | None,
+        side: bool,
+        main: bool,
+    ) -> None:
+        c, u = self.c, self.c.token_unit
+        ok = error is None and status == 200
+        prompt = int((usage or {}).get("prompt_tokens") or prompt_emul)
+        details = (usage or {}).get("prompt_tokens_details") or {}
+        cached = int(details.get("cached_tokens") or 0) if isinstance(details, dict) else 0
+        output = int((usage or {}).get("completion_tokens") or 0)
+        # the replica's chat template adds a few tokens per message: scale the workload's ideal by
+        # the replica's count of the same prompt
+        ideal = min(round(ideal_emul * prompt / prompt_emul) if prompt_emul > 0 else 0, prompt)
+        brk: str | None = None
+        prev = self.last_replica.get(sid)
+        if ok and ideal > 0 and cached < c.break_tolerance * ideal:
+            if side:
+                brk = "thicc_split"
+            elif prev is not None and replica is not None and prev != replica:
+                brk = "moved"
+            else:
+                brk = "evicted"
+        if ok and main and replica is not None:
+            if prev is not None and prev != replica:
+                self.move_times.append((t_start - self.t0) / c.time_scale)
+            self.last_replica[sid] = replica
+        t_rel = (t_start - self.t0) / c.time_scale
+        out = Outcome(
+            session_id=sid,
+            replica=replica,
+            t_start=t_rel,
+            ttft_s=None if ttft is None else ttft / c.time_scale,
+            e2e_s=e2e / c.time_scale,
+            input_tokens=prompt * u,
+            cached_tokens=cached * u,
+            output_tokens=output * u,
+            ideal_cached_tokens=ideal * u,
+            ok=ok,
+            break_reason=brk,
+            status=status,
+            error=error,
+            side=side,
+        )
+        self.outcomes.append(out)
+        st = self.stats
+        st.finished += 1
+        if not ok:
+            st.errors += 1
+        elif t_start - self.t0 >= c.warmup_s:
+            st.input_tokens += out.input_tokens
+            st.cached_tokens += out.cached_tokens
+            st.ideal_cached_tokens += out.ideal_cached_tokens
+            if out.ttft_s is not None:
+                st.ttfts.append(out.ttft_s)
+
+
+async def run_load(
+    sessions: Sequence[Any],
+    config: LoadConfig,
+    *,
+    stats: LiveStats | None = None,
+    on_tick: Callable[[LiveStats], Awaitable[None] | None] | None = None,
+) -> LoadResult:
+    """Drive ``sessions`` (``SessionSpec``s) against ``config.url``; return measures and raw data."""
+    stats = stats if stats is not None else LiveStats()
+    connector = aiohttp.TCPConnector(limit=0, force_close=config.fresh_connections)
+    timeout = aiohttp.ClientTimeout(total=config.request_timeout_s, sock_connect=10.0)
+    samples: list[tuple[float, tuple[int, ...]]] = []
+    async with (
+        aiohttp.ClientSession(connector=connector, timeout=timeout) as http,
+        aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5.0)) as probe,
+    ):
+        sampler = LoadSampler(probe, config.replica_urls)
+        stats.replica_names = await sampler.names()
+        run = _Run(config, http, stats)
+
+        async def sample_loop() -> None:
+            next_t = time.monotonic()
+            while True:
+                loads = await sampler.sample() if config.replica_urls else ()
+                now = time.monotonic()
+                stats.elapsed_s = now - run.t0
+                stats.last_loads = loads
+                if loads and not run.stopping.is_set():
+                    samples.append(((now - run.t0) / config.time_scale, loads))
+                    if now - run.t0 >= config.warmup_s:
+                        stats.add_loads(loads)
+                if on_tick is not None:
+                    r = on_tick(stats)
+                    if r is not None:
+                        await r
+                next_t += config.sample_interval_s
+                await asyncio.sleep(max(next_t - time.monotonic(), 0.0))
+
+        sampler_task = asyncio.create_task(sample_loop())
+        for s in sessions:
+            run.spawn(s, float(s.start_s))
+        censored = 0
+
+        async def all_done() -> None:
+            while pending := [t for t in run.tasks if not t.done()]:
+                await asyncio.wait(pending)
+
+        try:
+            done_all = asyncio.create_task(all_done())
+            stop_wait = asyncio.create_task(run.stopping.wait())
+            await asyncio.wait(
+                [done_all, stop_wait],
+                timeout=max(run.deadline - time.monotonic(), 0.0),
+                return_when=asyncio.FIRST_COMPLETED,
+            )
+            run.stopping.set()
+            stop_wait.cancel()
+            if not done_all.done():
+                # stopped: requests already in flight get drain_s to finish
+                try:
+                    await asyncio.wait_for(asyncio.shield(done_all), timeout=config.drain_s)
+                except TimeoutError:
+                    censored = stats.in_flight
+            done_all.cancel()
+        finally:
+            sampler_task.cancel()
+            for t in run.tasks:
+                t.cancel()
+            await asyncio.gather(sampler_task, *run.tasks, return_exceptions=True)
+        wall = time.monotonic() - run.t0
+    measures = _measures(run, samples, config, wall, censored)
+    return LoadResult(
+        measures=measures,
+        outcomes=tuple(run.outcomes),
+        load_samples=tuple(samples),
+        replica_names=stats.replica_names,
+    )
+
+
+def _measures(
+    run: _Run,
+    samples: Sequence[tuple[float, tuple[int, ...]]],
+    config: LoadConfig,
+    wall_s: float,
+    censored: int,
+) -> dict[str, Any]:
+    from loadtests.measures import MeasureCollector, RequestRecord
+
+    warm_modelled = config.warmup_s / config.time_scale
+    end_modelled = min(wall_s, config.duration_s) / config.time_scale
+    col = MeasureCollector(warmup_s=warm_modelled, end_s=end_modelled, replicas=max(len(config.replica_urls), 1))
+    for o in run.outcomes:
+        e2e = o.e2e_s if o.e2e_s is not None else math.nan
+        col.add(
+            RequestRecord(
+                session_id=o.session_id,
+                replica=o.replica,
+                t_start=o.t_start,
+                ttft_s=o.ttft_s if o.ttft_s is not None else e2e,
+                e2e_s=e2e,
+                input_tokens=o.input_tokens,
+                cached_tokens=o.cached_tokens,
+                output_tokens=o.output_tokens,
+                ideal_cached_tokens=o.ideal_cached_tokens,
+                ok=o.ok,
+                break_reason=o.break_reason,
+            )
+        )
+    for t, loads in samples:
+        col.sample(t, loads)
+    for t in run.move_times:
+        col.session_moved(t)
+    m = dict(col.result())
+    m.update(
+        {
+            "time_unit": "modelled_s",
+            "time_scale": config.time_scale,
+            "token_unit": config.token_unit,
+            "token_count_unit": "model_tokens",
+            "wall_s": round(wall_s, 3),
+            "warmup_modelled_s": warm_modelled,
+            "censored": censored,
+            "load_source": "replicas",
+            "fresh_connections": config.fresh_connections,
+        }
+    )
+    return m
+
+
+# ---- CLI ---------------------------------------------------------------------------------------------
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvroute load", description=__doc__.split("\n\n")[0])
+    p.add_argument("--url", required=True, help="OpenAI-compatible base URL (kvroute, a peer, a replica)")
+    p.add_argument("--replica-url", action="append", default=[], help="replica to sample load from (repeat)")
+    p.add_argument("--workload", choices=["synthetic", "weka", "mooncake"], default="synthetic")
+    p.add_argument("--trace", type=Path, help="trace path for weka/mooncake")
+    p.add_argument("--sessions", type=int, default=40)
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--model", default="default")
+    p.add_argument("--duration", type=float, default=60.0, help="wall seconds of load")
+    p.add_argument("--max-requests", type=int)
+    p.add_argument("--warmup", type=float, default=0.0, help="wall seconds excluded from measures")
+    p.add_argument("--time-scale", type=float, default=1.0, help="wall = modelled x this (match the replicas)")
+    p.add_argument("--token-unit", type=int, default=1, help="model tokens per emulated token (match replicas)")
+    p.add_argument("--sample-interval", type=float, default=0.25, help="wall seconds between load samples")
+    p.add_argument("--fresh-connections", action="store_true", help="new TCP connection per request")
+    p.add_argument("--no-stream", action="store_true")
+    p.add_argument("--max-think", type=float, default=120.0, help="cap on one think time, modelled s")
+    p.add_argument("--json", type=Path, help="write the DESIGN §7 measures here")
+    p.add_argument("--no-progress", action="store_true")
+    return p
+
+
+def load_workload(kind: str, trace: Path | None, sessions: int, seed: int) -> list[Any]:
+    """Sessions for ``kind`` (synthetic from ``SyntheticParams``; traces from ``trace`` or the default)."""
+    from loadtests import workloads as w
+
+    if kind == "synthetic":
+        params = w.SyntheticParams(sessions=sessions)
+        return list(w.synthetic_sessions(params, random.Random(seed)))
+    if kind == "weka":
+        path = trace or Path("/work/shared/traces/weka_cc_kvtester_requests.jsonl")
+        return list(w.read_weka(path, limit=sessions))
+    path = trace or Path("/work/shared/traces/mooncake_conversation_trace.jsonl")
+    return list(w.read_mooncake(path))[:sessions]
+
+
+async def _amain(ns: argparse.Namespace) -> int:
+    sessions = load_workload(ns.workload, ns.trace, ns.sessions, ns.seed)
+    config = LoadConfig(
+        url=ns.url,
+        replica_urls=tuple(ns.replica_url),
+        model=ns.model,
+        time_scale=ns.time_scale,
+        token_unit=ns.token_unit,
+        duration_s=ns.duration,
+        max_requests=ns.max_requests,
+        warmup_s=ns.warmup,
+        sample_interval_s=ns.sample_interval,
+        fresh_connections=ns.fresh_connections,
+        max_think_modelled_s=ns.max_think,
+        stream=not ns.no_stream,
+    )
+    show = not ns.no_progress and sys.stderr.isatty()
+    if show:
+        from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+        progress = Progress(
+            TextColumn("[bold]load"),
+            BarColumn(),
+            TextColumn("{task.fields[info]}"),
+            TimeRemainingColumn(),
+            transient=False,
+        )
+        task = progress.add_task("load", total=config.duration_s, info="")
+
+        def tick(st: LiveStats) -> None:
+            progress.update(
+                task,
+                completed=min(st.elapsed_s, config.duration_s),
+                info=f"req {st.finished} err {st.errors} chr {st.chr:.3f} "
+                f"disp {st.dispersion:.2f} ttft p99 {st.ttft_quantile(0.99):.2f}s",
+            )
+
+        with progress:
+            result = await run_load(sessions, config, on_tick=tick)
+    else:
+        result = await run_load(sessions, config)
+    text = json.dumps(result.measures, indent=2, sort_keys=True)
+    if ns.json:
+        ns.json.write_text(text + "\n")
+    print(text)
+    return 0
+
+
+def cli_main(argv: list[str]) -> int:
+    ns = _parser().parse_args(argv)
+    return asyncio.run(_amain(ns))

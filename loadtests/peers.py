@@ -1,0 +1,265 @@
+"""Start and stop the routers under test as subprocesses: kvroute, sglang-router, vllm-router.
+
+Every router runs in its own process on 127.0.0.1 with its own free port (and its own Prometheus port
+for the peers: both default to 29000 and panic on a clash, ``reference/peers.md`` §6). Readiness is
+checked the way each router needs (§6.2): sglang binds at once and registers workers in the background,
+so ``/readiness`` must report all workers healthy; vllm-router binds only after a worker is healthy;
+kvroute's ``/ready`` turns 200 once a replica is ACTIVE. Processes are stopped by the PID we recorded
+(SIGTERM, then SIGKILL after a grace period), never by name.
+
+The emulated fleet also runs as a subprocess (``kvroute emulate``), so the load driver's event loop,
+the router and the replicas do not share one Python interpreter.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+
+__all__ = [
+    "PEERS",
+    "PeerSpec",
+    "RunningProcess",
+    "emulated_fleet",
+    "find_binary",
+    "free_port",
+    "peer_argv",
+    "running_router",
+    "start_process",
+    "stop_process",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class PeerSpec:
+    """One router configuration to benchmark."""
+
+    name: str  # label in tables, e.g. "sglang-router cache_aware"
+    kind: str  # "kvroute" | "sglang" | "vllm"
+    policy: str
+    binary: str  # console script name ("kvroute", "smg", "vllm-router")
+    fresh_connections: bool = False  # drive it with a new TCP connection per request
+    note: str = ""
+
+
+PEERS: dict[str, PeerSpec] = {
+    "kvroute": PeerSpec("kvroute kv_aware", "kvroute", "kv_aware", "kvroute"),
+    "kvroute-hash": PeerSpec("kvroute hash", "kvroute", "hash", "kvroute"),
+    # sglang-router delays every SSE response on a reused keep-alive connection by ~40 ms
+    # (peers.md §3.8): drive it with fresh connections so the comparison does not flatter us.
+    "sglang-cache_aware": PeerSpec(
+        "sglang-router cache_aware", "sglang", "cache_aware", "smg", fresh_connections=True,
+        note="fresh connection per request (keep-alive SSE adds ~40 ms on sglang-router)",
+    ),
+    "sglang-manual": PeerSpec(
+        "sglang-router manual", "sglang", "manual", "smg", fresh_connections=True,
+        note="sticky on X-SMG-Routing-Key; fresh connection per request",
+    ),
+    "vllm-consistent_hash": PeerSpec(
+        "vllm-router consistent_hash", "vllm", "consistent_hash", "vllm-router", note="sticky on x-session-id"
+    ),
+    "vllm-sticky_least_loaded": PeerSpec(
+        "vllm-router sticky_least_loaded", "vllm", "sticky_least_loaded", "vllm-router",
+        note="sticky on x-session-id, new sessions to the least loaded",
+    ),
+}
+
+
+def free_port() -> int:
+    """A port the OS considers free right now (a tiny race remains; every router gets its own)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def find_binary(name: str) -> str | None:
+    """The console script next to this interpreter (the venv) first, then PATH."""
+    local = Path(sys.executable).parent / name
+    if local.exists() and os.access(local, os.X_OK):
+        return str(local)
+    return shutil.which(name)
+
+
+def peer_argv(spec: PeerSpec, binary: str, port: int, worker_urls: Sequence[str]) -> list[str]:
+    """The command line that starts ``spec`` on ``port`` in front of ``worker_urls``."""
+    if spec.kind == "kvroute":
+        argv = [binary, "serve", "--host", "127.0.0.1", "--port", str(port), "--policy", spec.policy]
+        for u in worker_urls:
+            argv += ["--replica", u]
+        return argv
+    prom = str(free_port())
+    if spec.kind == "sglang":
+        argv = [
+            binary, "launch", "--host", "127.0.0.1", "--port", str(port),
+            "--prometheus-host", "127.0.0.1", "--prometheus-port", prom, "--log-level", "warn",
+            "--policy", spec.policy, "--shutdown-grace-period-secs", "2",
+            "--worker-urls", *worker_urls,
+        ]
+        return argv
+    if spec.kind == "vllm":
+        return [
+            binary, "--host", "127.0.0.1", "--port", str(port),
+            "--prometheus-host", "127.0.0.1", "--prometheus-port", prom, "--log-level", "warning",
+            "--policy", spec.policy, "--worker-startup-check-interval", "1",
+            "--worker-urls", *worker_urls,
+        ]
+    raise ValueError(f"unknown router kind {spec.kind!r}")
+
+
+@dataclass(slots=True)
+class RunningProcess:
+    name: str
+    proc: asyncio.subprocess.Process
+    log_path: Path
+    url: str = ""
+    urls: list[str] = field(default_factory=list)
+
+    def log_tail(self, n: int = 20) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+
+async def start_process(name: str, argv: Sequence[str], *, log_dir: Path, pipe_stdout: bool = False) -> RunningProcess:
+    log_path = log_dir / f"{name.replace(' ', '_').replace('/', '_')}.log"
+    log = log_path.open("wb")
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            *argv,
+            stdout=asyncio.subprocess.PIPE if pipe_stdout else log,
+            stderr=log,
+            stdin=asyncio.subprocess.DEVNULL,
+            start_new_session=True,  # its own process group: we stop exactly what we started
+        )
+    finally:
+        log.close()
+    return RunningProcess(name=name, proc=proc, log_path=log_path)
+
+
+async def stop_process(p: RunningProcess, grace_s: float = 10.0) -> None:
+    """SIGTERM the process group we started, SIGKILL it after ``grace_s``."""
+    if p.proc.returncode is not None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(p.proc.pid, signal.SIGTERM)
+    try:
+        await asyncio.wait_for(p.proc.wait(), timeout=grace_s)
+    except TimeoutError:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.proc.pid, signal.SIGKILL)
+        await p.proc.wait()
+
+
+async def _wait_ready(
+    p: RunningProcess, check: Callable[[aiohttp.ClientSession], Awaitable[bool]], timeout_s: float
+) -> None:
+    deadline = time.monotonic() + timeout_s
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2.0)) as http:
+        while True:
+            if p.proc.returncode is not None:
+                raise RuntimeError(f"{p.name} exited with {p.proc.returncode}:\n{p.log_tail()}")
+            with contextlib.suppress(aiohttp.ClientError, TimeoutError, ValueError):
+                if await check(http):
+                    return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{p.name} not ready after {timeout_s:.0f}s:\n{p.log_tail()}")
+            await asyncio.sleep(0.2)
+
+
+def _readiness_check(url: str, n_workers: int, kind: str) -> Callable[[aiohttp.ClientSession], Awaitable[bool]]:
+    async def check(http: aiohttp.ClientSession) -> bool:
+        if kind == "kvroute":
+            async with http.get(f"{url}/ready") as r:
+                return r.status == 200
+        async with http.get(f"{url}/readiness") as r:
+            if r.status != 200:
+                return False
+            doc = await r.json(content_type=None)
+            return int(doc.get("healthy_workers", 0)) >= n_workers
+
+    return check
+
+
+@contextlib.asynccontextmanager
+async def running_router(
+    spec: PeerSpec, worker_urls: Sequence[str], *, log_dir: Path, timeout_s: float = 60.0
+) -> AsyncIterator[RunningProcess]:
+    """Run ``spec`` in front of ``worker_urls`` until the block exits. Raises FileNotFoundError if
+    its binary is missing (callers skip the peer with a message)."""
+    binary = find_binary(spec.binary)
+    if binary is None:
+        raise FileNotFoundError(f"{spec.binary} not found (pip install 'kvroute[peers]')")
+    port = free_port()
+    p = await start_process(spec.name, peer_argv(spec, binary, port, worker_urls), log_dir=log_dir)
+    p.url = f"http://127.0.0.1:{port}"
+    try:
+        await _wait_ready(p, _readiness_check(p.url, len(worker_urls), spec.kind), timeout_s)
+        yield p
+    finally:
+        await stop_process(p)
+
+
+@contextlib.asynccontextmanager
+async def emulated_fleet(
+    n: int, emulator_args: Sequence[str] = (), *, log_dir: Path | None = None, timeout_s: float = 60.0
+) -> AsyncIterator[RunningProcess]:
+    """``kvroute emulate --replicas n`` in a subprocess; yields once every replica answers /health."""
+    own_dir = None
+    if log_dir is None:
+        own_dir = tempfile.TemporaryDirectory(prefix="kvroute-fleet-")
+        log_dir = Path(own_dir.name)
+    binary = find_binary("kvroute") or "kvroute"
+    base = _free_port_run(n)
+    argv = [binary, "emulate", "--replicas", str(n), "--host", "127.0.0.1", "--base-port", str(base), *emulator_args]
+    p = await start_process("emulators", argv, log_dir=log_dir)
+    p.urls = [f"http://127.0.0.1:{base + i}" for i in range(n)]
+    p.url = p.urls[0]
+
+    async def all_healthy(http: aiohttp.ClientSession) -> bool:
+        for u in p.urls:
+            async with http.get(f"{u}/health") as r:
+                if r.status != 200:
+                    return False
+        return True
+
+    try:
+        await _wait_ready(p, all_healthy, timeout_s)
+        yield p
+    finally:
+        await stop_process(p)
+        if own_dir is not None:
+            own_dir.cleanup()
+
+
+def _free_port_run(n: int, attempts: int = 50) -> int:
+    """A base port with ``n`` consecutive free ports (``kvroute emulate`` takes a base port)."""
+    for _ in range(attempts):
+        base = free_port()
+        if base + n >= 65535:
+            continue
+        socks: list[socket.socket] = []
+        try:
+            for i in range(n):
+                s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                socks.append(s)
+                s.bind(("127.0.0.1", base + i))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError(f"no run of {n} free ports found")
