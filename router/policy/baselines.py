@@ -1,0 +1,87 @@
+"""Baseline policies shipped for comparison in every benchmark (DESIGN §3, last paragraph).
+
+None of them binds sessions or uses affinity state; all skip excluded, JOINING, DOWN and DRAINING
+replicas, and raise ``NoReplicaError`` when nothing is left. Same signature as ``kv_aware``.
+"""
+
+from __future__ import annotations
+
+import random
+
+from router.errors import NoReplicaError
+from router.model import ClusterSnapshot, Reason, ReplicaState, ReplicaStatus, RouteDecision, RouteRequest
+from router.policy.hashing import hrw_top
+
+__all__ = [
+    "HASH",
+    "LEAST_LOADED",
+    "RANDOM",
+    "ROUND_ROBIN",
+    "HashPolicy",
+    "LeastLoadedPolicy",
+    "RandomPolicy",
+    "RoundRobinPolicy",
+    "eligible",
+]
+
+RANDOM = "random"
+ROUND_ROBIN = "round_robin"
+LEAST_LOADED = "least_loaded"
+HASH = "hash"
+
+
+def eligible(request: RouteRequest, snapshot: ClusterSnapshot) -> list[ReplicaState]:
+    """ACTIVE replicas not excluded for this request, in id order; ``NoReplicaError`` if none."""
+    out = [r for r in snapshot.replicas if r.status is ReplicaStatus.ACTIVE and r.id not in request.excluded]
+    if not out:
+        raise NoReplicaError("no ACTIVE replica outside the excluded set")
+    return out
+
+
+class RandomPolicy:
+    name = RANDOM
+
+    def route(self, request: RouteRequest, snapshot: ClusterSnapshot, rng: random.Random) -> RouteDecision:
+        cands = eligible(request, snapshot)
+        return RouteDecision(cands[rng.randrange(len(cands))].id, Reason.RANDOM)
+
+
+class RoundRobinPolicy:
+    """Cursor = the store's request counter ``snapshot.seq`` (shared by every gateway on one store)."""
+
+    name = ROUND_ROBIN
+
+    def route(self, request: RouteRequest, snapshot: ClusterSnapshot, rng: random.Random) -> RouteDecision:
+        cands = eligible(request, snapshot)
+        return RouteDecision(cands[snapshot.seq % len(cands)].id, Reason.ROUND_ROBIN)
+
+
+class LeastLoadedPolicy:
+    """Fewest in flight, then shortest engine queue; remaining ties broken by the rng."""
+
+    name = LEAST_LOADED
+
+    def route(self, request: RouteRequest, snapshot: ClusterSnapshot, rng: random.Random) -> RouteDecision:
+        cands = eligible(request, snapshot)
+        best = min((r.in_flight, r.engine.queued) for r in cands)
+        ties = [r for r in cands if (r.in_flight, r.engine.queued) == best]
+        scores = tuple((r.id, float(r.in_flight)) for r in cands)
+        return RouteDecision(ties[rng.randrange(len(ties))].id, Reason.LEAST_LOADED, (), scores)
+
+
+class HashPolicy:
+    """Stateless session affinity: the rendezvous (mmh3) winner among ACTIVE replicas.
+
+    A replica joining takes only the keys it now wins; one leaving gives up only its own. Requests
+    without a key go to a random replica.
+    """
+
+    name = HASH
+
+    def route(self, request: RouteRequest, snapshot: ClusterSnapshot, rng: random.Random) -> RouteDecision:
+        cands = eligible(request, snapshot)
+        if request.session_key is None:
+            return RouteDecision(cands[rng.randrange(len(cands))].id, Reason.HASH)
+        top = hrw_top(request.session_key, (r.id for r in cands))
+        assert top is not None
+        return RouteDecision(top, Reason.HASH)

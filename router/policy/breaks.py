@@ -1,0 +1,60 @@
+"""Rule 6 feedback: was a response an *affinity break*, and why?
+
+A response is a break when the engine's cached tokens fall short of what the session had already
+sent (its previous context) by more than a partial page. The reason comes from how the request was
+routed (``Lease.reason``), whether the store overrode the decision (``Lease.disagreement``) and where
+the session key came from.
+"""
+
+from __future__ import annotations
+
+from router.model import AffinityBreak, Completion, KeySource, Lease, Reason
+
+__all__ = ["classify_break"]
+
+_BY_REASON: dict[Reason, AffinityBreak] = {
+    Reason.THICC_SPLIT: AffinityBreak.THICC_SPLIT,
+    Reason.REASSIGNED_OVERLOAD: AffinityBreak.OVERLOAD_SPILL,
+    Reason.REASSIGNED_DRAINING: AffinityBreak.REPLICA_GONE,
+    Reason.REASSIGNED_GONE: AffinityBreak.REPLICA_GONE,
+    Reason.RETRY: AffinityBreak.REPLICA_GONE,
+    Reason.PLACED_EVICTED: AffinityBreak.EVICTED,
+    # baselines without affinity spread load instead of following the cache
+    Reason.RANDOM: AffinityBreak.OVERLOAD_SPILL,
+    Reason.ROUND_ROBIN: AffinityBreak.OVERLOAD_SPILL,
+    Reason.LEAST_LOADED: AffinityBreak.OVERLOAD_SPILL,
+}
+
+
+def classify_break(
+    lease: Lease,
+    completion: Completion,
+    key_source: KeySource,
+    *,
+    page_tokens: int = 64,
+    rel_tolerance: float = 0.02,
+) -> AffinityBreak | None:
+    """The break's reason, or ``None`` when the cache was (close enough to) fully reused.
+
+    Expected reuse is ``min(prev_context_tokens, prompt_tokens)`` (a shorter prompt means the client
+    rewrote its history: it cannot all be cached). Tolerance: one partial page (``page_tokens``) plus
+    ``rel_tolerance`` of the expectation, for re-tokenised or stripped reasoning at the tail. Nothing
+    is classified when the request failed, the engine did not report cached tokens, or the session
+    had no previous context.
+    """
+    if not completion.ok or completion.prompt_tokens is None or completion.cached_tokens is None:
+        return None
+    expected = min(lease.prev_context_tokens, completion.prompt_tokens)
+    if expected <= 0:
+        return None
+    tolerance = page_tokens + rel_tolerance * expected
+    if completion.cached_tokens >= expected - tolerance:
+        return None
+    if lease.disagreement:  # another gateway bound the session elsewhere first
+        return AffinityBreak.GATEWAY_DISAGREEMENT
+    by_reason = _BY_REASON.get(lease.reason)
+    if by_reason is not None:
+        return by_reason
+    if key_source is not KeySource.HEADER:
+        return AffinityBreak.NO_SESSION_ID
+    return AffinityBreak.EVICTED  # routed to where the cache should have been: the engine evicted it

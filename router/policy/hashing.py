@@ -1,0 +1,38 @@
+"""Rendezvous (highest-random-weight) hashing with mmh3.
+
+mmh3 is seeded explicitly and never salted per process (unlike Python's ``hash()``), so every
+gateway, the simulator and the tests rank replicas identically for a key. Adding a replica moves
+only the keys it now wins; removing one moves only the keys it held.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import mmh3
+
+__all__ = ["hrw_rank", "hrw_top", "hrw_weight"]
+
+_SEED = 0x6B76  # "kv": fixed forever, changing it remaps every stateless key
+
+
+def hrw_weight(key: str, replica_id: str) -> int:
+    """The weight of ``replica_id`` for ``key``: an unsigned 64-bit mmh3 hash of both."""
+    h: int = mmh3.hash64(f"{key}\x00{replica_id}", _SEED, signed=False)[0]
+    return h
+
+
+def hrw_rank(key: str, replica_ids: Iterable[str]) -> list[str]:
+    """Replica ids ordered by rendezvous weight for ``key``, best first (ties by id)."""
+    return sorted(replica_ids, key=lambda rid: (-hrw_weight(key, rid), rid))
+
+
+def hrw_top(key: str, replica_ids: Iterable[str]) -> str | None:
+    """The rendezvous winner for ``key``, or ``None`` if there is no replica."""
+    best: str | None = None
+    best_w = -1
+    for rid in replica_ids:
+        w = hrw_weight(key, rid)
+        if w > best_w or (w == best_w and best is not None and rid < best):
+            best, best_w = rid, w
+    return best

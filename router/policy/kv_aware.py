@@ -1,0 +1,429 @@
+"""``kv_aware``: session affinity with load-aware, working-set-aware, bounded-load placement.
+
+DESIGN.md §3 rules, applied in this order for a request of a known session (docs/POLICY.md):
+
+  gone      home removed / DOWN / JOINING              -> reassign now (REASSIGNED_GONE)
+  retry     home in ``request.excluded``               -> overflow or placement, no rebind (RETRY)
+  draining  home DRAINING and session idle             -> reassign (REASSIGNED_DRAINING)
+  evicted   session idle and its cache surely gone     -> place afresh by load (PLACED_EVICTED)
+  thicc     ≥ thicc_threshold in flight at home, or
+            home over the hard bound mid-turn          -> sticky overflow replica (THICC_SPLIT)
+  overload  session idle, home over the hard bound, or
+            persistently overloaded and the move cheap -> reassign (REASSIGNED_OVERLOAD)
+  affinity  otherwise                                  -> home (AFFINITY); idle overflows collapse
+
+New sessions (and prefix-keyed requests, rule 7) are placed by expected delay among ACTIVE replicas,
+filtered by the hard bound, the bounded-load session cap and the fresh-replica ramp cap (each filter
+is dropped if it would leave nobody), ties within ``score_quantum`` going to the rendezvous winner
+of the session id. Everything is a pure function of (request, snapshot, rng).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from router.errors import NoReplicaError
+from router.model import (
+    AffinityBreak,
+    BindSession,
+    ClusterSnapshot,
+    Effect,
+    Reason,
+    ReplicaId,
+    ReplicaState,
+    ReplicaStatus,
+    RouteDecision,
+    RouteRequest,
+    SessionState,
+    SetOverflow,
+)
+from router.policy.hashing import hrw_weight
+from router.policy.params import PolicyParams
+
+__all__ = ["KV_AWARE", "KvAwarePolicy", "cache_surely_gone", "load_score"]
+
+KV_AWARE = "kv_aware"
+
+_GONE = frozenset({ReplicaStatus.DOWN, ReplicaStatus.JOINING})
+
+
+def hbm_capacity(replica: ReplicaState, params: PolicyParams) -> int:
+    return replica.capacity_tokens or replica.engine.capacity_tokens or params.default_capacity_tokens
+
+
+def cache_surely_gone(session: SessionState, home: ReplicaState, params: PolicyParams) -> bool:
+    """Rule 6: has the home written more than its whole cache (HBM + host) since this session?
+
+    A residency mark of 0 means the session has not finished a turn on this home yet: unknown,
+    so assume resident (never move a session because of missing information).
+    """
+    if session.residency_mark <= 0:
+        return False
+    written_since = home.tokens_written - session.residency_mark
+    total = hbm_capacity(home, params) + max(home.host_capacity_tokens, home.engine.host_capacity_tokens)
+    return written_since > params.residency_slack * total
+
+
+def load_score(replica: ReplicaState, context_tokens: int, params: PolicyParams) -> float:
+    """Expected delay of one more session of ``context_tokens`` here, in requests-in-flight units.
+
+    In-flight (exact) + engine queue + KV utilisation + the active sessions bound here (they come
+    back) + a penalty once the working set with this session exceeds ``working_set_limit`` of HBM.
+    """
+    cap = hbm_capacity(replica, params)
+    ws = (replica.active_context_tokens + max(0, context_tokens)) / cap
+    return (
+        params.w_in_flight * replica.in_flight
+        + params.w_queue * replica.engine.queued
+        + params.w_kv_util * min(1.0, max(0.0, replica.engine.kv_util))
+        + params.w_sessions * replica.sessions_active
+        + params.w_working_set * max(0.0, ws - params.working_set_limit)
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class _View:
+    """Per-request fleet figures derived once from the snapshot."""
+
+    pool: tuple[ReplicaState, ...]  # replicas this request may go to (never excluded/DOWN/JOINING)
+    panic: bool
+    hard_bound: float
+    session_cap: int
+    ramp_share: int
+    first_join: float
+
+
+class KvAwarePolicy:
+    name = KV_AWARE
+
+    def __init__(self, params: PolicyParams | None = None) -> None:
+        self.params = params or PolicyParams()
+
+    # ---- entry -----------------------------------------------------------------------------------
+
+    def route(self, request: RouteRequest, snapshot: ClusterSnapshot, rng: random.Random) -> RouteDecision:
+        view = self._view(request, snapshot)
+        sid = request.session_key
+        sess = snapshot.session
+        if sid is None:
+            target, scores = self._place(
+                view,
+                request,
+                snapshot,
+                rng,
+                key=None,
+                ctx=request.prompt_tokens_estimate,
+                avoid=frozenset(),
+                binding=False,
+            )
+            return RouteDecision(target.id, Reason.PLACED_NEW, (), scores)
+        if sess is None or sess.session_id != sid or sess.home is None:
+            ctx = sess.context_tokens if sess is not None and sess.session_id == sid else 0
+            target, scores = self._place(
+                view,
+                request,
+                snapshot,
+                rng,
+                key=sid,
+                ctx=ctx or request.prompt_tokens_estimate,
+                avoid=frozenset(),
+                binding=True,
+            )
+            bind = BindSession(sid, target.id, only_if=None, reason=Reason.PLACED_NEW)
+            return RouteDecision(target.id, Reason.PLACED_NEW, (bind,), scores)
+        return self._route_known(view, request, snapshot, sess, rng)
+
+    # ---- known session -----------------------------------------------------------------------------
+
+    def _route_known(
+        self,
+        view: _View,
+        request: RouteRequest,
+        snapshot: ClusterSnapshot,
+        sess: SessionState,
+        rng: random.Random,
+    ) -> RouteDecision:
+        p = self.params
+        sid = sess.session_id
+        old_home = sess.home
+        assert old_home is not None
+        home = snapshot.replica(old_home)
+        idle = sess.in_flight_total == 0
+        ctx = sess.context_tokens or request.prompt_tokens_estimate
+
+        if home is None or home.status in _GONE:
+            return self._move(
+                view,
+                request,
+                snapshot,
+                sess,
+                rng,
+                Reason.REASSIGNED_GONE,
+                AffinityBreak.REPLICA_GONE,
+                avoid=frozenset({old_home}),
+            )
+        if home.id in request.excluded:
+            return self._spill(
+                view, request, snapshot, sess, home, rng, Reason.RETRY, AffinityBreak.REPLICA_GONE
+            )
+        if home.status is ReplicaStatus.DRAINING and idle and not view.panic:
+            return self._move(
+                view,
+                request,
+                snapshot,
+                sess,
+                rng,
+                Reason.REASSIGNED_DRAINING,
+                AffinityBreak.REPLICA_GONE,
+                avoid=frozenset({old_home}),
+            )
+        if idle and cache_surely_gone(sess, home, p):
+            target, scores = self._place(
+                view, request, snapshot, rng, key=sid, ctx=ctx, avoid=frozenset(), binding=True
+            )
+            effects = self._collapse(sess, keep_only=())
+            if target.id != old_home:
+                effects = (
+                    BindSession(sid, target.id, only_if=old_home, reason=Reason.PLACED_EVICTED),
+                    *effects,
+                )
+            return RouteDecision(target.id, Reason.PLACED_EVICTED, effects, scores, AffinityBreak.EVICTED)
+
+        over = home.in_flight >= view.hard_bound and not view.panic
+        if sess.in_flight_at(home.id) >= p.thicc_threshold or (over and not idle):
+            brk = AffinityBreak.OVERLOAD_SPILL if over else AffinityBreak.THICC_SPLIT
+            return self._spill(view, request, snapshot, sess, home, rng, Reason.THICC_SPLIT, brk)
+        if idle and not view.panic and (over or self._strained(home, view, snapshot, sess)):
+            decision = self._try_move(
+                view,
+                request,
+                snapshot,
+                sess,
+                rng,
+                Reason.REASSIGNED_OVERLOAD,
+                AffinityBreak.OVERLOAD_SPILL,
+                avoid=frozenset({old_home}),
+            )
+            if decision is not None and (
+                over or self._gain(home, decision, snapshot, ctx) >= p.reassign_min_gain
+            ):
+                return decision
+        effects = self._collapse(sess, keep_only=tuple(o for o in sess.overflow if sess.in_flight_at(o) > 0))
+        return RouteDecision(home.id, Reason.AFFINITY, effects, ((home.id, load_score(home, 0, p)),))
+
+    def _strained(
+        self, home: ReplicaState, view: _View, snapshot: ClusterSnapshot, sess: SessionState
+    ) -> bool:
+        """Rule 5's soft trigger: home persistently overloaded (or over its KV working set) and this
+        session cheap to move."""
+        p = self.params
+        if sess.context_tokens > p.reassign_cheap_tokens:
+            return False
+        active = [r for r in snapshot.replicas if r.status is ReplicaStatus.ACTIVE]
+        mean = sum(r.in_flight for r in active) / len(active) if active else 0.0
+        busy = home.in_flight >= p.reassign_factor * mean + p.reassign_margin
+        persistent = home.engine.queued > 0 or home.engine.updated_at == 0.0
+        thrashing = home.active_context_tokens > hbm_capacity(home, p)
+        return (busy and persistent) or thrashing
+
+    def _gain(
+        self, home: ReplicaState, decision: RouteDecision, snapshot: ClusterSnapshot, ctx: int
+    ) -> float:
+        target = snapshot.replica(decision.replica_id)
+        if target is None:
+            return 0.0
+        p = self.params
+        # home's score already carries this session; the alternative's with it added
+        return load_score(home, 0, p) - load_score(target, ctx, p) - p.w_sessions
+
+    # ---- moves, spills, placement ---------------------------------------------------------------
+
+    def _move(
+        self,
+        view: _View,
+        request: RouteRequest,
+        snapshot: ClusterSnapshot,
+        sess: SessionState,
+        rng: random.Random,
+        reason: Reason,
+        brk: AffinityBreak,
+        avoid: frozenset[ReplicaId],
+    ) -> RouteDecision:
+        """Rebind the session elsewhere (compare-and-set on its current home)."""
+        ctx = sess.context_tokens or request.prompt_tokens_estimate
+        target, scores = self._place(
+            view, request, snapshot, rng, key=sess.session_id, ctx=ctx, avoid=avoid, binding=True
+        )
+        bind = BindSession(sess.session_id, target.id, only_if=sess.home, reason=reason)
+        overflow = tuple(o for o in sess.overflow if o != target.id and sess.in_flight_at(o) > 0)
+        effects: tuple[Effect, ...] = (bind, *self._collapse(sess, keep_only=overflow))
+        return RouteDecision(target.id, reason, effects, scores, brk)
+
+    def _try_move(
+        self,
+        view: _View,
+        request: RouteRequest,
+        snapshot: ClusterSnapshot,
+        sess: SessionState,
+        rng: random.Random,
+        reason: Reason,
+        brk: AffinityBreak,
+        avoid: frozenset[ReplicaId],
+    ) -> RouteDecision | None:
+        """Like ``_move`` but ``None`` when there is nowhere else to go (the caller stays home)."""
+        try:
+            return self._move(view, request, snapshot, sess, rng, reason, brk, avoid)
+        except NoReplicaError:
+            return None
+
+    def _spill(
+        self,
+        view: _View,
+        request: RouteRequest,
+        snapshot: ClusterSnapshot,
+        sess: SessionState,
+        home: ReplicaState,
+        rng: random.Random,
+        reason: Reason,
+        brk: AffinityBreak,
+    ) -> RouteDecision:
+        """Rule 2: send this request to a sticky overflow replica; grow the set only when needed."""
+        p = self.params
+        pool_ids = {r.id for r in view.pool}
+        keep: list[ReplicaState] = []
+        for oid in sess.overflow:
+            r = snapshot.replica(oid)
+            if (
+                r is not None
+                and r.id in pool_ids
+                and r.id != home.id
+                and (view.panic or r.in_flight < view.hard_bound)
+            ):
+                keep.append(r)
+        target: ReplicaState | None = None
+        fresh_pick = False
+        scores: tuple[tuple[ReplicaId, float], ...] = ()
+        for r in keep:
+            if sess.in_flight_at(r.id) < p.thicc_threshold:
+                target = r
+                break
+        grow = reason is not Reason.RETRY  # a retry is a one-off: it does not create a sticky overflow
+        if target is None and (len(keep) < p.max_overflow or not grow):
+            avoid = frozenset({home.id, *(r.id for r in keep)})
+            try:
+                target, scores = self._place(
+                    view,
+                    request,
+                    snapshot,
+                    rng,
+                    key=sess.session_id,
+                    ctx=sess.context_tokens or request.prompt_tokens_estimate,
+                    avoid=avoid,
+                    binding=False,
+                )
+                fresh_pick = True
+                if grow:
+                    keep.append(target)
+            except NoReplicaError:
+                target = None
+        if target is None:
+            options = list(keep)
+            if home.id not in request.excluded and home.status is not ReplicaStatus.DOWN:
+                options.append(home)
+            if not options:
+                raise NoReplicaError(f"no replica can take a request of session {sess.session_id!r}")
+            target = min(options, key=lambda r: (sess.in_flight_at(r.id), r.in_flight, r.id))
+        new_overflow = tuple(r.id for r in keep)
+        effects: tuple[Effect, ...] = ()
+        if new_overflow != sess.overflow:
+            effects = (SetOverflow(sess.session_id, new_overflow),)
+        if target.id == home.id:
+            return RouteDecision(home.id, Reason.AFFINITY, effects, scores)
+        if not scores:
+            scores = ((target.id, load_score(target, 0, p)),)
+        expected = brk if (fresh_pick or reason is Reason.RETRY) else None
+        return RouteDecision(target.id, reason, effects, scores, expected)
+
+    @staticmethod
+    def _collapse(sess: SessionState, keep_only: tuple[ReplicaId, ...]) -> tuple[Effect, ...]:
+        if keep_only == sess.overflow:
+            return ()
+        return (SetOverflow(sess.session_id, keep_only),)
+
+    def _place(
+        self,
+        view: _View,
+        request: RouteRequest,
+        snapshot: ClusterSnapshot,
+        rng: random.Random,
+        key: str | None,
+        ctx: int,
+        avoid: frozenset[ReplicaId],
+        binding: bool,
+    ) -> tuple[ReplicaState, tuple[tuple[ReplicaId, float], ...]]:
+        """Rule 3/4: the replica with the least expected delay among those passing the filters."""
+        p = self.params
+        cands = [r for r in view.pool if r.id not in avoid]
+        if binding and not view.panic:
+            # new sessions never go to a draining replica
+            cands = [r for r in cands if r.status is ReplicaStatus.ACTIVE] or cands
+        if not cands:
+            raise NoReplicaError("no eligible replica")
+        if not view.panic:
+            cands = _soft_filter(cands, lambda r: r.in_flight < view.hard_bound)
+            if binding:
+                cands = _soft_filter(cands, lambda r: r.sessions_active < view.session_cap)
+                cands = _soft_filter(
+                    cands,
+                    lambda r: not self._fresh(r, view, snapshot) or r.placed_recent < view.ramp_share,
+                )
+        scored = [(r, load_score(r, ctx, p)) for r in cands]
+        best = min(s for _, s in scored)
+        ties = [r for r, s in scored if s <= best + p.score_quantum]
+        if len(ties) == 1:
+            target = ties[0]
+        elif key is not None:
+            target = max(ties, key=lambda r: (hrw_weight(key, r.id), r.id))
+        else:
+            # equal-score replicas only: break with the injected rng (deterministic per seed)
+            best_ties = [r for r, s in scored if s == best]
+            target = best_ties[rng.randrange(len(best_ties))]
+        return target, tuple((r.id, round(s, 6)) for r, s in scored)
+
+    def _fresh(self, replica: ReplicaState, view: _View, snapshot: ClusterSnapshot) -> bool:
+        """Joined after the initial fleet and less than ``fresh_window_s`` ago (rule 4)."""
+        return (
+            replica.joined_at > view.first_join
+            and snapshot.now - replica.joined_at < self.params.fresh_window_s
+        )
+
+    def _view(self, request: RouteRequest, snapshot: ClusterSnapshot) -> _View:
+        p = self.params
+        live = [r for r in snapshot.replicas if r.id not in request.excluded and r.status not in _GONE]
+        active = [r for r in live if r.status is ReplicaStatus.ACTIVE]
+        non_excluded = [r for r in snapshot.replicas if r.id not in request.excluded]
+        panic = len(active) < p.panic_threshold * len(non_excluded)
+        pool = tuple(live if panic else active) or tuple(live)
+        if not pool:
+            raise NoReplicaError("no replica is ACTIVE or DRAINING outside the excluded set")
+        fleet = [r for r in snapshot.replicas if r.status is ReplicaStatus.ACTIVE] or list(pool)
+        mean = sum(r.in_flight for r in fleet) / len(fleet)
+        hard = max(float(p.hard_bound_min), p.hard_bound_factor * mean)
+        n = len(fleet)
+        sessions = max(snapshot.sessions_active, sum(r.sessions_active for r in fleet))
+        cap = math.ceil((1.0 + p.bounded_load_epsilon) * (sessions + 1) / n)
+        recent = sum(r.placed_recent for r in fleet)
+        share = max(1, math.ceil(p.ramp_cap_factor * (recent + 1) / n))
+        first = min(r.joined_at for r in fleet)
+        return _View(
+            pool=pool, panic=panic, hard_bound=hard, session_cap=cap, ramp_share=share, first_join=first
+        )
+
+
+def _soft_filter(cands: Sequence[ReplicaState], keep: Callable[[ReplicaState], bool]) -> list[ReplicaState]:
+    """Apply a filter unless it would leave nobody (then the filter is ignored)."""
+    out = [r for r in cands if keep(r)]
+    return out or list(cands)

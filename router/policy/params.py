@@ -1,0 +1,144 @@
+"""Every tunable of the kv_aware policy, with defaults and the reason for each (docs/POLICY.md).
+
+``PolicyParams`` is a frozen value: the admin API changes it live through :meth:`with_changes`, which
+validates each key and raises ``ValueError`` naming it, and replaces the whole object atomically.
+Load figures are in "requests in flight" units unless the name says otherwise.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["PolicyParams"]
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyParams:
+    # ---- rule 2: thicc sessions ------------------------------------------------------------------
+    thicc_threshold: int = 3
+    """A session with this many requests in flight at one replica sends the next to an overflow."""
+    max_overflow: int = 2
+    """At most this many overflow replicas per session (a session spans ≤ 1 + max_overflow)."""
+
+    # ---- rules 1, 3, 5: load bounds --------------------------------------------------------------
+    bounded_load_epsilon: float = 0.25
+    """No replica takes a new session while it holds ≥ ceil((1+ε)·mean) active sessions."""
+    hard_bound_factor: float = 2.0
+    hard_bound_min: int = 8
+    """Affinity yields when home in-flight ≥ max(hard_bound_min, hard_bound_factor · mean in-flight)."""
+    reassign_factor: float = 1.4
+    reassign_margin: float = 2.0
+    """Home is persistently overloaded when in-flight ≥ reassign_factor · mean + reassign_margin and
+    the engine reports a queue (polled, so the overload outlived at least one scrape)."""
+    reassign_cheap_tokens: int = 24_000
+    """A session with at most this much context is cheap to move (rule 5: move cheap ones first)."""
+    reassign_min_gain: float = 2.0
+    """A soft reassignment only happens if the best alternative scores this much lower than home."""
+
+    # ---- rule 4: scale-up ramp -------------------------------------------------------------------
+    fresh_window_s: float = 120.0
+    """A replica that became ACTIVE less than this long ago is *fresh* and ramp-capped."""
+    ramp_cap_factor: float = 1.5
+    """A fresh replica takes at most ramp_cap_factor × its fair share of the placements in the
+    store's ramp window (``ReplicaState.placed_recent``), and at least one."""
+
+    # ---- rule 6: residency -----------------------------------------------------------------------
+    default_capacity_tokens: int = 850_000
+    """KV capacity assumed when neither the spec nor the engine reports one (FP8 TP4 B200)."""
+    residency_slack: float = 1.0
+    """A session's cache is surely gone once its home wrote more than slack × (HBM + host) tokens
+    since the session last wrote there (LRU: everything older than capacity is evicted)."""
+
+    # ---- rule 3: expected-delay score (lower is better) -----------------------------------------
+    w_in_flight: float = 1.0
+    w_queue: float = 1.0
+    w_kv_util: float = 1.0
+    w_sessions: float = 0.25
+    """Closed-loop sessions come back: each active session bound here counts this many requests."""
+    w_working_set: float = 4.0
+    """Weight of (working set + this session's context) / HBM capacity beyond working_set_limit."""
+    working_set_limit: float = 0.9
+    """Fraction of HBM capacity the active working set may fill before the replica is penalised."""
+    score_quantum: float = 0.5
+    """Scores within one quantum tie; ties go to the rendezvous-hash winner so gateways agree."""
+
+    # ---- failures --------------------------------------------------------------------------------
+    panic_threshold: float = 0.5
+    """If fewer than this fraction of non-excluded replicas are ACTIVE, route among every replica
+    that still serves (ACTIVE or DRAINING), ignoring load bounds, rather than overload a few."""
+
+    # ---- rule 7: prefix keys ---------------------------------------------------------------------
+    prefix_block_chars: int = 1024
+    prefix_blocks: int = 64
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(f.default, int) and not isinstance(value, int):
+                raise ValueError(f"{f.name}: expected an integer, got {value!r}")  # noqa: TRY004 - the admin API maps ValueError to 400
+            _validate(f.name, value)
+
+    def with_changes(self, **changes: Any) -> PolicyParams:
+        """A copy with ``changes`` applied; ``ValueError`` names the first bad key."""
+        names = {f.name for f in dataclasses.fields(self)}
+        for key in changes:
+            if key not in names:
+                raise ValueError(f"{key}: unknown policy parameter")
+        coerced = {k: _coerce(k, type(getattr(self, k)), v) for k, v in changes.items()}
+        return dataclasses.replace(self, **coerced)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> PolicyParams:
+        return cls().with_changes(**dict(data))
+
+
+_POSITIVE_INT = {
+    "thicc_threshold",
+    "hard_bound_min",
+    "default_capacity_tokens",
+    "prefix_block_chars",
+    "prefix_blocks",
+}
+_FRACTION = {"panic_threshold"}
+
+
+def _coerce(key: str, want: type, value: Any) -> Any:
+    if isinstance(value, bool):
+        raise ValueError(f"{key}: expected {want.__name__}, got bool")  # noqa: TRY004
+    if want is int:
+        if isinstance(value, int):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        raise ValueError(f"{key}: expected an integer, got {value!r}")
+    if want is float:
+        if isinstance(value, int | float):
+            return float(value)
+        raise ValueError(f"{key}: expected a number, got {value!r}")
+    raise ValueError(f"{key}: unsupported type")  # pragma: no cover - all fields are numbers
+
+
+def _validate(key: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(f"{key}: expected a number, got {value!r}")  # noqa: TRY004
+    if not math.isfinite(value):
+        raise ValueError(f"{key}: must be finite")
+    if key in _POSITIVE_INT and value < 1:
+        raise ValueError(f"{key}: must be ≥ 1, got {value!r}")
+    if key in _FRACTION and not 0.0 <= value <= 1.0:
+        raise ValueError(f"{key}: must be within [0, 1], got {value!r}")
+    if value < 0:
+        raise ValueError(f"{key}: must be ≥ 0, got {value!r}")
+    if key == "hard_bound_factor" and value < 1.0:
+        raise ValueError(f"{key}: must be ≥ 1, got {value!r}")
+    if key == "residency_slack" and value <= 0.0:
+        raise ValueError(f"{key}: must be > 0, got {value!r}")
+    if key == "score_quantum" and value <= 0.0:
+        raise ValueError(f"{key}: must be > 0, got {value!r}")

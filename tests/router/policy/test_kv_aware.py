@@ -1,0 +1,543 @@
+"""Table-driven tests of ``kv_aware``: exact decisions on hand-built snapshots, one rule at a time."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+import pytest
+
+from router.errors import NoReplicaError
+from router.model import (
+    AffinityBreak,
+    BindSession,
+    ClusterSnapshot,
+    Effect,
+    KeySource,
+    Reason,
+    ReplicaStatus,
+    RouteRequest,
+    SetOverflow,
+)
+from router.policy.hashing import hrw_top
+from router.policy.kv_aware import KvAwarePolicy, cache_surely_gone, load_score
+from router.policy.params import PolicyParams
+from tests.builders import replica, request, session, snapshot
+
+A, B, C, D = "a", "b", "c", "d"
+S = ReplicaStatus
+P = PolicyParams()
+
+
+@dataclass(frozen=True)
+class Case:
+    snap: ClusterSnapshot
+    req: RouteRequest
+    replica: str
+    reason: Reason
+    effects: tuple[Effect, ...] = ()
+    brk: AffinityBreak | None = None
+    params: PolicyParams = field(default_factory=PolicyParams)
+
+
+def bind(rid: str, only_if: str | None, reason: Reason, sid: str = "s1") -> BindSession:
+    return BindSession(sid, rid, only_if=only_if, reason=reason)
+
+
+CASES: dict[str, Case] = {
+    # ---- rule 1: affinity
+    "affinity_home_busier_than_others": Case(
+        snapshot(replica(A, in_flight=3), replica(B), replica(C), sess=session("s1", A)),
+        request(),
+        A,
+        Reason.AFFINITY,
+    ),
+    "affinity_mid_turn_below_thicc": Case(
+        snapshot(replica(A, in_flight=2), replica(B), sess=session("s1", A, in_flight={A: 2})),
+        request(),
+        A,
+        Reason.AFFINITY,
+    ),
+    "affinity_draining_home_mid_turn": Case(
+        snapshot(
+            replica(A, status=S.DRAINING, in_flight=1), replica(B), sess=session("s1", A, in_flight={A: 1})
+        ),
+        request(),
+        A,
+        Reason.AFFINITY,
+    ),
+    "affinity_unknown_residency_mark": Case(
+        snapshot(replica(A, written=9_000_000), replica(B), sess=session("s1", A, mark=0)),
+        request(),
+        A,
+        Reason.AFFINITY,
+    ),
+    "affinity_host_tier_keeps_cache": Case(
+        snapshot(
+            replica(A, written=2_000_000, host=2_000_000, in_flight=3),
+            replica(B),
+            sess=session("s1", A, mark=100_000),
+        ),
+        request(),
+        A,
+        Reason.AFFINITY,
+    ),
+    "affinity_collapses_idle_overflow": Case(
+        snapshot(
+            replica(A, in_flight=1),
+            replica(B),
+            replica(C, in_flight=1),
+            sess=session("s1", A, overflow=(B, C), in_flight={A: 1, C: 1}),
+        ),
+        request(),
+        A,
+        Reason.AFFINITY,
+        (SetOverflow("s1", (C,)),),
+    ),
+    "affinity_big_session_not_moved_by_soft_overload": Case(
+        snapshot(
+            replica(A, in_flight=6, queued=2),
+            replica(B),
+            replica(C, in_flight=1),
+            sess=session("s1", A, ctx=100_000),
+        ),
+        request(),
+        A,
+        Reason.AFFINITY,
+    ),
+    # ---- rule 3: placement
+    "new_least_in_flight": Case(
+        snapshot(replica(A, in_flight=2), replica(B), replica(C, in_flight=1)),
+        request(),
+        B,
+        Reason.PLACED_NEW,
+        (bind(B, None, Reason.PLACED_NEW),),
+    ),
+    "new_engine_queue_counts": Case(
+        snapshot(replica(A, in_flight=1), replica(B, queued=3)),
+        request(),
+        A,
+        Reason.PLACED_NEW,
+        (bind(A, None, Reason.PLACED_NEW),),
+    ),
+    "new_avoids_full_working_set": Case(
+        snapshot(replica(A, active_ctx=1_600_000), replica(B, in_flight=2)),
+        request(prompt=50_000),
+        B,
+        Reason.PLACED_NEW,
+        (bind(B, None, Reason.PLACED_NEW),),
+    ),
+    "new_active_sessions_come_back": Case(
+        snapshot(replica(A, sessions=12), replica(B, in_flight=1, sessions=2)),
+        request(),
+        B,
+        Reason.PLACED_NEW,
+        (bind(B, None, Reason.PLACED_NEW),),
+    ),
+    "new_bounded_load_skips_session_heavy_idle_replica": Case(
+        # 15 active sessions on 3 replicas: cap = ceil(1.25 * 16 / 3) = 7, so A (10) is out
+        snapshot(
+            replica(A, sessions=10), replica(B, sessions=2, in_flight=2), replica(C, sessions=3, in_flight=4)
+        ),
+        request(),
+        B,
+        Reason.PLACED_NEW,
+        (bind(B, None, Reason.PLACED_NEW),),
+        params=P.with_changes(w_sessions=0.0),
+    ),
+    "new_never_draining": Case(
+        snapshot(replica(A, status=S.DRAINING), replica(B, in_flight=3)),
+        request(),
+        B,
+        Reason.PLACED_NEW,
+        (bind(B, None, Reason.PLACED_NEW),),
+    ),
+    "new_never_joining_or_down": Case(
+        snapshot(
+            replica(A, status=S.JOINING),
+            replica(B, status=S.DOWN),
+            replica(C, in_flight=5),
+            replica(D, in_flight=6),
+        ),
+        request(),
+        C,
+        Reason.PLACED_NEW,
+        (bind(C, None, Reason.PLACED_NEW),),
+        params=P.with_changes(panic_threshold=0.0),
+    ),
+    "new_never_excluded": Case(
+        snapshot(replica(A), replica(B, in_flight=1), replica(C, in_flight=2)),
+        request(excluded={A}),
+        B,
+        Reason.PLACED_NEW,
+        (bind(B, None, Reason.PLACED_NEW),),
+    ),
+    "prefix_key_placed_like_a_session": Case(
+        snapshot(replica(A, in_flight=1), replica(B)),
+        request("pabc", source=KeySource.PREFIX),
+        B,
+        Reason.PLACED_NEW,
+        (bind(B, None, Reason.PLACED_NEW, sid="pabc"),),
+    ),
+    "no_key_least_loaded_no_effects": Case(
+        snapshot(replica(A, in_flight=1), replica(B), replica(C, in_flight=2)),
+        request(None),
+        B,
+        Reason.PLACED_NEW,
+    ),
+    # ---- rule 4: fresh replicas
+    "fresh_replica_takes_new_session": Case(
+        snapshot(
+            replica(A, in_flight=2),
+            replica(B, in_flight=2),
+            replica(C, in_flight=2),
+            replica(D, joined_at=990.0),
+        ),
+        request(),
+        D,
+        Reason.PLACED_NEW,
+        (bind(D, None, Reason.PLACED_NEW),),
+    ),
+    "fresh_replica_ramp_capped": Case(
+        # 6 recent placements on 4 replicas: share = ceil(1.5 * 7 / 4) = 3, D already took 3
+        snapshot(
+            replica(A, in_flight=1, placed=1),
+            replica(B, in_flight=2, placed=1),
+            replica(C, in_flight=2, placed=1),
+            replica(D, joined_at=990.0, placed=3),
+        ),
+        request(),
+        A,
+        Reason.PLACED_NEW,
+        (bind(A, None, Reason.PLACED_NEW),),
+    ),
+    "old_replica_is_not_ramp_capped": Case(
+        snapshot(
+            replica(A, in_flight=1, placed=1),
+            replica(B, in_flight=2, placed=1),
+            replica(C, in_flight=2, placed=1),
+            replica(D, joined_at=700.0, placed=3),
+        ),
+        request(),
+        D,
+        Reason.PLACED_NEW,
+        (bind(D, None, Reason.PLACED_NEW),),
+    ),
+    # ---- rule 2: thicc sessions
+    "thicc_opens_overflow": Case(
+        snapshot(
+            replica(A, in_flight=3),
+            replica(B),
+            replica(C, in_flight=1),
+            sess=session("s1", A, in_flight={A: 3}),
+        ),
+        request(),
+        B,
+        Reason.THICC_SPLIT,
+        (SetOverflow("s1", (B,)),),
+        AffinityBreak.THICC_SPLIT,
+    ),
+    "thicc_reuses_sticky_overflow": Case(
+        snapshot(
+            replica(A, in_flight=3),
+            replica(B, in_flight=1),
+            replica(C),
+            sess=session("s1", A, overflow=(B,), in_flight={A: 3, B: 1}),
+        ),
+        request(),
+        B,
+        Reason.THICC_SPLIT,
+    ),
+    "thicc_grows_second_overflow": Case(
+        snapshot(
+            replica(A, in_flight=3),
+            replica(B, in_flight=3),
+            replica(C),
+            replica(D, in_flight=2),
+            sess=session("s1", A, overflow=(B,), in_flight={A: 3, B: 3}),
+        ),
+        request(),
+        C,
+        Reason.THICC_SPLIT,
+        (SetOverflow("s1", (B, C)),),
+        AffinityBreak.THICC_SPLIT,
+    ),
+    "thicc_at_max_overflow_goes_to_least_used": Case(
+        snapshot(
+            replica(A, in_flight=3),
+            replica(B, in_flight=4),
+            replica(C),
+            sess=session("s1", A, overflow=(B,), in_flight={A: 3, B: 4}),
+        ),
+        request(),
+        A,
+        Reason.AFFINITY,
+        params=P.with_changes(max_overflow=1),
+    ),
+    "thicc_drops_down_overflow": Case(
+        snapshot(
+            replica(A, in_flight=3),
+            replica(B, status=S.DOWN),
+            replica(C, in_flight=1),
+            replica(D, in_flight=2),
+            sess=session("s1", A, overflow=(B,), in_flight={A: 3}),
+        ),
+        request(),
+        C,
+        Reason.THICC_SPLIT,
+        (SetOverflow("s1", (C,)),),
+        AffinityBreak.THICC_SPLIT,
+    ),
+    "overload_mid_turn_spills": Case(
+        # mean in-flight 3 -> hard bound max(8, 6) = 8; A is at 9
+        snapshot(
+            replica(A, in_flight=9),
+            replica(B),
+            replica(C, in_flight=1),
+            sess=session("s1", A, in_flight={A: 1}),
+        ),
+        request(),
+        B,
+        Reason.THICC_SPLIT,
+        (SetOverflow("s1", (B,)),),
+        AffinityBreak.OVERLOAD_SPILL,
+    ),
+    # ---- rule 5: reassignment at turn start
+    "overload_idle_reassigns": Case(
+        snapshot(replica(A, in_flight=9), replica(B), replica(C, in_flight=1), sess=session("s1", A)),
+        request(),
+        B,
+        Reason.REASSIGNED_OVERLOAD,
+        (bind(B, A, Reason.REASSIGNED_OVERLOAD),),
+        AffinityBreak.OVERLOAD_SPILL,
+    ),
+    "soft_overload_moves_cheap_session": Case(
+        # mean 7/3: soft bound 1.4 * 2.33 + 2 = 5.27 < 6 and the engine reports a queue
+        snapshot(
+            replica(A, in_flight=6, queued=2),
+            replica(B),
+            replica(C, in_flight=1),
+            sess=session("s1", A, ctx=10_000),
+        ),
+        request(),
+        B,
+        Reason.REASSIGNED_OVERLOAD,
+        (bind(B, A, Reason.REASSIGNED_OVERLOAD),),
+        AffinityBreak.OVERLOAD_SPILL,
+    ),
+    "soft_overload_not_persistent_stays": Case(
+        snapshot(
+            replica(A, in_flight=6), replica(B), replica(C, in_flight=1), sess=session("s1", A, ctx=10_000)
+        ),
+        request(),
+        A,
+        Reason.AFFINITY,
+    ),
+    "thrashing_home_moves_cheap_session": Case(
+        snapshot(
+            replica(A, in_flight=2, active_ctx=2_000_000, sessions=8),
+            replica(B, sessions=2),
+            sess=session("s1", A, ctx=10_000),
+        ),
+        request(),
+        B,
+        Reason.REASSIGNED_OVERLOAD,
+        (bind(B, A, Reason.REASSIGNED_OVERLOAD),),
+        AffinityBreak.OVERLOAD_SPILL,
+    ),
+    "draining_home_idle_reassigns": Case(
+        snapshot(
+            replica(A, status=S.DRAINING),
+            replica(B, in_flight=2),
+            replica(C, in_flight=1),
+            sess=session("s1", A, overflow=(B,)),
+        ),
+        request(),
+        C,
+        Reason.REASSIGNED_DRAINING,
+        (bind(C, A, Reason.REASSIGNED_DRAINING), SetOverflow("s1", ())),
+        AffinityBreak.REPLICA_GONE,
+    ),
+    "down_home_reassigns": Case(
+        snapshot(
+            replica(A, status=S.DOWN),
+            replica(B, in_flight=2),
+            replica(C, in_flight=1),
+            sess=session("s1", A, in_flight={A: 1}),
+        ),
+        request(),
+        C,
+        Reason.REASSIGNED_GONE,
+        (bind(C, A, Reason.REASSIGNED_GONE),),
+        AffinityBreak.REPLICA_GONE,
+    ),
+    "removed_home_reassigns": Case(
+        snapshot(replica(B, in_flight=2), replica(C, in_flight=1), sess=session("s1", "gone")),
+        request(),
+        C,
+        Reason.REASSIGNED_GONE,
+        (bind(C, "gone", Reason.REASSIGNED_GONE),),
+        AffinityBreak.REPLICA_GONE,
+    ),
+    # ---- rule 6: residency
+    "evicted_placed_afresh": Case(
+        snapshot(
+            replica(A, written=2_000_000, in_flight=3),
+            replica(B, in_flight=1),
+            replica(C, in_flight=2),
+            sess=session("s1", A, mark=100_000),
+        ),
+        request(),
+        B,
+        Reason.PLACED_EVICTED,
+        (bind(B, A, Reason.PLACED_EVICTED),),
+        AffinityBreak.EVICTED,
+    ),
+    "evicted_home_still_best": Case(
+        snapshot(
+            replica(A, written=2_000_000),
+            replica(B, in_flight=1),
+            replica(C, in_flight=2),
+            sess=session("s1", A, mark=100_000),
+        ),
+        request(),
+        A,
+        Reason.PLACED_EVICTED,
+        (),
+        AffinityBreak.EVICTED,
+    ),
+    "evicted_mid_turn_stays_home": Case(
+        snapshot(
+            replica(A, written=2_000_000, in_flight=3),
+            replica(B, in_flight=1),
+            sess=session("s1", A, mark=100_000, in_flight={A: 1}),
+        ),
+        request(),
+        A,
+        Reason.AFFINITY,
+    ),
+    # ---- rule 8: failures
+    "retry_avoids_failed_home_without_rebind": Case(
+        snapshot(replica(A), replica(B, in_flight=2), replica(C, in_flight=1), sess=session("s1", A)),
+        request(excluded={A}),
+        C,
+        Reason.RETRY,
+        (),
+        AffinityBreak.REPLICA_GONE,
+    ),
+    "panic_routes_to_draining": Case(
+        # 1 of 4 non-excluded replicas ACTIVE < 50 %: route among ACTIVE + DRAINING, bounds off
+        snapshot(
+            replica(A, status=S.DOWN),
+            replica(B, status=S.DOWN),
+            replica(C, status=S.DRAINING),
+            replica(D, in_flight=5),
+        ),
+        request(),
+        C,
+        Reason.PLACED_NEW,
+        (bind(C, None, Reason.PLACED_NEW),),
+    ),
+    "no_panic_below_threshold": Case(
+        snapshot(
+            replica(A, status=S.DOWN),
+            replica(B, status=S.DOWN),
+            replica(C, status=S.DRAINING),
+            replica(D, in_flight=5),
+        ),
+        request(),
+        D,
+        Reason.PLACED_NEW,
+        (bind(D, None, Reason.PLACED_NEW),),
+        params=P.with_changes(panic_threshold=0.2),
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_decision(name: str) -> None:
+    case = CASES[name]
+    d = KvAwarePolicy(case.params).route(case.req, case.snap, random.Random(7))
+    assert (d.replica_id, d.reason) == (case.replica, case.reason)
+    assert d.effects == case.effects
+    assert d.expected_break == case.brk
+
+
+def test_placement_scores_are_expected_delay() -> None:
+    snap = snapshot(replica(A, in_flight=2), replica(B), replica(C, in_flight=1, queued=2, kv_util=0.5))
+    d = KvAwarePolicy().route(request(), snap, random.Random(0))
+    assert d.scores == ((A, 2.0), (B, 0.0), (C, 1.0 + 2.0 + 0.5))
+
+
+def test_ties_go_to_the_rendezvous_winner_of_the_session() -> None:
+    snap = snapshot(*(replica(f"r{i}") for i in range(8)))
+    for sid in ("s1", "s2", "s3", "another", "x" * 40):
+        d = KvAwarePolicy().route(request(sid), snap, random.Random(0))
+        assert d.replica_id == hrw_top(sid, [f"r{i}" for i in range(8)])
+        # the rng plays no part when there is a key: racing gateways agree
+        assert KvAwarePolicy().route(request(sid), snap, random.Random(99)).replica_id == d.replica_id
+
+
+def test_near_ties_within_quantum_also_use_rendezvous() -> None:
+    # 0.25 apart < quantum 0.5: still a tie
+    snap = snapshot(replica(A, sessions=1), replica(B))
+    winners = {KvAwarePolicy().route(request(f"s{i}"), snap, random.Random(0)).replica_id for i in range(40)}
+    assert winners == {A, B}
+    narrow = P.with_changes(score_quantum=0.1)
+    winners = {
+        KvAwarePolicy(narrow).route(request(f"s{i}"), snap, random.Random(0)).replica_id for i in range(40)
+    }
+    assert winners == {B}
+
+
+def test_no_key_ties_use_the_injected_rng() -> None:
+    snap = snapshot(*(replica(f"r{i}") for i in range(8)))
+    picks = [KvAwarePolicy().route(request(None), snap, random.Random(seed)).replica_id for seed in range(50)]
+    assert len(set(picks)) > 3
+    again = [KvAwarePolicy().route(request(None), snap, random.Random(seed)).replica_id for seed in range(50)]
+    assert picks == again
+
+
+@pytest.mark.parametrize(
+    "snap",
+    [
+        snapshot(),
+        snapshot(replica(A, status=S.DOWN), replica(B, status=S.JOINING)),
+        snapshot(replica(A), replica(B)),  # both excluded below
+    ],
+)
+def test_no_replica_raises(snap: ClusterSnapshot) -> None:
+    with pytest.raises(NoReplicaError):
+        KvAwarePolicy().route(request(excluded={A, B}), snap, random.Random(0))
+    with pytest.raises(NoReplicaError):
+        KvAwarePolicy().route(
+            request(excluded={A, B}), snapshot(*snap.replicas, sess=session("s1", A)), random.Random(0)
+        )
+
+
+@pytest.mark.parametrize(
+    ("written", "mark", "host", "slack", "gone"),
+    [
+        (1_000_000, 100_000, 0, 1.0, True),  # 900k written since > 850k
+        (900_000, 100_000, 0, 1.0, False),  # 800k < 850k
+        (1_000_000, 100_000, 0, 1.2, False),  # slack 1.2 -> 1.02M
+        (3_000_000, 100_000, 1_700_000, 1.0, True),  # 2.9M > 850k + 1.7M
+        (2_000_000, 100_000, 1_700_000, 1.0, False),
+        (5_000_000, 0, 0, 1.0, False),  # unknown mark: assume resident
+    ],
+)
+def test_residency_estimate(written: int, mark: int, host: int, slack: float, gone: bool) -> None:
+    params = P.with_changes(residency_slack=slack)
+    assert (
+        cache_surely_gone(session("s1", A, mark=mark), replica(A, written=written, host=host), params) is gone
+    )
+
+
+def test_default_capacity_when_unknown() -> None:
+    unknown = replica(A, capacity=0, written=1_000_000)
+    assert cache_surely_gone(session("s1", A, mark=100_000), unknown, P)  # 900k > default 850k
+    assert not cache_surely_gone(
+        session("s1", A, mark=100_000), unknown, P.with_changes(default_capacity_tokens=10**6)
+    )
+    # working-set penalty uses the same default: 1.7M of context on an unknown replica = 2x capacity
+    assert load_score(replica(A, capacity=0, active_ctx=1_700_000), 0, P) == pytest.approx(4.0 * (2.0 - 0.9))
