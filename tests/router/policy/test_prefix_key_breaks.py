@@ -1,0 +1,179 @@
+"""Rule 7 prefix keys and rule 6 affinity-break classification."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from router.model import AffinityBreak, Completion, KeySource, Lease, Reason
+from router.policy.breaks import classify_break
+from router.policy.prefix_key import prefix_key
+
+CHAT = "/v1/chat/completions"
+TOOLS = [{"type": "function", "function": {"name": "bash", "parameters": {"type": "object"}}}]
+SYSTEM = "You are a coding agent. " * 400  # ~9.6k chars, shared by every conversation
+
+
+def chat(
+    first: str, *later: str, system: str = SYSTEM, tools: Any = TOOLS, model: str = "kimi"
+) -> dict[str, Any]:
+    msgs: list[dict[str, Any]] = [{"role": "system", "content": system}, {"role": "user", "content": first}]
+    for i, text in enumerate(later):
+        msgs.append({"role": "assistant" if i % 2 == 0 else "user", "content": text})
+    return {"model": model, "messages": msgs, "tools": tools}
+
+
+def key(body: dict[str, Any], route: str = CHAT) -> str | None:
+    return prefix_key(body, route, block_chars=1024, blocks=64)
+
+
+def test_same_conversation_keeps_its_key_as_it_grows() -> None:
+    k1 = key(chat("fix the failing test in foo.py"))
+    k3 = key(chat("fix the failing test in foo.py", "looking at foo.py", "now run it"))
+    assert k1 is not None and k1 == k3 and k1.startswith("p")
+
+
+def test_shared_system_prompt_does_not_herd_conversations() -> None:
+    keys = {key(chat(f"task number {i}: refactor module {i}")) for i in range(200)}
+    assert len(keys) == 200
+
+
+@pytest.mark.parametrize(
+    "other",
+    [
+        chat("hello", system="another system prompt"),
+        chat("hello", tools=None),
+        chat("hello", model="other-model"),
+        chat("hello!"),
+    ],
+)
+def test_key_depends_on_system_tools_model_and_first_message(other: dict[str, Any]) -> None:
+    assert key(chat("hello")) != key(other)
+
+
+def test_content_parts_render_like_strings() -> None:
+    as_parts = chat("x")
+    as_parts["messages"][1]["content"] = [{"type": "text", "text": "x"}]
+    assert key(as_parts) == key(chat("x"))
+
+
+def test_huge_first_message_is_capped_but_stable() -> None:
+    big = "y" * 500_000
+    assert key(chat(big)) == key(chat(big + "z"))  # beyond 64 blocks of 1024 chars
+    assert key(chat(big)) != key(chat("q" + big))
+
+
+@pytest.mark.parametrize(
+    ("route", "field", "make"),
+    [
+        ("/v1/completions", "prompt", lambda n: "p" * n),
+        ("/generate", "text", lambda n: "t" * n),
+        ("/generate", "input_ids", lambda n: [7] * (n // 2)),
+    ],
+)
+def test_plain_prompts_key_on_full_leading_blocks(route: str, field: str, make: Any) -> None:
+    base = make(64 * 1024 + 100)
+    longer = make(90 * 1024)
+    assert prefix_key({field: base}, route, 1024, 64) == prefix_key({field: longer}, route, 1024, 64)
+    short = prefix_key({field: make(3000)}, route, 1024, 64)
+    assert short is not None and short != prefix_key({field: base}, route, 1024, 64)
+
+
+def test_prompt_batch_keys_on_first_prompt() -> None:
+    assert prefix_key({"prompt": ["abc", "def"]}, "/v1/completions", 16, 4) == prefix_key(
+        {"prompt": "abc"}, "/v1/completions", 16, 4
+    )
+
+
+@pytest.mark.parametrize(
+    ("body", "route"),
+    [
+        ({}, CHAT),
+        ({"messages": []}, CHAT),
+        ({"messages": "nope"}, CHAT),
+        ({"prompt": ""}, "/v1/completions"),
+        ({"input_ids": []}, "/generate"),
+        ({"input_ids": [True, 2]}, "/generate"),
+    ],
+)
+def test_nothing_to_key_on(body: dict[str, Any], route: str) -> None:
+    assert prefix_key(body, route, 1024, 64) is None
+
+
+def test_keys_are_deterministic_across_processes() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "from router.policy.prefix_key import prefix_key;"
+        "print(prefix_key({'messages':[{'role':'user','content':'hi'}]}, '/v1/chat/completions', 1024, 64))"
+    )
+    out = {
+        subprocess.run(
+            [sys.executable, "-c", code],
+            capture_output=True,
+            text=True,
+            check=True,
+            env={"PYTHONHASHSEED": str(seed)},
+        ).stdout.strip()
+        for seed in (1, 2)
+    }
+    assert out == {key({"messages": [{"role": "user", "content": "hi"}]})}
+
+
+def test_bad_block_params() -> None:
+    with pytest.raises(ValueError):
+        prefix_key({"prompt": "x"}, "/v1/completions", 0, 4)
+
+
+# ---- breaks ------------------------------------------------------------------------------------
+
+
+def lease(reason: Reason = Reason.AFFINITY, prev: int = 100_000, disagreement: bool = False) -> Lease:
+    return Lease("l1", "a", "s1", reason, 0.0, disagreement=disagreement, prev_context_tokens=prev)
+
+
+def done(prompt: int | None = 101_000, cached: int | None = 100_000, ok: bool = True) -> Completion:
+    return Completion(ok=ok, prompt_tokens=prompt, cached_tokens=cached, completion_tokens=200)
+
+
+@pytest.mark.parametrize(
+    ("lease_", "completion", "source", "expected"),
+    [
+        (lease(), done(cached=100_000), KeySource.HEADER, None),
+        (lease(), done(cached=98_000), KeySource.HEADER, None),  # 2 % + a page of slack
+        (lease(), done(cached=97_000), KeySource.HEADER, AffinityBreak.EVICTED),
+        (lease(), done(cached=0), KeySource.HEADER, AffinityBreak.EVICTED),
+        (lease(Reason.THICC_SPLIT), done(cached=15_000), KeySource.HEADER, AffinityBreak.THICC_SPLIT),
+        (lease(Reason.REASSIGNED_OVERLOAD), done(cached=0), KeySource.HEADER, AffinityBreak.OVERLOAD_SPILL),
+        (lease(Reason.REASSIGNED_GONE), done(cached=0), KeySource.HEADER, AffinityBreak.REPLICA_GONE),
+        (lease(Reason.REASSIGNED_DRAINING), done(cached=0), KeySource.HEADER, AffinityBreak.REPLICA_GONE),
+        (lease(Reason.RETRY), done(cached=0), KeySource.HEADER, AffinityBreak.REPLICA_GONE),
+        (lease(Reason.PLACED_EVICTED), done(cached=0), KeySource.HEADER, AffinityBreak.EVICTED),
+        (lease(Reason.LEAST_LOADED), done(cached=0), KeySource.HEADER, AffinityBreak.OVERLOAD_SPILL),
+        (lease(disagreement=True), done(cached=0), KeySource.HEADER, AffinityBreak.GATEWAY_DISAGREEMENT),
+        (
+            lease(Reason.THICC_SPLIT, disagreement=True),
+            done(cached=0),
+            KeySource.HEADER,
+            AffinityBreak.GATEWAY_DISAGREEMENT,
+        ),
+        (lease(), done(cached=0), KeySource.PREFIX, AffinityBreak.NO_SESSION_ID),
+        (lease(prev=0), done(cached=0), KeySource.HEADER, None),  # first turn: nothing to lose
+        (
+            lease(),
+            done(prompt=20_000, cached=19_900),
+            KeySource.HEADER,
+            None,
+        ),  # history rewritten, all cached
+        (lease(), done(prompt=20_000, cached=5_000), KeySource.HEADER, AffinityBreak.EVICTED),
+        (lease(), done(cached=None), KeySource.HEADER, None),  # engine did not report
+        (lease(), done(ok=False, cached=0), KeySource.HEADER, None),
+        (lease(prev=100), done(prompt=500, cached=40), KeySource.HEADER, None),  # within one partial page
+    ],
+)
+def test_classify_break(
+    lease_: Lease, completion: Completion, source: KeySource, expected: AffinityBreak | None
+) -> None:
+    assert classify_break(lease_, completion, source) is expected
