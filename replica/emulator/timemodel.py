@@ -1,0 +1,476 @@
+"""A pure, event-driven model of one SGLang replica: continuous batching over a prefix cache.
+
+No I/O, no clock reads, no asyncio: ``now`` is always passed in (modelled seconds). The live
+emulator drives it with scaled wall time; the fleet simulator drives it with virtual time.
+
+Theory of operation
+-------------------
+The engine is one GPU "server" that runs one *operation* at a time, as SGLang's scheduler loop
+does (``--enable-mixed-chunk`` off):
+
+Rule 1 (prefill first): when a prefill can run it runs. A prefill forward packs, FCFS, the
+        request whose chunked prefill is unfinished and then newly admitted requests, up to
+        ``chunked_prefill_size`` new tokens. Its duration is
+        ``prefill_base_s + Σ new_i x (c_lin + c_attn x (ctx_i + new_i/2))`` plus
+        ``host_reload_s_per_token`` per host-tier hit token (reloaded, not recomputed).
+Rule 2 (admission): a waiting request is admitted when a slot is free
+        (``max_running_requests``) and the cache can hold all of it (prompt + output,
+        ``PrefixCache.try_lock``). Admission is FCFS with head-of-line blocking. A request
+        larger than the whole KV pool or the context window is refused at submit.
+Rule 3 (decode segments, closed form): otherwise every prefilled request decodes together.
+        With B requests of total context C (model tokens), step k (0-based) takes
+        ``s_k = decode_base_s + decode_per_req_s x B + kv_read x (C + k x B x accept)``, so
+        the end of step k is quadratic in k and both "when does request i finish" and "how many
+        steps are done at time t" are solved in O(1). A *segment* lasts until the first request
+        finishes; an arrival that could be admitted cuts it at the next step boundary; an abort
+        cuts it likewise. Work per request is O(batch size) overall, never O(output tokens).
+Rule 4 (tokens): the last prefill chunk yields the first token; each decode step yields
+        ``spec_accept_length / token_unit`` emulated tokens per request (fractional carry).
+Rule 5 (token_unit): one emulated token stands for ``token_unit`` model tokens; costs are
+        computed in model tokens, capacities are reported in emulated tokens.
+
+Events come out of :meth:`ReplicaEngine.advance` in time order; :meth:`ReplicaEngine.submit`
+and :meth:`ReplicaEngine.abort` first catch up to ``now`` and keep the events they produce
+for the next ``advance``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from replica.emulator.cache import Lease, PrefixCache
+from replica.emulator.profiles import Profile
+
+__all__ = [
+    "EngineEvent",
+    "EngineLoad",
+    "EngineRequest",
+    "Finished",
+    "FirstToken",
+    "Progress",
+    "ReplicaEngine",
+    "Started",
+    "Tokens",
+    "decode_step_time",
+    "prefill_time",
+]
+
+
+def prefill_time(profile: Profile, new_tokens: int, ctx_tokens: int) -> float:
+    """Seconds to prefill ``new_tokens`` on top of ``ctx_tokens`` cached ones (model tokens),
+    excluding the per-forward base cost."""
+    return new_tokens * (profile.prefill_c_lin_s + profile.prefill_c_attn_s * (ctx_tokens + new_tokens / 2))
+
+
+def decode_step_time(profile: Profile, batch: int, total_ctx_tokens: int) -> float:
+    """Seconds for one decode step of ``batch`` requests with ``total_ctx_tokens`` of KV (model tokens)."""
+    return (
+        profile.decode_base_s
+        + profile.decode_per_req_s * batch
+        + profile.decode_kv_read_s_per_token * total_ctx_tokens
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class EngineRequest:
+    """One request as the engine sees it. Tokens are emulated tokens.
+
+    block_hashes: chained hashes of the prompt's full ``page_size`` blocks.
+    extra_hashes: hashes of further blocks of prompt+output, cached when it finishes normally.
+    """
+
+    rid: str
+    prompt_tokens: int
+    block_hashes: Sequence[int]
+    output_tokens: int
+    extra_hashes: Sequence[int] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Started:
+    rid: str
+    t: float
+    cached_device: int
+    cached_host: int
+
+
+@dataclass(frozen=True, slots=True)
+class FirstToken:
+    rid: str
+    t: float
+
+
+@dataclass(frozen=True, slots=True)
+class Tokens:
+    rid: str
+    n: int  # tokens generated so far
+    t: float
+
+
+@dataclass(frozen=True, slots=True)
+class Finished:
+    rid: str
+    t: float
+    completion_tokens: int
+    reason: str  # "length" | "abort"
+
+
+EngineEvent = Started | FirstToken | Tokens | Finished
+
+
+@dataclass(frozen=True, slots=True)
+class EngineLoad:
+    running: int
+    queued: int
+    used_tokens: int
+    capacity_tokens: int
+    token_usage: float
+    evictable_tokens: int
+    host_used_tokens: int
+    host_total_tokens: int
+    cache_hit_rate: float
+    gen_throughput: float
+    spec_accept_length: float
+    waiting_tokens: int
+    decode_sum_seq_lens: int
+
+
+@dataclass(frozen=True, slots=True)
+class Progress:
+    tokens: int  # generated so far (emulated)
+    next_time: float | None  # when the count next changes, if known
+    finished: bool
+
+
+_WAITING, _PREFILL, _DECODE, _DONE = 0, 1, 2, 3
+
+
+class _Req:
+    __slots__ = ("abort_pending", "cached", "gen", "lease", "prefilled", "reload", "req", "state", "submitted")
+
+    def __init__(self, req: EngineRequest, now: float) -> None:
+        self.req = req
+        self.submitted = now
+        self.state = _WAITING
+        self.lease: Lease | None = None
+        self.cached = 0
+        self.reload = 0  # host tokens still to reload (charged on the first chunk)
+        self.prefilled = 0
+        self.gen = 0.0
+        self.abort_pending = False
+
+
+class _Prefill:
+    __slots__ = ("end", "items")
+
+    def __init__(self, end: float, items: list[tuple[_Req, int]]) -> None:
+        self.end = end
+        self.items = items
+
+
+class _Decode:
+    __slots__ = ("delta", "end", "k_end", "reqs", "s0", "step_tokens", "t0")
+
+    def __init__(self, t0: float, s0: float, delta: float, step_tokens: float, reqs: list[_Req], k_end: int) -> None:
+        self.t0 = t0
+        self.s0 = s0
+        self.delta = delta
+        self.step_tokens = step_tokens
+        self.reqs = reqs
+        self.k_end = k_end
+        self.end = self.time_of(k_end)
+
+    def time_of(self, k: int) -> float:
+        return self.t0 + k * self.s0 + self.delta * k * (k - 1) / 2
+
+    def steps_by(self, t: float) -> int:
+        """Number of whole steps finished at time ``t`` (capped at ``k_end``)."""
+        dt = t - self.t0
+        if dt <= 0:
+            return 0
+        if self.delta > 0:
+            b = self.s0 - self.delta / 2
+            k = int((-b + math.sqrt(b * b + 2 * self.delta * dt)) / self.delta)
+        else:
+            k = int(dt / self.s0)
+        while k > 0 and self.time_of(k) > t:
+            k -= 1
+        while k < self.k_end and self.time_of(k + 1) <= t:
+            k += 1
+        return min(k, self.k_end)
+
+    def cut(self, t: float) -> None:
+        """End the segment at the first step boundary at or after ``t``."""
+        k = self.steps_by(t)
+        if self.time_of(k) < t:
+            k += 1
+        if k < self.k_end:
+            self.k_end = k
+            self.end = self.time_of(k)
+
+
+class ReplicaEngine:
+    def __init__(self, profile: Profile, cache: PrefixCache | None = None, token_events: bool = False) -> None:
+        self.profile = profile
+        self.cache = cache or PrefixCache(profile.capacity_tokens, profile.page_size, profile.host_tokens)
+        self._token_events = token_events
+        self._unit = profile.token_unit
+        self._step_tokens = profile.spec_accept_length / profile.token_unit
+        self._budget = max(1, profile.chunked_prefill_size // profile.token_unit)
+        self._reqs: dict[str, _Req] = {}
+        self._waiting: deque[_Req] = deque()
+        self._prefilling: list[_Req] = []
+        self._decoding: list[_Req] = []
+        self._op: _Prefill | _Decode | None = None
+        self._t = 0.0
+        self._events: list[EngineEvent] = []
+        self._hit_rate = 0.0
+        self._gen_throughput = 0.0
+        self.finished_count = 0
+        self.aborted_count = 0
+
+    # ---- public API ----------------------------------------------------------------------
+    def submit(self, req: EngineRequest, now: float) -> None:
+        """Queue a request at time ``now``. Raises ``ValueError`` if it can never run here."""
+        if req.rid in self._reqs:
+            raise ValueError(f"duplicate request id {req.rid!r}")
+        total = req.prompt_tokens + req.output_tokens
+        if req.prompt_tokens <= 0 or req.output_tokens < 0:
+            raise ValueError("prompt must have at least one token and output_tokens must be >= 0")
+        if total > self.cache.capacity_tokens:
+            raise ValueError(
+                f"request needs {total} KV tokens but the pool holds {self.cache.capacity_tokens}"
+            )
+        self._catch_up(now)
+        r = _Req(req, now)
+        self._reqs[req.rid] = r
+        self._waiting.append(r)
+        op = self._op
+        if op is None:
+            self._t = max(self._t, now)
+            self._schedule(self._t)
+        elif isinstance(op, _Decode) and self._running() < self.profile.max_running_requests:
+            op.cut(now)
+
+    def abort(self, rid: str, now: float) -> bool:
+        """Abort a request (client went away). Frees its slot and KV. False if unknown or done."""
+        self._catch_up(now)
+        r = self._reqs.get(rid)
+        if r is None or r.state == _DONE or r.abort_pending:
+            return False
+        if r.state == _WAITING:
+            self._waiting.remove(r)
+            self._finish(r, now, "abort")
+        elif r.state == _PREFILL:
+            self._prefilling.remove(r)
+            self._finish(r, now, "abort")  # a running prefill op skips it when it completes
+            if self._op is None:
+                self._schedule(now)
+        else:  # decoding: leaves at the next step boundary
+            r.abort_pending = True
+            self.aborted_count += 1
+            self._events.append(Finished(rid, now, self._visible(r), "abort"))
+            if isinstance(self._op, _Decode):
+                self._op.cut(now)
+        return True
+
+    def next_event_time(self) -> float | None:
+        return self._op.end if self._op is not None else None
+
+    def advance(self, now: float) -> list[EngineEvent]:
+        self._catch_up(now)
+        out, self._events = self._events, []
+        return out
+
+    def progress(self, rid: str, now: float) -> Progress:
+        """Tokens generated by ``rid`` at ``now`` and when that next changes (for streaming)."""
+        r = self._reqs.get(rid)
+        if r is None:
+            return Progress(0, None, True)
+        if r.state == _DONE:
+            return Progress(int(r.gen + 1e-9), None, True)
+        op = self._op
+        if r.state != _DECODE:
+            return Progress(0, op.end if op is not None else None, False)
+        if isinstance(op, _Decode) and r in op.reqs:
+            k = op.steps_by(now)
+            tokens = min(r.req.output_tokens, int(r.gen + k * op.step_tokens + 1e-9))
+            nxt = op.time_of(k + 1) if k < op.k_end else op.end
+            return Progress(tokens, nxt, False)
+        return Progress(self._visible(r), op.end if op is not None else None, False)
+
+    def load(self) -> EngineLoad:
+        c = self.cache
+        cap = c.capacity_tokens
+        used = c.used_tokens
+        return EngineLoad(
+            running=self._running(),
+            queued=len(self._waiting),
+            used_tokens=used,
+            capacity_tokens=cap,
+            token_usage=used / cap if cap else 0.0,
+            evictable_tokens=c.evictable_tokens,
+            host_used_tokens=c.host_used_tokens,
+            host_total_tokens=c.host_capacity_tokens,
+            cache_hit_rate=self._hit_rate,
+            gen_throughput=self._gen_throughput,
+            spec_accept_length=self.profile.spec_accept_length,
+            waiting_tokens=sum(r.req.prompt_tokens for r in self._waiting),
+            decode_sum_seq_lens=sum(r.req.prompt_tokens + int(r.gen) for r in self._decoding),
+        )
+
+    @property
+    def idle(self) -> bool:
+        return self._op is None and not self._waiting
+
+    def forget(self, rid: str) -> None:
+        """Drop bookkeeping of a finished request (the live server calls this when done)."""
+        r = self._reqs.get(rid)
+        if r is not None and r.state == _DONE:
+            del self._reqs[rid]
+
+    # ---- internals -----------------------------------------------------------------------
+    def _running(self) -> int:
+        return len(self._prefilling) + len(self._decoding)
+
+    def _visible(self, r: _Req) -> int:
+        return min(r.req.output_tokens, int(r.gen + 1e-9))
+
+    def _catch_up(self, now: float) -> None:
+        while self._op is not None and self._op.end <= now:
+            op = self._op
+            self._op = None
+            self._t = op.end
+            if isinstance(op, _Prefill):
+                self._complete_prefill(op)
+            else:
+                self._complete_decode(op)
+            self._schedule(self._t)
+
+    def _finish(self, r: _Req, t: float, reason: str) -> None:
+        r.state = _DONE
+        if r.lease is not None:
+            self.cache.release(r.lease, r.req.extra_hashes if reason == "length" else ())
+        if reason == "abort":
+            self.aborted_count += 1
+        else:
+            self.finished_count += 1
+        self._events.append(Finished(r.req.rid, t, self._visible(r), reason))
+
+    def _admit(self, t: float) -> _Req | None:
+        if not self._waiting or self._running() >= self.profile.max_running_requests:
+            return None
+        r = self._waiting[0]
+        req = r.req
+        page = self.cache.page_size
+        n_match = min(len(req.block_hashes), (req.prompt_tokens - 1) // page)
+        got = self.cache.try_lock(req.block_hashes[:n_match], req.prompt_tokens + req.output_tokens)
+        if got is None:
+            return None
+        self._waiting.popleft()
+        r.lease, m = got
+        r.cached = m.tokens
+        r.prefilled = m.tokens
+        r.reload = m.host_tokens
+        r.state = _PREFILL
+        self._prefilling.append(r)
+        self._events.append(Started(req.rid, t, m.device_tokens, m.host_tokens))
+        return r
+
+    def _schedule(self, t: float) -> None:
+        p = self.profile
+        u = self._unit
+        budget = self._budget
+        items: list[tuple[_Req, int]] = []
+        cost = 0.0
+        hits = 0
+        inputs = 0
+        i = 0
+        while budget > 0:
+            if i < len(self._prefilling):
+                r = self._prefilling[i]
+                i += 1
+            else:
+                adm = self._admit(t)
+                if adm is None:
+                    break
+                r = adm
+                i += 1
+                hits += r.cached
+                inputs += r.req.prompt_tokens
+            n = min(r.req.prompt_tokens - r.prefilled, budget)
+            budget -= n
+            cost += prefill_time(p, n * u, r.prefilled * u)
+            if r.reload:
+                cost += p.host_reload_s_per_token * r.reload * u
+                r.reload = 0
+            items.append((r, n))
+        if items:
+            if inputs:
+                self._hit_rate = hits / inputs
+            self._op = _Prefill(t + p.prefill_base_s + cost, items)
+            return
+        if self._decoding:
+            self._start_decode(t)
+
+    def _complete_prefill(self, op: _Prefill) -> None:
+        t = op.end
+        for r, n in op.items:
+            if r.state != _PREFILL:
+                continue  # aborted meanwhile
+            r.prefilled += n
+            if r.prefilled < r.req.prompt_tokens:
+                continue
+            self._prefilling.remove(r)
+            assert r.lease is not None
+            self.cache.insert(r.lease, r.req.block_hashes[len(r.lease.pinned) :])
+            if r.req.output_tokens == 0:
+                self._finish(r, t, "length")
+                continue
+            r.gen = 1.0
+            self._events.append(FirstToken(r.req.rid, t))
+            if r.req.output_tokens <= 1:
+                self._finish(r, t, "length")
+            else:
+                r.state = _DECODE
+                self._decoding.append(r)
+
+    def _start_decode(self, t: float) -> None:
+        p = self.profile
+        u = self._unit
+        reqs = list(self._decoding)
+        b = len(reqs)
+        a = self._step_tokens
+        ctx = 0.0
+        k_end = 1 << 62
+        for r in reqs:
+            ctx += r.req.prompt_tokens + r.gen
+            k = math.ceil((r.req.output_tokens - r.gen) / a - 1e-9)
+            if k < k_end:
+                k_end = k
+        s0 = decode_step_time(p, b, int(ctx * u))
+        delta = p.decode_kv_read_s_per_token * b * p.spec_accept_length
+        self._gen_throughput = b * a / s0
+        self._op = _Decode(t, s0, delta, a, reqs, max(k_end, 1))
+
+    def _complete_decode(self, op: _Decode) -> None:
+        t = op.end
+        gained = op.k_end * op.step_tokens
+        still: list[_Req] = []
+        for r in op.reqs:
+            r.gen += gained
+            if r.abort_pending:
+                r.state = _DONE
+                if r.lease is not None:
+                    self.cache.release(r.lease)
+            elif r.gen >= r.req.output_tokens - 1e-9:
+                r.gen = float(r.req.output_tokens)
+                self._finish(r, t, "length")
+            else:
+                if self._token_events:
+                    self._events.append(Tokens(r.req.rid, self._visible(r), t))
+                still.append(r)
+        self._decoding = still

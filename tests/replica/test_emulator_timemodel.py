@@ -1,0 +1,264 @@
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from replica.emulator.cache import PrefixCache
+from replica.emulator.profiles import PROFILES, Profile, get_profile
+from replica.emulator.timemodel import (
+    EngineEvent,
+    EngineRequest,
+    Finished,
+    FirstToken,
+    ReplicaEngine,
+    Started,
+    Tokens,
+    decode_step_time,
+    prefill_time,
+)
+from replica.emulator.tokenizer import block_hashes, encode_text
+
+KIMI = get_profile("kimi-k2.6-b200-tp4")
+
+
+def req(rid: str, text: str, out: int, page: int) -> EngineRequest:
+    p = encode_text(text)
+    return EngineRequest(rid, p.num_tokens, block_hashes(p, page), out)
+
+
+def drain(e: ReplicaEngine, until: float = float("inf")) -> list[EngineEvent]:
+    evs: list[EngineEvent] = []
+    while (t := e.next_event_time()) is not None and t <= until:
+        evs += e.advance(t)
+    return evs
+
+
+def first(evs: list[EngineEvent], kind: type, rid: str) -> EngineEvent:
+    return next(ev for ev in evs if isinstance(ev, kind) and ev.rid == rid)
+
+
+def test_prefill_cost_monotone_in_new_and_context() -> None:
+    for ctx in (0, 10_000, 100_000):
+        ts = [prefill_time(KIMI, n, ctx) for n in (1, 100, 1000, 8192)]
+        assert ts == sorted(ts) and len(set(ts)) == 4
+    for n in (1, 700, 8192):
+        ts = [prefill_time(KIMI, n, c) for c in (0, 1000, 50_000, 200_000)]
+        assert ts == sorted(ts) and len(set(ts)) == 4
+    # per-new-token cost grows with context
+    assert prefill_time(KIMI, 700, 100_000) / 700 > 4 * prefill_time(KIMI, 700, 0) / 700
+
+
+def test_decode_step_monotone_in_batch_and_context() -> None:
+    assert decode_step_time(KIMI, 1, 0) == pytest.approx(0.0084 + 0.000365)
+    by_batch = [decode_step_time(KIMI, b, 8000 * b) for b in (1, 4, 16, 64)]
+    assert by_batch == sorted(by_batch) and len(set(by_batch)) == 4
+    by_ctx = [decode_step_time(KIMI, 8, c) for c in (0, 100_000, 800_000)]
+    assert by_ctx == sorted(by_ctx) and len(set(by_ctx)) == 3
+    # calibration.md §6.4: TP4 conc 64 at ~9k context ≈ 31 ms TPOT
+    assert 0.025 < decode_step_time(KIMI, 64, 64 * 9000) < 0.040
+
+
+def test_calibrated_cold_and_warm_ttft() -> None:
+    e = ReplicaEngine(KIMI)
+    base = "x" * 400_000  # 100k tokens
+    e.submit(req("cold", base, 100, KIMI.page_size), 0.0)
+    evs = drain(e)
+    ttft_cold = first(evs, FirstToken, "cold").t
+    assert 4.0 <= ttft_cold <= 7.0
+    e.submit(req("warm", base + "y" * 2800, 100, KIMI.page_size), 10.0)  # +700 tokens
+    evs = drain(e)
+    st = first(evs, Started, "warm")
+    assert isinstance(st, Started) and st.cached_device >= 99_900
+    ttft_warm = first(evs, FirstToken, "warm").t - 10.0
+    assert 0.05 <= ttft_warm <= 0.09
+
+
+def test_batch_ttft_ordering_and_decode_time_matches_stepwise_sum() -> None:
+    prof = KIMI.with_overrides(spec_accept_length=1.0)
+    e = ReplicaEngine(prof, token_events=True)
+    sizes = {"a": 2000, "b": 8000, "c": 500}
+    for rid, n in sizes.items():
+        e.submit(req(rid, rid * (4 * n), 50, prof.page_size), 0.0)
+    evs = drain(e)
+    ft = {rid: first(evs, FirstToken, rid).t for rid in sizes}
+    assert ft["a"] < ft["b"] < ft["c"]  # FCFS prefill order
+    fin = {rid: first(evs, Finished, rid) for rid in sizes}
+    assert all(isinstance(f, Finished) and f.completion_tokens == 50 and f.reason == "length" for f in fin.values())
+    # all three decode together after the last prefill; 49 steps each, computed step by step:
+    t = ft["c"]
+    ctx = sum(n + 1 for n in sizes.values())
+    for _ in range(49):
+        t += decode_step_time(prof, 3, ctx)
+        ctx += 3
+    assert all(f.t == pytest.approx(t, rel=1e-9) for f in fin.values())  # type: ignore[union-attr]
+    assert not [ev for ev in evs if isinstance(ev, Tokens)]  # one segment: nobody left mid-way
+
+
+def test_continuous_batching_queue_and_slots() -> None:
+    prof = get_profile("small-test").with_overrides(max_running_requests=2)
+    e = ReplicaEngine(prof)
+    for i in range(5):
+        e.submit(req(f"r{i}", f"{i}" * 400, 40, prof.page_size), 0.0)
+    load = e.load()
+    assert load.running == 1 and load.queued == 4  # r0 is prefilling; the rest arrived during it
+    evs = drain(e)
+    starts = {ev.rid: ev.t for ev in evs if isinstance(ev, Started)}
+    assert list(starts) == ["r0", "r1", "r2", "r3", "r4"]  # FCFS
+    fins = {ev.rid: ev.t for ev in evs if isinstance(ev, Finished)}
+    assert len(fins) == 5
+    assert starts["r2"] >= min(fins["r0"], fins["r1"])  # never more than 2 running
+    assert starts["r1"] < fins["r0"]  # r1 joined r0's batch (continuous batching)
+    assert e.load().running == 0 and e.idle
+
+
+def test_more_batch_slower_per_request() -> None:
+    prof = KIMI
+    e1 = ReplicaEngine(prof)
+    e1.submit(req("solo", "s" * 40_000, 500, prof.page_size), 0.0)
+    solo = first(drain(e1), Finished, "solo").t
+    e8 = ReplicaEngine(prof)
+    for i in range(8):
+        e8.submit(req(f"b{i}", chr(65 + i) * 40_000, 500, prof.page_size), 0.0)
+    evs = drain(e8)
+    assert min(ev.t for ev in evs if isinstance(ev, Finished)) > solo
+
+
+def test_arrival_cuts_decode_and_gets_prefilled_promptly() -> None:
+    prof = KIMI
+    e = ReplicaEngine(prof)
+    e.submit(req("long", "l" * 4000, 5000, prof.page_size), 0.0)
+    drain(e, until=1.0)
+    e.submit(req("late", "q" * 4000, 10, prof.page_size), 1.0)
+    evs = drain(e)
+    ft = first(evs, FirstToken, "late").t
+    assert 1.0 < ft < 1.0 + 0.05  # waits at most one decode step + its own prefill
+    p_long = e.progress("long", ft)
+    assert p_long.finished
+
+
+def test_abort_frees_slot_and_kv() -> None:
+    prof = get_profile("small-test").with_overrides(max_running_requests=1)
+    e = ReplicaEngine(prof)
+    e.submit(req("hog", "h" * 4000, 3000, prof.page_size), 0.0)
+    e.submit(req("next", "n" * 400, 5, prof.page_size), 0.0)
+    drain(e, until=0.5)
+    assert e.load().queued == 1
+    assert e.abort("hog", 0.5)
+    assert not e.abort("hog", 0.5)
+    evs = drain(e)
+    ab = first(evs, Finished, "hog")
+    assert isinstance(ab, Finished) and ab.reason == "abort" and 0 < ab.completion_tokens < 3000
+    st = first(evs, Started, "next")
+    assert 0.5 <= st.t < 0.6
+    assert e.load().used_tokens == e.cache.used_tokens
+    assert e.cache.evictable_tokens == e.cache.used_tokens  # nothing pinned, nothing reserved
+
+
+def test_abort_waiting_and_unknown() -> None:
+    prof = get_profile("small-test").with_overrides(max_running_requests=1)
+    e = ReplicaEngine(prof)
+    e.submit(req("a", "a" * 400, 50, prof.page_size), 0.0)
+    e.submit(req("b", "b" * 400, 50, prof.page_size), 0.0)
+    assert e.abort("b", 0.001)
+    assert not e.abort("nope", 0.001)
+    evs = drain(e)
+    assert [ev.rid for ev in evs if isinstance(ev, Started)] == ["a"]  # b never started
+    assert first(evs, Finished, "b").reason == "abort"  # type: ignore[union-attr]
+
+
+def test_kv_full_blocks_admission_until_space() -> None:
+    prof = get_profile("small-test").with_overrides(host_capacity_tokens=0, max_running_requests=8)
+    e = ReplicaEngine(prof)
+    e.submit(req("big1", "1" * 4 * 3000, 1000, prof.page_size), 0.0)  # 4000 of 8192 slots
+    e.submit(req("big2", "2" * 4 * 3000, 1000, prof.page_size), 0.0)
+    e.submit(req("big3", "3" * 4 * 3000, 1000, prof.page_size), 0.0)  # must wait
+    evs = drain(e, until=1.0)
+    assert e.load().running == 2 and e.load().queued == 1
+    evs += drain(e)
+    s3 = first(evs, Started, "big3").t
+    assert s3 >= min(ev.t for ev in evs if isinstance(ev, Finished))
+
+
+def test_refuses_request_bigger_than_pool() -> None:
+    prof = get_profile("small-test")
+    e = ReplicaEngine(prof)
+    with pytest.raises(ValueError):
+        e.submit(req("huge", "z" * 4 * 9000, 10, prof.page_size), 0.0)
+    with pytest.raises(ValueError):
+        e.submit(EngineRequest("neg", 10, [], -1), 0.0)
+
+
+def test_host_tier_hit_costs_reload_not_recompute() -> None:
+    prof = get_profile("small-test").with_overrides(max_running_requests=1)
+    e = ReplicaEngine(prof)
+    a = "A" * 4 * 5000
+    e.submit(req("a1", a, 5, prof.page_size), 0.0)
+    drain(e)
+    e.submit(req("b1", "B" * 4 * 6000, 5, prof.page_size), 100.0)  # pushes a to host
+    drain(e)
+    e.submit(req("a2", a + "more" * 10, 5, prof.page_size), 200.0)
+    evs = drain(e)
+    st = first(evs, Started, "a2")
+    assert isinstance(st, Started) and st.cached_host > 2000 and st.cached_device + st.cached_host >= 4990
+    ttft = first(evs, FirstToken, "a2").t - 200.0
+    e_cold = ReplicaEngine(prof)
+    e_cold.submit(req("a2", a + "more" * 10, 5, prof.page_size), 0.0)
+    ttft_cold = first(drain(e_cold), FirstToken, "a2").t
+    assert ttft < ttft_cold / 3
+
+
+def test_token_unit_scales_time_and_capacity() -> None:
+    p1 = KIMI
+    p8 = KIMI.with_overrides(token_unit=8)
+    assert p8.capacity_tokens == 850_000 // 8 and p8.host_tokens == 1_700_000 // 8
+    e1, e8 = ReplicaEngine(p1), ReplicaEngine(p8)
+    e1.submit(req("r", "x" * 4 * 80_000, 800, p1.page_size), 0.0)
+    e8.submit(req("r", "x" * 4 * 10_000, 100, p8.page_size), 0.0)
+    f1, f8 = first(drain(e1), Finished, "r"), first(drain(e8), Finished, "r")
+    assert f8.t == pytest.approx(f1.t, rel=0.05)
+
+
+def test_progress_counts_tokens_in_closed_form() -> None:
+    prof = KIMI.with_overrides(spec_accept_length=4.0)
+    e = ReplicaEngine(prof)
+    e.submit(req("r", "p" * 4000, 401, prof.page_size), 0.0)
+    ft = first(drain(e, until=0.5), FirstToken, "r").t
+    step = decode_step_time(prof, 1, 1001)
+    pr = e.progress("r", ft + 10.5 * step)
+    assert pr.tokens == 1 + 40 and not pr.finished
+    assert pr.next_time is not None and pr.next_time == pytest.approx(ft + 11 * step, rel=1e-3)
+    drain(e)
+    assert e.progress("r", 100.0).finished
+
+
+def test_profiles_and_overrides() -> None:
+    assert set(PROFILES) >= {"kimi-k2.6-b200-tp4", "small-test"}
+    assert KIMI.kv_capacity_tokens == 850_000 and KIMI.host_capacity_tokens == 1_700_000
+    assert KIMI.spec_accept_length == 5.5
+    p = KIMI.with_overrides(**{"max-running-requests": "8", "spec_accept_length": "3.5"})
+    assert p.max_running_requests == 8 and p.spec_accept_length == 3.5
+    with pytest.raises(ValueError):
+        KIMI.with_overrides(nope=1)
+    with pytest.raises(ValueError):
+        Profile(page_size=0)
+    with pytest.raises(ValueError):
+        get_profile("gpt-9")
+
+
+def test_engine_cost_is_per_request_not_per_token() -> None:
+    """10k requests with long outputs through one engine: must be cheap (simulator budget)."""
+    prof = KIMI
+    e = ReplicaEngine(prof, PrefixCache(prof.capacity_tokens, prof.page_size, prof.host_tokens))
+    n = 4000
+    t0 = time.process_time()
+    now = 0.0
+    for i in range(n):
+        now += 0.05
+        hashes = [(i % 40) * 1_000_003 + k for k in range(200)]  # 40 "sessions", 12.8k tokens
+        e.submit(EngineRequest(f"r{i}", 200 * 64 + 10, hashes, 2000), now)
+        e.advance(now)
+    drain(e)
+    cpu = time.process_time() - t0
+    assert e.finished_count == n
+    assert cpu / n < 0.002, cpu / n
