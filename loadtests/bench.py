@@ -1,0 +1,39 @@
+"""``kvroute bench <peers|overhead|emulator|redis>``: one entry for the benchmarks.
+
+Each benchmark prints JSON (and a table on stderr); modules are imported lazily so that
+``kvroute bench overhead`` does not import matplotlib and ``bench emulator`` imports no router.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+__all__ = ["BENCHES", "cli_main"]
+
+BENCHES: dict[str, tuple[str, str, str]] = {
+    "peers": ("loadtests.peers", "bench_peers_main", "kvroute vs sglang-router and vllm-router, same workload"),
+    "overhead": ("loadtests.overhead", "cli_main", "added latency and throughput: direct vs routers"),
+    "emulator": ("replica.emulator.cpu_bench", "cli_main", "emulator CPU per request outside modelled time"),
+    "redis": ("loadtests.bench_redis", "cli_main", "Redis round trips per request, Redis vs memory store"),
+}
+
+
+def _usage() -> str:
+    lines = ["usage: kvroute bench <benchmark> [options]", "", "benchmarks:"]
+    lines += [f"  {name:<9} {help_}" for name, (_, _, help_) in BENCHES.items()]
+    return "\n".join(lines)
+
+
+def cli_main(argv: list[str]) -> int:
+    if not argv or argv[0] in {"-h", "--help", "help"}:
+        print(_usage())
+        return 0
+    name = argv[0]
+    if name not in BENCHES:
+        print(f"kvroute bench: unknown benchmark {name!r}\n\n{_usage()}", file=sys.stderr)
+        return 2
+    module_name, func, _ = BENCHES[name]
+    module = importlib.import_module(module_name)
+    rc: int = getattr(module, func)(argv[1:])
+    return rc

@@ -1,0 +1,256 @@
+"""``kvroute demo``: kvroute on its embedded default, in front of emulated replicas, under coding-agent load.
+
+For each policy (default ``kv_aware`` then ``hash``), on the identical workload:
+  1. start N fresh emulated replicas (``kvroute emulate``, one subprocess: cold caches every time),
+  2. start a fresh gateway (``kvroute serve --policy P``, embedded memory store, its own subprocess),
+  3. drive synthetic coding-agent sessions through it with the live load driver for ``--duration``
+     wall seconds, showing a live view (per-replica in-flight bars sampled from the replicas,
+     dispersion, CHR, TTFT p50/p99, requests, errors),
+then print a comparison table and, with ``--json``, write ``{policy: DESIGN §7 measures}``.
+
+Three processes (driver, gateway, replicas) so that two cores are used and the gateway never shares
+an event loop with the load it is measured under. Wall time is bounded: per policy ``duration`` +
+start-up (a few seconds) + at most ``drain`` seconds for requests still in flight at the end.
+
+Why the defaults (the scenario, :func:`demo_scenario`): replicas use the reference profile
+(Kimi K2.6 on TP4 B200, FP8 KV ≈ 0.85 M tokens, HiCache host tier), so each holds only a few coding
+sessions' context; the sessions are the synthetic "blog-like" workload (≈100k-token median requests,
+~500 output tokens, tool-call and human think times, some thicc sessions); the session count gives
+~4-6 requests in flight per replica. Time runs ``1/time_scale`` times faster than modelled and each
+emulated token stands for ``token_unit`` model tokens, so request bodies stay small enough for one
+laptop while the cache and queueing dynamics are those of the real sizes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from loadtests.live import LiveStats, LoadConfig, LoadResult, run_load
+from loadtests.peers import PeerSpec, emulated_fleet, running_router
+
+__all__ = ["DemoScenario", "cli_main", "demo_scenario", "run_demo", "run_policy"]
+
+
+@dataclass(frozen=True, slots=True)
+class DemoScenario:
+    """Everything that defines one comparable run (shared by ``kvroute demo`` and ``bench peers``)."""
+
+    replicas: int = 8
+    duration_s: float = 60.0  # wall seconds of load per policy
+    sessions: int = 200
+    time_scale: float = 0.1  # wall = modelled x time_scale
+    token_unit: int = 100  # model tokens per emulated token
+    profile: str = "kimi-k2.6-b200-tp4"
+    page_size: int = 4  # emulated tokens per cache page (= 400 model tokens at token_unit 100)
+    seed: int = 7
+    warmup_frac: float = 0.25  # fraction of the duration excluded from measures
+    start_spread_frac: float = 0.15  # sessions start over this fraction of the run (modelled)
+    drain_s: float = 5.0
+    sample_interval_s: float = 0.25
+    max_think_modelled_s: float = 60.0
+    extra_emulator_args: tuple[str, ...] = ()
+
+    def emulator_args(self) -> list[str]:
+        return [
+            "--profile", self.profile,
+            "--time-scale", str(self.time_scale),
+            "--token-unit", str(self.token_unit),
+            "--set", f"page_size={self.page_size}",
+            *self.extra_emulator_args,
+        ]
+
+    def load_config(self, url: str, replica_urls: Sequence[str], *, fresh: bool = False) -> LoadConfig:
+        return LoadConfig(
+            url=url,
+            replica_urls=tuple(replica_urls),
+            time_scale=self.time_scale,
+            token_unit=self.token_unit,
+            duration_s=self.duration_s,
+            warmup_s=self.duration_s * self.warmup_frac,
+            drain_s=self.drain_s,
+            sample_interval_s=self.sample_interval_s,
+            fresh_connections=fresh,
+            max_think_modelled_s=self.max_think_modelled_s,
+        )
+
+    def workload(self) -> list[Any]:
+        from loadtests.workloads import SyntheticParams, synthetic_sessions
+
+        modelled = self.duration_s / self.time_scale
+        params = SyntheticParams(sessions=self.sessions, start_spread_s=modelled * self.start_spread_frac)
+        return synthetic_sessions(params, random.Random(self.seed))
+
+
+def demo_scenario(**overrides: Any) -> DemoScenario:
+    return replace(DemoScenario(), **{k: v for k, v in overrides.items() if v is not None})
+
+
+# ---- live view ---------------------------------------------------------------------------------------
+
+
+def _bar(x: int, top: int, width: int = 30) -> str:
+    n = 0 if top <= 0 else round(width * min(x, top) / top)
+    return "█" * n + "·" * (width - n)
+
+
+def _render(policy: str, st: LiveStats, duration_s: float) -> Any:
+    from rich.console import Group
+    from rich.table import Table
+    from rich.text import Text
+
+    head = Text.assemble(
+        ("kvroute demo ", "bold"),
+        (f"policy {policy}", "bold cyan"),
+        f"   {min(st.elapsed_s, duration_s):5.1f}/{duration_s:.0f} s   "
+        f"requests {st.finished} (in flight {st.in_flight})   errors {st.errors}",
+    )
+    loads = st.last_loads
+    top = max([12, *loads]) if loads else 12
+    table = Table(show_header=True, header_style="bold", box=None, pad_edge=False)
+    table.add_column("replica")
+    table.add_column("in-flight", justify="right")
+    table.add_column("")
+    for name, x in zip(st.replica_names, loads, strict=False):
+        table.add_row(name, str(x), _bar(x, top))
+    figures = Text(
+        f"dispersion {st.dispersion:.2f}   CHR {st.chr:.3f} (ideal {st.ideal_chr:.3f})   "
+        f"TTFT p50 {st.ttft_quantile(0.5):.2f} s  p99 {st.ttft_quantile(0.99):.2f} s (modelled)"
+    )
+    return Group(head, table, figures)
+
+
+async def run_policy(
+    spec: PeerSpec,
+    scenario: DemoScenario,
+    sessions: Sequence[Any],
+    *,
+    log_dir: Path,
+    live: bool,
+    fresh: bool | None = None,
+) -> LoadResult:
+    """Fresh fleet + fresh router ``spec`` + the load; returns the driver's result."""
+    async with (
+        emulated_fleet(scenario.replicas, scenario.emulator_args(), log_dir=log_dir) as fleet,
+        running_router(spec, fleet.urls, log_dir=log_dir) as router,
+    ):
+        config = scenario.load_config(
+            router.url, fleet.urls, fresh=spec.fresh_connections if fresh is None else fresh
+        )
+        stats = LiveStats()
+        if live:
+            from rich.live import Live
+
+            with Live(_render(spec.name, stats, scenario.duration_s), refresh_per_second=4) as view:
+
+                def tick(st: LiveStats) -> None:
+                    view.update(_render(spec.name, st, scenario.duration_s))
+
+                return await run_load(sessions, config, stats=stats, on_tick=tick)
+        last = [time.monotonic()]
+
+        def plain(st: LiveStats) -> None:
+            if time.monotonic() - last[0] >= 5.0:
+                last[0] = time.monotonic()
+                print(
+                    f"[{spec.name}] {st.elapsed_s:5.1f}s req {st.finished} err {st.errors} "
+                    f"in-flight {list(st.last_loads)} disp {st.dispersion:.2f} chr {st.chr:.3f} "
+                    f"ttft p50 {st.ttft_quantile(0.5):.2f}s p99 {st.ttft_quantile(0.99):.2f}s",
+                    flush=True,
+                )
+
+        return await run_load(sessions, config, stats=stats, on_tick=plain)
+
+
+async def run_demo(
+    policies: Sequence[str], scenario: DemoScenario, *, live: bool, plots: Path | None = None
+) -> dict[str, Any]:
+    sessions = scenario.workload()
+    results: dict[str, LoadResult] = {}
+    with tempfile.TemporaryDirectory(prefix="kvroute-demo-") as tmp:
+        for policy in policies:
+            spec = PeerSpec(f"kvroute {policy}", "kvroute", policy, "kvroute")
+            results[policy] = await run_policy(spec, scenario, sessions, log_dir=Path(tmp), live=live)
+    doc: dict[str, Any] = {p: r.measures for p, r in results.items()}
+    if plots is not None:
+        from loadtests.report import plot_load, plot_ttft_cdf
+
+        warm = scenario.duration_s * scenario.warmup_frac / scenario.time_scale
+        plot_load({p: [s for s in r.load_samples if s[0] >= warm] for p, r in results.items()},
+                  plots / "demo_load.png", title=f"kvroute demo, {scenario.replicas} emulated replicas")
+        plot_ttft_cdf({p: [o.ttft_s for o in r.outcomes if o.ok and o.ttft_s is not None and o.t_start >= warm]
+                       for p, r in results.items()}, plots / "demo_ttft_cdf.png")
+    return doc
+
+
+def _verdict(doc: dict[str, Any]) -> list[str]:
+    if "kv_aware" not in doc or "hash" not in doc:
+        return []
+    a, h = doc["kv_aware"], doc["hash"]
+    lines = []
+    for key, better in (("chr", "higher"), ("dispersion", "lower"), ("ttft_p99_s", "lower")):
+        x, y = a.get(key), h.get(key)
+        if x is None or y is None:
+            continue
+        wins = x > y if better == "higher" else x < y
+        lines.append(f"{key}: kv_aware {x:.3f} vs hash {y:.3f} -> {'kv_aware' if wins else 'hash'} wins "
+                     f"({better} is better)")
+    return lines
+
+
+def cli_main(argv: list[str]) -> int:
+    d = DemoScenario()
+    p = argparse.ArgumentParser(prog="kvroute demo", description=__doc__.split("\n\n")[0])
+    p.add_argument("--replicas", type=int, default=d.replicas)
+    p.add_argument("--duration", type=float, default=d.duration_s, help="wall seconds of load per policy")
+    p.add_argument("--policies", default="kv_aware,hash", help="comma list of kvroute policies")
+    p.add_argument("--sessions", type=int, default=d.sessions)
+    p.add_argument("--time-scale", type=float, default=d.time_scale, help="wall = modelled x this")
+    p.add_argument("--token-unit", type=int, default=d.token_unit, help="model tokens per emulated token")
+    p.add_argument("--profile", default=d.profile, help="emulator profile")
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--json", type=Path, help="write {policy: DESIGN §7 measures} here")
+    p.add_argument("--plots", type=Path, help="write load histogram and TTFT CDF PNGs into this directory")
+    p.add_argument("--no-live", action="store_true", help="plain progress lines instead of the live view")
+    ns = p.parse_args(argv)
+    policies = [x.strip() for x in ns.policies.split(",") if x.strip()]
+    if not policies:
+        p.error("--policies is empty")
+    if ns.replicas < 1 or ns.duration <= 0 or ns.sessions < 1:
+        p.error("--replicas, --duration and --sessions must be positive")
+    scenario = demo_scenario(
+        replicas=ns.replicas, duration_s=ns.duration, sessions=ns.sessions, time_scale=ns.time_scale,
+        token_unit=ns.token_unit, profile=ns.profile, seed=ns.seed,
+    )
+    live = sys.stdout.isatty() and not ns.no_live
+    print(
+        f"kvroute demo: {ns.replicas} emulated replicas ({ns.profile}), {ns.sessions} coding-agent sessions, "
+        f"{ns.duration:.0f} s per policy, policies {', '.join(policies)}; time x{1 / ns.time_scale:g}, "
+        f"1 emulated token = {ns.token_unit} model tokens",
+        flush=True,
+    )
+    doc = asyncio.run(run_demo(policies, scenario, live=live, plots=ns.plots))
+    from rich.console import Console
+
+    from loadtests.report import comparison_table
+
+    console = Console()
+    console.print(comparison_table(doc, title="kvroute demo: same workload, same fleet, per policy"))
+    for line in _verdict(doc):
+        console.print(line)
+    out = dict(doc)
+    out["_scenario"] = asdict(scenario) | {"policies": policies}
+    if ns.json:
+        ns.json.write_text(json.dumps(out, indent=2) + "\n")
+        console.print(f"wrote {ns.json}")
+    return 0
+

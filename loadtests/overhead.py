@@ -1,0 +1,254 @@
+"""``kvroute bench overhead``: what a router adds on top of talking to the replica directly.
+
+One emulated replica with near-zero modelled time (so the replica answers as fast as Python can) runs
+in a subprocess; then, one after another, the client talks to it directly, through kvroute, and through
+each peer router that is installed (each router in its own subprocess, one worker behind it, so every
+target is directly comparable with "direct"). For c = 1 and c = 32, streaming and not, a closed-loop
+client runs for a fixed time and records per-request latency (request sent -> body fully read).
+
+Reported per cell: req/s, p50/p99 latency (ms), errors; per router: added latency
+(p50/p99 minus direct's, ms) and the throughput ratio to direct (and to sglang-router where present).
+
+Everything (client, router, replica) shares one machine: read the figures as what one box shows, not
+as a router's capacity. sglang-router delays SSE on reused keep-alive connections by ~40 ms
+(``reference/peers.md`` §3.8), so streaming cells are run twice: keep-alive and a fresh connection per
+request; both are reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from loadtests.measures import percentile
+from loadtests.peers import PEERS, PeerSpec, emulated_fleet, find_binary, running_router
+
+__all__ = ["OVERHEAD_TARGETS", "cli_main", "measure_cell", "run_overhead"]
+
+OVERHEAD_TARGETS: tuple[str, ...] = ("kvroute", "sglang-manual", "vllm-consistent_hash")
+
+_BODY = {
+    "model": "default",
+    "messages": [
+        {"role": "system", "content": "You are a coding agent. " * 8},
+        {"role": "user", "content": "Please answer briefly: what does this function return?"},
+    ],
+    "max_tokens": 16,
+    "ignore_eos": True,
+}
+
+
+def _body(stream: bool) -> bytes:
+    body: dict[str, Any] = dict(_BODY, stream=stream)
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    return json.dumps(body, separators=(",", ":")).encode()
+
+
+async def measure_cell(
+    url: str, *, concurrency: int, stream: bool, fresh: bool, duration_s: float, warmup_s: float = 0.3
+) -> dict[str, Any]:
+    """Closed-loop: ``concurrency`` workers send back-to-back requests for ``duration_s``."""
+    target = url.rstrip("/") + "/v1/chat/completions"
+    body = _body(stream)
+    lat: list[float] = []
+    errors = 0
+    connector = aiohttp.TCPConnector(limit=0, force_close=fresh)
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=30)) as http:
+        t_begin = time.perf_counter()
+        t_measure = t_begin + warmup_s
+        t_end = t_measure + duration_s
+
+        async def worker(i: int) -> None:
+            nonlocal errors
+            sid = f"overhead-{i}"
+            headers = {
+                "Content-Type": "application/json",
+                "Modal-Session-Id": sid,
+                "x-session-id": sid,
+                "X-SMG-Routing-Key": sid,
+            }
+            while (t0 := time.perf_counter()) < t_end:
+                try:
+                    async with http.post(target, data=body, headers=headers) as r:
+                        if stream:
+                            async for _ in r.content.iter_any():
+                                pass
+                        else:
+                            await r.read()
+                        ok = r.status == 200
+                except (aiohttp.ClientError, TimeoutError):
+                    ok = False
+                t1 = time.perf_counter()
+                if t0 >= t_measure and t1 <= t_end:
+                    if ok:
+                        lat.append(t1 - t0)
+                    else:
+                        errors += 1
+
+        await asyncio.gather(*(worker(i) for i in range(concurrency)))
+    p50 = percentile(lat, 50)
+    p99 = percentile(lat, 99)
+    return {
+        "concurrency": concurrency,
+        "stream": stream,
+        "fresh_connections": fresh,
+        "requests": len(lat),
+        "errors": errors,
+        "req_per_s": len(lat) / duration_s,
+        "p50_ms": None if p50 is None else p50 * 1e3,
+        "p99_ms": None if p99 is None else p99 * 1e3,
+    }
+
+
+def _cells(concurrencies: Sequence[int]) -> list[tuple[int, bool, bool]]:
+    out: list[tuple[int, bool, bool]] = []
+    for c in concurrencies:
+        out += [(c, False, False), (c, True, False), (c, True, True)]
+    return out
+
+
+def _key(c: int, stream: bool, fresh: bool) -> str:
+    return f"c{c}_{'stream' if stream else 'json'}{'_fresh' if fresh else ''}"
+
+
+async def run_overhead(
+    *,
+    targets: Sequence[str] = OVERHEAD_TARGETS,
+    concurrencies: Sequence[int] = (1, 32),
+    duration_s: float = 2.5,
+    emulator_args: Sequence[str] = ("--time-scale", "0.000001"),
+    log: Any = None,
+) -> dict[str, Any]:
+    """Measure every target on one emulated replica; return the JSON document."""
+    say = log or (lambda msg: print(msg, file=sys.stderr))
+    cells = _cells(concurrencies)
+    results: dict[str, dict[str, Any]] = {}
+    skipped: dict[str, str] = {}
+    with tempfile.TemporaryDirectory(prefix="kvroute-overhead-") as tmp:
+        log_dir = Path(tmp)
+        async with emulated_fleet(1, emulator_args, log_dir=log_dir) as fleet:
+            replica = fleet.urls[0]
+
+            async def run_cells(name: str, url: str) -> None:
+                results[name] = {}
+                for c, stream, fresh in cells:
+                    cell = await measure_cell(
+                        url, concurrency=c, stream=stream, fresh=fresh, duration_s=duration_s
+                    )
+                    results[name][_key(c, stream, fresh)] = cell
+                    say(
+                        f"  {name:<28} {_key(c, stream, fresh):<18} {cell['req_per_s']:8.0f} req/s "
+                        f"p50 {cell['p50_ms'] or 0:7.2f} ms  p99 {cell['p99_ms'] or 0:7.2f} ms"
+                    )
+
+            say("direct to the replica")
+            await run_cells("direct", replica)
+            for t in targets:
+                spec: PeerSpec = PEERS[t]
+                if find_binary(spec.binary) is None:
+                    skipped[spec.name] = f"{spec.binary} not installed (pip install 'kvroute[peers]')"
+                    say(f"skip {spec.name}: {skipped[spec.name]}")
+                    continue
+                say(spec.name)
+                async with running_router(spec, [replica], log_dir=log_dir) as router:
+                    await run_cells(spec.name, router.url)
+    return _summarise(results, skipped, duration_s)
+
+
+def _summarise(results: dict[str, dict[str, Any]], skipped: dict[str, str], duration_s: float) -> dict[str, Any]:
+    direct = results.get("direct", {})
+    sglang = next((v for k, v in results.items() if k.startswith("sglang-router")), None)
+    added: dict[str, dict[str, Any]] = {}
+    for name, cells in results.items():
+        if name == "direct":
+            continue
+        added[name] = {}
+        for key, cell in cells.items():
+            d = direct.get(key)
+            if d is None:
+                continue
+            entry: dict[str, Any] = {
+                "added_p50_ms": _diff(cell["p50_ms"], d["p50_ms"]),
+                "added_p99_ms": _diff(cell["p99_ms"], d["p99_ms"]),
+                "throughput_ratio_vs_direct": _ratio(cell["req_per_s"], d["req_per_s"]),
+            }
+            if sglang is not None and key in sglang:
+                entry["throughput_ratio_vs_sglang_router"] = _ratio(cell["req_per_s"], sglang[key]["req_per_s"])
+            added[name][key] = entry
+    return {
+        "bench": "overhead",
+        "duration_s_per_cell": duration_s,
+        "note": "client, router and one emulated replica (near-zero modelled time) share this machine",
+        "cells": results,
+        "added": added,
+        "skipped": skipped,
+    }
+
+
+def _diff(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None else a - b
+
+
+def _ratio(a: float, b: float) -> float | None:
+    return a / b if b > 0 else None
+
+
+def print_table(doc: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="router overhead (vs direct to one emulated replica)")
+    for col in ("target", "cell", "req/s", "p50 ms", "p99 ms", "+p50 ms", "+p99 ms", "thr/direct"):
+        table.add_column(col, justify="right" if col not in ("target", "cell") else "left")
+    for name, cells in doc["cells"].items():
+        for key, cell in cells.items():
+            a = doc["added"].get(name, {}).get(key, {})
+            table.add_row(
+                name,
+                key,
+                f"{cell['req_per_s']:.0f}",
+                _fmt(cell["p50_ms"]),
+                _fmt(cell["p99_ms"]),
+                _fmt(a.get("added_p50_ms")),
+                _fmt(a.get("added_p99_ms")),
+                _fmt(a.get("throughput_ratio_vs_direct")),
+            )
+    Console(stderr=True).print(table)
+
+
+def _fmt(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}"
+
+
+def cli_main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="kvroute bench overhead", description=__doc__.split("\n\n")[0])
+    p.add_argument("--duration", type=float, default=2.5, help="seconds per cell (after 0.3 s warm-up)")
+    p.add_argument("--concurrency", type=int, action="append", help="repeat; default 1 and 32")
+    p.add_argument(
+        "--targets", default=",".join(OVERHEAD_TARGETS), help=f"comma list from {sorted(PEERS)}"
+    )
+    p.add_argument("--json", type=Path, help="write the JSON here (also printed to stdout)")
+    ns = p.parse_args(argv)
+    targets = [t for t in ns.targets.split(",") if t]
+    unknown = [t for t in targets if t not in PEERS]
+    if unknown:
+        p.error(f"unknown targets {unknown}; choose from {sorted(PEERS)}")
+    doc = asyncio.run(
+        run_overhead(targets=targets, concurrencies=ns.concurrency or (1, 32), duration_s=ns.duration)
+    )
+    print_table(doc)
+    text = json.dumps(doc, indent=2)
+    if ns.json:
+        ns.json.write_text(text + "\n")
+    print(text)
+    return 0

@@ -1,0 +1,160 @@
+"""Tables and plots for live runs: one row / one curve per policy or router.
+
+* :func:`comparison_table` — the DESIGN §7 measures side by side (rich).
+* :func:`plot_load` — per-replica load, like the seed's charts: left, the distribution of per-replica
+  in-flight requests pooled over samples (with the Poisson pmf of the same mean, which is what
+  uniform hashing tends to); right, each replica's mean in-flight (imbalance at a glance).
+* :func:`plot_ttft_cdf` — the TTFT CDF per policy (log x).
+
+matplotlib is imported lazily with the Agg backend, so tables work without a display.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = ["comparison_table", "load_values", "plot_load", "plot_ttft_cdf", "replica_means"]
+
+_ROWS: tuple[tuple[str, str, str], ...] = (
+    ("chr", "CHR", "{:.3f}"),
+    ("ideal_chr", "ideal CHR", "{:.3f}"),
+    ("dispersion", "dispersion (var/mean)", "{:.2f}"),
+    ("p_load_le1", "P(load<=1)", "{:.3f}"),
+    ("p_load_ge12", "P(load>=12)", "{:.4f}"),
+    ("ttft_p50_s", "TTFT p50 (s)", "{:.2f}"),
+    ("ttft_p99_s", "TTFT p99 (s)", "{:.2f}"),
+    ("e2e_p99_s", "E2E p99 (s)", "{:.2f}"),
+    ("tps_user_p50", "tok/s/user p50", "{:.1f}"),
+    ("throughput_tok_s_per_replica", "tok/s/replica", "{:.0f}"),
+    ("cold_prefill_tokens", "cold prefill tok", "{:,}"),
+    ("sessions_moved", "sessions moved", "{}"),
+    ("requests", "requests", "{}"),
+    ("errors", "errors", "{}"),
+)
+
+
+def _fmt(value: Any, fmt: str) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float) and math.isnan(value):
+        return "-"
+    try:
+        return fmt.format(value)
+    except (ValueError, TypeError):
+        return str(value)
+
+
+def comparison_table(results: Mapping[str, Mapping[str, Any]], title: str = "measures (DESIGN §7)") -> Any:
+    """A rich ``Table``: one column per policy/router, one row per measure."""
+    from rich.table import Table
+
+    table = Table(title=title)
+    table.add_column("measure")
+    for name in results:
+        table.add_column(name, justify="right")
+    for key, label, fmt in _ROWS:
+        table.add_row(label, *(_fmt(m.get(key), fmt) for m in results.values()))
+    breaks = [m.get("affinity_breaks") or {} for m in results.values()]
+    table.add_row("affinity breaks", *(", ".join(f"{k} {v}" for k, v in b.items()) or "0" for b in breaks))
+    return table
+
+
+def load_values(samples: Sequence[tuple[float, Sequence[int]]]) -> list[int]:
+    """Pooled per-replica in-flight values from ``(t, loads)`` samples."""
+    return [x for _, loads in samples for x in loads]
+
+
+def replica_means(samples: Sequence[tuple[float, Sequence[int]]]) -> list[float]:
+    if not samples:
+        return []
+    n = len(samples[0][1])
+    sums = [0.0] * n
+    count = 0
+    for _, loads in samples:
+        if len(loads) != n:
+            continue
+        count += 1
+        for i, x in enumerate(loads):
+            sums[i] += x
+    return [s / count for s in sums] if count else []
+
+
+def _pyplot() -> Any:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_load(
+    per_policy: Mapping[str, Sequence[tuple[float, Sequence[int]]]], path: Path, title: str = ""
+) -> Path:
+    """Per-replica load: in-flight distribution (+ Poisson reference) and per-replica means."""
+    plt = _pyplot()
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    names = list(per_policy)
+    width = 0.8 / max(len(names), 1)
+    top = 1
+    for i, name in enumerate(names):
+        values = load_values(per_policy[name])
+        if not values:
+            continue
+        counts = Counter(values)
+        n = len(values)
+        top = max(top, max(counts))
+        xs = sorted(counts)
+        ax1.bar([x + (i - (len(names) - 1) / 2) * width for x in xs], [counts[x] / n for x in xs],
+                width=width, label=name)
+        means = replica_means(per_policy[name])
+        ax2.bar([j + (i - (len(names) - 1) / 2) * width for j in range(len(means))], means, width=width, label=name)
+    all_values = [x for name in names for x in load_values(per_policy[name])]
+    if all_values:
+        mean = sum(all_values) / len(all_values)
+        ks = list(range(top + 1))
+        if mean > 0:
+            ax1.plot(ks, [math.exp(-mean) * mean**k / math.factorial(k) for k in ks], "k--", lw=1,
+                     label=f"Poisson({mean:.1f})")
+    ax1.set_xlabel("in-flight requests on a replica (sampled)")
+    ax1.set_ylabel("fraction of samples")
+    ax1.set_title("per-replica load distribution")
+    ax1.legend(fontsize=8)
+    ax2.set_xlabel("replica")
+    ax2.set_ylabel("mean in-flight")
+    ax2.set_title("mean load per replica")
+    ax2.legend(fontsize=8)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_ttft_cdf(per_policy: Mapping[str, Sequence[float]], path: Path, title: str = "") -> Path:
+    """Empirical TTFT CDF per policy (modelled seconds, log x)."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name, ttfts in per_policy.items():
+        xs = sorted(t for t in ttfts if t > 0 and not math.isnan(t))
+        if not xs:
+            continue
+        ys = [(i + 1) / len(xs) for i in range(len(xs))]
+        ax.step(xs, ys, where="post", label=name)
+    ax.set_xscale("log")
+    ax.set_xlabel("TTFT (modelled seconds)")
+    ax.set_ylabel("fraction of requests")
+    ax.set_title(title or "TTFT CDF")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
