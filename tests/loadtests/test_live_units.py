@@ -1,0 +1,62 @@
+"""Pure pieces of the live driver and the report: load parsing, running stats, plots, tables."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from loadtests.live import LiveStats, LoadConfig, _load_from_metrics, _load_from_state
+from loadtests.report import comparison_table, load_values, plot_load, plot_ttft_cdf, replica_means
+
+
+def test_load_from_state_shapes() -> None:
+    assert _load_from_state({"running": 3, "queued": 2}) == 5
+    assert _load_from_state({"load": {"num_running_reqs": 4, "num_queue_reqs": 1}}) == 5
+    assert _load_from_state({"in_flight": 7, "running": 1}) == 7
+    with pytest.raises(TypeError):
+        _load_from_state([1, 2])
+
+
+def test_load_from_metrics_sums_running_and_queued() -> None:
+    text = (
+        "# HELP sglang:num_running_reqs x\n"
+        'sglang:num_running_reqs{model_name="m",engine_type="unified"} 3.0\n'
+        'sglang:num_queue_reqs{model_name="m",engine_type="unified"} 2.0\n'
+        'sglang:token_usage{model_name="m"} 0.5\n'
+    )
+    assert _load_from_metrics(text) == 5
+
+
+def test_live_stats_dispersion_and_quantiles() -> None:
+    st = LiveStats()
+    st.add_loads([2, 2, 2, 2])
+    assert st.dispersion == 0.0
+    st = LiveStats()
+    st.add_loads([0, 4])  # mean 2, variance 4 -> 2.0
+    assert st.dispersion == pytest.approx(2.0)
+    st.ttfts = [0.1 * i for i in range(1, 101)]
+    assert st.ttft_quantile(0.5) == pytest.approx(5.1)
+    st.input_tokens, st.cached_tokens, st.ideal_cached_tokens = 100, 80, 90
+    assert (st.chr, st.ideal_chr) == (0.8, 0.9)
+
+
+def test_load_config_validates() -> None:
+    with pytest.raises(ValueError, match="time_scale"):
+        LoadConfig(url="http://x", time_scale=0)
+    with pytest.raises(ValueError, match="token_unit"):
+        LoadConfig(url="http://x", token_unit=0)
+
+
+def test_plots_and_table(tmp_path: Path) -> None:
+    samples = [(0.0, (1, 3)), (1.0, (2, 2)), (2.0, (0, 4))]
+    assert load_values(samples) == [1, 3, 2, 2, 0, 4]
+    assert replica_means(samples) == [1.0, 3.0]
+    p1 = plot_load({"a": samples, "b": [(0.0, (2, 2))]}, tmp_path / "load.png")
+    p2 = plot_ttft_cdf({"a": [0.1, 0.2, 5.0], "b": [0.3]}, tmp_path / "cdf.png")
+    for p in (p1, p2):
+        assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert p.stat().st_size > 5000
+    table = comparison_table({"kv_aware": {"chr": 0.9, "affinity_breaks": {"evicted": 2}}, "hash": {"chr": 0.5}})
+    assert [c.header for c in table.columns] == ["measure", "kv_aware", "hash"]
+    assert "0.900" in list(table.columns[1].cells)
