@@ -1,0 +1,559 @@
+"""The replica sidecar agent, in-process on real sockets.
+
+The engine here is a small controllable SGLang stand-in (its health, load and /server_info are set by
+the test, its /metrics text is SGLang's exposition format) so that failure and drain transitions can
+be driven exactly; ``test_agent_functional.py`` runs the real ``kvroute sidecar`` process against the
+emulator and Redis.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from replica.agent import (
+    AdminRegistrar,
+    Agent,
+    AgentPhase,
+    RegistrationError,
+    StoreRegistrar,
+    make_probe_app,
+    run_sidecar,
+)
+from replica.config import AgentConfig, load_config, replica_id_for, validate
+from replica.probe import EngineProbe, build_spec, engine_info_from
+from router.clock import SystemClock
+from router.errors import ConfigError
+from router.model import (
+    BindSession,
+    Completion,
+    EngineLoad,
+    KeySource,
+    Reason,
+    ReplicaStatus,
+    RouteDecision,
+    RouteRequest,
+)
+from router.store.memory import MemoryStore
+
+MODEL = "moonshotai/Kimi-K2.6"
+
+
+def metrics_text(
+    running: int, queued: int, kv: float, cap: int, host_used: int, host_total: int, chr_: float
+) -> str:
+    labels = f'engine_type="unified",model_name="{MODEL}",moe_ep_rank="0",pp_rank="0",tp_rank="0"'
+    lines = []
+    for name, value in [
+        ("num_running_reqs", running),
+        ("num_queue_reqs", queued),
+        ("token_usage", kv),
+        ("max_total_num_tokens", cap),
+        ("hicache_host_used_tokens", host_used),
+        ("hicache_host_total_tokens", host_total),
+        ("cache_hit_rate", chr_),
+    ]:
+        lines += [
+            f"# HELP sglang:{name} x",
+            f"# TYPE sglang:{name} gauge",
+            f"sglang:{name}{{{labels}}} {float(value)}",
+        ]
+    return "\n".join(lines) + "\n"
+
+
+@dataclass
+class FakeEngine:
+    """SGLang stand-in: /health, /server_info, /model_info, /metrics (test-controlled values)."""
+
+    healthy: bool = True
+    running: int = 0
+    queued: int = 0
+    capacity: int = 446_744
+    host_total: int = 893_488
+    metrics_on: bool = True
+    server_info: dict[str, Any] = field(
+        default_factory=lambda: {
+            "tp_size": 4,
+            "max_total_num_tokens": 446_744,
+            "enable_hierarchical_cache": True,
+            "hicache_ratio": 2.0,
+            "served_model_name": MODEL,
+            "model_path": "nvidia/Kimi-K2.6-NVFP4",
+            "version": "0.5.23",
+        }
+    )
+    health_calls: int = 0
+    url: str = ""
+
+    def app(self) -> web.Application:
+        async def health(_: web.Request) -> web.Response:
+            self.health_calls += 1
+            return web.Response(status=200 if self.healthy else 503)
+
+        async def server_info(_: web.Request) -> web.Response:
+            return web.json_response(self.server_info)
+
+        async def model_info(_: web.Request) -> web.Response:
+            return web.json_response({"model_path": "nvidia/Kimi-K2.6-NVFP4", "served_model_name": MODEL})
+
+        async def metrics(_: web.Request) -> web.Response:
+            if not self.metrics_on:
+                return web.Response(status=404)
+            text = metrics_text(self.running, self.queued, 0.25, self.capacity, 1000, self.host_total, 0.9)
+            return web.Response(text=text, content_type="text/plain")
+
+        app = web.Application()
+        app.router.add_get("/health", health)
+        app.router.add_get("/server_info", server_info)
+        app.router.add_get("/model_info", model_info)
+        app.router.add_get("/metrics", metrics)
+        return app
+
+
+async def _serve(app: web.Application) -> tuple[web.AppRunner, str]:
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    return runner, f"http://127.0.0.1:{port}"
+
+
+@pytest.fixture
+async def engine() -> AsyncIterator[FakeEngine]:
+    eng = FakeEngine()
+    runner, eng.url = await _serve(eng.app())
+    yield eng
+    await runner.cleanup()
+
+
+@pytest.fixture
+async def session() -> AsyncIterator[aiohttp.ClientSession]:
+    async with aiohttp.ClientSession() as s:
+        yield s
+
+
+def _cfg(engine_url: str, **kw: Any) -> AgentConfig:
+    base = {
+        "engine_url": engine_url,
+        "gateways": ("http://127.0.0.1:1",),
+        "heartbeat_interval_s": 0.05,
+        "health_interval_s": 0.05,
+        "replica_ttl_s": 2.0,
+        "probe_timeout_s": 2.0,
+        "unhealthy_after": 2,
+        "drain_grace_s": 0.1,
+        "drain_timeout_s": 10.0,
+        "listen_port": 0,
+    }
+    base.update(kw)
+    return validate(AgentConfig(**base))
+
+
+async def _until(pred: Any, timeout_s: float = 5.0, what: str = "condition") -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while True:
+        res = pred()
+        if asyncio.iscoroutine(res):
+            res = await res
+        if res:
+            return
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.02)
+
+
+async def _replica(store: MemoryStore, rid: str) -> Any:
+    for r in await store.replicas():
+        if r.id == rid:
+            return r
+    return None
+
+
+def _acquire_args(rid: str, sid: str) -> tuple[RouteDecision, RouteRequest]:
+    decision = RouteDecision(
+        replica_id=rid,
+        reason=Reason.PLACED_NEW,
+        effects=(BindSession(sid, rid, None, Reason.PLACED_NEW),),
+    )
+    return decision, RouteRequest(session_key=sid, key_source=KeySource.HEADER)
+
+
+# ---- pure parts ------------------------------------------------------------------------------------
+
+
+def test_engine_info_and_spec_from_server_info() -> None:
+    info = engine_info_from(FakeEngine().server_info, {"served_model_name": "served"})
+    assert (info.model, info.capacity_tokens, info.tp_size, info.hicache) == ("served", 446_744, 4, True)
+    # without a scrape the host tier is estimated from hicache_ratio
+    spec = build_spec(replica_id="r:1", url="http://r:1", info=info, load=None)
+    assert spec.capacity_tokens == 446_744 and spec.host_capacity_tokens == 893_488
+    assert spec.source == "registry" and spec.tp_size == 4
+    # the engine's gauges win over /server_info, overrides win over both
+    load = EngineLoad(capacity_tokens=400_000, host_capacity_tokens=1_000_000)
+    spec = build_spec(replica_id="r:1", url="http://r:1", info=info, load=load)
+    assert (spec.capacity_tokens, spec.host_capacity_tokens) == (400_000, 1_000_000)
+    spec = build_spec(
+        replica_id="r:1",
+        url="u",
+        info=info,
+        load=load,
+        capacity_override=7,
+        host_capacity_override=9,
+        model_override="m",
+    )
+    assert (spec.capacity_tokens, spec.host_capacity_tokens, spec.model) == (7, 9, "m")
+
+
+def test_engine_info_old_servers_and_missing_fields() -> None:
+    info = engine_info_from(
+        {"internal_states": [{"max_total_num_tokens": 100}, {"max_total_num_tokens": 50}], "model_path": "p"}
+    )
+    assert (info.capacity_tokens, info.model, info.tp_size, info.hicache) == (150, "p", 0, False)
+    info = engine_info_from({"max_total_num_tokens": "junk", "tp_size": True})
+    assert (info.capacity_tokens, info.tp_size) == (0, 0)
+    assert build_spec(replica_id="x", url="u", info=info, load=None).host_capacity_tokens == 0
+
+
+def test_config_precedence_and_validation() -> None:
+    env = {
+        "KVROUTE_SIDECAR_ENGINE_URL": "http://10.0.0.5:30000/",
+        "KVROUTE_SIDECAR_REDIS_URL": "redis://127.0.0.1:6390/0",
+        "KVROUTE_SIDECAR_HEARTBEAT_INTERVAL": "0.5",
+        "KVROUTE_SIDECAR_GATEWAY": "http://a:1,http://b:2",
+    }
+    cfg = load_config(["--heartbeat-interval", "0.25", "--advertise-url", "http://pod-1.svc:30000"], env)
+    assert cfg.engine_url == "http://10.0.0.5:30000"
+    assert cfg.heartbeat_interval_s == 0.25  # flag beats env
+    assert cfg.gateways == ("http://a:1", "http://b:2")
+    assert cfg.id == "pod-1.svc:30000" == replica_id_for(cfg.advertised)
+    assert cfg.redis_url == "redis://127.0.0.1:6390/0"
+
+
+@pytest.mark.parametrize(
+    ("argv", "env", "match"),
+    [
+        ([], {}, "need a registry"),
+        (["--gateway", "ftp://x"], {}, "--gateway"),
+        (["--redis", "http://x"], {}, "--redis"),
+        (["--redis", "redis://x", "--engine-url", "nope"], {}, "--engine-url"),
+        (["--redis", "redis://x", "--replica-ttl", "1", "--heartbeat-interval", "1"], {}, "--replica-ttl"),
+        (["--redis", "redis://x", "--heartbeat-interval", "0"], {}, "--heartbeat-interval"),
+        (["--redis", "redis://x", "--unhealthy-after", "0"], {}, "--unhealthy-after"),
+        (["--redis", "redis://x", "--replica-id", "a b"], {}, "--replica-id"),
+        (["--redis", "redis://x"], {"KVROUTE_SIDECAR_BOGUS": "1"}, "KVROUTE_SIDECAR_BOGUS"),
+        (
+            ["--redis", "redis://x"],
+            {"KVROUTE_SIDECAR_DRAIN_TIMEOUT": "soon"},
+            "KVROUTE_SIDECAR_DRAIN_TIMEOUT",
+        ),
+    ],
+)
+def test_config_errors_name_the_key(argv: list[str], env: dict[str, str], match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        load_config(argv, env)
+
+
+# ---- the agent with the memory store ---------------------------------------------------------------
+
+
+async def test_waits_for_engine_then_registers_and_heartbeats(
+    engine: FakeEngine, session: aiohttp.ClientSession
+) -> None:
+    engine.healthy = False
+    store = MemoryStore(SystemClock())
+    cfg = _cfg(engine.url)
+    agent = Agent(cfg, StoreRegistrar(store), EngineProbe(session, cfg.engine_url))
+    task = asyncio.create_task(agent.run())
+    await _until(lambda: engine.health_calls >= 3, what="health polling")
+    assert agent.status.phase is AgentPhase.WAITING_ENGINE and not agent.ready()
+    assert await store.replicas() == ()
+
+    engine.healthy = True
+    engine.running, engine.queued = 3, 2
+    await _until(agent.ready, what="registered")
+    rep = await _replica(store, cfg.id)
+    assert rep.status is ReplicaStatus.JOINING  # gateways promote it after their own health check
+    assert rep.url == engine.url and rep.model == MODEL
+    assert rep.capacity_tokens == 446_744 and rep.host_capacity_tokens == 893_488
+    assert rep.engine.running == 3 and rep.engine.queued == 2 and rep.engine.cache_hit_rate == 0.9
+
+    # heartbeats carry fresh load and keep the status the gateway set
+    await store.set_status(cfg.id, ReplicaStatus.ACTIVE)
+    engine.running = 7
+
+    async def running_is_7() -> bool:
+        r = await _replica(store, cfg.id)
+        return r is not None and r.engine.running == 7
+
+    await _until(running_is_7, what="load update")
+    assert (await _replica(store, cfg.id)).status is ReplicaStatus.ACTIVE
+    assert agent.status.heartbeats_ok >= 2
+    agent.request_drain()
+    assert await asyncio.wait_for(task, 10) == 0
+    assert await _replica(store, cfg.id) is None
+
+
+async def test_unhealthy_engine_is_marked_down_then_rejoins(
+    engine: FakeEngine, session: aiohttp.ClientSession
+) -> None:
+    store = MemoryStore(SystemClock())
+    cfg = _cfg(engine.url)
+    agent = Agent(cfg, StoreRegistrar(store), EngineProbe(session, cfg.engine_url))
+    task = asyncio.create_task(agent.run())
+    await _until(agent.ready, what="registered")
+    await store.set_status(cfg.id, ReplicaStatus.ACTIVE)
+
+    engine.healthy = False
+
+    async def status_is(st: ReplicaStatus) -> bool:
+        r = await _replica(store, cfg.id)
+        return r is not None and r.status is st
+
+    await _until(lambda: status_is(ReplicaStatus.DOWN), what="down")
+    assert agent.status.phase is AgentPhase.ENGINE_DOWN and not agent.ready()
+    assert agent.status.health_failures_in_row >= cfg.unhealthy_after
+    engine.healthy = True
+    await _until(lambda: status_is(ReplicaStatus.JOINING), what="rejoin")
+    assert agent.status.phase is AgentPhase.REGISTERED
+    agent.request_drain()
+    assert await asyncio.wait_for(task, 10) == 0
+
+
+async def test_drain_waits_for_in_flight_then_deregisters(
+    engine: FakeEngine, session: aiohttp.ClientSession
+) -> None:
+    store = MemoryStore(SystemClock())
+    cfg = _cfg(engine.url, drain_grace_s=0.2)
+    agent = Agent(cfg, StoreRegistrar(store), EngineProbe(session, cfg.engine_url))
+    task = asyncio.create_task(agent.run())
+    await _until(agent.ready, what="registered")
+    await store.set_status(cfg.id, ReplicaStatus.ACTIVE)
+    leases = [await store.acquire(*_acquire_args(cfg.id, f"s{i}")) for i in range(2)]
+
+    agent.request_drain()
+
+    async def draining() -> bool:
+        r = await _replica(store, cfg.id)
+        return r is not None and r.status is ReplicaStatus.DRAINING
+
+    await _until(draining, what="draining")
+    assert not agent.ready()
+    await asyncio.sleep(0.5)  # well past the grace: still registered, 2 requests in flight
+    assert not task.done() and agent.status.in_flight == 2
+    assert await _replica(store, cfg.id) is not None
+    await store.release(
+        leases[0], Completion(ok=True, prompt_tokens=100, cached_tokens=0, completion_tokens=5)
+    )
+    await asyncio.sleep(0.3)
+    assert not task.done()
+    await store.release(
+        leases[1], Completion(ok=True, prompt_tokens=100, cached_tokens=0, completion_tokens=5)
+    )
+    assert await asyncio.wait_for(task, 10) == 0
+    assert await _replica(store, cfg.id) is None
+    assert agent.status.phase is AgentPhase.DRAINED and not agent.status.drain_timed_out
+
+
+async def test_drain_times_out(engine: FakeEngine, session: aiohttp.ClientSession) -> None:
+    store = MemoryStore(SystemClock())
+    cfg = _cfg(engine.url, drain_timeout_s=0.4)
+    agent = Agent(cfg, StoreRegistrar(store), EngineProbe(session, cfg.engine_url))
+    task = asyncio.create_task(agent.run())
+    await _until(agent.ready, what="registered")
+    await store.acquire(*_acquire_args(cfg.id, "stuck"))
+    agent.request_drain()
+    assert await asyncio.wait_for(task, 10) == 0
+    assert agent.status.drain_timed_out
+    assert await _replica(store, cfg.id) is None
+
+
+class _NoCountRegistrar(StoreRegistrar):
+    """A registry that cannot tell in-flight counts (forces the engine's running+queued)."""
+
+    async def in_flight(self, replica_id: str) -> int | None:
+        return None
+
+
+async def test_drain_falls_back_to_engine_counts(engine: FakeEngine, session: aiohttp.ClientSession) -> None:
+    store = MemoryStore(SystemClock())
+    cfg = _cfg(engine.url)
+    agent = Agent(cfg, _NoCountRegistrar(store), EngineProbe(session, cfg.engine_url))
+    task = asyncio.create_task(agent.run())
+    await _until(agent.ready, what="registered")
+    engine.running, engine.queued = 1, 1
+    agent.request_drain()
+    await _until(lambda: agent.status.in_flight == 2, what="engine count")
+    await asyncio.sleep(0.3)
+    assert not task.done()
+    engine.running, engine.queued = 0, 0
+    assert await asyncio.wait_for(task, 10) == 0
+    assert await _replica(store, cfg.id) is None
+
+
+async def test_drain_before_engine_is_up_exits_without_registering(
+    engine: FakeEngine, session: aiohttp.ClientSession
+) -> None:
+    engine.healthy = False
+    store = MemoryStore(SystemClock())
+    cfg = _cfg(engine.url)
+    agent = Agent(cfg, StoreRegistrar(store), EngineProbe(session, cfg.engine_url))
+    task = asyncio.create_task(agent.run())
+    await _until(lambda: engine.health_calls >= 1, what="polling")
+    agent.request_drain()
+    assert await asyncio.wait_for(task, 5) == 0
+    assert await store.replicas() == ()
+
+
+# ---- probe server ----------------------------------------------------------------------------------
+
+
+async def test_probe_endpoints(engine: FakeEngine, session: aiohttp.ClientSession) -> None:
+    store = MemoryStore(SystemClock())
+    cfg = _cfg(engine.url)
+    engine.healthy = False
+    agent = Agent(cfg, StoreRegistrar(store), EngineProbe(session, cfg.engine_url))
+    runner, url = await _serve(make_probe_app(agent))
+    task = asyncio.create_task(agent.run())
+    try:
+        async with session.get(url + "/healthz") as r:
+            assert r.status == 200 and (await r.json())["phase"] == "waiting_engine"
+        async with session.get(url + "/readyz") as r:
+            assert r.status == 503
+            body = await r.json()
+            assert set(body["error"]) == {"message", "type", "code"}
+        engine.healthy = True
+        await _until(agent.ready, what="ready")
+        async with session.get(url + "/readyz") as r:
+            assert r.status == 200 and (await r.json())["replica"] == cfg.id
+        async with session.get(url + "/status") as r:
+            st = await r.json()
+            assert st["phase"] == "registered" and st["spec"]["capacity_tokens"] == 446_744
+        async with session.get(url + "/nope") as r:
+            assert r.status == 404 and (await r.json())["error"]["code"] == "not_found"
+        async with session.get(url + "/drain") as r:
+            assert r.status == 405 and (await r.json())["error"]["code"] == "method_not_allowed"
+        async with session.post(url + "/drain?wait=abc") as r:
+            assert r.status == 400
+        assert not task.done()
+        # preStop-style: start the drain and wait for it
+        async with session.post(url + "/drain?wait=10") as r:
+            assert r.status == 200 and (await r.json())["phase"] == "drained"
+        async with session.get(url + "/readyz") as r:
+            assert r.status == 503
+        assert await asyncio.wait_for(task, 5) == 0
+    finally:
+        await runner.cleanup()
+
+
+# ---- the admin-API registry against the real admin app --------------------------------------------
+
+
+async def _admin_gateway(store: MemoryStore, token: str) -> tuple[web.AppRunner, str]:
+    from router.gateway.admin import AdminSettings, PolicyHolder, make_admin_app
+    from router.observability.stats import RollingStats
+    from router.policy.params import PolicyParams
+
+    app = web.Application()
+    app.add_subapp(
+        "/admin",
+        make_admin_app(
+            store,
+            PolicyHolder("kv_aware", PolicyParams()),
+            RollingStats(),
+            SystemClock(),
+            AdminSettings(token=token),
+        ),
+    )
+    return await _serve(app)
+
+
+async def test_admin_registrar_against_the_admin_api(
+    engine: FakeEngine, session: aiohttp.ClientSession
+) -> None:
+    stores = [MemoryStore(SystemClock()), MemoryStore(SystemClock())]
+    gateways = [await _admin_gateway(s, "sekret") for s in stores]
+    try:
+        cfg = _cfg(engine.url, gateways=tuple(u for _, u in gateways), admin_token="sekret")
+        registrar = AdminRegistrar(session, cfg.gateways, cfg.admin_token)
+        agent = Agent(cfg, registrar, EngineProbe(session, cfg.engine_url), source="admin")
+        task = asyncio.create_task(agent.run())
+        await _until(agent.ready, what="registered")
+        for store in stores:  # every gateway learned the replica
+            rep = await _replica(store, cfg.id)
+            assert rep is not None and rep.status is ReplicaStatus.JOINING and rep.capacity_tokens == 446_744
+            await store.set_status(cfg.id, ReplicaStatus.ACTIVE)
+        # one request in flight through each gateway: the sidecar sums them
+        leases = [await s.acquire(*_acquire_args(cfg.id, f"s{i}")) for i, s in enumerate(stores)]
+        agent.request_drain()
+
+        async def all_draining() -> bool:
+            reps = [await _replica(s, cfg.id) for s in stores]
+            return all(r is not None and r.status is ReplicaStatus.DRAINING for r in reps)
+
+        await _until(all_draining, what="drain on every gateway")
+        await _until(lambda: agent.status.in_flight == 2, what="summed in-flight")
+        await stores[0].release(leases[0], Completion(ok=True))
+        await _until(lambda: agent.status.in_flight == 1, what="one left")
+        assert not task.done()
+        await stores[1].release(leases[1], Completion(ok=True))
+        assert await asyncio.wait_for(task, 10) == 0
+        for store in stores:
+            assert await _replica(store, cfg.id) is None
+    finally:
+        for runner, _ in gateways:
+            await runner.cleanup()
+
+
+async def test_admin_registrar_wrong_token_is_an_error(session: aiohttp.ClientSession) -> None:
+    store = MemoryStore(SystemClock())
+    runner, url = await _admin_gateway(store, "right")
+    try:
+        from router.model import ReplicaSpec
+
+        reg = AdminRegistrar(session, [url], "wrong")
+        with pytest.raises(RegistrationError, match="401"):
+            await reg.register(ReplicaSpec(id="127.0.0.1:9", url="http://127.0.0.1:9"))
+        assert await store.replicas() == ()
+        # one dead gateway among live ones is tolerated; all dead is an error
+        good = AdminRegistrar(session, [url, "http://127.0.0.1:1"], "right")
+        await good.register(ReplicaSpec(id="127.0.0.1:9", url="http://127.0.0.1:9"))
+        assert len(await store.replicas()) == 1
+        with pytest.raises(RegistrationError):
+            await AdminRegistrar(session, ["http://127.0.0.1:1"], "right").register(
+                ReplicaSpec(id="x:1", url="http://127.0.0.1:9")
+            )
+    finally:
+        await runner.cleanup()
+
+
+async def test_run_sidecar_serves_probes_and_drains(engine: FakeEngine) -> None:
+    """The assembled shell (admin registry, probe server on port 0), drained through POST /drain."""
+    store = MemoryStore(SystemClock())
+    gw_runner, gw = await _admin_gateway(store, "t")
+    ports: list[int] = []
+    cfg = _cfg(engine.url, gateways=(gw,), admin_token="t", listen_host="127.0.0.1")
+    task = asyncio.create_task(run_sidecar(cfg, on_listening=ports.append, install_signals=False))
+    try:
+        await _until(lambda: bool(ports), what="listening")
+        async with aiohttp.ClientSession() as s:
+
+            async def ready() -> bool:
+                async with s.get(f"http://127.0.0.1:{ports[0]}/readyz") as r:
+                    return r.status == 200
+
+            await _until(ready, what="ready")
+            assert (await _replica(store, cfg.id)) is not None
+            async with s.post(f"http://127.0.0.1:{ports[0]}/drain?wait=5") as r:
+                assert json.loads(await r.text())["phase"] == "drained"
+        assert await asyncio.wait_for(task, 5) == 0
+        assert await store.replicas() == ()
+    finally:
+        await gw_runner.cleanup()
