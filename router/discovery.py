@@ -1,0 +1,231 @@
+"""Membership and health: background loops that poll every registered replica.
+
+Rules:
+  1. The replica list is read from the store on every round, so replicas registered later (admin
+     API, sidecars through Redis, ``upsert_replica`` in tests) are picked up without a restart.
+  2. State machine (pure, :func:`health_transition`): JOINING -> ACTIVE on the first good health
+     check; ACTIVE -> DOWN after ``unhealthy_threshold`` consecutive failures; DOWN -> ACTIVE after
+     ``healthy_threshold`` consecutive successes. DRAINING belongs to the operator: health never
+     changes it. A *panic* mode (route to unhealthy replicas when too few are healthy) is the
+     policy's job, not ours.
+  3. Passive ejection: the forwarder reports connect errors; ``eject_on_connect_errors`` of them in
+     a row take an ACTIVE replica DOWN at once (readmitted by health checks like any DOWN replica).
+  4. Polling is cheap: one shared client session, per-probe timeouts, jittered intervals, one
+     probe per replica at a time. ``/metrics`` is scraped with ``Accept: text/plain``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+from router.clock import Clock
+from router.config import HealthConfig
+from router.engine_metrics import MetricsParseError, parse_engine_metrics
+from router.errors import UpstreamError
+from router.events import Event, ReplicaActivated, ReplicaEjected, ReplicaReadmitted
+from router.model import ReplicaId, ReplicaState, ReplicaStatus
+from router.store.base import StateStore
+
+if TYPE_CHECKING:
+    from router.gateway.forward import ReplicaClient
+
+__all__ = ["Discovery", "HealthTrack", "health_transition"]
+
+log = logging.getLogger("kvroute.discovery")
+
+_METRICS_OFF_BACKOFF = 30  # rounds to skip after a 404 on /metrics (engine without --enable-metrics)
+
+
+@dataclass(frozen=True, slots=True)
+class HealthTrack:
+    ok_streak: int = 0
+    fail_streak: int = 0
+
+
+def health_transition(
+    status: ReplicaStatus, track: HealthTrack, ok: bool, cfg: HealthConfig
+) -> tuple[HealthTrack, ReplicaStatus | None]:
+    """PURE. The new track and the new status (``None`` = unchanged) after one health check."""
+    if ok:
+        track = HealthTrack(ok_streak=track.ok_streak + 1, fail_streak=0)
+        if status is ReplicaStatus.JOINING:
+            return track, ReplicaStatus.ACTIVE
+        if status is ReplicaStatus.DOWN and track.ok_streak >= cfg.healthy_threshold:
+            return track, ReplicaStatus.ACTIVE
+        return track, None
+    track = HealthTrack(ok_streak=0, fail_streak=track.fail_streak + 1)
+    if status is ReplicaStatus.ACTIVE and track.fail_streak >= cfg.unhealthy_threshold:
+        return track, ReplicaStatus.DOWN
+    return track, None
+
+
+class Discovery:
+    def __init__(
+        self,
+        store: StateStore,
+        client: ReplicaClient,
+        cfg: HealthConfig,
+        *,
+        clock: Clock,
+        emit: Callable[[Event], None],
+        rng: random.Random,
+        probe_timeout_s: float = 2.0,
+    ) -> None:
+        self._store = store
+        self._client = client
+        self._cfg = cfg
+        self._clock = clock
+        self._emit = emit
+        self._rng = rng
+        self._probe_s = probe_timeout_s
+        self._tracks: dict[ReplicaId, HealthTrack] = {}
+        self._connect_errors: dict[ReplicaId, int] = {}
+        self._metrics_off: dict[ReplicaId, int] = {}
+        self._lock = asyncio.Lock()  # status changes: health loop vs passive ejection
+        self.scrapes_ok = 0
+        self.scrapes_failed = 0
+        self.health_failures = 0
+        self.health_rounds = 0
+
+    # ---- passive signals from the forwarder ------------------------------------------------------
+
+    async def on_connect_error(self, replica_id: ReplicaId, detail: str = "") -> None:
+        n = self._connect_errors.get(replica_id, 0) + 1
+        self._connect_errors[replica_id] = n
+        limit = self._cfg.eject_on_connect_errors
+        if limit == 0 or n < limit:
+            return
+        async with self._lock:
+            state = await self._state(replica_id)
+            if state is None or state.status is not ReplicaStatus.ACTIVE:
+                return
+            if await self._set_status(replica_id, ReplicaStatus.DOWN):
+                self._tracks[replica_id] = HealthTrack()
+                self._connect_errors[replica_id] = 0
+                log.warning("replica %s ejected after %d connect error(s): %s", replica_id, n, detail)
+                self._emit(ReplicaEjected(at=self._clock.now(), replica_id=replica_id, cause="connect", detail=detail))
+
+    def on_success(self, replica_id: ReplicaId) -> None:
+        if self._connect_errors.get(replica_id):
+            self._connect_errors[replica_id] = 0
+
+    # ---- one round ---------------------------------------------------------------------------------
+
+    async def check_health_once(self) -> None:
+        replicas = await self._store.replicas()
+        self._forget_missing(replicas)
+        await asyncio.gather(*(self._check_one(r) for r in replicas))
+        self.health_rounds += 1
+
+    async def scrape_once(self) -> None:
+        replicas = await self._store.replicas()
+        await asyncio.gather(*(self._scrape_one(r) for r in replicas if r.status is not ReplicaStatus.DOWN))
+
+    async def _check_one(self, r: ReplicaState) -> None:
+        ok = False
+        detail = ""
+        try:
+            status, _ = await self._client.fetch(r.id, r.url + self._cfg.health_path, timeout_s=self._probe_s)
+            ok = status == 200
+            detail = f"/health returned {status}"
+        except UpstreamError as exc:
+            detail = str(exc)
+        if not ok:
+            self.health_failures += 1
+        async with self._lock:
+            current = await self._state(r.id)
+            if current is None:
+                return
+            track, new = health_transition(current.status, self._tracks.get(r.id, HealthTrack()), ok, self._cfg)
+            self._tracks[r.id] = track
+            if new is None or not await self._set_status(r.id, new):
+                return
+            now = self._clock.now()
+            if new is ReplicaStatus.DOWN:
+                log.warning("replica %s down after %d failed health checks (%s)", r.id, track.fail_streak, detail)
+                self._emit(ReplicaEjected(at=now, replica_id=r.id, cause="health", detail=detail))
+            elif current.status is ReplicaStatus.JOINING:
+                log.info("replica %s active", r.id)
+                self._emit(ReplicaActivated(at=now, replica_id=r.id))
+            else:
+                log.info("replica %s readmitted", r.id)
+                self._connect_errors[r.id] = 0
+                self._emit(ReplicaReadmitted(at=now, replica_id=r.id))
+
+    async def _scrape_one(self, r: ReplicaState) -> None:
+        skip = self._metrics_off.get(r.id, 0)
+        if skip > 0:
+            self._metrics_off[r.id] = skip - 1
+            return
+        try:
+            status, body = await self._client.fetch(
+                r.id, r.url + self._cfg.metrics_path, accept="text/plain", timeout_s=self._probe_s
+            )
+        except UpstreamError as exc:
+            self.scrapes_failed += 1
+            log.debug("scrape of %s failed: %s", r.id, exc)
+            return
+        if status == 404:
+            self._metrics_off[r.id] = _METRICS_OFF_BACKOFF
+            self.scrapes_failed += 1
+            log.info("replica %s has no /metrics (SGLang without --enable-metrics?)", r.id)
+            return
+        if status != 200:
+            self.scrapes_failed += 1
+            return
+        try:
+            load = parse_engine_metrics(body.decode("utf-8", "replace"), now=self._clock.now())
+        except MetricsParseError as exc:
+            self.scrapes_failed += 1
+            log.debug("bad /metrics from %s: %s", r.id, exc)
+            return
+        self.scrapes_ok += 1
+        await self._store.report_engine_load(r.id, load)
+
+    # ---- loops -------------------------------------------------------------------------------------
+
+    async def run_health(self) -> None:
+        await self._loop(self.check_health_once, self._cfg.health_interval_s, "health")
+
+    async def run_scrape(self) -> None:
+        await self._loop(self.scrape_once, self._cfg.scrape_interval_s, "scrape")
+
+    async def _loop(self, once: Callable[[], object], interval_s: float, name: str) -> None:
+        while True:
+            try:
+                await once()  # type: ignore[misc]
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # a bug in one round must not kill membership for good
+                log.exception("discovery %s round failed", name)
+            j = self._cfg.jitter
+            await asyncio.sleep(interval_s * (1.0 + self._rng.uniform(-j, j)))
+
+    # ---- helpers -----------------------------------------------------------------------------------
+
+    def _forget_missing(self, replicas: tuple[ReplicaState, ...]) -> None:
+        ids = {r.id for r in replicas}
+        for d in (self._tracks, self._connect_errors, self._metrics_off):
+            for k in [k for k in d if k not in ids]:
+                del d[k]
+
+    async def _state(self, replica_id: ReplicaId) -> ReplicaState | None:
+        for r in await self._store.replicas():
+            if r.id == replica_id:
+                return r
+        return None
+
+    async def _set_status(self, replica_id: ReplicaId, status: ReplicaStatus) -> bool:
+        try:
+            await self._store.set_status(replica_id, status)
+        except KeyError:
+            return False  # removed meanwhile
+        return True
+
+    def track(self, replica_id: ReplicaId) -> HealthTrack:
+        return replace(self._tracks.get(replica_id, HealthTrack()))

@@ -1,0 +1,147 @@
+"""Wiring: ``make_app`` builds the gateway's ``web.Application`` from injected parts.
+
+Rules:
+  1. Nothing here reads the environment, the wall clock or global randomness: config, store,
+     policy, clock and rng are passed in (STYLE §1.3). ``serve.py`` is the only process entry.
+  2. Lifecycles are ``cleanup_ctx`` pairs: the upstream client (one ``ClientSession``), static
+     replica registration, and the discovery loops (cancelled on exit).
+  3. Extension point for the admin and metrics parts: ``extra_setup`` callables receive the app
+     before it starts (add ``/admin`` as a sub-app, a ``/metrics`` route, middlewares, hooks through
+     ``app[EMITTER_KEY].add(...)``). Typed keys are exported here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+
+from aiohttp import web
+
+from router.clock import Clock
+from router.config import GatewayConfig
+from router.discovery import Discovery
+from router.events import Emitter, Hook
+from router.gateway.forward import AiohttpReplicaClient, ReplicaClient
+from router.gateway.handlers import (
+    INFERENCE_ROUTES,
+    handle_health,
+    handle_inference,
+    handle_model,
+    handle_models,
+    handle_ready,
+)
+from router.gateway.keys import CONFIG_KEY, EMITTER_KEY, RUNTIME_KEY, STORE_KEY, GatewayRuntime
+from router.gateway.middleware import error_middleware, request_id_middleware, set_request_id_header
+from router.policy import Policy
+from router.store.base import StateStore
+
+__all__ = [
+    "CONFIG_KEY",
+    "EMITTER_KEY",
+    "RUNTIME_KEY",
+    "STORE_KEY",
+    "GatewayRuntime",
+    "make_app",
+]
+
+SetupFn = Callable[[web.Application], None]
+
+
+def make_app(
+    config: GatewayConfig,
+    store: StateStore,
+    policy: Policy,
+    *,
+    clock: Clock,
+    rng: random.Random,
+    client: ReplicaClient | None = None,
+    hooks: Iterable[Hook] = (),
+    extra_setup: Sequence[SetupFn] = (),
+    discovery: bool = True,
+    register_static: bool = True,
+    middlewares: Sequence[object] = (),
+    trace_configs: Sequence[object] = (),
+) -> web.Application:
+    """The gateway application.
+
+    ``client``: an upstream client to use (tests); by default an ``AiohttpReplicaClient`` is
+    created at start-up and closed at cleanup. ``discovery=False`` runs no polling loops (replica
+    states are then whatever the store says). ``middlewares`` run outside ours (tracing);
+    ``trace_configs`` go to the upstream ``ClientSession``.
+    """
+    emitter = Emitter(hooks)
+    rt = GatewayRuntime(config=config, store=store, policy=policy, clock=clock, rng=rng, emit=emitter, client=client)
+    app = web.Application(
+        middlewares=[*middlewares, request_id_middleware, error_middleware],  # type: ignore[list-item]
+        client_max_size=config.limits.max_body_bytes,
+        handler_args={
+            "max_line_size": config.limits.max_line_size,
+            "max_field_size": config.limits.max_field_size,
+            "max_headers": config.limits.max_headers,
+        },
+    )
+    app[CONFIG_KEY] = config
+    app[STORE_KEY] = store
+    app[EMITTER_KEY] = emitter
+    app[RUNTIME_KEY] = rt
+    app.on_response_prepare.append(set_request_id_header)
+
+    for path in INFERENCE_ROUTES:
+        app.router.add_post(path, handle_inference)
+    app.router.add_get("/v1/models", handle_models)
+    app.router.add_get("/v1/models/{model}", handle_model)
+    app.router.add_get("/health", handle_health)
+    app.router.add_get("/ready", handle_ready)
+
+    async def client_ctx(app: web.Application) -> AsyncIterator[None]:
+        own = rt.client is None
+        if own:
+            rt.client = AiohttpReplicaClient(
+                config.timeouts,
+                max_connections=config.max_connections,
+                max_connections_per_replica=config.max_connections_per_replica,
+                trace_configs=trace_configs,  # type: ignore[arg-type]
+            )
+        yield
+        if own and rt.client is not None:
+            await rt.client.close()
+
+    async def registry_ctx(app: web.Application) -> AsyncIterator[None]:
+        if register_static:
+            for spec in config.replica_specs():
+                await store.upsert_replica(spec)  # new ones start JOINING; existing keep their state
+        yield
+
+    async def discovery_ctx(app: web.Application) -> AsyncIterator[None]:
+        assert rt.client is not None
+        d = Discovery(
+            store,
+            rt.client,
+            config.health,
+            clock=clock,
+            emit=emitter,
+            rng=random.Random(rng.random()),
+            probe_timeout_s=config.timeouts.probe_s,
+        )
+        rt.discovery = d
+        tasks: list[asyncio.Task[None]] = []
+        if discovery:
+            await d.check_health_once()  # first round before serving: static replicas become ACTIVE
+            await d.scrape_once()
+            tasks = [
+                asyncio.create_task(d.run_health(), name="kvroute-health"),
+                asyncio.create_task(d.run_scrape(), name="kvroute-scrape"),
+            ]
+        yield
+        for t in tasks:
+            t.cancel()
+        for t in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+
+    app.cleanup_ctx.extend([client_ctx, registry_ctx, discovery_ctx])
+    for fn in extra_setup:
+        fn(app)
+    return app

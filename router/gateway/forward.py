@@ -1,0 +1,409 @@
+"""The network edge towards replicas: ``ReplicaClient`` seam, its aiohttp implementation, header
+hygiene, and the response "sniffer" that learns token counts without touching the bytes.
+
+Rules:
+  1. Bodies are forwarded byte for byte: the request body is never re-serialised, the response is
+     relayed chunk by chunk as it arrives (``iter_any``), never decompressed (``auto_decompress``
+     off) and never buffered whole.
+  2. Hop-by-hop headers (RFC 9110 §7.6.1: Connection, Keep-Alive, Proxy-*, TE, Trailer,
+     Transfer-Encoding, Upgrade, and every header named in Connection) are dropped both ways;
+     Content-Length and Host are recomputed by aiohttp.
+  3. aiohttp's exceptions never leave this module: :func:`map_client_errors` maps them to
+     ``router.errors`` (the single mapping boundary, STYLE §5).
+  4. One ``ClientSession`` per application, bounded connection pool. Closing an unfinished
+     upstream response closes its connection, which makes SGLang (and the emulator) abort the
+     request: that is how a client's disconnect reaches the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import aiohttp
+from multidict import CIMultiDict
+
+from router.config import TimeoutsConfig
+from router.errors import (
+    UpstreamBrokenError,
+    UpstreamConnectError,
+    UpstreamError,
+    UpstreamTimeoutError,
+)
+
+__all__ = [
+    "HOP_BY_HOP",
+    "AiohttpReplicaClient",
+    "ReplicaClient",
+    "UpstreamResponse",
+    "Usage",
+    "UsageSniffer",
+    "filter_request_headers",
+    "filter_response_headers",
+    "map_client_errors",
+    "usage_from_json",
+]
+
+HOP_BY_HOP = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "proxy-connection",
+        "te",
+        "trailer",
+        "trailers",
+        "transfer-encoding",
+        "upgrade",
+    }
+)
+# recomputed or owned by the gateway's own HTTP stack
+_REQUEST_DROP = HOP_BY_HOP | {"host", "content-length", "expect"}
+_RESPONSE_DROP = HOP_BY_HOP | {"content-length"}
+
+
+def _connection_tokens(headers: Iterable[tuple[str, str]]) -> set[str]:
+    named: set[str] = set()
+    for k, v in headers:
+        if k.lower() == "connection":
+            named.update(t.strip().lower() for t in v.split(",") if t.strip())
+    return named
+
+
+def _filter(headers: Iterable[tuple[str, str]], drop: frozenset[str]) -> list[tuple[str, str]]:
+    items = list(headers)
+    also = _connection_tokens(items)
+    return [(k, v) for k, v in items if k.lower() not in drop and k.lower() not in also]
+
+
+def filter_request_headers(headers: Iterable[tuple[str, str]]) -> list[tuple[str, str]]:
+    """Client -> replica: end-to-end headers only (Authorization passes: the replica may check it)."""
+    return _filter(headers, _REQUEST_DROP)
+
+
+def filter_response_headers(headers: Iterable[tuple[str, str]]) -> list[tuple[str, str]]:
+    """Replica -> client: end-to-end headers only."""
+    return _filter(headers, _RESPONSE_DROP)
+
+
+# ---- errors ---------------------------------------------------------------------------------------
+
+
+@contextmanager
+def map_client_errors(replica_id: str) -> Iterator[None]:
+    """Re-raise aiohttp/socket errors as ``router.errors.Upstream*Error`` (never CancelledError)."""
+    try:
+        yield
+    except UpstreamError:
+        raise
+    except (TimeoutError, aiohttp.ServerTimeoutError) as exc:
+        raise UpstreamTimeoutError(f"replica {replica_id}: timed out") from exc
+    except aiohttp.ClientPayloadError as exc:
+        raise UpstreamBrokenError(f"replica {replica_id}: response broke off: {exc}") from exc
+    except aiohttp.ServerDisconnectedError as exc:
+        raise UpstreamConnectError(f"replica {replica_id}: server disconnected") from exc
+    except aiohttp.ClientConnectorError as exc:
+        raise UpstreamConnectError(f"replica {replica_id}: cannot connect: {exc.os_error}") from exc
+    except (aiohttp.ClientError, OSError) as exc:
+        raise UpstreamConnectError(f"replica {replica_id}: {type(exc).__name__}: {exc}") from exc
+
+
+# ---- the seam ---------------------------------------------------------------------------------------
+
+
+class UpstreamResponse(Protocol):
+    status: int
+
+    @property
+    def headers(self) -> Sequence[tuple[str, str]]: ...
+
+    @property
+    def content_type(self) -> str: ...
+
+    @property
+    def content_length(self) -> int | None: ...
+
+    def chunks(self) -> AsyncIterator[bytes]:
+        """Body chunks as they arrive; raises ``UpstreamError`` subclasses (idle timeout, break)."""
+        ...
+
+    async def read(self, limit: int) -> bytes:
+        """Up to ``limit`` bytes of the body (error bodies); the rest is discarded."""
+        ...
+
+    def release(self) -> None:
+        """The body was fully read: the connection may be reused."""
+        ...
+
+    def abort(self) -> None:
+        """Close the connection now (the engine sees the disconnect and aborts the request)."""
+        ...
+
+
+class ReplicaClient(Protocol):
+    async def send(
+        self, replica_id: str, method: str, url: str, headers: Sequence[tuple[str, str]], body: bytes
+    ) -> UpstreamResponse:
+        """Send a request; returns once the status line and headers arrived (first-byte timeout)."""
+        ...
+
+    async def fetch(
+        self, replica_id: str, url: str, *, accept: str | None = None, timeout_s: float | None = None
+    ) -> tuple[int, bytes]:
+        """A small GET (health, metrics, models): status and whole body."""
+        ...
+
+    async def close(self) -> None: ...
+
+
+# ---- aiohttp implementation -------------------------------------------------------------------------
+
+
+class _AiohttpUpstream:
+    __slots__ = ("_idle_s", "_resp", "_rid", "status")
+
+    def __init__(self, resp: aiohttp.ClientResponse, replica_id: str, idle_s: float) -> None:
+        self._resp = resp
+        self._rid = replica_id
+        self._idle_s = idle_s
+        self.status = resp.status
+
+    @property
+    def headers(self) -> Sequence[tuple[str, str]]:
+        return list(self._resp.headers.items())
+
+    @property
+    def content_type(self) -> str:
+        return self._resp.headers.get("Content-Type", "")
+
+    @property
+    def content_length(self) -> int | None:
+        return self._resp.content_length
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        it = self._resp.content.iter_any().__aiter__()
+        while True:
+            with map_client_errors(self._rid):
+                async with asyncio.timeout(self._idle_s):
+                    try:
+                        chunk = await it.__anext__()
+                    except StopAsyncIteration:
+                        return
+            yield chunk
+
+    async def read(self, limit: int) -> bytes:
+        out = bytearray()
+        try:
+            async for chunk in self.chunks():
+                if len(out) < limit:
+                    out += chunk[: limit - len(out)]
+        except UpstreamError:
+            pass  # an error body that breaks off is still an error: keep what we have
+        return bytes(out)
+
+    def release(self) -> None:
+        self._resp.release()
+
+    def abort(self) -> None:
+        self._resp.close()
+
+
+class AiohttpReplicaClient:
+    """``ReplicaClient`` over one ``aiohttp.ClientSession`` (create inside a running loop)."""
+
+    def __init__(
+        self,
+        timeouts: TimeoutsConfig,
+        *,
+        max_connections: int = 1024,
+        max_connections_per_replica: int = 0,
+        trace_configs: Sequence[aiohttp.TraceConfig] = (),
+    ) -> None:
+        self._timeouts = timeouts
+        connector = aiohttp.TCPConnector(
+            limit=max_connections, limit_per_host=max_connections_per_replica, enable_cleanup_closed=False
+        )
+        self._session = aiohttp.ClientSession(
+            connector=connector,
+            auto_decompress=False,  # relay Content-Encoding'd bytes as they are
+            timeout=aiohttp.ClientTimeout(
+                total=None, connect=None, sock_connect=timeouts.connect_s, sock_read=None
+            ),
+            trace_configs=list(trace_configs) or None,
+            skip_auto_headers=("User-Agent",),
+        )
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        return self._session
+
+    async def send(
+        self, replica_id: str, method: str, url: str, headers: Sequence[tuple[str, str]], body: bytes
+    ) -> UpstreamResponse:
+        hdrs: CIMultiDict[str] = CIMultiDict(headers)
+        skip = () if "Accept-Encoding" in hdrs else ("Accept-Encoding",)
+        with map_client_errors(replica_id):
+            async with asyncio.timeout(self._timeouts.first_byte_s):
+                resp = await self._session.request(
+                    method,
+                    url,
+                    data=body,
+                    headers=hdrs,
+                    allow_redirects=False,
+                    skip_auto_headers=skip,
+                )
+        return _AiohttpUpstream(resp, replica_id, self._timeouts.idle_read_s)
+
+    async def fetch(
+        self, replica_id: str, url: str, *, accept: str | None = None, timeout_s: float | None = None
+    ) -> tuple[int, bytes]:
+        headers = {"Accept": accept} if accept else {}
+        with map_client_errors(replica_id):
+            async with asyncio.timeout(timeout_s or self._timeouts.probe_s):
+                async with self._session.get(url, headers=headers, allow_redirects=False) as resp:
+                    body = await resp.read()
+                    if resp.headers.get("Content-Encoding", "identity") not in ("identity", ""):
+                        body = b""  # probes never ask for compression; refuse to guess
+                    return resp.status, body
+
+    async def close(self) -> None:
+        await self._session.close()
+
+
+# ---- learning from responses --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    prompt_tokens: int | None = None
+    cached_tokens: int | None = None
+    completion_tokens: int | None = None
+
+
+def _int(v: Any) -> int | None:
+    return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else None
+
+
+def _from_obj(obj: Mapping[str, Any]) -> Usage | None:
+    usage = obj.get("usage")
+    if isinstance(usage, Mapping):
+        details = usage.get("prompt_tokens_details")
+        cached = _int(details.get("cached_tokens")) if isinstance(details, Mapping) else None
+        u = Usage(_int(usage.get("prompt_tokens")), cached, _int(usage.get("completion_tokens")))
+        if u.prompt_tokens is not None:
+            return u
+    meta = obj.get("meta_info")
+    if isinstance(meta, Mapping):
+        u = Usage(_int(meta.get("prompt_tokens")), _int(meta.get("cached_tokens")), _int(meta.get("completion_tokens")))
+        if u.prompt_tokens is not None:
+            return u
+    return None
+
+
+def usage_from_json(data: Any) -> Usage | None:
+    """Token counts from an OpenAI (``usage``) or native (``meta_info``) response object.
+
+    A list (batch ``/generate``) sums its items. ``cached_tokens`` is ``None`` when the engine did
+    not report it (``--enable-cache-report`` off).
+    """
+    if isinstance(data, Mapping):
+        return _from_obj(data)
+    if isinstance(data, list):
+        parts = [u for item in data if isinstance(item, Mapping) and (u := _from_obj(item)) is not None]
+        if not parts:
+            return None
+
+        def total(vals: list[int | None]) -> int | None:
+            return None if any(v is None for v in vals) else sum(v for v in vals if v is not None)
+
+        return Usage(
+            total([p.prompt_tokens for p in parts]),
+            total([p.cached_tokens for p in parts]),
+            total([p.completion_tokens for p in parts]),
+        )
+    return None
+
+
+class UsageSniffer:
+    """Watches relayed bytes and extracts the last token counts; never alters or delays them.
+
+    SSE: an incremental line splitter; a ``data:`` line is a candidate only if it mentions
+    ``"usage"`` or ``"meta_info"`` *and* ``"prompt_tokens"``. Only the last candidate is kept (raw) and
+    parsed once at the end, so cumulative ``/generate`` streams cost no per-chunk JSON parsing.
+    JSON: the body is accumulated up to ``max_json_bytes`` and parsed at the end.
+    """
+
+    __slots__ = ("_buf", "_last", "_max", "_mode", "_overflow", "events")
+
+    def __init__(self, content_type: str, *, max_json_bytes: int = 8 * 1024 * 1024, max_line_bytes: int = 8 * 1024 * 1024) -> None:
+        ct = content_type.split(";", 1)[0].strip().lower()
+        self._mode = "sse" if ct == "text/event-stream" else "json" if ct.endswith("json") else "none"
+        self._buf = bytearray()
+        self._last: bytes | None = None
+        self._max = max_json_bytes if self._mode == "json" else max_line_bytes
+        self._overflow = False
+        self.events = 0  # complete SSE data lines seen
+
+    @property
+    def is_sse(self) -> bool:
+        return self._mode == "sse"
+
+    def feed(self, chunk: bytes) -> None:
+        if self._mode == "json":
+            if not self._overflow:
+                if len(self._buf) + len(chunk) > self._max:
+                    self._overflow = True
+                    self._buf.clear()
+                else:
+                    self._buf += chunk
+            return
+        if self._mode != "sse":
+            return
+        start = 0
+        while True:
+            nl = chunk.find(b"\n", start)
+            if nl < 0:
+                rest = chunk[start:]
+                if self._overflow or len(self._buf) + len(rest) > self._max:
+                    self._overflow = True  # skip this over-long line entirely
+                    self._buf.clear()
+                else:
+                    self._buf += rest
+                return
+            if self._overflow:
+                self._overflow = False
+            else:
+                if self._buf:
+                    self._buf += chunk[start:nl]
+                    self._line(bytes(self._buf))
+                    self._buf.clear()
+                else:
+                    self._line(chunk[start:nl])
+            start = nl + 1
+
+    def _line(self, line: bytes) -> None:
+        if not line.startswith(b"data:"):
+            return
+        self.events += 1
+        if b'"prompt_tokens"' in line and (b'"usage"' in line or b'"meta_info"' in line):
+            self._last = line
+
+    def result(self) -> Usage | None:
+        if self._mode == "json":
+            if self._overflow or not self._buf:
+                return None
+            try:
+                return usage_from_json(json.loads(self._buf))
+            except (ValueError, UnicodeDecodeError):
+                return None
+        if self._last is None:
+            return None
+        try:
+            return usage_from_json(json.loads(self._last[5:].strip()))
+        except (ValueError, UnicodeDecodeError):
+            return None

@@ -1,0 +1,549 @@
+"""Request handlers: session key -> snapshot -> ``policy.route`` -> ``store.acquire`` -> forward ->
+``store.release``, with bounded retry before the first byte.
+
+Rules:
+  1. The body is parsed only when there is no session header (the prefix key needs the prompt);
+     otherwise it is forwarded without being looked at.
+  2. Requests go only to replicas registered in the store, by their registered URL. The client's
+     Host header and any absolute URL in the request line are ignored.
+  3. ``store.release`` runs exactly once per ``store.acquire``, in a ``finally``, shielded from a
+     second cancellation: completed, failed, retried, client gone - the load is always released.
+  4. Retry: a connect error, timeout, broken body or 5xx *before the first byte reached the client*
+     releases the lease (``ok=False``), excludes the replica and routes again, at most
+     ``max_retries`` times. After the first byte nothing is retried: an SSE stream ends with a
+     parseable error event and ``data: [DONE]``; any other body is cut off by closing the
+     connection (its status is already sent; a client sees a truncated body, never a wrong one).
+  5. The response is committed (status + headers sent) only when the first upstream body chunk
+     arrived, so a replica that accepts the request and dies during prefill is still retried.
+  6. Client disconnect: the handler is cancelled (``handler_cancellation``) or its next write
+     fails; either way the upstream response is closed at once (SGLang aborts the request) and
+     the lease is released.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+
+from router.config import GatewayConfig
+from router.errors import (
+    BadRequestError,
+    KvrouteError,
+    NoReplicaError,
+    UpstreamConnectError,
+    UpstreamError,
+    UpstreamStatusError,
+)
+from router.events import AffinityBroken, RequestFinished, RequestRouted, UpstreamRetry
+from router.gateway.forward import (
+    UpstreamResponse,
+    UsageSniffer,
+    filter_request_headers,
+    filter_response_headers,
+)
+from router.gateway.keys import RUNTIME_KEY, GatewayRuntime
+from router.gateway.middleware import REQUEST_ID_HEADER, REQUEST_ID_KEY, read_body_limited
+from router.model import AffinityBreak, Completion, KeySource, Lease, Reason, ReplicaStatus, RouteRequest
+from router.policy.breaks import classify_break
+from router.policy.params import PolicyParams
+from router.policy.prefix_key import prefix_key
+
+__all__ = [
+    "INFERENCE_ROUTES",
+    "REASON_HEADER",
+    "REPLICA_HEADER",
+    "handle_health",
+    "handle_inference",
+    "handle_models",
+    "handle_ready",
+    "session_id_from_headers",
+    "sse_error_event",
+]
+
+log = logging.getLogger("kvroute.gateway")
+
+INFERENCE_ROUTES = ("/v1/chat/completions", "/v1/completions", "/generate")
+REPLICA_HEADER = "X-Kvroute-Replica"
+REASON_HEADER = "X-Kvroute-Reason"
+_ERROR_BODY_LIMIT = 64 * 1024
+
+
+def session_id_from_headers(headers: Mapping[str, str], cfg: GatewayConfig) -> str | None:
+    """The session id from the first configured header present; ``BadRequestError`` if it is bad."""
+    for name in cfg.session_headers:
+        value = headers.get(name)
+        if value is None:
+            continue
+        value = value.strip()
+        if not value:
+            continue
+        limit = cfg.limits.max_session_id_len
+        if len(value) > limit:
+            raise BadRequestError(f"{name}: session id longer than {limit} characters")
+        if not re.match(cfg.limits.session_id_pattern, value):
+            raise BadRequestError(f"{name}: session id has characters outside {cfg.limits.session_id_pattern}")
+        return value
+    return None
+
+
+def sse_error_event(message: str, code: int = 502, error_type: str = "upstream_error") -> bytes:
+    payload = json.dumps({"error": {"message": message, "type": error_type, "code": code}}, separators=(",", ":"))
+    return f"data: {payload}\n\n".encode() + b"data: [DONE]\n\n"
+
+
+def _prefix_params(policy: object) -> PolicyParams:
+    params = getattr(policy, "params", None)
+    return params if isinstance(params, PolicyParams) else PolicyParams()
+
+
+def _routing_key(
+    session_id: str | None, body: bytes, route: str, policy: object
+) -> tuple[str | None, KeySource, str | None]:
+    if session_id is not None:
+        return session_id, KeySource.HEADER, None
+    try:
+        obj = json.loads(body)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise BadRequestError(f"request body is not valid JSON: {exc}") from None
+    if not isinstance(obj, dict):
+        raise BadRequestError("request body must be a JSON object")
+    model = obj.get("model") if isinstance(obj.get("model"), str) else None
+    p = _prefix_params(policy)
+    key = prefix_key(obj, route, p.prefix_block_chars, p.prefix_blocks)
+    return key, (KeySource.PREFIX if key is not None else KeySource.NONE), model
+
+
+@dataclass(slots=True)
+class _Progress:
+    """Mutable bookkeeping of one HTTP request (lives in one handler task)."""
+
+    t0: float
+    retries: int = 0
+    status: int = 0
+    sent: bool = False  # a byte of the response body or status reached the client
+    stream: bool = False
+    ttft_s: float | None = None
+    upstream_wait_s: float = 0.0
+    write_wait_s: float = 0.0
+    client_gone: bool = False
+    ok: bool = False
+    error: str | None = None
+    replica_id: str | None = None
+    reason: Reason | None = None
+    prompt_tokens: int | None = None
+    cached_tokens: int | None = None
+    completion_tokens: int | None = None
+    usage_estimated: bool = False
+    breaks: tuple[AffinityBreak, ...] = ()
+
+
+class _Proxy:
+    """Routes and forwards one inference request."""
+
+    def __init__(
+        self,
+        request: web.Request,
+        rt: GatewayRuntime,
+        body: bytes,
+        req: RouteRequest,
+        fwd_headers: list[tuple[str, str]],
+        prog: _Progress,
+    ) -> None:
+        self.request = request
+        self.rt = rt
+        self.cfg = rt.config
+        self.body = body
+        self.req = req
+        self.fwd_headers = fwd_headers
+        self.p = prog
+        self.request_id = request[REQUEST_ID_KEY]
+
+    async def run(self) -> web.StreamResponse:
+        excluded: set[str] = set()
+        last_error: UpstreamError | None = None
+        attempt = 0
+        while True:
+            req = self.req if not excluded else _with_excluded(self.req, excluded)
+            snap = await self.rt.store.snapshot(req.session_key)
+            try:
+                decision = self.rt.policy.route(req, snap, self.rt.rng)
+            except NoReplicaError:
+                if last_error is not None:
+                    raise last_error from None
+                raise
+            lease = await self.rt.store.acquire(decision, req)
+            self.p.replica_id, self.p.reason = lease.replica_id, lease.reason
+            url = await self._replica_url(lease.replica_id, snap.replica(lease.replica_id))
+            self.rt.emit(
+                RequestRouted(
+                    request_id=self.request_id,
+                    at=self.rt.clock.now(),
+                    route=req.route,
+                    replica_id=lease.replica_id,
+                    reason=lease.reason,
+                    key_source=req.key_source,
+                    session_id=req.session_key if req.key_source is KeySource.HEADER else None,
+                    attempt=attempt,
+                    disagreement=lease.disagreement,
+                )
+            )
+            can_retry = attempt < self.cfg.max_retries
+            try:
+                return await self._attempt(lease, url, can_retry)
+            except UpstreamError as exc:
+                if self.p.sent:
+                    raise
+                last_error = exc
+                if isinstance(exc, UpstreamConnectError) and self.rt.discovery is not None:
+                    await self.rt.discovery.on_connect_error(lease.replica_id, str(exc))
+                if not can_retry:
+                    raise
+                excluded.add(lease.replica_id)
+                attempt += 1
+                self.p.retries = attempt
+                self.rt.counters["retries"] += 1
+                self.rt.emit(
+                    UpstreamRetry(
+                        request_id=self.request_id,
+                        at=self.rt.clock.now(),
+                        replica_id=lease.replica_id,
+                        attempt=attempt,
+                        error=exc.code,
+                    )
+                )
+                log.info("retrying after %s on %s (attempt %d)", exc.code, lease.replica_id, attempt)
+
+    async def _replica_url(self, replica_id: str, state: Any) -> str | None:
+        if state is not None:
+            return str(state.url)
+        for r in await self.rt.store.replicas():
+            if r.id == replica_id:
+                return r.url
+        return None
+
+    async def _attempt(self, lease: Lease, url: str | None, can_retry: bool) -> web.StreamResponse:
+        clock = self.rt.clock
+        upstream: UpstreamResponse | None = None
+        sniffer: UsageSniffer | None = None
+        done = False
+        completion = Completion(ok=False)
+        try:
+            if url is None:
+                raise UpstreamConnectError(f"replica {lease.replica_id} is no longer registered")
+            client = self.rt.client
+            assert client is not None, "gateway client not started"
+            t = clock.now()
+            try:
+                upstream = await client.send(
+                    lease.replica_id, "POST", url + self.req.route, self.fwd_headers, self.body
+                )
+            finally:
+                self.p.upstream_wait_s += clock.now() - t
+            if upstream.status >= 500 and can_retry:
+                t = clock.now()
+                err_body = await upstream.read(_ERROR_BODY_LIMIT)
+                self.p.upstream_wait_s += clock.now() - t
+                raise UpstreamStatusError(
+                    f"replica {lease.replica_id} answered {upstream.status}", upstream.status, err_body
+                )
+            if self.rt.discovery is not None:
+                self.rt.discovery.on_success(lease.replica_id)
+            sniffer = UsageSniffer(upstream.content_type)
+            chunks = upstream.chunks().__aiter__()
+            t = clock.now()
+            try:
+                first: bytes | None = await anext(chunks, None)
+            finally:
+                self.p.upstream_wait_s += clock.now() - t
+            # ---- commit: from here on the client has our status line -----------------------------
+            resp = web.StreamResponse(status=upstream.status)
+            for k, v in filter_response_headers(upstream.headers):
+                resp.headers.add(k, v)
+            if self.cfg.decision_headers:
+                resp.headers[REPLICA_HEADER] = lease.replica_id
+                resp.headers[REASON_HEADER] = str(lease.reason)
+            if upstream.content_length is not None and not sniffer.is_sse:
+                resp.content_length = upstream.content_length
+            self.p.status = upstream.status
+            self.p.stream = sniffer.is_sse
+            last_tail = b""
+            try:
+                t = clock.now()
+                await resp.prepare(self.request)
+                self.p.sent = True
+                if first:
+                    sniffer.feed(first)
+                    await resp.write(first)
+                    last_tail = first[-2:]
+                self.p.write_wait_s += clock.now() - t
+                self.p.ttft_s = clock.now() - self.p.t0
+                while True:
+                    t = clock.now()
+                    try:
+                        chunk = await anext(chunks, None)
+                    finally:
+                        self.p.upstream_wait_s += clock.now() - t
+                    if chunk is None:
+                        break
+                    sniffer.feed(chunk)
+                    t = clock.now()
+                    await resp.write(chunk)
+                    self.p.write_wait_s += clock.now() - t
+                    last_tail = (last_tail + chunk)[-2:]
+                done = True
+                upstream.release()
+                await resp.write_eof()
+                self.p.ok = 200 <= upstream.status < 300
+                completion = self._completion(sniffer, ok=self.p.ok)
+                return resp
+            except UpstreamError as exc:
+                # after the first byte: never retried (rule 4)
+                self.p.error = exc.code
+                completion = self._completion(sniffer, ok=False)
+                log.warning("upstream %s broke mid-response: %s", lease.replica_id, exc)
+                if sniffer.is_sse:
+                    sep = b"" if last_tail == b"\n\n" else b"\n\n"
+                    await resp.write(sep + sse_error_event(f"upstream {lease.replica_id} failed mid-stream: {exc.code}"))
+                    await resp.write_eof()
+                else:
+                    resp.force_close()
+                    transport = self.request.transport
+                    if transport is not None:
+                        transport.close()
+                return resp
+            except ConnectionResetError:
+                # the client went away while we wrote (handler not cancelled): stop at once
+                self.p.client_gone = True
+                completion = self._completion(sniffer, ok=False)
+                return resp
+        except UpstreamError as exc:
+            self.p.error = exc.code
+            raise
+        except asyncio.CancelledError:
+            self.p.client_gone = True
+            if sniffer is not None:
+                completion = self._completion(sniffer, ok=False)
+            raise
+        finally:
+            if upstream is not None and not done:
+                upstream.abort()  # closes the connection: the engine aborts the request
+            completion = Completion(
+                ok=completion.ok,
+                prompt_tokens=completion.prompt_tokens,
+                cached_tokens=completion.cached_tokens,
+                completion_tokens=completion.completion_tokens,
+                started_output=self.p.sent,
+            )
+            await asyncio.shield(self.rt.store.release(lease, completion))
+            if completion.ok:
+                self._record_break(lease, completion)
+
+    def _completion(self, sniffer: UsageSniffer | None, ok: bool) -> Completion:
+        usage = sniffer.result() if sniffer is not None else None
+        if usage is not None and usage.prompt_tokens is not None:
+            self.p.prompt_tokens = usage.prompt_tokens
+            self.p.cached_tokens = usage.cached_tokens
+            self.p.completion_tokens = usage.completion_tokens
+            self.p.usage_estimated = False
+            return Completion(ok=ok, prompt_tokens=usage.prompt_tokens, cached_tokens=usage.cached_tokens,
+                              completion_tokens=usage.completion_tokens)
+        if not ok:
+            return Completion(ok=False)
+        # no usage in the response (stream without include_usage): estimate, cached unknown
+        est = self.req.prompt_tokens_estimate
+        self.p.prompt_tokens, self.p.cached_tokens, self.p.completion_tokens = est, None, None
+        self.p.usage_estimated = True
+        return Completion(ok=True, prompt_tokens=est)
+
+    def _record_break(self, lease: Lease, completion: Completion) -> None:
+        reason = classify_break(lease, completion, self.req.key_source)
+        if reason is None:
+            return
+        self.p.breaks = (*self.p.breaks, reason)
+        self.rt.emit(
+            AffinityBroken(
+                request_id=self.request_id,
+                at=self.rt.clock.now(),
+                replica_id=lease.replica_id,
+                session_id=lease.session_id if self.req.key_source is KeySource.HEADER else None,
+                reason=reason,
+                expected_cached_tokens=min(lease.prev_context_tokens, completion.prompt_tokens or 0),
+                cached_tokens=completion.cached_tokens or 0,
+            )
+        )
+
+
+def _with_excluded(req: RouteRequest, excluded: set[str]) -> RouteRequest:
+    return RouteRequest(
+        session_key=req.session_key,
+        key_source=req.key_source,
+        route=req.route,
+        model=req.model,
+        prompt_tokens_estimate=req.prompt_tokens_estimate,
+        excluded=frozenset(excluded),
+    )
+
+
+def _forward_headers(request: web.Request, cfg: GatewayConfig, session_id: str | None, request_id: str) -> list[tuple[str, str]]:
+    hdrs = filter_request_headers(request.headers.items())
+    drop = {REQUEST_ID_HEADER.lower(), "x-forwarded-for"}
+    if cfg.routing_key_header and session_id is not None:
+        drop.add(cfg.routing_key_header.lower())
+    out = [(k, v) for k, v in hdrs if k.lower() not in drop]
+    if cfg.routing_key_header and session_id is not None:
+        out.append((cfg.routing_key_header, session_id))
+    prior = request.headers.get("X-Forwarded-For")
+    peer = request.remote or ""
+    if peer:
+        out.append(("X-Forwarded-For", f"{prior}, {peer}" if prior else peer))
+    out.append((REQUEST_ID_HEADER, request_id))
+    return out
+
+
+async def handle_inference(request: web.Request) -> web.StreamResponse:
+    rt = request.app[RUNTIME_KEY]
+    cfg = rt.config
+    clock = rt.clock
+    prog = _Progress(t0=clock.now())
+    request_id = request[REQUEST_ID_KEY]
+    route = request.path
+    req: RouteRequest | None = None
+    rt.in_flight += 1
+    rt.counters["requests"] += 1
+    try:
+        session_id = session_id_from_headers(request.headers, cfg)
+        body = await read_body_limited(request, cfg.limits.max_body_bytes)
+        prog.t0 = clock.now()  # the client's upload time is not ours
+        key, source, model = _routing_key(session_id, body, route, rt.policy)
+        req = RouteRequest(
+            session_key=key,
+            key_source=source,
+            route=route,
+            model=model,
+            prompt_tokens_estimate=len(body) // 4,
+        )
+        proxy = _Proxy(request, rt, body, req, _forward_headers(request, cfg, session_id, request_id), prog)
+        try:
+            return await proxy.run()
+        except BaseException as exc:
+            if isinstance(exc, asyncio.CancelledError):
+                prog.client_gone = True
+            elif isinstance(exc, KvrouteError):
+                prog.error = exc.code
+                prog.status = 502 if isinstance(exc, UpstreamStatusError) else exc.status
+            raise
+    finally:
+        rt.in_flight -= 1
+        if prog.client_gone:
+            rt.counters["client_disconnects"] += 1
+        if req is not None:
+            e2e = clock.now() - prog.t0
+            rt.emit(
+                RequestFinished(
+                    request_id=request_id,
+                    at=clock.now(),
+                    route=route,
+                    status=prog.status,
+                    ok=prog.ok,
+                    stream=prog.stream,
+                    replica_id=prog.replica_id,
+                    reason=prog.reason,
+                    key_source=req.key_source,
+                    session_id=req.session_key if req.key_source is KeySource.HEADER else None,
+                    retries=prog.retries,
+                    ttft_s=prog.ttft_s,
+                    e2e_s=e2e,
+                    overhead_s=max(0.0, e2e - prog.upstream_wait_s - prog.write_wait_s),
+                    prompt_tokens=prog.prompt_tokens,
+                    cached_tokens=prog.cached_tokens,
+                    completion_tokens=prog.completion_tokens,
+                    usage_estimated=prog.usage_estimated,
+                    breaks=prog.breaks,
+                    client_disconnected=prog.client_gone,
+                    error=prog.error,
+                )
+            )
+
+
+# ---- small routes ----------------------------------------------------------------------------------
+
+
+async def handle_health(request: web.Request) -> web.Response:
+    rt = request.app[RUNTIME_KEY]
+    return web.json_response({"status": "ok", "gateway_id": rt.config.gateway_id, "in_flight": rt.in_flight})
+
+
+async def handle_ready(request: web.Request) -> web.Response:
+    rt = request.app[RUNTIME_KEY]
+    replicas = await rt.store.replicas()
+    active = sum(1 for r in replicas if r.status is ReplicaStatus.ACTIVE)
+    body: dict[str, Any] = {"ready": False, "active_replicas": active, "replicas": len(replicas)}
+    if rt.draining:
+        body["error"] = {"message": "gateway is shutting down", "type": "service_unavailable", "code": "draining"}
+        return web.json_response(body, status=503)
+    if active == 0:
+        body["error"] = {"message": "no active replica", "type": "service_unavailable", "code": "no_replica"}
+        return web.json_response(body, status=503)
+    body["ready"] = True
+    return web.json_response(body)
+
+
+async def _fetch_models(rt: GatewayRuntime) -> dict[str, Any]:
+    replicas = [r for r in await rt.store.replicas() if r.status in (ReplicaStatus.ACTIVE, ReplicaStatus.DRAINING)]
+    if not replicas:
+        raise NoReplicaError("no active replica to list models from")
+    client = rt.client
+    assert client is not None
+
+    async def one(rid: str, url: str) -> Sequence[Any] | None:
+        try:
+            status, body = await client.fetch(rid, url + "/v1/models", accept="application/json")
+        except UpstreamError:
+            return None
+        if status != 200:
+            return None
+        try:
+            data = json.loads(body).get("data")
+        except (ValueError, AttributeError, UnicodeDecodeError):
+            return None
+        return data if isinstance(data, list) else None
+
+    results = await asyncio.gather(*(one(r.id, r.url) for r in replicas))
+    if all(r is None for r in results):
+        raise UpstreamConnectError("no replica answered /v1/models")
+    merged: dict[str, Any] = {}
+    for data in results:
+        for item in data or ():
+            if isinstance(item, dict) and isinstance(item.get("id"), str):
+                merged.setdefault(item["id"], item)
+    return {"object": "list", "data": [merged[k] for k in sorted(merged)]}
+
+
+async def handle_models(request: web.Request) -> web.Response:
+    rt = request.app[RUNTIME_KEY]
+    now = rt.clock.now()
+    if rt.models_body is None or now - rt.models_at > rt.config.models_cache_s:
+        rt.models_body = await _fetch_models(rt)
+        rt.models_at = now
+    return web.json_response(rt.models_body)
+
+
+async def handle_model(request: web.Request) -> web.Response:
+    rt = request.app[RUNTIME_KEY]
+    await handle_models(request)
+    name = request.match_info["model"]
+    assert rt.models_body is not None
+    for item in rt.models_body["data"]:
+        if item.get("id") == name:
+            return web.json_response(item)
+    return web.json_response(
+        {"error": {"message": f"The model '{name}' does not exist", "type": "invalid_request_error", "code": "model_not_found"}},
+        status=404,
+    )

@@ -1,0 +1,50 @@
+"""Typed application state of the gateway (``web.AppKey``), shared by ``app.py`` and ``handlers.py``.
+
+Everything that can change while the app runs (the upstream client created at start-up, the
+discovery loops, a policy swapped by the admin API, the draining flag, the ``/v1/models`` cache)
+lives on one mutable :class:`GatewayRuntime`, because an aiohttp app's own mapping is frozen once
+it starts.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from aiohttp import web
+
+from router.clock import Clock
+from router.config import GatewayConfig
+from router.events import Emitter
+from router.policy import Policy
+from router.store.base import StateStore
+
+if TYPE_CHECKING:
+    from router.discovery import Discovery
+    from router.gateway.forward import ReplicaClient
+
+__all__ = ["CONFIG_KEY", "EMITTER_KEY", "RUNTIME_KEY", "STORE_KEY", "GatewayRuntime"]
+
+
+@dataclass(slots=True)
+class GatewayRuntime:
+    config: GatewayConfig
+    store: StateStore
+    policy: Policy  # swap atomically by assignment (admin API)
+    clock: Clock
+    rng: random.Random
+    emit: Emitter
+    client: ReplicaClient | None = None  # set by the client cleanup_ctx
+    discovery: Discovery | None = None
+    draining: bool = False  # shutting down: /ready answers 503
+    models_body: dict[str, Any] | None = None
+    models_at: float = float("-inf")
+    in_flight: int = 0  # requests inside this gateway's handlers (graceful shutdown waits on it)
+    counters: dict[str, int] = field(default_factory=lambda: {"requests": 0, "retries": 0, "client_disconnects": 0})
+
+
+CONFIG_KEY = web.AppKey("kvroute_config", GatewayConfig)
+STORE_KEY = web.AppKey("kvroute_store", StateStore)
+EMITTER_KEY = web.AppKey("kvroute_emitter", Emitter)
+RUNTIME_KEY = web.AppKey("kvroute_runtime", GatewayRuntime)

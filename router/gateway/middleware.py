@@ -1,0 +1,140 @@
+"""Cross-cutting HTTP concerns of the gateway: request ids, error mapping, body limits.
+
+Rules:
+  1. Every response (success, error, stream) carries ``X-Request-Id``: the client's own if it is
+     a sane token (≤ 128 chars of ``[A-Za-z0-9._:-]``), else a fresh uuid4 hex. It is also set in the
+     logging context so every log line of the request names it.
+  2. ``router.errors`` and aiohttp's HTTP exceptions become OpenAI-style JSON
+     (``{"error": {"message", "type", "code"}}``) with the matching status and an
+     ``X-Kvroute-Error`` header naming the code. Nothing else is caught here: an unexpected
+     exception is a bug and gets a JSON 500 without internals.
+  3. Body size: a declared ``Content-Length`` over the limit is refused with 413 before a byte of
+     the body is read; a chunked body is counted while read and refused as soon as it crosses it.
+  4. Header size is enforced by aiohttp's parser (``max_field_size``/``max_line_size``/
+     ``max_headers`` from ``limits``); it answers 400 and closes the connection (aiohttp renders
+     that one as text/plain: the parser fails before any middleware runs).
+  5. No secrets in logs: ``router.observability.logging`` redacts credentials; this module never
+     logs header values.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from aiohttp import web
+
+from router.errors import KvrouteError, PayloadTooLargeError, UpstreamStatusError
+from router.observability.logging import set_request_id
+
+__all__ = [
+    "REQUEST_ID_HEADER",
+    "REQUEST_ID_KEY",
+    "error_middleware",
+    "error_payload",
+    "error_response",
+    "read_body_limited",
+    "request_id_middleware",
+    "set_request_id_header",
+]
+
+log = logging.getLogger("kvroute.gateway")
+
+REQUEST_ID_HEADER = "X-Request-Id"
+REQUEST_ID_KEY = web.RequestKey("kvroute_request_id", str)
+_SANE_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+_HTTP_TYPES = {
+    400: ("invalid_request_error", "bad_request"),
+    401: ("authentication_error", "unauthorized"),
+    403: ("permission_error", "forbidden"),
+    404: ("invalid_request_error", "not_found"),
+    405: ("invalid_request_error", "method_not_allowed"),
+    408: ("invalid_request_error", "request_timeout"),
+    413: ("invalid_request_error", "payload_too_large"),
+    415: ("invalid_request_error", "unsupported_media_type"),
+    431: ("invalid_request_error", "headers_too_large"),
+}
+
+
+def error_payload(message: str, error_type: str, code: str | int) -> dict[str, Any]:
+    return {"error": {"message": message, "type": error_type, "code": code}}
+
+
+def error_response(status: int, message: str, error_type: str, code: str, headers: dict[str, str] | None = None) -> web.Response:
+    hdrs = {"X-Kvroute-Error": code}
+    if headers:
+        hdrs.update(headers)
+    return web.json_response(error_payload(message, error_type, code), status=status, headers=hdrs)
+
+
+def _from_kvroute(exc: KvrouteError) -> web.Response:
+    status = exc.status
+    if isinstance(exc, UpstreamStatusError):
+        status = 502
+    return error_response(status, str(exc) or exc.code, exc.error_type, exc.code)
+
+
+@web.middleware
+async def request_id_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    given = request.headers.get(REQUEST_ID_HEADER, "")
+    rid = given if _SANE_ID.match(given) else uuid.uuid4().hex
+    request[REQUEST_ID_KEY] = rid
+    token = set_request_id(rid)
+    try:
+        return await handler(request)
+    finally:
+        # reset by value, not token: a cancelled handler may run this in another context
+        set_request_id(None)
+        del token
+
+
+async def set_request_id_header(request: web.Request, response: web.StreamResponse) -> None:
+    """``on_response_prepare`` signal: runs for every response, streamed or not, before headers go out."""
+    rid = request.get(REQUEST_ID_KEY)
+    if rid is not None and REQUEST_ID_HEADER not in response.headers:
+        response.headers[REQUEST_ID_HEADER] = rid
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except KvrouteError as exc:
+        if exc.status >= 500:
+            log.warning("%s %s -> %s: %s", request.method, request.path, exc.code, exc)
+        return _from_kvroute(exc)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise  # redirects and the like are not errors
+        etype, code = _HTTP_TYPES.get(exc.status, ("invalid_request_error" if exc.status < 500 else "server_error", f"http_{exc.status}"))
+        message = exc.reason if exc.status != 404 else f"unknown route: {request.method} {request.path}"
+        if exc.status == 405:
+            message = f"method {request.method} not allowed on {request.path}"
+        extra = {"Allow": exc.headers["Allow"]} if "Allow" in exc.headers else None
+        return error_response(exc.status, message, etype, code, extra)
+
+
+async def read_body_limited(request: web.Request, limit: int) -> bytes:
+    """The whole request body, refusing (413) anything over ``limit`` bytes as early as possible."""
+    declared = request.content_length
+    if declared is not None and declared > limit:
+        raise PayloadTooLargeError(f"request body of {declared} bytes exceeds the limit of {limit} bytes")
+    if declared is not None:
+        try:
+            data = await request.content.readexactly(declared) if declared else b""
+        except (asyncio.IncompleteReadError, ConnectionError) as exc:  # the client's fault
+            raise web.HTTPBadRequest(reason="incomplete request body") from exc
+        return data
+    out = bytearray()
+    async for chunk in request.content.iter_any():
+        out += chunk
+        if len(out) > limit:
+            raise PayloadTooLargeError(f"request body exceeds the limit of {limit} bytes")
+    return bytes(out)

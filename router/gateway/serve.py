@@ -1,0 +1,170 @@
+"""``kvroute serve``: run the gateway; ``start_gateway``: the same in-process (demo, tests).
+
+Rules:
+  1. This is the only module of the gateway that reads ``os.environ``, argv and signals.
+  2. Handlers are cancelled when their client disconnects (``handler_cancellation=True``): that is
+     what lets a client's disconnect abort the upstream request at once.
+  3. SIGTERM / SIGINT: ``/ready`` turns 503, the listening socket closes, in-flight requests get
+     ``timeouts.shutdown_s`` to finish, then the rest is cancelled (their load is released).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import random
+import signal
+import sys
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from aiohttp import web
+
+from router.clock import Clock, SystemClock
+from router.config import GatewayConfig, load_config
+from router.errors import ConfigError
+from router.events import Hook
+from router.gateway.app import SetupFn, make_app
+from router.gateway.forward import ReplicaClient
+from router.gateway.keys import RUNTIME_KEY, GatewayRuntime
+from router.policy import Policy
+from router.store.base import StateStore
+from router.store.memory import MemoryStore
+
+__all__ = ["RunningGateway", "cli_main", "make_store", "start_gateway"]
+
+log = logging.getLogger("kvroute.gateway")
+
+
+def make_store(config: GatewayConfig, clock: Clock) -> StateStore:
+    """The embedded memory store, or Redis when ``redis_url`` is set."""
+    if config.redis_url is None:
+        return MemoryStore(clock, config.store.to_store_config())
+    try:
+        from router.store import redis as redis_store
+    except ImportError as exc:
+        raise ConfigError(f"redis_url: the Redis store cannot be loaded: {exc}") from exc
+    factory = getattr(redis_store, "make_redis_store", None)
+    if factory is None:
+        raise ConfigError("redis_url: this build's Redis store has no make_redis_store()")
+    store: StateStore = factory(config, clock)
+    return store
+
+
+def make_policy_from_config(config: GatewayConfig) -> Policy:
+    from router.policy.registry import make_policy
+
+    try:
+        return make_policy(config.policy, config.policy_params_obj())
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
+
+
+@dataclass(slots=True)
+class RunningGateway:
+    url: str  # http://host:port
+    port: int
+    app: web.Application
+    runner: web.AppRunner
+    store: StateStore
+
+    @property
+    def runtime(self) -> GatewayRuntime:
+        return self.app[RUNTIME_KEY]
+
+    async def close(self) -> None:
+        await shutdown(self.runner, self.app)
+
+
+async def start_gateway(
+    config: GatewayConfig,
+    store: StateStore | None = None,
+    *,
+    policy: Policy | None = None,
+    clock: Clock | None = None,
+    rng: random.Random | None = None,
+    client: ReplicaClient | None = None,
+    hooks: Iterable[Hook] = (),
+    extra_setup: Sequence[SetupFn] = (),
+    discovery: bool = True,
+    access_log: bool | None = None,
+) -> RunningGateway:
+    """Start the gateway on ``config.host:config.port`` (port 0 = a free port) in this loop."""
+    clock = clock or SystemClock()
+    store = store if store is not None else make_store(config, clock)
+    policy = policy or make_policy_from_config(config)
+    rng = rng or random.Random(config.seed)
+    app = make_app(
+        config, store, policy, clock=clock, rng=rng, client=client, hooks=hooks,
+        extra_setup=extra_setup, discovery=discovery,
+    )
+    want_access_log = config.access_log if access_log is None else access_log
+    runner = web.AppRunner(
+        app,
+        handler_cancellation=True,
+        shutdown_timeout=config.timeouts.shutdown_s,
+        access_log=logging.getLogger("kvroute.access") if want_access_log else None,
+    )
+    await runner.setup()
+    site = web.TCPSite(runner, config.host, config.port, reuse_address=True)
+    try:
+        await site.start()
+    except OSError:
+        await runner.cleanup()
+        raise
+    port = int(runner.addresses[0][1])
+    host = config.host if config.host not in ("0.0.0.0", "::", "") else "127.0.0.1"
+    url = f"http://{host}:{port}" if ":" not in host else f"http://[{host}]:{port}"
+    return RunningGateway(url=url, port=port, app=app, runner=runner, store=store)
+
+
+async def shutdown(runner: web.AppRunner, app: web.Application) -> None:
+    """Graceful: refuse new work, let in-flight requests finish (bounded), then clean up."""
+    rt = app[RUNTIME_KEY]
+    rt.draining = True
+    deadline = rt.clock.now() + rt.config.timeouts.shutdown_s
+    for site in list(runner.sites):
+        await site.stop()  # stop accepting; established keep-alive connections may still finish
+    while rt.in_flight > 0 and rt.clock.now() < deadline:
+        await asyncio.sleep(0.05)
+    await runner.cleanup()
+
+
+async def _serve(config: GatewayConfig) -> int:
+    gw = await start_gateway(config)
+    log.info("kvroute gateway %s listening on %s (policy %s, %d static replicas)",
+             config.gateway_id, gw.url, config.policy, len(config.replicas))
+    print(f"kvroute gateway listening on {gw.url}", file=sys.stderr, flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+        log.info("shutting down (in flight: %d)", gw.runtime.in_flight)
+    finally:
+        await gw.close()
+        await gw.store.close()
+    return 0
+
+
+def cli_main(argv: list[str]) -> int:
+    """``kvroute serve [--host H] --port P --replica URL ... [--policy kv_aware] [--config F]``."""
+    try:
+        config = load_config(argv, os.environ)
+        make_policy_from_config(config)  # fail fast on a bad policy name
+    except ConfigError as exc:
+        print(f"kvroute serve: {exc}", file=sys.stderr)
+        return 2
+    from router.observability.logging import configure_logging
+
+    configure_logging(config.log_level)
+    try:
+        return asyncio.run(_serve(config))
+    except ConfigError as exc:
+        print(f"kvroute serve: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        print(f"kvroute serve: cannot listen on {config.host}:{config.port}: {exc}", file=sys.stderr)
+        return 1

@@ -1,0 +1,272 @@
+"""Fixtures for the gateway tests: a small scriptable SGLang-like replica (``FakeReplica``) and a
+helper that starts a real gateway on a free port in front of replicas.
+
+``FakeReplica`` is a real HTTP server (aiohttp on 127.0.0.1, port 0) speaking the SGLang wire format
+of reference/sglang.md §1 (compact JSON, ``data: ...\\n\\n`` events, ``data: [DONE]``), with exact
+fault knobs the gateway tests need: answer 5xx before the first byte, cut a stream after N events,
+delay chunks, fail health checks, and count requests the client aborted. The replica emulator
+(``replica.emulator``) is exercised by the functional tests that need its cache and time model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+from aiohttp import web
+
+from router.clock import SystemClock
+from router.config import GatewayConfig
+from router.gateway.serve import RunningGateway, start_gateway
+from router.store.memory import MemoryStore
+
+MODEL = "moonshotai/Kimi-K2.6"
+
+
+def _dump(obj: Any) -> str:
+    return json.dumps(obj, separators=(",", ":"))
+
+
+@dataclass
+class FakeReplicaState:
+    name: str
+    chunks: int = 3  # content chunks per streamed response
+    chunk_delay_s: float = 0.0
+    first_delay_s: float = 0.0  # "prefill" time before the first byte
+    fail_status: int = 0  # answer this status (before any byte) to inference requests
+    fail_times: int = 0  # ... this many times (0 = always while fail_status is set)
+    break_after: int = -1  # cut the connection after this many SSE events (-1 = never)
+    health_status: int = 200
+    cache_report: bool = True
+    requests: list[dict[str, Any]] = field(default_factory=list)
+    aborted: int = 0
+    active: int = 0
+    completed: int = 0
+    seen_tokens: dict[str, int] = field(default_factory=dict)  # routing key -> prompt tokens cached
+
+
+class FakeReplica:
+    def __init__(self, name: str) -> None:
+        self.state = FakeReplicaState(name=name)
+        self.runner: web.AppRunner | None = None
+        self.url = ""
+        self.port = 0
+
+    # ---- helpers ---------------------------------------------------------------------------------
+
+    def _tokens(self, request: web.Request, body: bytes) -> tuple[int, int]:
+        prompt = max(1, len(body) // 4)
+        key = request.headers.get("x-smg-routing-key", "")
+        cached = min(self.state.seen_tokens.get(key, 0), prompt) if key else 0
+        if key:
+            self.state.seen_tokens[key] = prompt + 2 * self.state.chunks
+        return prompt, cached
+
+    def _usage(self, prompt: int, cached: int, completion: int) -> dict[str, Any]:
+        return {
+            "prompt_tokens": prompt,
+            "total_tokens": prompt + completion,
+            "completion_tokens": completion,
+            "prompt_tokens_details": {"cached_tokens": cached} if self.state.cache_report else None,
+            "reasoning_tokens": 0,
+        }
+
+    # ---- handlers ----------------------------------------------------------------------------------
+
+    async def _inference(self, request: web.Request) -> web.StreamResponse:
+        st = self.state
+        raw = await request.read()
+        st.requests.append({"path": request.path, "headers": dict(request.headers), "body": raw})
+        if st.fail_status:
+            fail = st.fail_status
+            if st.fail_times > 0:
+                st.fail_times -= 1
+                if st.fail_times == 0:
+                    st.fail_status = 0
+            return web.json_response({"object": "error", "message": "overloaded", "type": "ServiceUnavailable",
+                                      "param": None, "code": fail}, status=fail)
+        body = json.loads(raw)
+        prompt, cached = self._tokens(request, raw)
+        st.active += 1
+        try:
+            if st.first_delay_s:
+                await asyncio.sleep(st.first_delay_s)
+            if body.get("stream"):
+                return await self._stream(request, body, prompt, cached)
+            await asyncio.sleep(st.chunk_delay_s * st.chunks)
+            st.completed += 1
+            return web.Response(text=self._full(request.path, body, prompt, cached), content_type="application/json")
+        except asyncio.CancelledError:
+            st.aborted += 1
+            raise
+        finally:
+            st.active -= 1
+
+    def _full(self, path: str, body: dict[str, Any], prompt: int, cached: int) -> str:
+        n = self.state.chunks
+        text = "".join(f" tok{i}" for i in range(n))
+        if path == "/generate":
+            return _dump({"text": text, "output_ids": list(range(n)), "meta_info": {
+                "id": "rid-1", "finish_reason": {"type": "length", "length": n}, "prompt_tokens": prompt,
+                "weight_version": "default", "num_retractions": 0, "reasoning_tokens": 0, "completion_tokens": n,
+                "cached_tokens": cached, "dp_rank": None, "e2e_latency": 0.01}})
+        if path == "/v1/completions":
+            return _dump({"id": "cmpl-1", "object": "text_completion", "created": 1767225600, "model": MODEL,
+                          "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": "length",
+                                       "matched_stop": None}], "usage": self._usage(prompt, cached, n),
+                          "metadata": {"weight_version": "default"}})
+        return _dump({"id": "chat-1", "object": "chat.completion", "created": 1767225600, "model": MODEL,
+                      "choices": [{"index": 0, "message": {"role": "assistant", "content": text,
+                                                            "reasoning_content": None},
+                                   "logprobs": None, "finish_reason": "length", "matched_stop": None}],
+                      "usage": self._usage(prompt, cached, n), "metadata": {"weight_version": "default"}})
+
+    def _events(self, path: str, body: dict[str, Any], prompt: int, cached: int) -> list[str]:
+        n = self.state.chunks
+        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        out: list[str] = []
+        if path == "/generate":
+            for i in range(n):
+                meta = {"id": "rid-1", "finish_reason": None if i < n - 1 else {"type": "length", "length": n},
+                        "prompt_tokens": prompt, "completion_tokens": i + 1, "cached_tokens": cached}
+                out.append(_dump({"text": "".join(f" tok{j}" for j in range(i + 1)),
+                                  "output_ids": list(range(i + 1)), "meta_info": meta}))
+            return out
+        if path == "/v1/completions":
+            for i in range(n):
+                out.append(_dump({"id": "cmpl-1", "object": "text_completion", "created": 1767225600, "model": MODEL,
+                                  "choices": [{"index": 0, "text": f" tok{i}", "logprobs": None,
+                                               "finish_reason": None, "matched_stop": None}], "usage": None}))
+        else:
+            for i in range(n):
+                out.append(_dump({"id": "chat-1", "object": "chat.completion.chunk", "created": 1767225600,
+                                  "model": MODEL, "choices": [{"index": 0, "delta": {"reasoning_content": None,
+                                                                                       "content": f" tok{i}"},
+                                                               "logprobs": None, "finish_reason": None,
+                                                               "matched_stop": None}]}))
+        if include_usage:
+            out.append(_dump({"id": "x-1", "object": "chunk", "created": 1767225600, "model": MODEL, "choices": [],
+                              "usage": self._usage(prompt, cached, n)}))
+        return out
+
+    async def _stream(self, request: web.Request, body: dict[str, Any], prompt: int, cached: int) -> web.StreamResponse:
+        st = self.state
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8",
+                                           "X-Replica-Name": st.name})
+        await resp.prepare(request)
+        for i, ev in enumerate(self._events(request.path, body, prompt, cached)):
+            if st.break_after >= 0 and i >= st.break_after:
+                assert request.transport is not None
+                request.transport.abort()  # an engine crash mid-stream
+                return resp
+            await resp.write(f"data: {ev}\n\n".encode())
+            if st.chunk_delay_s:
+                await asyncio.sleep(st.chunk_delay_s)
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        st.completed += 1
+        return resp
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.Response(status=self.state.health_status)
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        labels = f'engine_type="unified",model_name="{MODEL}",tp_rank="0"'
+        text = (
+            "# TYPE sglang:num_running_reqs gauge\n"
+            f"sglang:num_running_reqs{{{labels}}} {float(self.state.active)}\n"
+            f"sglang:num_queue_reqs{{{labels}}} 0.0\n"
+            f"sglang:token_usage{{{labels}}} 0.1\n"
+            f"sglang:max_total_num_tokens{{{labels}}} 850000.0\n"
+        )
+        return web.Response(text=text, content_type="text/plain")
+
+    async def _models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [
+            {"id": MODEL, "object": "model", "created": 1, "owned_by": "sglang", "root": MODEL, "parent": None,
+             "max_model_len": 262144}]})
+
+    # ---- lifecycle ---------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        app = web.Application()
+        for path in ("/v1/chat/completions", "/v1/completions", "/generate"):
+            app.router.add_post(path, self._inference)
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/metrics", self._metrics)
+        app.router.add_get("/v1/models", self._models)
+        self.runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        await site.start()
+        self.port = int(self.runner.addresses[0][1])
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    async def stop(self) -> None:
+        if self.runner is not None:
+            await self.runner.cleanup()
+            self.runner = None
+
+    @property
+    def id(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+
+@pytest.fixture
+async def fake_replicas() -> AsyncIterator[Callable[[int], Awaitable[list[FakeReplica]]]]:
+    started: list[FakeReplica] = []
+
+    async def make(n: int) -> list[FakeReplica]:
+        out = []
+        for i in range(n):
+            r = FakeReplica(f"r{len(started)}")
+            await r.start()
+            started.append(r)
+            out.append(r)
+        return out
+
+    yield make
+    for r in started:
+        await r.stop()
+
+
+def fast_config(replicas: list[str], **overrides: Any) -> GatewayConfig:
+    """A gateway config for tests: free port, fast health checks, short timeouts."""
+    base: dict[str, Any] = {
+        "port": 0,
+        "replicas": replicas,
+        "health": {"scrape_interval_s": 0.05, "health_interval_s": 0.05, "unhealthy_threshold": 2,
+                   "healthy_threshold": 1},
+        "timeouts": {"connect_s": 1.0, "first_byte_s": 5.0, "idle_read_s": 5.0, "probe_s": 1.0,
+                     "shutdown_s": 2.0},
+        "gateway_id": "test-gw",
+        "seed": 7,
+    }
+    for k, v in overrides.items():
+        if isinstance(v, dict) and isinstance(base.get(k), dict):
+            base[k] = {**base[k], **v}
+        else:
+            base[k] = v
+    return GatewayConfig(**base)
+
+
+@pytest.fixture
+async def gateway_factory() -> AsyncIterator[Callable[..., Awaitable[RunningGateway]]]:
+    running: list[RunningGateway] = []
+
+    async def make(replicas: list[str], **overrides: Any) -> RunningGateway:
+        cfg = fast_config(replicas, **overrides)
+        clock = SystemClock()
+        gw = await start_gateway(cfg, MemoryStore(clock, cfg.store.to_store_config()), clock=clock,
+                                 rng=random.Random(cfg.seed))
+        running.append(gw)
+        return gw
+
+    yield make
+    for gw in running:
+        await gw.close()
