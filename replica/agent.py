@@ -147,6 +147,11 @@ class StoreRegistrar:
         async with self._mapped("register"):
             await self.store.upsert_replica(spec)
 
+    def _degraded(self) -> bool:
+        """``RedisStore`` keeps serving from a local mirror while Redis is away (and replays registry
+        writes when it returns): for a sidecar that means the fleet does not see it right now."""
+        return bool(getattr(self.store, "degraded", False))
+
     async def heartbeat(
         self, spec: ReplicaSpec, load: EngineLoad | None, status: ReplicaStatus | None
     ) -> None:
@@ -155,12 +160,16 @@ class StoreRegistrar:
             await self.store.upsert_replica(spec, status)
             if load is not None:
                 await self.store.report_engine_load(spec.id, load)
+        if self._degraded():
+            raise RegistrationError("heartbeat: registry unreachable (queued for replay)")
 
     async def set_status(self, spec: ReplicaSpec, status: ReplicaStatus) -> None:
         async with self._mapped("set_status"):
             await self.store.upsert_replica(spec, status)
 
     async def in_flight(self, replica_id: ReplicaId) -> int | None:
+        if self._degraded():
+            return None  # the local mirror does not know other gateways' requests
         async with self._mapped("in_flight"):
             for r in await self.store.replicas():
                 if r.id == replica_id:
@@ -606,14 +615,14 @@ def make_probe_app(agent: Agent) -> web.Application:
 
 
 def _make_redis_registrar(cfg: AgentConfig, clock: Clock) -> Registrar:
+    from router.store.base import StoreConfig
     from router.store.redis import RedisStore
 
-    from router.store.base import StoreConfig
-
-    store = RedisStore(
+    store = RedisStore.from_url(
         cfg.redis_url or "",
-        clock=clock,
+        gateway_id=f"sidecar-{cfg.id}".replace("|", "_"),
         config=StoreConfig(replica_ttl_s=cfg.replica_ttl_s, key_prefix=cfg.key_prefix),
+        clock=clock,
     )
     return StoreRegistrar(store)
 

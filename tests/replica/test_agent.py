@@ -557,3 +557,86 @@ async def test_run_sidecar_serves_probes_and_drains(engine: FakeEngine) -> None:
         assert await store.replicas() == ()
     finally:
         await gw_runner.cleanup()
+
+
+# ---- the Redis registry (real redis-server) --------------------------------------------------------
+
+
+async def test_redis_registry_register_heartbeat_ttl_and_drain(
+    engine: FakeEngine, session: aiohttp.ClientSession, redis_url: str
+) -> None:
+    from router.store.base import StoreConfig
+    from router.store.redis import RedisStore
+
+    cfg = _cfg(engine.url, redis_url=redis_url, gateways=(), replica_ttl_s=1.0, heartbeat_interval_s=0.1)
+    sidecar_store = RedisStore.from_url(
+        redis_url, gateway_id="sidecar-t", config=StoreConfig(replica_ttl_s=1.0)
+    )
+    gateway = RedisStore.from_url(redis_url, gateway_id="gw-t", config=StoreConfig(replica_ttl_s=1.0))
+    try:
+        engine.running = 4
+        agent = Agent(cfg, StoreRegistrar(sidecar_store), EngineProbe(session, cfg.engine_url))
+        task = asyncio.create_task(agent.run())
+        await _until(agent.ready, what="registered")
+
+        async def seen_by_gateway() -> bool:
+            r = await _replica(gateway, cfg.id)  # type: ignore[arg-type]
+            return r is not None and r.engine.running == 4
+
+        await _until(seen_by_gateway, what="gateway sees the replica and its load")
+        rep = await _replica(gateway, cfg.id)  # type: ignore[arg-type]
+        assert rep.status is ReplicaStatus.JOINING and rep.capacity_tokens == 446_744
+        await gateway.set_status(cfg.id, ReplicaStatus.ACTIVE)
+        # heartbeats keep the entry alive well past its 1 s TTL
+        await asyncio.sleep(1.5)
+        rep = await _replica(gateway, cfg.id)  # type: ignore[arg-type]
+        assert rep is not None and rep.status is ReplicaStatus.ACTIVE
+        # a request in flight through the *gateway's* store holds the drain
+        lease = await gateway.acquire(*_acquire_args(cfg.id, "s1"))
+        agent.request_drain()
+
+        async def draining() -> bool:
+            r = await _replica(gateway, cfg.id)  # type: ignore[arg-type]
+            return r is not None and r.status is ReplicaStatus.DRAINING
+
+        await _until(draining, what="draining visible to the gateway")
+        await _until(lambda: agent.status.in_flight == 1, what="in-flight read from redis")
+        await asyncio.sleep(0.3)
+        assert not task.done()
+        await gateway.release(
+            lease, Completion(ok=True, prompt_tokens=10, cached_tokens=0, completion_tokens=1)
+        )
+        assert await asyncio.wait_for(task, 10) == 0
+        assert await _replica(gateway, cfg.id) is None  # type: ignore[arg-type]
+    finally:
+        await sidecar_store.close()
+        await gateway.close()
+
+
+async def test_redis_entry_expires_when_the_sidecar_dies(
+    engine: FakeEngine, session: aiohttp.ClientSession, redis_url: str
+) -> None:
+    from router.store.base import StoreConfig
+    from router.store.redis import RedisStore
+
+    cfg = _cfg(engine.url, redis_url=redis_url, gateways=(), replica_ttl_s=0.6, heartbeat_interval_s=0.1)
+    sidecar_store = RedisStore.from_url(
+        redis_url, gateway_id="sidecar-x", config=StoreConfig(replica_ttl_s=0.6)
+    )
+    gateway = RedisStore.from_url(redis_url, gateway_id="gw-x", config=StoreConfig(replica_ttl_s=0.6))
+    try:
+        agent = Agent(cfg, StoreRegistrar(sidecar_store), EngineProbe(session, cfg.engine_url))
+        task = asyncio.create_task(agent.run())
+        await _until(agent.ready, what="registered")
+        await _until(lambda: _replica(gateway, cfg.id), what="visible")  # type: ignore[arg-type]
+        task.cancel()  # the sidecar vanishes without deregistering (SIGKILL-like)
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+        async def gone() -> bool:
+            return await _replica(gateway, cfg.id) is None  # type: ignore[arg-type]
+
+        await _until(gone, timeout_s=5, what="TTL expiry")
+    finally:
+        await sidecar_store.close()
+        await gateway.close()
