@@ -104,7 +104,7 @@ class PolicyHolder:
         self.generation = 0
 
     @property
-    def name(self) -> str:  # type: ignore[override]
+    def name(self) -> str:
         return self._name
 
     @property
@@ -156,8 +156,15 @@ def residency_view(session: SessionState, home: ReplicaState | None, default_cap
     capacity (HBM + host tier, LRU): below capacity the prefix is probably still resident.
     """
     if home is None or session.home is None:
-        return {"estimate": "unknown", "tokens_written_since": None, "capacity_tokens": None, "pressure": None}
-    cap = (home.capacity_tokens or home.engine.capacity_tokens or default_capacity) + home.host_capacity_tokens
+        return {
+            "estimate": "unknown",
+            "tokens_written_since": None,
+            "capacity_tokens": None,
+            "pressure": None,
+        }
+    cap = (
+        home.capacity_tokens or home.engine.capacity_tokens or default_capacity
+    ) + home.host_capacity_tokens
     since = max(0, home.tokens_written - session.residency_mark) if session.residency_mark else None
     if since is None:
         return {"estimate": "unknown", "tokens_written_since": None, "capacity_tokens": cap, "pressure": None}
@@ -171,7 +178,9 @@ def residency_view(session: SessionState, home: ReplicaState | None, default_cap
     }
 
 
-def replica_view(r: ReplicaState, now: float, *, sessions_bound: int | None = None, breaks: int = 0) -> dict[str, Any]:
+def replica_view(
+    r: ReplicaState, now: float, *, sessions_bound: int | None = None, breaks: int = 0
+) -> dict[str, Any]:
     e = r.engine
     return {
         "id": r.id,
@@ -305,11 +314,19 @@ def make_admin_app(
         if not settings.enabled:
             return _error(404, "the admin API is disabled (no admin token configured)", "not_found")
         if token:
-            if request.path.rstrip("/") == "/admin/ui" and request.method == "GET" and "token" in request.query:
+            if (
+                request.path.rstrip("/") == "/admin/ui"
+                and request.method == "GET"
+                and "token" in request.query
+            ):
                 if not hmac.compare_digest(request.query["token"].encode(), token):
                     return _kv_error(UnauthorizedError("invalid admin token"))
-                resp = web.Response(status=303, headers={"Location": "/admin/ui", "Cache-Control": "no-store"})
-                resp.set_cookie(ADMIN_COOKIE, settings.token or "", httponly=True, samesite="Strict", path="/admin")
+                rest = {k: v for k, v in request.query.items() if k != "token"}
+                location = str(request.rel_url.with_path("/admin/ui").with_query(rest))
+                resp = web.Response(status=303, headers={"Location": location, "Cache-Control": "no-store"})
+                resp.set_cookie(
+                    ADMIN_COOKIE, settings.token or "", httponly=True, samesite="Strict", path="/admin"
+                )
                 return resp
             auth = request.headers.get("Authorization", "")
             scheme, _, cred = auth.partition(" ")
@@ -394,9 +411,17 @@ def make_admin_app(
         from router.config import replica_id_from_url
 
         data = await _json_body(request)
-        unknown = set(data) - {"id", "url", "model", "capacity_tokens", "host_capacity_tokens", "tp_size", "status"}
+        unknown = set(data) - {
+            "id",
+            "url",
+            "model",
+            "capacity_tokens",
+            "host_capacity_tokens",
+            "tp_size",
+            "status",
+        }
         if unknown:
-            raise BadRequestError(f"{sorted(unknown)[0]}: unknown field")
+            raise BadRequestError(f"{min(unknown)}: unknown field")
         if "url" not in data:
             raise BadRequestError("url: required")
         url = await validate_replica_url(data["url"], networks, settings.resolve_timeout_s)
@@ -416,9 +441,7 @@ def make_admin_app(
             try:
                 status = ReplicaStatus(status_raw)
             except ValueError:
-                raise BadRequestError(
-                    f"status: one of {', '.join(s.value for s in ReplicaStatus)}"
-                ) from None
+                raise BadRequestError(f"status: one of {', '.join(s.value for s in ReplicaStatus)}") from None
         spec = ReplicaSpec(
             id=rid,
             url=url,
@@ -480,7 +503,7 @@ def make_admin_app(
         data = await _json_body(request)
         unknown = set(data) - {"policy", "params"}
         if unknown:
-            raise BadRequestError(f"{sorted(unknown)[0]}: unknown field (expected policy, params)")
+            raise BadRequestError(f"{min(unknown)}: unknown field (expected policy, params)")
         name = data.get("policy")
         if name is not None and not isinstance(name, str):
             raise BadRequestError("policy: expected a string")
@@ -526,4 +549,3 @@ def make_admin_app(
     r.add_get("/openapi.json", get_openapi)
     r.add_get("/ui", get_ui)
     return app
-

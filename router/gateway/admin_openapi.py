@@ -44,8 +44,18 @@ def _params_schema() -> dict[str, Any]:
 def openapi_spec() -> dict[str, Any]:
     replica = {
         "type": "object",
-        "required": ["id", "url", "status", "in_flight", "sessions_active", "kv_util", "running", "queued",
-                     "engine_cache_hit_rate", "affinity_breaks"],
+        "required": [
+            "id",
+            "url",
+            "status",
+            "in_flight",
+            "sessions_active",
+            "kv_util",
+            "running",
+            "queued",
+            "engine_cache_hit_rate",
+            "affinity_breaks",
+        ],
         "properties": {
             "id": {"type": "string"},
             "url": {"type": "string"},
@@ -93,9 +103,19 @@ def openapi_spec() -> dict[str, Any]:
             "replicas": {"type": "array", "items": {"$ref": "#/components/schemas/Replica"}},
             "fleet": {
                 "type": "object",
-                "required": ["replicas", "replicas_active", "in_flight", "dispersion_now", "dispersion_window",
-                             "chr_window", "chr_total", "decisions_by_reason", "affinity_breaks_by_reason",
-                             "load_histogram", "window_s"],
+                "required": [
+                    "replicas",
+                    "replicas_active",
+                    "in_flight",
+                    "dispersion_now",
+                    "dispersion_window",
+                    "chr_window",
+                    "chr_total",
+                    "decisions_by_reason",
+                    "affinity_breaks_by_reason",
+                    "load_histogram",
+                    "window_s",
+                ],
                 "properties": {
                     "replicas": {"type": "integer", "minimum": 0},
                     "replicas_active": {"type": "integer", "minimum": 0},
@@ -132,7 +152,15 @@ def openapi_spec() -> dict[str, Any]:
     }
     session = {
         "type": "object",
-        "required": ["session_id", "home", "overflow", "in_flight", "context_tokens", "last_seen_s_ago", "residency"],
+        "required": [
+            "session_id",
+            "home",
+            "overflow",
+            "in_flight",
+            "context_tokens",
+            "last_seen_s_ago",
+            "residency",
+        ],
         "properties": {
             "session_id": {"type": "string"},
             "home": _nullable({"type": "string"}),
@@ -187,12 +215,17 @@ def openapi_spec() -> dict[str, Any]:
         "type": "object",
         "additionalProperties": False,
         "properties": {
-            "policy": {"type": "string", "enum": ["kv_aware", "random", "round_robin", "least_loaded", "hash"]},
+            "policy": {
+                "type": "string",
+                "enum": ["kv_aware", "random", "round_robin", "least_loaded", "hash"],
+            },
             "params": {"$ref": "#/components/schemas/PolicyParams"},
         },
     }
     rid_param = {
-        "name": "replica_id", "in": "path", "required": True,
+        "name": "replica_id",
+        "in": "path",
+        "required": True,
         "schema": {"type": "string", "minLength": 1, "maxLength": 256, "pattern": r"^[A-Za-z0-9_.:\[\]-]+$"},
     }
 
@@ -209,79 +242,184 @@ def openapi_spec() -> dict[str, Any]:
         },
         "security": [{"bearerAuth": []}],
         "paths": {
-            "/admin/stats": {"get": {
-                "operationId": "getStats", "summary": "Per-replica and fleet routing statistics",
-                "responses": {"200": ok("#/components/schemas/Stats"), "401": _ERR},
-            }},
+            "/admin/stats": {
+                "get": {
+                    "operationId": "getStats",
+                    "summary": "Per-replica and fleet routing statistics",
+                    "responses": {"200": ok("#/components/schemas/Stats"), "401": _ERR},
+                }
+            },
             "/admin/replicas": {
                 "get": {
-                    "operationId": "listReplicas", "summary": "Replicas known to the gateway",
-                    "responses": {"200": {"description": "OK", "content": {"application/json": {"schema": {
-                        "type": "object", "required": ["replicas"],
-                        "properties": {"replicas": {"type": "array",
-                                                    "items": {"$ref": "#/components/schemas/Replica"}}},
-                    }}}}, "401": _ERR},
+                    "operationId": "listReplicas",
+                    "summary": "Replicas known to the gateway",
+                    "responses": {
+                        "200": {
+                            "description": "OK",
+                            "content": {
+                                "application/json": {
+                                    "schema": {
+                                        "type": "object",
+                                        "required": ["replicas"],
+                                        "properties": {
+                                            "replicas": {
+                                                "type": "array",
+                                                "items": {"$ref": "#/components/schemas/Replica"},
+                                            }
+                                        },
+                                    }
+                                }
+                            },
+                        },
+                        "401": _ERR,
+                    },
                 },
                 "post": {
                     "operationId": "upsertReplica",
                     "summary": "Register or update a replica (sidecars heartbeat through it without Redis)",
-                    "requestBody": {"required": True, "content": {"application/json": {
-                        "schema": {"$ref": "#/components/schemas/ReplicaIn"}}}},
-                    "responses": {"200": ok("#/components/schemas/Replica", "Updated"),
-                                  "201": ok("#/components/schemas/Replica", "Created"),
-                                  "400": _ERR, "401": _ERR},
+                    "requestBody": {
+                        "required": True,
+                        "content": {
+                            "application/json": {"schema": {"$ref": "#/components/schemas/ReplicaIn"}}
+                        },
+                    },
+                    "responses": {
+                        "200": ok("#/components/schemas/Replica", "Updated"),
+                        "201": ok("#/components/schemas/Replica", "Created"),
+                        "400": _ERR,
+                        "401": _ERR,
+                    },
                 },
             },
-            "/admin/replicas/{replica_id}/drain": {"post": {
-                "operationId": "drainReplica", "summary": "Stop sending new sessions; sessions move at their next turn",
-                "parameters": [rid_param],
-                "responses": {"200": ok("#/components/schemas/Replica"), "400": _ERR, "401": _ERR, "404": _ERR},
-            }},
-            "/admin/replicas/{replica_id}": {"delete": {
-                "operationId": "deleteReplica", "summary": "Forget a replica",
-                "parameters": [rid_param],
-                "responses": {"200": {"description": "Removed", "content": {"application/json": {"schema": {
-                    "type": "object", "required": ["id", "removed"],
-                    "properties": {"id": {"type": "string"}, "removed": {"type": "boolean"}}}}}},
-                    "400": _ERR, "401": _ERR, "404": _ERR},
-            }},
-            "/admin/sessions/{session_id}": {"get": {
-                "operationId": "getSession", "summary": "A session's routing state and cache residency estimate",
-                "parameters": [{"name": "session_id", "in": "path", "required": True,
-                                "schema": {"type": "string", "minLength": 1, "maxLength": 256}}],
-                "responses": {"200": ok("#/components/schemas/Session"), "400": _ERR, "401": _ERR, "404": _ERR},
-            }},
+            "/admin/replicas/{replica_id}/drain": {
+                "post": {
+                    "operationId": "drainReplica",
+                    "summary": "Stop sending new sessions; sessions move at their next turn",
+                    "parameters": [rid_param],
+                    "responses": {
+                        "200": ok("#/components/schemas/Replica"),
+                        "400": _ERR,
+                        "401": _ERR,
+                        "404": _ERR,
+                    },
+                }
+            },
+            "/admin/replicas/{replica_id}": {
+                "delete": {
+                    "operationId": "deleteReplica",
+                    "summary": "Forget a replica",
+                    "parameters": [rid_param],
+                    "responses": {
+                        "200": {
+                            "description": "Removed",
+                            "content": {
+                                "application/json": {
+                                    "schema": {
+                                        "type": "object",
+                                        "required": ["id", "removed"],
+                                        "properties": {
+                                            "id": {"type": "string"},
+                                            "removed": {"type": "boolean"},
+                                        },
+                                    }
+                                }
+                            },
+                        },
+                        "400": _ERR,
+                        "401": _ERR,
+                        "404": _ERR,
+                    },
+                }
+            },
+            "/admin/sessions/{session_id}": {
+                "get": {
+                    "operationId": "getSession",
+                    "summary": "A session's routing state and cache residency estimate",
+                    "parameters": [
+                        {
+                            "name": "session_id",
+                            "in": "path",
+                            "required": True,
+                            "schema": {"type": "string", "minLength": 1, "maxLength": 256},
+                        }
+                    ],
+                    "responses": {
+                        "200": ok("#/components/schemas/Session"),
+                        "400": _ERR,
+                        "401": _ERR,
+                        "404": _ERR,
+                    },
+                }
+            },
             "/admin/config": {
-                "get": {"operationId": "getConfig", "summary": "Policy name and parameters",
-                        "responses": {"200": ok("#/components/schemas/Config"), "401": _ERR}},
+                "get": {
+                    "operationId": "getConfig",
+                    "summary": "Policy name and parameters",
+                    "responses": {"200": ok("#/components/schemas/Config"), "401": _ERR},
+                },
                 "patch": {
                     "operationId": "patchConfig",
                     "summary": "Change policy parameters (validated, applied to the next decision)",
-                    "requestBody": {"required": True, "content": {"application/json": {
-                        "schema": {"$ref": "#/components/schemas/ConfigPatch"}}}},
+                    "requestBody": {
+                        "required": True,
+                        "content": {
+                            "application/json": {"schema": {"$ref": "#/components/schemas/ConfigPatch"}}
+                        },
+                    },
                     "responses": {"200": ok("#/components/schemas/Config"), "400": _ERR, "401": _ERR},
                 },
             },
-            "/admin/openapi.json": {"get": {
-                "operationId": "getOpenApi", "summary": "This document",
-                "responses": {"200": {"description": "OK", "content": {"application/json": {
-                    "schema": {"type": "object"}}}}, "401": _ERR},
-            }},
-            "/admin/ui": {"get": {
-                "operationId": "getDashboard", "summary": "Live dashboard (HTML; polls /admin/stats)",
-                "responses": {"200": {"description": "OK", "content": {"text/html": {"schema": {"type": "string"}}}},
-                              "401": _ERR},
-            }},
+            "/admin/openapi.json": {
+                "get": {
+                    "operationId": "getOpenApi",
+                    "summary": "This document",
+                    "responses": {
+                        "200": {
+                            "description": "OK",
+                            "content": {"application/json": {"schema": {"type": "object"}}},
+                        },
+                        "401": _ERR,
+                    },
+                }
+            },
+            "/admin/ui": {
+                "get": {
+                    "operationId": "getDashboard",
+                    "summary": "Live dashboard (HTML; polls /admin/stats)",
+                    "responses": {
+                        "200": {
+                            "description": "OK",
+                            "content": {"text/html": {"schema": {"type": "string"}}},
+                        },
+                        "401": _ERR,
+                    },
+                }
+            },
         },
         "components": {
             "securitySchemes": {"bearerAuth": {"type": "http", "scheme": "bearer"}},
-            "responses": {"Error": {"description": "Error", "content": {"application/json": {
-                "schema": {"$ref": "#/components/schemas/Error"}}}}},
+            "responses": {
+                "Error": {
+                    "description": "Error",
+                    "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}},
+                }
+            },
             "schemas": {
-                "Error": {"type": "object", "required": ["error"], "properties": {"error": {
-                    "type": "object", "required": ["message", "type", "code"],
-                    "properties": {"message": {"type": "string"}, "type": {"type": "string"},
-                                   "code": {"type": "string"}}}}},
+                "Error": {
+                    "type": "object",
+                    "required": ["error"],
+                    "properties": {
+                        "error": {
+                            "type": "object",
+                            "required": ["message", "type", "code"],
+                            "properties": {
+                                "message": {"type": "string"},
+                                "type": {"type": "string"},
+                                "code": {"type": "string"},
+                            },
+                        }
+                    },
+                },
                 "Replica": replica,
                 "ReplicaIn": replica_in,
                 "Stats": stats,

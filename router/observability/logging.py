@@ -37,7 +37,7 @@ REDACTED = "[REDACTED]"
 
 _request_id: contextvars.ContextVar[str | None] = contextvars.ContextVar("kvroute_request_id", default=None)
 
-_SECRET_NAME = re.compile(r"(authorization|token|api[-_]?key|cookie|password|secret|credential)", re.I)
+_SECRET_NAME = re.compile(r"(authorization|token|api[-_]?key|cookie|password|secret|credential)", re.IGNORECASE)
 _BEARER = re.compile(r"(?i)\b(bearer|basic)\s+[A-Za-z0-9._~+/=-]+")
 _KV_SECRET = re.compile(
     r"(?i)\b([a-z_-]*(?:token|api[-_]?key|password|secret)[a-z_-]*)(\s*[=:]\s*)([^\s&,;\"']+)"
@@ -79,7 +79,8 @@ def redact(value: Any, _depth: int = 0) -> Any:
         return value
     if isinstance(value, Mapping):
         return {
-            str(k): (REDACTED if _SECRET_NAME.search(str(k)) else redact(v, _depth + 1)) for k, v in value.items()
+            str(k): (REDACTED if _SECRET_NAME.search(str(k)) else redact(v, _depth + 1))
+            for k, v in value.items()
         }
     if isinstance(value, list | tuple):
         return [redact(v, _depth + 1) for v in value]
@@ -110,7 +111,9 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(out, default=str, separators=(",", ":"))
 
 
-def configure_logging(level: str | int = "info", stream: IO[str] | None = None, logger: str = "") -> logging.Handler:
+def configure_logging(
+    level: str | int = "info", stream: IO[str] | None = None, logger: str = ""
+) -> logging.Handler:
     """Install one JSON handler on ``logger`` (root by default); replaces a previous one of ours."""
     target = logging.getLogger(logger)
     for h in list(target.handlers):

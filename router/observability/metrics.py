@@ -40,18 +40,46 @@ from router.observability.stats import dispersion
 
 __all__ = [
     "CONTENT_TYPE_LATEST",
+    "LATENCY_BUCKETS_S",
+    "OVERHEAD_BUCKETS_S",
     "DesiredReplicasFn",
     "FleetCollector",
     "GatewayMetrics",
-    "LATENCY_BUCKETS_S",
-    "OVERHEAD_BUCKETS_S",
 ]
 
 LATENCY_BUCKETS_S: tuple[float, ...] = (
-    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 7.0, 10.0, 20.0, 40.0, 70.0, 120.0, 300.0, 600.0,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.0,
+    4.0,
+    7.0,
+    10.0,
+    20.0,
+    40.0,
+    70.0,
+    120.0,
+    300.0,
+    600.0,
 )
 OVERHEAD_BUCKETS_S: tuple[float, ...] = (
-    0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0,
+    0.0001,
+    0.00025,
+    0.0005,
+    0.001,
+    0.002,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    1.0,
 )
 
 DesiredReplicasFn = Callable[[Sequence[ReplicaState]], float | int | None]
@@ -108,42 +136,83 @@ class FleetCollector(Collector):
             return g
 
         status = GaugeMetricFamily(
-            "kvroute_replica_status", "1 for the replica's current state, 0 for the others",
+            "kvroute_replica_status",
+            "1 for the replica's current state, 0 for the others",
             labels=["replica", "status"],
         )
         for r in reps:
             for st in ReplicaStatus:
                 status.add_metric([r.id, st.value], 1.0 if r.status is st else 0.0)
         yield status
-        yield gauge("kvroute_replica_in_flight_requests", "Requests in flight on the replica, counted by all gateways",
-                    lambda r: r.in_flight)
-        yield gauge("kvroute_replica_kv_utilization_ratio", "KV cache utilisation reported by the engine (0..1)",
-                    lambda r: r.engine.kv_util)
-        yield gauge("kvroute_replica_sessions_active", "Sessions homed on the replica and active in the window",
-                    lambda r: r.sessions_active)
-        yield gauge("kvroute_replica_active_context_tokens", "Context tokens of the replica's active sessions",
-                    lambda r: r.active_context_tokens)
-        yield gauge("kvroute_replica_capacity_tokens", "KV capacity in HBM used by the policy (tokens)",
-                    lambda r: r.capacity_tokens)
+        yield gauge(
+            "kvroute_replica_in_flight_requests",
+            "Requests in flight on the replica, counted by all gateways",
+            lambda r: r.in_flight,
+        )
+        yield gauge(
+            "kvroute_replica_kv_utilization_ratio",
+            "KV cache utilisation reported by the engine (0..1)",
+            lambda r: r.engine.kv_util,
+        )
+        yield gauge(
+            "kvroute_replica_sessions_active",
+            "Sessions homed on the replica and active in the window",
+            lambda r: r.sessions_active,
+        )
+        yield gauge(
+            "kvroute_replica_active_context_tokens",
+            "Context tokens of the replica's active sessions",
+            lambda r: r.active_context_tokens,
+        )
+        yield gauge(
+            "kvroute_replica_capacity_tokens",
+            "KV capacity in HBM used by the policy (tokens)",
+            lambda r: r.capacity_tokens,
+        )
         # engine gauges re-exported (scraped from the replica's /metrics; a little stale)
-        yield gauge("kvroute_engine_running_requests", "sglang:num_running_reqs of the replica",
-                    lambda r: r.engine.running)
-        yield gauge("kvroute_engine_queued_requests", "sglang:num_queue_reqs of the replica",
-                    lambda r: r.engine.queued)
-        yield gauge("kvroute_engine_kv_utilization_ratio", "sglang:token_usage of the replica",
-                    lambda r: r.engine.kv_util)
-        yield gauge("kvroute_engine_max_total_tokens", "sglang:max_total_num_tokens of the replica",
-                    lambda r: r.engine.capacity_tokens)
-        yield gauge("kvroute_engine_cache_hit_ratio", "sglang:cache_hit_rate of the replica",
-                    lambda r: r.engine.cache_hit_rate)
-        yield gauge("kvroute_engine_host_used_tokens", "sglang:hicache_host_used_tokens of the replica",
-                    lambda r: r.engine.host_used_tokens)
-        yield gauge("kvroute_engine_host_total_tokens", "sglang:hicache_host_total_tokens of the replica",
-                    lambda r: r.engine.host_capacity_tokens)
-        yield gauge("kvroute_engine_gen_throughput_tokens_per_second", "sglang:gen_throughput of the replica",
-                    lambda r: r.engine.gen_throughput)
-        age = GaugeMetricFamily("kvroute_engine_scrape_age_seconds", "Seconds since the engine was last scraped",
-                                labels=lab)
+        yield gauge(
+            "kvroute_engine_running_requests",
+            "sglang:num_running_reqs of the replica",
+            lambda r: r.engine.running,
+        )
+        yield gauge(
+            "kvroute_engine_queued_requests",
+            "sglang:num_queue_reqs of the replica",
+            lambda r: r.engine.queued,
+        )
+        yield gauge(
+            "kvroute_engine_kv_utilization_ratio",
+            "sglang:token_usage of the replica",
+            lambda r: r.engine.kv_util,
+        )
+        yield gauge(
+            "kvroute_engine_max_total_tokens",
+            "sglang:max_total_num_tokens of the replica",
+            lambda r: r.engine.capacity_tokens,
+        )
+        yield gauge(
+            "kvroute_engine_cache_hit_ratio",
+            "sglang:cache_hit_rate of the replica",
+            lambda r: r.engine.cache_hit_rate,
+        )
+        yield gauge(
+            "kvroute_engine_host_used_tokens",
+            "sglang:hicache_host_used_tokens of the replica",
+            lambda r: r.engine.host_used_tokens,
+        )
+        yield gauge(
+            "kvroute_engine_host_total_tokens",
+            "sglang:hicache_host_total_tokens of the replica",
+            lambda r: r.engine.host_capacity_tokens,
+        )
+        yield gauge(
+            "kvroute_engine_gen_throughput_tokens_per_second",
+            "sglang:gen_throughput of the replica",
+            lambda r: r.engine.gen_throughput,
+        )
+        age = GaugeMetricFamily(
+            "kvroute_engine_scrape_age_seconds", "Seconds since the engine was last scraped", labels=lab
+        )
         for r in reps:
             if r.engine.updated_at > 0:
                 age.add_metric([r.id], max(0.0, self._now - r.engine.updated_at))
@@ -153,34 +222,41 @@ class FleetCollector(Collector):
         yield GaugeMetricFamily("kvroute_replicas", "Replicas known to the gateway", value=len(reps))
         yield GaugeMetricFamily("kvroute_replicas_active", "Replicas in the ACTIVE state", value=len(active))
         yield GaugeMetricFamily(
-            "kvroute_sessions_active", "Sessions active in the window, fleet-wide",
+            "kvroute_sessions_active",
+            "Sessions active in the window, fleet-wide",
             value=sum(r.sessions_active for r in reps),
         )
         yield GaugeMetricFamily(
-            "kvroute_in_flight_requests", "Requests in flight, fleet-wide", value=sum(r.in_flight for r in reps)
+            "kvroute_in_flight_requests",
+            "Requests in flight, fleet-wide",
+            value=sum(r.in_flight for r in reps),
         )
         yield GaugeMetricFamily(
             "kvroute_load_dispersion_ratio",
             "Variance / mean of in-flight requests over ACTIVE replicas (now)",
             value=dispersion(r.in_flight for r in active),
         )
-        st = self._store
-        if st.degraded is not None:
-            yield GaugeMetricFamily("kvroute_store_degraded", "1 while the shared store is unreachable",
-                                    value=1.0 if st.degraded else 0.0)
-        if st.degraded_total is not None:
+        figs = self._store
+        if figs.degraded is not None:
+            yield GaugeMetricFamily(
+                "kvroute_store_degraded",
+                "1 while the shared store is unreachable",
+                value=1.0 if figs.degraded else 0.0,
+            )
+        if figs.degraded_total is not None:
             c = CounterMetricFamily("kvroute_store_degradations", "Times the shared store became unreachable")
-            c.add_metric([], float(st.degraded_total))
+            c.add_metric([], float(figs.degraded_total))
             yield c
-        if st.round_trips_total is not None:
+        if figs.round_trips_total is not None:
             c = CounterMetricFamily("kvroute_store_round_trips", "Round trips to the shared store (Redis)")
-            c.add_metric([], float(st.round_trips_total))
+            c.add_metric([], float(figs.round_trips_total))
             yield c
         if self._desired is not None:
             want = self._desired(reps)
             if want is not None:
                 yield GaugeMetricFamily(
-                    "kvroute_desired_replicas", "Replicas the fleet should have (autoscaling signal)",
+                    "kvroute_desired_replicas",
+                    "Replicas the fleet should have (autoscaling signal)",
                     value=float(want),
                 )
 
@@ -196,61 +272,97 @@ class GatewayMetrics:
         self.registry = registry or CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Counter(
-            "kvroute_requests", "Requests finished, by route, routing reason and HTTP status",
-            ["route", "reason", "status"], registry=r,
+            "kvroute_requests",
+            "Requests finished, by route, routing reason and HTTP status",
+            ["route", "reason", "status"],
+            registry=r,
         )
         self.decisions = Counter(
-            "kvroute_routing_decisions", "Routing decisions (one per attempt), by reason and key source",
-            ["reason", "key_source"], registry=r,
+            "kvroute_routing_decisions",
+            "Routing decisions (one per attempt), by reason and key source",
+            ["reason", "key_source"],
+            registry=r,
         )
         self.disagreements = Counter(
-            "kvroute_gateway_disagreements", "Decisions overridden by the store (another gateway bound first)",
+            "kvroute_gateway_disagreements",
+            "Decisions overridden by the store (another gateway bound first)",
             registry=r,
         )
         self.affinity_breaks = Counter(
-            "kvroute_affinity_breaks", "Responses whose cached tokens fell short of the session context, by reason",
-            ["reason"], registry=r,
+            "kvroute_affinity_breaks",
+            "Responses whose cached tokens fell short of the session context, by reason",
+            ["reason"],
+            registry=r,
         )
         self.retries = Counter(
-            "kvroute_upstream_retries", "Attempts that failed before the first byte and were retried, by error",
-            ["error"], registry=r,
+            "kvroute_upstream_retries",
+            "Attempts that failed before the first byte and were retried, by error",
+            ["error"],
+            registry=r,
         )
         self.ejections = Counter(
-            "kvroute_replica_ejections", "Replicas taken out of rotation, by cause",
-            ["replica", "cause"], registry=r,
+            "kvroute_replica_ejections",
+            "Replicas taken out of rotation, by cause",
+            ["replica", "cause"],
+            registry=r,
         )
         self.readmissions = Counter(
-            "kvroute_replica_readmissions", "Replicas put back into rotation", ["replica"], registry=r,
+            "kvroute_replica_readmissions",
+            "Replicas put back into rotation",
+            ["replica"],
+            registry=r,
         )
         self.activations = Counter(
-            "kvroute_replica_activations", "Replicas that became ACTIVE after joining", ["replica"], registry=r,
+            "kvroute_replica_activations",
+            "Replicas that became ACTIVE after joining",
+            ["replica"],
+            registry=r,
         )
         self.store_degradations = Counter(
-            "kvroute_store_degraded_events", "Store degradation events seen by this gateway", registry=r,
+            "kvroute_store_degraded_events",
+            "Store degradation events seen by this gateway",
+            registry=r,
         )
         self.client_disconnects = Counter(
-            "kvroute_client_disconnects", "Requests whose client went away before the end", ["route"], registry=r,
+            "kvroute_client_disconnects",
+            "Requests whose client went away before the end",
+            ["route"],
+            registry=r,
         )
         self.prompt_tokens = Counter(
-            "kvroute_prompt_tokens", "Prompt tokens reported by replicas (responses with usage)", registry=r,
+            "kvroute_prompt_tokens",
+            "Prompt tokens reported by replicas (responses with usage)",
+            registry=r,
         )
         self.cached_tokens = Counter(
-            "kvroute_cached_tokens", "Cached prompt tokens reported by replicas", registry=r,
+            "kvroute_cached_tokens",
+            "Cached prompt tokens reported by replicas",
+            registry=r,
         )
         self.completion_tokens = Counter(
-            "kvroute_completion_tokens", "Completion tokens reported by replicas", registry=r,
+            "kvroute_completion_tokens",
+            "Completion tokens reported by replicas",
+            registry=r,
         )
         self.ttft = Histogram(
-            "kvroute_ttft_seconds", "Gateway-observed time to first byte to the client", ["route"],
-            buckets=LATENCY_BUCKETS_S, registry=r,
+            "kvroute_ttft_seconds",
+            "Gateway-observed time to first byte to the client",
+            ["route"],
+            buckets=LATENCY_BUCKETS_S,
+            registry=r,
         )
         self.e2e = Histogram(
-            "kvroute_e2e_seconds", "Gateway-observed request duration", ["route"],
-            buckets=LATENCY_BUCKETS_S, registry=r,
+            "kvroute_e2e_seconds",
+            "Gateway-observed request duration",
+            ["route"],
+            buckets=LATENCY_BUCKETS_S,
+            registry=r,
         )
         self.overhead = Histogram(
-            "kvroute_gateway_overhead_seconds", "Time spent in the gateway itself (excluding upstream waits)",
-            buckets=OVERHEAD_BUCKETS_S, registry=r,
+            "kvroute_gateway_overhead_seconds",
+            "Time spent in the gateway itself (excluding upstream waits)",
+            buckets=OVERHEAD_BUCKETS_S,
+            registry=r,
         )
         self.fleet = FleetCollector(desired_replicas)
         r.register(self.fleet)

@@ -183,10 +183,20 @@ def make_operator_surface(
 ) -> OperatorSurface:
     stats = RollingStats(window_s=stats_window_s, bucket_s=max(0.1, min(1.0, sample_interval_s)))
     sampler = FleetSampler(
-        store=store, clock=clock, stats=stats, autoscale=autoscale or AutoscaleConfig(), interval_s=sample_interval_s
+        store=store,
+        clock=clock,
+        stats=stats,
+        autoscale=autoscale or AutoscaleConfig(),
+        interval_s=sample_interval_s,
     )
     metrics = GatewayMetrics(desired_replicas=sampler.desired)
     return OperatorSurface(
-        store=store, clock=clock, holder=holder, admin=admin, metrics=metrics, stats=stats, sampler=sampler,
+        store=store,
+        clock=clock,
+        holder=holder,
+        admin=admin,
+        metrics=metrics,
+        stats=stats,
+        sampler=sampler,
         tracing=tracing,
     )

@@ -21,7 +21,13 @@ import types
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
-from aiohttp import TraceConfig, TraceRequestEndParams, TraceRequestExceptionParams, TraceRequestStartParams, web
+from aiohttp import (
+    TraceConfig,
+    TraceRequestEndParams,
+    TraceRequestExceptionParams,
+    TraceRequestStartParams,
+    web,
+)
 
 if TYPE_CHECKING:
     from aiohttp import ClientSession
@@ -198,7 +204,9 @@ class OtelTracing:
         tracer = self._tracer
         propagator = self._propagator
 
-        async def on_start(_s: ClientSession, tcx: types.SimpleNamespace, params: TraceRequestStartParams) -> None:
+        async def on_start(
+            _s: ClientSession, tcx: types.SimpleNamespace, params: TraceRequestStartParams
+        ) -> None:
             current = trace.get_current_span()
             if not current.get_span_context().is_valid:
                 tcx.span = None  # not inside a traced request (health polls, scrapes): stay quiet
@@ -219,7 +227,9 @@ class OtelTracing:
             for key, val in carrier.items():
                 params.headers[key] = val
 
-        async def on_end(_s: ClientSession, tcx: types.SimpleNamespace, params: TraceRequestEndParams) -> None:
+        async def on_end(
+            _s: ClientSession, tcx: types.SimpleNamespace, params: TraceRequestEndParams
+        ) -> None:
             span = getattr(tcx, "span", None)
             if span is None:
                 return
@@ -229,7 +239,9 @@ class OtelTracing:
             # the span covers connect + headers; the body (stream) is relayed under the parent span
             span.end()
 
-        async def on_exc(_s: ClientSession, tcx: types.SimpleNamespace, params: TraceRequestExceptionParams) -> None:
+        async def on_exc(
+            _s: ClientSession, tcx: types.SimpleNamespace, params: TraceRequestExceptionParams
+        ) -> None:
             span = getattr(tcx, "span", None)
             if span is None:
                 return
@@ -275,7 +287,9 @@ def make_tracing(
         try:
             from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
         except ImportError as exc:  # pragma: no cover - depends on the install
-            raise RuntimeError("the OTLP exporter needs the 'otel' extra: pip install 'kvroute[otel]'") from exc
+            raise RuntimeError(
+                "the OTLP exporter needs the 'otel' extra: pip install 'kvroute[otel]'"
+            ) from exc
         otlp = OTLPSpanExporter(endpoint=otlp_endpoint.rstrip("/") + "/v1/traces")
         provider.add_span_processor(BatchSpanProcessor(otlp) if batch else SimpleSpanProcessor(otlp))
     return OtelTracing(provider, service_name)

@@ -43,7 +43,9 @@ def _store(clock: VirtualClock) -> MemoryStore:
     store = MemoryStore(clock)
     for i in range(3):
         store.core.upsert_replica(
-            ReplicaSpec(id=f"127.0.0.1:{31001 + i}", url=f"http://127.0.0.1:{31001 + i}", capacity_tokens=100_000),
+            ReplicaSpec(
+                id=f"127.0.0.1:{31001 + i}", url=f"http://127.0.0.1:{31001 + i}", capacity_tokens=100_000
+            ),
             ReplicaStatus.ACTIVE,
         )
     return store
@@ -122,15 +124,24 @@ async def test_insecure_mode_serves_without_token(aiohttp_client: ClientFactory,
     assert resp.status == 200 and (await resp.json())["policy"] == "kv_aware"
 
 
-async def test_stats_reports_store_and_events(admin: tuple[TestClient, MemoryStore, Any], clock: VirtualClock) -> None:
+async def test_stats_reports_store_and_events(
+    admin: tuple[TestClient, MemoryStore, Any], clock: VirtualClock
+) -> None:
     client, store, surface = admin
     core = store.core
-    core.report_engine_load("127.0.0.1:31001", EngineLoad(running=2, queued=1, kv_util=0.5, cache_hit_rate=0.9,
-                                                         updated_at=99.0))
+    core.report_engine_load(
+        "127.0.0.1:31001", EngineLoad(running=2, queued=1, kv_util=0.5, cache_hit_rate=0.9, updated_at=99.0)
+    )
     # two requests in flight on replica 1, one on replica 2; one session bound to replica 1
     req = RouteRequest(session_key="sess-a")
-    core.acquire(RouteDecision("127.0.0.1:31001", Reason.PLACED_NEW,
-                               (BindSession("sess-a", "127.0.0.1:31001", None, Reason.PLACED_NEW),)), req)
+    core.acquire(
+        RouteDecision(
+            "127.0.0.1:31001",
+            Reason.PLACED_NEW,
+            (BindSession("sess-a", "127.0.0.1:31001", None, Reason.PLACED_NEW),),
+        ),
+        req,
+    )
     core.acquire(RouteDecision("127.0.0.1:31001", Reason.AFFINITY), RouteRequest(session_key=None))
     core.acquire(RouteDecision("127.0.0.1:31002", Reason.PLACED_NEW), RouteRequest(session_key=None))
     surface.stats.record_decision(clock.now(), "placed_new")
@@ -144,7 +155,12 @@ async def test_stats_reports_store_and_events(admin: tuple[TestClient, MemorySto
     reps = {r["id"]: r for r in body["replicas"]}
     r1 = reps["127.0.0.1:31001"]
     assert r1["status"] == "active" and r1["in_flight"] == 2
-    assert r1["running"] == 2 and r1["queued"] == 1 and r1["kv_util"] == 0.5 and r1["engine_cache_hit_rate"] == 0.9
+    assert (
+        r1["running"] == 2
+        and r1["queued"] == 1
+        and r1["kv_util"] == 0.5
+        and r1["engine_cache_hit_rate"] == 0.9
+    )
     assert r1["sessions_bound"] == 1 and r1["sessions_active"] == 1
     assert r1["engine_age_s"] == pytest.approx(1.0)
     assert reps["127.0.0.1:31002"]["affinity_breaks"] == 1
@@ -157,24 +173,38 @@ async def test_stats_reports_store_and_events(admin: tuple[TestClient, MemorySto
     assert fleet["decisions_by_reason"]["total"] == {"placed_new": 1}
     assert fleet["affinity_breaks_by_reason"]["window"] == {"evicted": 1}
     assert body["degradation"] == {
-        "store_degraded": False, "store_degraded_total": 0, "replicas_down": 0, "replicas_draining": 0,
-        "no_active_replicas": False, "panic": False,
+        "store_degraded": False,
+        "store_degraded_total": 0,
+        "replicas_down": 0,
+        "replicas_draining": 0,
+        "no_active_replicas": False,
+        "panic": False,
     }
     assert body["series"][-1]["in_flight"] == [2, 1, 0]
 
 
 async def test_replicas_register_update_drain_delete(admin: tuple[TestClient, MemoryStore, Any]) -> None:
     client, store, _ = admin
-    resp = await client.post("/admin/replicas", headers=AUTH, json={
-        "url": "http://127.0.0.1:32000/", "model": "kimi", "capacity_tokens": 850000, "tp_size": 4,
-    })
+    resp = await client.post(
+        "/admin/replicas",
+        headers=AUTH,
+        json={
+            "url": "http://127.0.0.1:32000/",
+            "model": "kimi",
+            "capacity_tokens": 850000,
+            "tp_size": 4,
+        },
+    )
     assert resp.status == 201, await resp.text()
     rep = await resp.json()
     assert rep["id"] == "127.0.0.1:32000" and rep["url"] == "http://127.0.0.1:32000"
     assert rep["status"] == "joining" and rep["capacity_tokens"] == 850000 and rep["model"] == "kimi"
     # upsert again: 200, status given explicitly (sidecar heartbeat)
-    resp = await client.post("/admin/replicas", headers=AUTH, json={
-        "id": "127.0.0.1:32000", "url": "http://127.0.0.1:32000", "status": "active"})
+    resp = await client.post(
+        "/admin/replicas",
+        headers=AUTH,
+        json={"id": "127.0.0.1:32000", "url": "http://127.0.0.1:32000", "status": "active"},
+    )
     assert resp.status == 200 and (await resp.json())["status"] == "active"
     ids = [r["id"] for r in (await (await client.get("/admin/replicas", headers=AUTH)).json())["replicas"]]
     assert "127.0.0.1:32000" in ids and len(ids) == 4
@@ -186,7 +216,10 @@ async def test_replicas_register_update_drain_delete(admin: tuple[TestClient, Me
     resp = await client.delete("/admin/replicas/127.0.0.1:32000", headers=AUTH)
     assert resp.status == 200 and await resp.json() == {"id": "127.0.0.1:32000", "removed": True}
     assert "127.0.0.1:32000" not in {r.id for r in await store.replicas()}
-    for method, path in [("POST", "/admin/replicas/127.0.0.1:32000/drain"), ("DELETE", "/admin/replicas/127.0.0.1:32000")]:
+    for method, path in [
+        ("POST", "/admin/replicas/127.0.0.1:32000/drain"),
+        ("DELETE", "/admin/replicas/127.0.0.1:32000"),
+    ]:
         resp = await client.request(method, path, headers=AUTH)
         assert resp.status == 404
         _assert_error(await resp.json(), "not_found")
@@ -212,7 +245,9 @@ async def test_replicas_register_update_drain_delete(admin: tuple[TestClient, Me
         ({"url": "http://127.0.0.1:1", "model": 7}, "model"),
     ],
 )
-async def test_replica_validation_errors(admin: tuple[TestClient, MemoryStore, Any], body: dict[str, Any], needle: str) -> None:
+async def test_replica_validation_errors(
+    admin: tuple[TestClient, MemoryStore, Any], body: dict[str, Any], needle: str
+) -> None:
     client, store, _ = admin
     resp = await client.post("/admin/replicas", headers=AUTH, json=body)
     assert resp.status == 400
@@ -225,7 +260,9 @@ async def test_replica_validation_errors(admin: tuple[TestClient, MemoryStore, A
 async def test_bad_bodies(admin: tuple[TestClient, MemoryStore, Any], raw: bytes) -> None:
     client, _, _ = admin
     for method, path in [("POST", "/admin/replicas"), ("PATCH", "/admin/config")]:
-        resp = await client.request(method, path, headers={**AUTH, "Content-Type": "application/json"}, data=raw)
+        resp = await client.request(
+            method, path, headers={**AUTH, "Content-Type": "application/json"}, data=raw
+        )
         assert resp.status == 400
         _assert_error(await resp.json(), "bad_request")
 
@@ -244,8 +281,10 @@ async def test_session_view(admin: tuple[TestClient, MemoryStore, Any], clock: V
     client, store, _ = admin
     core = store.core
     rid = "127.0.0.1:31002"
-    lease = core.acquire(RouteDecision(rid, Reason.PLACED_NEW, (BindSession("s-1", rid, None, Reason.PLACED_NEW),)),
-                         RouteRequest(session_key="s-1"))
+    lease = core.acquire(
+        RouteDecision(rid, Reason.PLACED_NEW, (BindSession("s-1", rid, None, Reason.PLACED_NEW),)),
+        RouteRequest(session_key="s-1"),
+    )
     clock.advance(2.0)
     core.release(lease, Completion(ok=True, prompt_tokens=20_000, cached_tokens=0, completion_tokens=100))
     core.acquire(RouteDecision(rid, Reason.AFFINITY), RouteRequest(session_key="s-1"))
@@ -281,18 +320,28 @@ def test_residency_estimate() -> None:
 async def test_config_get_patch_and_validation(admin: tuple[TestClient, MemoryStore, Any]) -> None:
     client, _, surface = admin
     body = await (await client.get("/admin/config", headers=AUTH)).json()
-    assert body["policy"] == "kv_aware" and body["params"] == PolicyParams().to_dict() and body["generation"] == 0
-    resp = await client.patch("/admin/config", headers=AUTH, json={"params": {"thicc_threshold": 5, "w_queue": 2.5}})
+    assert (
+        body["policy"] == "kv_aware"
+        and body["params"] == PolicyParams().to_dict()
+        and body["generation"] == 0
+    )
+    resp = await client.patch(
+        "/admin/config", headers=AUTH, json={"params": {"thicc_threshold": 5, "w_queue": 2.5}}
+    )
     assert resp.status == 200, await resp.text()
     body = await resp.json()
-    assert body["params"]["thicc_threshold"] == 5 and body["params"]["w_queue"] == 2.5 and body["generation"] == 1
+    assert (
+        body["params"]["thicc_threshold"] == 5
+        and body["params"]["w_queue"] == 2.5
+        and body["generation"] == 1
+    )
     assert surface.holder.params.thicc_threshold == 5
     for bad, needle in [
         ({"params": {"no_such_knob": 1}}, "no_such_knob"),
         ({"params": {"thicc_threshold": "many"}}, "thicc_threshold"),
         ({"params": {"thicc_threshold": 0}}, "thicc_threshold"),
         ({"params": {"panic_threshold": 7.0}}, "panic_threshold"),
-            ({"params": {"w_queue": -1}}, "w_queue"),
+        ({"params": {"w_queue": -1}}, "w_queue"),
         ({"params": [1]}, "params"),
         ({"policy": "magic"}, "policy"),
         ({"policy": 3}, "policy"),
@@ -312,12 +361,24 @@ async def test_patched_config_changes_the_decision(admin: tuple[TestClient, Memo
     """A thicc session: 2 requests in flight at home. Default threshold 3 keeps it home; PATCH to 2 splits."""
     client, _, surface = admin
     reps = tuple(
-        ReplicaState(id=f"r{i}", url=f"http://127.0.0.1:{9000 + i}", status=ReplicaStatus.ACTIVE, capacity_tokens=850_000,
-                     in_flight=2 if i == 0 else 0)
+        ReplicaState(
+            id=f"r{i}",
+            url=f"http://127.0.0.1:{9000 + i}",
+            status=ReplicaStatus.ACTIVE,
+            capacity_tokens=850_000,
+            in_flight=2 if i == 0 else 0,
+        )
         for i in range(3)
     )
-    sess = SessionState(session_id="thicc", home="r0", in_flight=(("r0", 2),), context_tokens=10_000,
-                        last_seen=99.0, residency_mark=1, turns=3)
+    sess = SessionState(
+        session_id="thicc",
+        home="r0",
+        in_flight=(("r0", 2),),
+        context_tokens=10_000,
+        last_seen=99.0,
+        residency_mark=1,
+        turns=3,
+    )
     snap = ClusterSnapshot(now=100.0, replicas=reps, session=sess, sessions_active=1)
     req = RouteRequest(session_key="thicc", key_source=KeySource.HEADER)
     before = surface.holder.route(req, snap, random.Random(1))

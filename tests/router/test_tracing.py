@@ -36,7 +36,9 @@ async def _front(tracing: Any, upstream_url: str) -> tuple[TestServer, aiohttp.C
     session = aiohttp.ClientSession(trace_configs=list(tracing.trace_configs()))
 
     async def handler(request: web.Request) -> web.Response:
-        tracing.annotate(decision_attributes("r1", "affinity", [("r0", 0.5), ("r1", 0.25)], session_key_source="header"))
+        tracing.annotate(
+            decision_attributes("r1", "affinity", [("r0", 0.5), ("r1", 0.25)], session_key_source="header")
+        )
         async with session.post(upstream_url + "/v1/chat/completions", json={}) as resp:
             body = await resp.read()
         return web.Response(body=body, status=resp.status, headers={"X-Request-Id": "rid-1"})
@@ -88,7 +90,7 @@ async def test_span_tree_decision_attributes_and_traceparent() -> None:
     # the replica received the child span's context
     assert len(seen) == 1
     tp = seen[0]["traceparent"]
-    version, trace_id, span_id, flags = tp.split("-")
+    _version, trace_id, span_id, flags = tp.split("-")
     assert trace_id == incoming_trace
     assert span_id == format(client_span.context.span_id, "016x")
     assert flags == "01"
@@ -103,9 +105,11 @@ async def test_upstream_failure_marks_client_span_error() -> None:
     await probe.close()
     front, session = await _front(tracing, dead_url)
     try:
-        async with aiohttp.ClientSession() as client:
-            async with client.post(front.make_url("/v1/chat/completions"), json={}) as r:
-                assert r.status == 500
+        async with (
+            aiohttp.ClientSession() as client,
+            client.post(front.make_url("/v1/chat/completions"), json={}) as r,
+        ):
+            assert r.status == 500
     finally:
         await session.close()
         await front.close()

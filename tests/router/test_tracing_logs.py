@@ -64,8 +64,10 @@ def test_secrets_are_redacted() -> None:
     try:
         log.info(
             "upstream said Authorization: Bearer sk-live-abc123 and api_key=hunter2",
-            extra={"headers": {"Authorization": "Bearer sk-live-abc123", "X-Admin-Token": "t0k", "Accept": "x"},
-                   "admin_token": "t0k"},
+            extra={
+                "headers": {"Authorization": "Bearer sk-live-abc123", "X-Admin-Token": "t0k", "Accept": "x"},
+                "admin_token": "t0k",
+            },
         )
     finally:
         log.removeHandler(handler)
