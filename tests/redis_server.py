@@ -37,11 +37,15 @@ def redis_server_binary() -> str | None:
     return shutil.which("redis-server")
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
+def free_port(max_port: int = 65535) -> int:
+    """A free TCP port on 127.0.0.1 (at most ``max_port``: cluster nodes also need port + 10000)."""
+    for _ in range(200):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", 0))
+            port: int = s.getsockname()[1]
+        if port <= max_port:
+            return port
+    raise RedisUnavailable(f"no free port <= {max_port}")
 
 
 def _ping(port: int, timeout_s: float = 0.2) -> bool:
@@ -93,15 +97,17 @@ class RedisServer:
             "--dir", str(self.workdir),
             "--daemonize", "no",
             "--loglevel", "warning",
+            "--logfile", str(self.workdir / "redis.log"),
             *self.extra_args,
         ]  # fmt: skip
         self._proc = subprocess.Popen(  # noqa: S603 - fixed binary, our own arguments
-            cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True
+            cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
         )
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self._proc.poll() is not None:
-                err = self._proc.stderr.read().decode(errors="replace") if self._proc.stderr else ""
+                log = self.workdir / "redis.log"
+                err = log.read_text(errors="replace") if log.exists() else ""
                 raise RedisUnavailable(f"redis-server exited with {self._proc.returncode}: {err[-500:]}")
             if _ping(self.port):
                 return self
@@ -114,7 +120,6 @@ class RedisServer:
         if self._proc is not None and self._proc.poll() is None:
             self._proc.send_signal(signal.SIGKILL)
             self._proc.wait(timeout=10)
-        self._close_pipes()
 
     def stop(self) -> None:
         if self._proc is not None and self._proc.poll() is None:
@@ -124,7 +129,6 @@ class RedisServer:
             except subprocess.TimeoutExpired:
                 self._proc.kill()
                 self._proc.wait(timeout=5)
-        self._close_pipes()
 
     def restart(self, timeout_s: float = 10.0) -> RedisServer:
         """Bring the server back on the same port (empty: persistence is off)."""
@@ -135,10 +139,6 @@ class RedisServer:
         self.stop()
         if self._own_dir and self.workdir is not None:
             shutil.rmtree(self.workdir, ignore_errors=True)
-
-    def _close_pipes(self) -> None:
-        if self._proc is not None and self._proc.stderr is not None:
-            self._proc.stderr.close()
 
     def __enter__(self) -> RedisServer:
         return self.start() if not self.running else self
@@ -169,6 +169,7 @@ class RedisCluster:
                 d = base / str(i)
                 d.mkdir()
                 node = RedisServer(
+                    port=free_port(max_port=55535),
                     workdir=d,
                     extra_args=(
                         "--cluster-enabled", "yes",

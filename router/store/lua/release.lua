@@ -1,0 +1,44 @@
+-- release: the request ended. Decrement this gateway's in-flight; learn tokens written, context size
+-- and the residency mark. One round trip. Never drives a count below zero.
+-- ARGV: base, gid, now, session_ttl_ms, replica, sid ('' = none), ok, has_prompt, prompt, cached, completion
+local gid, NOW = ARGV[2], ARGV[3]
+local now, ttl_ms, rid, sid = tonumber(NOW), ARGV[4], ARGV[5], ARGV[6]
+local ok, has_prompt = ARGV[7] == '1', ARGV[8] == '1'
+local prompt, cached, comp = tonumber(ARGV[9]), tonumber(ARGV[10]), tonumber(ARGV[11])
+
+local gk = K('gw:' .. gid .. ':if')
+if redis.call('HINCRBY', gk, rid, -1) <= 0 then redis.call('HDEL', gk, rid) end
+local live = rep_live(rid, now)
+local tw = 0
+if live then
+  if has_prompt then
+    local new = prompt - cached
+    if new < 0 then new = 0 end
+    tw = redis.call('HINCRBY', K('r:' .. rid), 'tw', new + comp)
+  else
+    tw = tonumber(redis.call('HGET', K('r:' .. rid), 'tw') or '0')
+  end
+end
+if sid == '' then return 1 end
+local sk = K('s:' .. sid)
+if redis.call('EXISTS', sk) == 0 then return 1 end
+local f = 'f:' .. gid .. '|' .. rid
+if redis.call('HINCRBY', sk, f, -1) <= 0 then redis.call('HDEL', sk, f) end
+redis.call('HSET', sk, 'seen', NOW)
+local home = redis.call('HGET', sk, 'home')
+local ctx = tonumber(redis.call('HGET', sk, 'ctx') or '0')
+if ok and has_prompt and home and rid == home then
+  local c = prompt + comp
+  local _, _, total = session_fields(sk, alive_gateways(redis_ms()))
+  if total > 0 and ctx > c then c = ctx end
+  ctx = c
+  redis.call('HSET', sk, 'ctx', ctx)
+  redis.call('HINCRBY', sk, 'turns', 1)
+  if live then redis.call('HSET', sk, 'mark', tw) end
+end
+if home then
+  redis.call('ZADD', K('home:' .. home), NOW, sid)
+  if rep_live(home, now) then touch_active(home, sid, NOW, ctx) end
+end
+redis.call('PEXPIRE', sk, ttl_ms)
+return 1

@@ -1,0 +1,20 @@
+-- snapshot: every replica (with in-flight summed over live gateways) plus one session. One round trip.
+-- ARGV: base, now, active_window_s, ramp_window_s, session_ttl_s, sid ('' = none)
+-- Returns {seq, {replica rows}, session row or {}, sessions_active}
+local NOW = ARGV[2]
+local now, aw, rw, ttl, sid = tonumber(NOW), tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5]), ARGV[6]
+local alive = alive_gateways(redis_ms())
+local inflight = inflight_sums(alive)
+local ids = redis.call('SMEMBERS', K('replicas'))
+table.sort(ids)
+local reps, active = {}, 0
+for _, rid in ipairs(ids) do
+  local row = replica_row(rid, now, aw, rw, inflight)
+  if row then
+    reps[#reps + 1] = row
+    active = active + row[8]
+  end
+end
+local sess = {}
+if sid ~= '' then sess = session_row(sid, now, ttl, alive) or {} end
+return {redis.call('GET', K('seq')) or '0', reps, sess, active}
