@@ -64,7 +64,7 @@ from router.store.base import StoreConfig
 from router.store.keys import KeySpace
 from router.store.memory import PLACEMENT_REASONS, MemoryCore
 
-__all__ = ["RedisStore", "map_redis_errors"]
+__all__ = ["RedisStore", "make_redis_store", "map_redis_errors"]
 
 log = logging.getLogger("kvroute.store.redis")
 
@@ -737,3 +737,14 @@ class RedisStore:
             "leases_outstanding": len(self._leases) + len(self._local_leases),
             "last_error": self.last_error,
         }
+
+
+def make_redis_store(config: Any, clock: Clock) -> RedisStore:
+    """Build the gateway's store from a ``GatewayConfig`` (``redis_url``, ``gateway_id``, ``store``)."""
+    url = getattr(config, "redis_url", None)
+    if not url:
+        raise StoreError("make_redis_store: no redis_url configured")
+    store_settings = getattr(config, "store", None)
+    store_config = store_settings.to_store_config() if store_settings is not None else StoreConfig()
+    gateway_id = str(getattr(config, "gateway_id", "") or "").replace("|", "_") or None
+    return RedisStore.from_url(url, gateway_id, store_config, clock)
