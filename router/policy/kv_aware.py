@@ -170,7 +170,7 @@ class KvAwarePolicy:
                 view, request, snapshot, sess, home, rng, Reason.RETRY, AffinityBreak.REPLICA_GONE
             )
         if home.status is ReplicaStatus.DRAINING and idle and not view.panic:
-            return self._move(
+            moved = self._try_move(
                 view,
                 request,
                 snapshot,
@@ -180,9 +180,11 @@ class KvAwarePolicy:
                 AffinityBreak.REPLICA_GONE,
                 avoid=frozenset({old_home}),
             )
+            if moved is not None:
+                return moved  # else: nowhere else to go, the draining home serves it
         if idle and cache_surely_gone(sess, home, p):
             target, scores = self._place(
-                view, request, snapshot, rng, key=sid, ctx=ctx, avoid=frozenset(), binding=True
+                view, request, snapshot, rng, key=sid, ctx=ctx, avoid=frozenset(), binding=True, moving=True
             )
             effects = self._collapse(sess, keep_only=())
             if target.id != old_home:
@@ -255,7 +257,7 @@ class KvAwarePolicy:
         """Rebind the session elsewhere (compare-and-set on its current home)."""
         ctx = sess.context_tokens or request.prompt_tokens_estimate
         target, scores = self._place(
-            view, request, snapshot, rng, key=sess.session_id, ctx=ctx, avoid=avoid, binding=True
+            view, request, snapshot, rng, key=sess.session_id, ctx=ctx, avoid=avoid, binding=True, moving=True
         )
         bind = BindSession(sess.session_id, target.id, only_if=sess.home, reason=reason)
         overflow = tuple(o for o in sess.overflow if o != target.id and sess.in_flight_at(o) > 0)
@@ -363,8 +365,13 @@ class KvAwarePolicy:
         ctx: int,
         avoid: frozenset[ReplicaId],
         binding: bool,
+        moving: bool = False,
     ) -> tuple[ReplicaState, tuple[tuple[ReplicaId, float], ...]]:
-        """Rule 3/4: the replica with the least expected delay among those passing the filters."""
+        """Rule 3/4: the replica with the least expected delay among those passing the filters.
+
+        ``binding``: the pick becomes the session's home (session cap and ramp cap apply).
+        ``moving``: an existing session is re-homed; fresh replicas take only new sessions (rule 4).
+        """
         p = self.params
         cands = [r for r in view.pool if r.id not in avoid]
         if binding and not view.panic:
@@ -375,6 +382,8 @@ class KvAwarePolicy:
         if not view.panic:
             cands = _soft_filter(cands, lambda r: r.in_flight < view.hard_bound)
             if binding:
+                if moving:
+                    cands = _soft_filter(cands, lambda r: not self._fresh(r, view, snapshot))
                 cands = _soft_filter(cands, lambda r: r.sessions_active < view.session_cap)
                 cands = _soft_filter(
                     cands,

@@ -541,3 +541,9 @@ def test_default_capacity_when_unknown() -> None:
     )
     # working-set penalty uses the same default: 1.7M of context on an unknown replica = 2x capacity
     assert load_score(replica(A, capacity=0, active_ctx=1_700_000), 0, P) == pytest.approx(4.0 * (2.0 - 0.9))
+
+
+def test_draining_home_serves_when_nothing_else_can() -> None:
+    snap = snapshot(replica(A, status=S.DRAINING), replica(B, status=S.DOWN), sess=session("s1", A))
+    d = KvAwarePolicy(P.with_changes(panic_threshold=0.0)).route(request(), snap, random.Random(0))
+    assert (d.replica_id, d.reason, d.effects) == (A, Reason.AFFINITY, ())
