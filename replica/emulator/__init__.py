@@ -1,0 +1,3 @@
+"""SGLang-compatible replica emulator: HTTP shell (``server``), pure prefix cache (``cache``), pure
+event-driven time model (``timemodel``, ``profiles``), deterministic tokenizer (``tokenizer``).
+See docs/EMULATOR.md."""

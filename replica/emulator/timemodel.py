@@ -448,9 +448,7 @@ class ReplicaEngine:
         k_end = 1 << 62
         for r in reqs:
             ctx += r.req.prompt_tokens + r.gen
-            k = math.ceil((r.req.output_tokens - r.gen) / a - 1e-9)
-            if k < k_end:
-                k_end = k
+            k_end = min(k_end, math.ceil((r.req.output_tokens - r.gen) / a - 1e-9))
         s0 = decode_step_time(p, b, int(ctx * u))
         delta = p.decode_kv_read_s_per_token * b * p.spec_accept_length
         self._gen_throughput = b * a / s0

@@ -140,7 +140,7 @@ def render_chat(
         out.append("<|im_end|>")
     for msg in messages:
         if not isinstance(msg, Mapping):
-            raise ValueError("each message must be an object")
+            raise ValueError("each message must be an object")  # noqa: TRY004 - one error type for bad input
         role = msg.get("role")
         if not isinstance(role, str) or not role:
             raise ValueError("each message needs a string 'role'")

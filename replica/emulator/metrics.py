@@ -1,0 +1,143 @@
+"""Prometheus exposition of one emulated replica, with SGLang's metric names (sglang.md §2).
+
+A custom collector over plain counters: no ``_created`` samples (SGLang's multiprocess registry
+has none), gauges read from the engine at scrape time, and a per-app ``CollectorRegistry`` so
+several replicas can live in one process.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Callable, Iterator, Sequence
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.exposition import generate_latest
+from prometheus_client.registry import Collector
+
+from replica.emulator.timemodel import EngineLoad
+
+__all__ = ["CONTENT_TYPE", "E2E_BUCKETS", "TTFT_BUCKETS", "Histogram", "ReplicaMetrics"]
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+TTFT_BUCKETS: tuple[float, ...] = (
+    0.1, 0.2, 0.4, 0.6, 0.8, 1.0, 2.0, 4.0, 6.0, 8.0, 10.0, 20.0, 40.0, 60.0, 80.0, 100.0, 200.0, 400.0,
+)
+E2E_BUCKETS: tuple[float, ...] = (
+    0.1, 0.2, 0.4, 0.6, 0.8, 1.0, 2.0, 4.0, 6.0, 8.0, 10.0, 20.0, 40.0, 60.0, 80.0, 100.0, 200.0, 400.0,
+    600.0, 1200.0, 1800.0, 2400.0,
+)
+
+
+class Histogram:
+    __slots__ = ("bounds", "counts", "total")
+
+    def __init__(self, bounds: Sequence[float]) -> None:
+        self.bounds = tuple(bounds)
+        self.counts = [0] * (len(self.bounds) + 1)
+        self.total = 0.0
+
+    def observe(self, v: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, v)] += 1
+        self.total += v
+
+    def buckets(self) -> list[tuple[str, float]]:
+        out: list[tuple[str, float]] = []
+        acc = 0
+        for b, c in zip(self.bounds, self.counts, strict=False):
+            acc += c
+            out.append((repr(float(b)), float(acc)))
+        out.append(("+Inf", float(acc + self.counts[-1])))
+        return out
+
+
+class ReplicaMetrics(Collector):
+    """Counters the HTTP shell bumps, plus gauges pulled from ``load_fn`` at scrape time."""
+
+    def __init__(self, model_name: str, load_fn: Callable[[], EngineLoad], hicache: bool) -> None:
+        self.model_name = model_name
+        self._load_fn = load_fn
+        self._hicache = hicache
+        self.prompt_tokens = {"true": 0, "false": 0}
+        self.generation_tokens = {"true": 0, "false": 0}
+        self.num_requests = {"true": 0, "false": 0}
+        self.cached_tokens = {"device": 0, "host": 0}
+        self.aborted = 0
+        self.ttft = {"true": Histogram(TTFT_BUCKETS), "false": Histogram(TTFT_BUCKETS)}
+        self.e2e = {"true": Histogram(E2E_BUCKETS), "false": Histogram(E2E_BUCKETS)}
+        self.http_active: dict[tuple[str, str], int] = {}
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(self)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def collect(self) -> Iterator[Metric]:
+        m = self.model_name
+        sched_labels = ["engine_type", "model_name", "moe_ep_rank", "pp_rank", "tp_rank"]
+        sched_vals = ["unified", m, "0", "0", "0"]
+        load = self._load_fn()
+        gauges: list[tuple[str, str, float]] = [
+            ("num_running_reqs", "The number of running requests.", load.running),
+            ("num_queue_reqs", "The number of requests in the waiting queue.", load.queued),
+            ("gen_throughput", "The generation throughput (token/s).", load.gen_throughput),
+            ("cache_hit_rate", "The prefix cache hit rate.", load.cache_hit_rate),
+            ("token_usage", "The token usage.", load.token_usage),
+            ("num_used_tokens", "The number of used tokens.", load.used_tokens),
+            ("kv_used_tokens", "Number of locked (in-use) token slots in the KV cache pool.",
+             load.used_tokens - load.evictable_tokens),
+            ("kv_evictable_tokens", "Number of evictable (radix-cached) token slots in the KV cache pool.",
+             load.evictable_tokens),
+            ("kv_available_tokens", "Number of free token slots in the KV cache pool.",
+             load.capacity_tokens - load.used_tokens),
+            ("max_total_num_tokens", "Maximum total number of tokens in the KV cache pool.", load.capacity_tokens),
+            ("decode_sum_seq_lens", "The sum of all sequence lengths in the decode batch.", load.decode_sum_seq_lens),
+            ("spec_accept_length",
+             "Mean acceptance length of speculative decoding (accepted drafts + bonus token per forward).",
+             load.spec_accept_length),
+        ]
+        if self._hicache:
+            gauges += [
+                ("hicache_host_used_tokens", "Number of tokens currently used in the host KV cache.",
+                 load.host_used_tokens),
+                ("hicache_host_total_tokens", "Total capacity of the host KV cache in tokens.", load.host_total_tokens),
+            ]
+        for name, doc, value in gauges:
+            g = GaugeMetricFamily(f"sglang:{name}", doc, labels=sched_labels)
+            g.add_metric(sched_vals, float(value))
+            yield g
+
+        req_labels = ["engine_type", "is_streaming", "model_name"]
+        for name, doc, series in (
+            ("prompt_tokens", "Number of prefill tokens processed.", self.prompt_tokens),
+            ("generation_tokens", "Number of generation tokens processed.", self.generation_tokens),
+            ("num_requests", "Number of requests processed.", self.num_requests),
+        ):
+            c = CounterMetricFamily(f"sglang:{name}", doc, labels=req_labels)
+            for streaming, v in series.items():
+                c.add_metric(["unified", streaming, m], float(v))
+            yield c
+        c = CounterMetricFamily(
+            "sglang:cached_tokens", "Number of cached prompt tokens by source (device/host/storage).",
+            labels=["cache_source", "engine_type", "model_name"],
+        )
+        for source, v in self.cached_tokens.items():
+            c.add_metric([source, "unified", m], float(v))
+        yield c
+        c = CounterMetricFamily("sglang:num_aborted_requests", "Number of requests aborted.",
+                                labels=["engine_type", "model_name"])
+        c.add_metric(["unified", m], float(self.aborted))
+        yield c
+        for name, doc, hists in (
+            ("time_to_first_token_seconds", "Histogram of time to first token in seconds.", self.ttft),
+            ("e2e_request_latency_seconds", "Histogram of End-to-end request latency in seconds", self.e2e),
+        ):
+            h = HistogramMetricFamily(f"sglang:{name}", doc, labels=req_labels)
+            for streaming, hist in hists.items():
+                h.add_metric(["unified", streaming, m], hist.buckets(), hist.total)
+            yield h
+        g = GaugeMetricFamily("sglang:http_requests_active", "Number of currently active HTTP requests",
+                              labels=["endpoint", "method"])
+        for (endpoint, method), n in sorted(self.http_active.items()):
+            g.add_metric([endpoint, method], float(n))
+        yield g

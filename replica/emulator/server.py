@@ -1,0 +1,1155 @@
+"""The emulator's HTTP shell: an aiohttp app that looks like one SGLang 0.5.23 server.
+
+The pure engine (``timemodel.ReplicaEngine`` over ``cache.PrefixCache``) decides *what happens
+when* in modelled seconds; this shell maps modelled time to wall time (wall = modelled x
+``time_scale``), feeds requests in, and turns engine events into SGLang's HTTP bytes.
+
+Rule 1: one background task per replica sleeps until the engine's next event; handlers also
+        ``poll()`` the engine before reading it, so nobody depends on the task's timing.
+Rule 2: everything a replica reports about itself (``e2e_latency``, histograms, throughput) is
+        in modelled seconds, as the emulated replica would see it.
+Rule 3: a request whose client goes away (or whose handler ends early for any reason) is
+        aborted in the engine, freeing its slot and KV.
+Rule 4: SSE bytes are ``b"data: " + compact JSON + b"\\n\\n"``, ending with ``data: [DONE]``.
+        Chunks follow decode steps (``stream_interval`` tokens each, default 1 step's worth),
+        coalesced to at most one per ``min_chunk_interval_s`` of wall time.
+
+Test hooks (not part of SGLang): ``POST/GET/DELETE /_emulator/faults`` and ``GET
+/_emulator/state`` (see docs/EMULATOR.md); every response carries ``X-Emulator-Replica``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+import mmh3
+from aiohttp import web
+
+from replica.emulator.cache import PrefixCache
+from replica.emulator.metrics import CONTENT_TYPE, ReplicaMetrics
+from replica.emulator.profiles import Profile
+from replica.emulator.timemodel import EngineRequest, Finished, FirstToken, ReplicaEngine, Started
+from replica.emulator.tokenizer import (
+    BYTES_PER_TOKEN,
+    Prompt,
+    block_hashes,
+    decode_ids,
+    encode_ids,
+    encode_text,
+    output_text,
+    render_chat,
+    salt_seed,
+    token_ids,
+)
+
+__all__ = ["REPLICA_KEY", "EmulatorConfig", "Faults", "Replica", "make_emulator_app"]
+
+SGLANG_VERSION = "0.5.23"
+EOS_TOKEN_ID = 163586
+SAMPLING_PARAMS = (
+    "max_new_tokens", "stop", "stop_token_ids", "stop_regex", "temperature", "top_p", "top_k", "min_p",
+    "frequency_penalty", "presence_penalty", "repetition_penalty", "min_new_tokens", "n", "json_schema", "regex",
+    "ebnf", "structural_tag", "ignore_eos", "skip_special_tokens", "spaces_between_special_tokens",
+    "no_stop_trim", "stream_interval", "logit_bias", "sampling_seed", "custom_params", "beam_width", "watermark",
+    "choice",
+)
+_SAMPLING_SET = frozenset(SAMPLING_PARAMS)
+
+
+@dataclass(frozen=True, slots=True)
+class EmulatorConfig:
+    """One replica's settings.
+
+    time_scale: wall seconds per modelled second (0.01 = 100x faster than the modelled GPU).
+    default_max_tokens: output length when a request names none (then ``finish_reason`` is
+        ``stop``; with an explicit max it is always ``length``: the emulator never stops early).
+    get_load_format: what the removed ``/get_load`` answers: ``sglang`` (older 0.5.x array,
+        what sglang-router's power_of_two polls), ``vllm`` (``{"load": N}``) or ``off`` (404).
+    startup_delay_s: ``/health`` answers 503 this long (wall) after start.
+    """
+
+    name: str = "replica-0"
+    profile: Profile = field(default_factory=Profile)
+    served_model_name: str | None = None
+    time_scale: float = 1.0
+    host: str = "127.0.0.1"
+    port: int = 0
+    stream_interval: int = 0  # tokens per chunk; 0 = one chunk per decode step
+    min_chunk_interval_s: float = 0.002
+    enable_cache_report: bool = True
+    stream_response_default_include_usage: bool = False
+    incremental_streaming_output: bool = False
+    default_max_tokens: int = 128
+    get_load_format: str = "sglang"
+    startup_delay_s: float = 0.0
+    api_key: str | None = None
+    max_body_bytes: int = 64 * 1024 * 1024
+
+    def __post_init__(self) -> None:
+        if self.time_scale <= 0:
+            raise ValueError("time_scale must be > 0")
+        if self.get_load_format not in {"sglang", "vllm", "off"}:
+            raise ValueError("get_load_format must be sglang, vllm or off")
+        if self.stream_interval < 0 or self.default_max_tokens < 0 or self.min_chunk_interval_s < 0:
+            raise ValueError("stream_interval, default_max_tokens, min_chunk_interval_s must be >= 0")
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or self.profile.model_name
+
+    @property
+    def token_unit(self) -> int:
+        return self.profile.token_unit
+
+    @property
+    def page_size(self) -> int:
+        return self.profile.page_size
+
+
+@dataclass(slots=True)
+class Faults:
+    """Fault injection for gateway tests. ``count`` = apply to the next N data-plane requests."""
+
+    status: int | None = None  # data-plane requests answer this status (SGLang-shaped error)
+    health_status: int | None = None  # /health and /health_generate answer this status
+    hang: bool = False  # data-plane requests never answer (until the client goes away)
+    break_after_chunks: int | None = None  # streams are cut (connection closed) after N chunks
+    slow_factor: float = 1.0  # modelled time runs this many times slower on the wall clock
+    delay_s: float = 0.0  # wall delay before a data-plane request is handled
+    count: int | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+class _ClientGone(Exception):
+    pass
+
+
+class _ClientError(Exception):
+    def __init__(self, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass(slots=True)
+class _Parsed:
+    rid: str
+    prompt: Prompt
+    max_tokens: int
+    explicit_max: bool
+    stream: bool
+    include_usage: bool
+    salt: int
+    routing_key: str | None
+    session_id: str | None
+
+
+class _Flight:
+    __slots__ = (
+        "cached_device", "cached_host", "done", "finished", "first", "first_t", "is_health", "n_out", "prompt",
+        "rid", "stream", "submit_model", "submit_wall",
+    )
+
+    def __init__(self, rid: str, prompt: Prompt, n_out: int, stream: bool, submit_model: float) -> None:
+        self.rid = rid
+        self.prompt = prompt
+        self.n_out = n_out
+        self.stream = stream
+        self.submit_model = submit_model
+        self.submit_wall = time.monotonic()
+        self.cached_device = 0
+        self.cached_host = 0
+        self.first_t: float | None = None
+        self.finished: Finished | None = None
+        self.first = asyncio.Event()
+        self.done = asyncio.Event()
+        self.is_health = False
+
+    @property
+    def cached(self) -> int:
+        return self.cached_device + self.cached_host
+
+
+class Replica:
+    """One emulated replica: engine + model clock + in-flight requests + metrics + faults."""
+
+    def __init__(self, config: EmulatorConfig) -> None:
+        self.config = config
+        prof = config.profile
+        self.cache = PrefixCache(prof.capacity_tokens, prof.page_size, prof.host_tokens)
+        self.engine = ReplicaEngine(prof, self.cache)
+        self.metrics = ReplicaMetrics(config.model_name, self.engine.load, prof.host_tokens > 0)
+        self.faults = Faults()
+        self.flights: dict[str, _Flight] = {}
+        self.served = 0
+        self.sessions: set[str] = set()
+        self.status = "starting"
+        self.started_wall = time.monotonic()
+        self.startup_time = time.time()
+        self._scale = config.time_scale
+        self._anchor_wall = time.monotonic()
+        self._anchor_model = 0.0
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    # ---- model clock ---------------------------------------------------------------------
+    def model_now(self) -> float:
+        return self._anchor_model + (time.monotonic() - self._anchor_wall) / self._scale
+
+    def wall_delay(self, model_t: float) -> float:
+        return max(0.0, (model_t - self.model_now()) * self._scale)
+
+    def set_slow_factor(self, factor: float) -> None:
+        now_model = self.model_now()
+        self._anchor_wall = time.monotonic()
+        self._anchor_model = now_model
+        self._scale = self.config.time_scale * factor
+        self._wake.set()
+
+    # ---- engine driving ------------------------------------------------------------------
+    def poll(self) -> None:
+        for ev in self.engine.advance(self.model_now()):
+            fl = self.flights.get(ev.rid)
+            if fl is None:
+                continue
+            if isinstance(ev, Started):
+                fl.cached_device, fl.cached_host = ev.cached_device, ev.cached_host
+            elif isinstance(ev, FirstToken):
+                fl.first_t = ev.t
+                fl.first.set()
+            elif isinstance(ev, Finished):
+                self._finish(fl, ev)
+
+    def _finish(self, fl: _Flight, ev: Finished) -> None:
+        fl.finished = ev
+        fl.first.set()
+        fl.done.set()
+        del self.flights[fl.rid]
+        self.engine.forget(fl.rid)
+        if fl.is_health:
+            return
+        m = self.metrics
+        s = "true" if fl.stream else "false"
+        if ev.reason == "abort":
+            m.aborted += 1
+            return
+        self.served += 1
+        m.num_requests[s] += 1
+        m.prompt_tokens[s] += fl.prompt.num_tokens
+        m.generation_tokens[s] += ev.completion_tokens
+        m.cached_tokens["device"] += fl.cached_device
+        m.cached_tokens["host"] += fl.cached_host
+        if fl.first_t is not None:
+            m.ttft[s].observe(fl.first_t - fl.submit_model)
+        m.e2e[s].observe(ev.t - fl.submit_model)
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            self.poll()
+            nt = self.engine.next_event_time()
+            self._wake.clear()
+            handle = None if nt is None else loop.call_later(self.wall_delay(nt), self._wake.set)
+            try:
+                await self._wake.wait()
+            finally:
+                if handle is not None:
+                    handle.cancel()
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self.run(), name=f"emulator-{self.config.name}")
+        self.status = "ready"
+
+    async def stop(self) -> None:
+        self.status = "stopping"
+        for rid in list(self.flights):
+            self.abort(rid)
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+
+    def submit(self, parsed: _Parsed, stream: bool, is_health: bool = False) -> _Flight:
+        prof = self.config.profile
+        prompt = parsed.prompt
+        n_out = parsed.max_tokens
+        hashes = block_hashes(prompt, prof.page_size, seed=parsed.salt)
+        extra: list[int] = []
+        step = prof.page_size * BYTES_PER_TOKEN
+        raw = prompt.raw
+        b0 = len(raw) // step
+        if n_out and (len(raw) + n_out * BYTES_PER_TOKEN) // step > b0 and b0 <= len(hashes):
+            tail = raw[b0 * step :] + output_text(n_out, _text_seed(parsed.rid)).encode()
+            extra = block_hashes(tail, prof.page_size, prev_hash=hashes[b0 - 1] if b0 else None,
+                                 seed=parsed.salt)
+        now = self.model_now()
+        fl = _Flight(parsed.rid, prompt, n_out, stream, now)
+        fl.is_health = is_health
+        if parsed.rid in self.flights:
+            raise _ClientError(f"Duplicate request ID {parsed.rid}")
+        try:
+            self.engine.submit(EngineRequest(parsed.rid, prompt.num_tokens, hashes, n_out, extra), now)
+        except ValueError as exc:
+            raise _ClientError(str(exc)) from None
+        self.flights[parsed.rid] = fl
+        if parsed.session_id:
+            self.sessions.add(parsed.session_id)
+        elif parsed.routing_key:
+            self.sessions.add(parsed.routing_key)
+        self._wake.set()
+        return fl
+
+    def abort(self, rid: str) -> bool:
+        ok = self.engine.abort(rid, self.model_now())
+        self.poll()
+        self._wake.set()
+        return ok
+
+    def state(self) -> dict[str, Any]:
+        self.poll()
+        load = self.engine.load()
+        st = self.cache.stats()
+        return {
+            "name": self.config.name,
+            "status": self.status,
+            "model": self.config.model_name,
+            "profile": self.config.profile.name,
+            "time_scale": self.config.time_scale,
+            "token_unit": self.config.token_unit,
+            "model_time": self.model_now(),
+            "running": load.running,
+            "queued": load.queued,
+            "in_flight": load.running + load.queued,
+            "requests_served": self.served,
+            "requests_aborted": self.metrics.aborted,
+            "sessions_seen": len(self.sessions),
+            "load": dataclasses.asdict(load),
+            "cache": {**dataclasses.asdict(st), "hit_rate": st.hit_rate},
+            "faults": self.faults.to_json(),
+        }
+
+
+def _text_seed(rid: str) -> int:
+    return mmh3.hash(rid.encode(), signed=False) & 0xFFFF
+
+
+REPLICA_KEY = web.AppKey("kvroute_emulator_replica", Replica)
+
+
+# ---- encoding helpers --------------------------------------------------------------------------
+
+
+def _dumps(obj: Any) -> str:
+    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False)
+
+
+def _json(obj: Any, status: int = 200) -> web.Response:
+    return web.Response(body=_dumps(obj).encode(), status=status, content_type="application/json")
+
+
+def _openai_error(message: str, status: int = 400, type_: str = "BadRequestError") -> web.Response:
+    return _json({"object": "error", "message": message, "type": type_, "param": None, "code": status}, status)
+
+
+def _error_type(status: int) -> str:
+    return {
+        400: "BadRequestError", 401: "Unauthorized", 404: "NotFoundError", 429: "TooManyRequestsError",
+        503: "ServiceUnavailableError",
+    }.get(status, "InternalServerError")
+
+
+def _sse(obj: Any) -> bytes:
+    return b"data: " + _dumps(obj).encode() + b"\n\n"
+
+
+_DONE = b"data: [DONE]\n\n"
+_SSE_HEADERS = {"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache"}
+
+
+async def _read_json(request: web.Request) -> dict[str, Any]:
+    try:
+        body = await request.read()
+        obj = json.loads(body)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise _ClientError(f"Invalid JSON body: {exc}") from None
+    if not isinstance(obj, dict):
+        raise _ClientError("The request body must be a JSON object")
+    return obj
+
+
+def _int_field(body: dict[str, Any], key: str, minimum: int = 0) -> int | None:
+    v = body.get(key)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
+        raise _ClientError(f"{key} must be an integer >= {minimum}")
+    return v
+
+
+def _salt(body: dict[str, Any]) -> int:
+    salt = body.get("cache_salt") or body.get("extra_key")
+    return salt_seed(salt if isinstance(salt, str) else None)
+
+
+def _check_context(cfg: EmulatorConfig, prompt_tokens: int, max_tokens: int) -> None:
+    limit = cfg.profile.max_context_tokens
+    if prompt_tokens + max_tokens > limit:
+        raise _ClientError(
+            f"Requested token count exceeds the model's maximum context length of {limit} tokens. "
+            f"You requested a total of {prompt_tokens + max_tokens} tokens: {prompt_tokens} tokens from the "
+            f"input messages and {max_tokens} tokens for the completion. Please reduce the number of tokens "
+            "in the input messages or the completion to fit within the limit."
+        )
+
+
+def _stream_options(body: dict[str, Any], cfg: EmulatorConfig) -> bool:
+    so = body.get("stream_options")
+    if so is not None and not isinstance(so, dict):
+        raise _ClientError("stream_options must be an object")
+    if isinstance(so, dict) and so.get("include_usage") is not None:
+        return bool(so["include_usage"])
+    return cfg.stream_response_default_include_usage
+
+
+def _parse_openai(body: dict[str, Any], request: web.Request, cfg: EmulatorConfig, chat: bool) -> _Parsed:
+    if body.get("n") not in (None, 1):
+        raise _ClientError("n > 1 is not supported by the emulator")
+    if chat:
+        if body.get("input_ids") is not None:
+            prompt = _ids_prompt(body["input_ids"])
+        else:
+            msgs = body.get("messages")
+            if not isinstance(msgs, list) or not msgs:
+                raise _ClientError("messages must be a non-empty list")
+            tools = body.get("tools")
+            try:
+                prompt = encode_text(render_chat(msgs, tools if isinstance(tools, list) else None))
+            except ValueError as exc:
+                raise _ClientError(str(exc)) from None
+        max_tokens = _int_field(body, "max_completion_tokens")
+        if max_tokens is None:
+            max_tokens = _int_field(body, "max_tokens")
+    else:
+        p = body.get("prompt")
+        if isinstance(p, str):
+            prompt = encode_text(p)
+        elif isinstance(p, list) and p and all(isinstance(x, int) and not isinstance(x, bool) for x in p):
+            prompt = _ids_prompt(p)
+        elif isinstance(p, list) and len(p) == 1 and isinstance(p[0], str | list):
+            return _parse_openai({**body, "prompt": p[0]}, request, cfg, chat)
+        else:
+            raise _ClientError("prompt must be a string or a list of token ids")
+        max_tokens = _int_field(body, "max_tokens", 1)
+        if max_tokens is None:
+            max_tokens = 16
+    if prompt.num_tokens == 0:
+        raise _ClientError("The prompt is empty")
+    explicit = max_tokens is not None
+    n_out = max_tokens if max_tokens is not None else cfg.default_max_tokens
+    _check_context(cfg, prompt.num_tokens, n_out)
+    stream = bool(body.get("stream", False))
+    rid = body.get("rid")
+    session = body.get("session_id")
+    return _Parsed(
+        rid=rid if isinstance(rid, str) and rid else uuid.uuid4().hex,
+        prompt=prompt,
+        max_tokens=n_out,
+        explicit_max=explicit,
+        stream=stream,
+        include_usage=_stream_options(body, cfg) if stream else False,
+        salt=_salt(body),
+        routing_key=request.headers.get("x-smg-routing-key") or _opt_str(body.get("routing_key")),
+        session_id=_opt_str(session),
+    )
+
+
+def _opt_str(v: Any) -> str | None:
+    return v if isinstance(v, str) and v else None
+
+
+def _ids_prompt(ids: Any) -> Prompt:
+    if not isinstance(ids, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in ids):
+        raise _ClientError("input_ids must be a list of integers")
+    try:
+        return encode_ids(ids)
+    except ValueError as exc:
+        raise _ClientError(str(exc)) from None
+
+
+def _parse_generate(body: dict[str, Any], request: web.Request, cfg: EmulatorConfig) -> _Parsed:
+    sp = body.get("sampling_params") or {}
+    if not isinstance(sp, dict):
+        raise _ClientError("sampling_params must be an object")
+    unknown = [k for k in sp if k not in _SAMPLING_SET]
+    if unknown:
+        raise _ClientError(f"unknown field `{unknown[0]}`, expected one of " + ", ".join(f"`{k}`" for k in SAMPLING_PARAMS))
+    if isinstance(body.get("text"), str):
+        prompt = encode_text(body["text"])
+    elif body.get("input_ids") is not None:
+        prompt = _ids_prompt(body["input_ids"])
+    elif isinstance(body.get("text"), list) or body.get("input_ids") is not None:
+        raise _ClientError("batch requests are not supported by the emulator")
+    else:
+        raise _ClientError("Either text or input_ids should be provided.")
+    if prompt.num_tokens == 0:
+        raise _ClientError("The input is empty")
+    explicit = "max_new_tokens" in sp
+    mnt = sp.get("max_new_tokens", cfg.default_max_tokens)
+    if isinstance(mnt, bool) or not isinstance(mnt, int) or mnt < 0:
+        raise _ClientError(f"invalid type: max_new_tokens {mnt!r}, expected a non-negative integer")
+    _check_context(cfg, prompt.num_tokens, mnt)
+    rid = body.get("rid")
+    return _Parsed(
+        rid=rid if isinstance(rid, str) and rid else uuid.uuid4().hex,
+        prompt=prompt,
+        max_tokens=mnt,
+        explicit_max=explicit,
+        stream=bool(body.get("stream", False)),
+        include_usage=False,
+        salt=_salt(body),
+        routing_key=_opt_str(body.get("routing_key")) or request.headers.get("x-smg-routing-key"),
+        session_id=_opt_str(body.get("session_id")),
+    )
+
+
+# ---- the app ---------------------------------------------------------------------------------
+
+
+class _Handlers:
+    def __init__(self, rep: Replica) -> None:
+        self.rep = rep
+        self.cfg = rep.config
+
+    # ---- shared request plumbing ---------------------------------------------------------
+    def _take_fault(self) -> Faults | None:
+        f = self.rep.faults
+        if f.status is None and not f.hang and f.break_after_chunks is None and f.delay_s <= 0:
+            return None
+        snapshot = dataclasses.replace(f)
+        if f.count is not None:
+            f.count -= 1
+            if f.count <= 0:
+                slow = f.slow_factor
+                self.rep.faults = Faults(slow_factor=slow)
+        return snapshot
+
+    async def _hang(self, request: web.Request) -> web.StreamResponse:
+        while request.transport is not None and not request.transport.is_closing():
+            await asyncio.sleep(0.05)
+        return web.Response(status=499)  # nobody is listening any more
+
+    async def _wait_done(self, request: web.Request, fl: _Flight) -> None:
+        while not fl.done.is_set():
+            try:
+                await asyncio.wait_for(fl.done.wait(), 0.25)
+            except TimeoutError:
+                if request.transport is None or request.transport.is_closing():
+                    raise _ClientGone from None
+
+    def _finish_reason(self, parsed: _Parsed, fin: Finished) -> tuple[str, int | None]:
+        if fin.reason == "abort":
+            return "abort", None
+        if parsed.explicit_max:
+            return "length", None
+        return "stop", EOS_TOKEN_ID
+
+    def _usage(self, fl: _Flight, completion: int) -> dict[str, Any]:
+        p = fl.prompt.num_tokens
+        return {
+            "prompt_tokens": p,
+            "total_tokens": p + completion,
+            "completion_tokens": completion,
+            "prompt_tokens_details": {"cached_tokens": fl.cached} if self.cfg.enable_cache_report else None,
+            "reasoning_tokens": 0,
+            "completion_tokens_details": None,
+        }
+
+    def _meta(self, parsed: _Parsed, fl: _Flight, completion: int, fin: Finished | None, first: bool) -> dict[str, Any]:
+        meta: dict[str, Any] = {
+            "id": parsed.rid,
+            "finish_reason": None,
+            "prompt_tokens": fl.prompt.num_tokens,
+            "weight_version": "default",
+            "num_retractions": 0,
+            "reasoning_tokens": 0,
+            "completion_tokens": completion,
+            "cached_tokens": fl.cached,
+        }
+        if fl.cached:
+            meta["cached_tokens_details"] = {"device": fl.cached_device, "host": fl.cached_host}
+        meta["dp_rank"] = None
+        if fin is not None:
+            if fin.reason == "abort":
+                meta["finish_reason"] = {"type": "abort", "message": "Abort request", "status_code": None,
+                                         "err_type": None}
+            elif parsed.explicit_max:
+                meta["finish_reason"] = {"type": "length", "length": completion}
+            else:
+                meta["finish_reason"] = {"type": "stop", "matched": EOS_TOKEN_ID}
+            meta["e2e_latency"] = round(fin.t - fl.submit_model, 6)
+            a = self.cfg.profile.spec_accept_length
+            if a > 1.0 and completion > 1:
+                verify = max(1, round((completion - 1) / a))
+                meta.update({
+                    "spec_accept_rate": round((a - 1) / a, 4),
+                    "spec_accept_length": round(completion / verify, 4),
+                    "spec_num_correct_drafts": completion - verify,
+                    "spec_num_proposed_drafts": verify * max(1, round(a)),
+                    "spec_verify_ct": verify,
+                })
+        if first:
+            meta["response_sent_to_client_ts"] = time.time()
+        return meta
+
+    async def _run(
+        self,
+        request: web.Request,
+        parsed: _Parsed,
+        endpoint: str,
+        respond: Callable[[_Parsed, _Flight], Awaitable[web.StreamResponse]],
+        error: Callable[[str, int], web.StreamResponse],
+    ) -> web.StreamResponse:
+        rep = self.rep
+        key = (endpoint, request.method)
+        active = rep.metrics.http_active
+        active[key] = active.get(key, 0) + 1
+        try:
+            fault = self._take_fault()
+            if fault is not None:
+                if fault.delay_s > 0:
+                    await asyncio.sleep(fault.delay_s)
+                if fault.status is not None:
+                    return error("Emulated fault", fault.status)
+                if fault.hang:
+                    return await self._hang(request)
+                if fault.break_after_chunks is not None:
+                    request["emulator_break"] = fault.break_after_chunks
+            try:
+                fl = rep.submit(parsed, parsed.stream)
+            except _ClientError as exc:
+                return error(str(exc), exc.status)
+            try:
+                return await respond(parsed, fl)
+            except (_ClientGone, ConnectionResetError):
+                return web.Response(status=499)  # client went away (or an emulated break)
+            finally:
+                if not fl.done.is_set():
+                    rep.abort(fl.rid)
+        finally:
+            active[key] -= 1
+
+    async def _progress_chunks(
+        self, request: web.Request, fl: _Flight
+    ) -> AsyncIterator[tuple[int, int, Finished | None]]:
+        """Yields (tokens already sent, tokens now, Finished on the last item) at decode steps."""
+        rep = self.rep
+        await fl.first.wait()
+        interval = self.cfg.stream_interval
+        sent = 0
+        last_emit = 0.0
+        while True:
+            rep.poll()
+            fin = fl.finished
+            if fin is not None:
+                yield sent, fin.completion_tokens, fin
+                return
+            pr = rep.engine.progress(fl.rid, rep.model_now())
+            tokens = max(pr.tokens, 1)
+            if tokens > sent and (interval == 0 or tokens - sent >= interval or sent == 0):
+                yield sent, tokens, None
+                sent = tokens
+                last_emit = time.monotonic()
+            delay = rep.wall_delay(pr.next_time) if pr.next_time is not None else 0.05
+            delay = max(delay, last_emit + self.cfg.min_chunk_interval_s - time.monotonic())
+            if delay > 0.02:
+                try:
+                    await asyncio.wait_for(fl.done.wait(), delay)
+                except TimeoutError:
+                    pass
+            else:
+                await asyncio.sleep(delay)
+
+    async def _write(self, request: web.Request, resp: web.StreamResponse, data: bytes, n_chunks: int) -> int:
+        limit = request.get("emulator_break")
+        if limit is not None and n_chunks >= limit:
+            if request.transport is not None:
+                request.transport.abort()
+            raise ConnectionResetError("emulated stream break")
+        await resp.write(data)
+        return n_chunks + 1
+
+    # ---- data plane ----------------------------------------------------------------------
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        if not request.content_type.startswith("application/json"):
+            return _openai_error("Content-Type must be application/json", 400)
+        try:
+            body = await _read_json(request)
+            parsed = _parse_openai(body, request, self.cfg, chat=True)
+        except _ClientError as exc:
+            return _openai_error(str(exc), exc.status)
+        model = body.get("model") if isinstance(body.get("model"), str) else "default"
+        want_details = bool(body.get("return_cached_tokens_details"))
+        want_meta = bool(body.get("return_meta_info"))
+
+        async def respond(p: _Parsed, fl: _Flight) -> web.StreamResponse:
+            created = int(time.time())
+            if not p.stream:
+                await self._wait_done(request, fl)
+                fin = fl.finished
+                assert fin is not None
+                n = fin.completion_tokens
+                reason, matched = self._finish_reason(p, fin)
+                choice: dict[str, Any] = {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": output_text(n, _text_seed(p.rid)),
+                                "reasoning_content": None},
+                    "logprobs": None,
+                    "finish_reason": reason,
+                    "matched_stop": matched,
+                }
+                if want_meta:
+                    choice["meta_info"] = self._meta(p, fl, n, fin, False)
+                out: dict[str, Any] = {
+                    "id": p.rid, "object": "chat.completion", "created": created, "model": model,
+                    "choices": [choice], "usage": self._usage(fl, n), "metadata": {"weight_version": "default"},
+                }
+                if want_details:
+                    out["sglext"] = {"cached_tokens_details": {"device": fl.cached_device, "host": fl.cached_host}}
+                return _json(out)
+            resp = web.StreamResponse(headers=_SSE_HEADERS)
+            await resp.prepare(request)
+            head = {"id": p.rid, "object": "chat.completion.chunk", "created": created, "model": model}
+            text = output_text(p.max_tokens, _text_seed(p.rid))
+            n_chunks = 0
+            fin = None
+            async for sent, total, fin in self._progress_chunks(request, fl):
+                if sent == 0 and total > 0:
+                    n_chunks = await self._write(request, resp, _sse({**head, "choices": [{
+                        "index": 0, "delta": {"reasoning_content": None, "role": "assistant", "content": ""},
+                        "logprobs": None, "finish_reason": None, "matched_stop": None}]}), n_chunks)
+                if total > sent:
+                    n_chunks = await self._write(request, resp, _sse({**head, "choices": [{
+                        "index": 0,
+                        "delta": {"reasoning_content": None, "content": text[sent * 4 : total * 4]},
+                        "logprobs": None, "finish_reason": None, "matched_stop": None}]}), n_chunks)
+            assert fin is not None
+            reason, matched = self._finish_reason(p, fin)
+            await self._write(request, resp, _sse({**head, "choices": [{
+                "index": 0, "delta": {"reasoning_content": None}, "logprobs": None, "finish_reason": reason,
+                "matched_stop": matched}]}), n_chunks)
+            if want_details:
+                await resp.write(_sse({**head, "choices": [], "sglext": {
+                    "cached_tokens_details": {"device": fl.cached_device, "host": fl.cached_host}}}))
+            if p.include_usage:
+                await resp.write(_sse({**head, "choices": [], "usage": self._usage(fl, fin.completion_tokens)}))
+            await resp.write(_DONE)
+            await resp.write_eof()
+            return resp
+
+        return await self._run(request, parsed, "/v1/chat/completions", respond, lambda m, s: _openai_error(m, s, _error_type(s)))
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        try:
+            body = await _read_json(request)
+            parsed = _parse_openai(body, request, self.cfg, chat=False)
+        except _ClientError as exc:
+            return _openai_error(str(exc), exc.status)
+        model = body.get("model") if isinstance(body.get("model"), str) else "default"
+
+        async def respond(p: _Parsed, fl: _Flight) -> web.StreamResponse:
+            created = int(time.time())
+            if not p.stream:
+                await self._wait_done(request, fl)
+                fin = fl.finished
+                assert fin is not None
+                n = fin.completion_tokens
+                reason, matched = self._finish_reason(p, fin)
+                return _json({
+                    "id": p.rid, "object": "text_completion", "created": created, "model": model,
+                    "choices": [{"index": 0, "text": output_text(n, _text_seed(p.rid)), "logprobs": None,
+                                 "finish_reason": reason, "matched_stop": matched}],
+                    "usage": self._usage(fl, n), "metadata": {"weight_version": "default"},
+                })
+            resp = web.StreamResponse(headers=_SSE_HEADERS)
+            await resp.prepare(request)
+            head = {"id": p.rid, "object": "text_completion", "created": created, "model": model}
+            text = output_text(p.max_tokens, _text_seed(p.rid))
+            n_chunks = 0
+            fin = None
+            async for sent, total, fin in self._progress_chunks(request, fl):
+                if total > sent:
+                    n_chunks = await self._write(request, resp, _sse({**head, "choices": [{
+                        "index": 0, "text": text[sent * 4 : total * 4], "logprobs": None, "finish_reason": None,
+                        "matched_stop": None}], "usage": None}), n_chunks)
+            assert fin is not None
+            reason, matched = self._finish_reason(p, fin)
+            await self._write(request, resp, _sse({**head, "choices": [{
+                "index": 0, "text": "", "logprobs": None, "finish_reason": reason, "matched_stop": matched}],
+                "usage": None}), n_chunks)
+            if p.include_usage:
+                usage = self._usage(fl, fin.completion_tokens)
+                usage = {k: v for k, v in usage.items() if v is not None}
+                await resp.write(_sse({**head, "choices": [], "usage": usage}))
+            await resp.write(_DONE)
+            await resp.write_eof()
+            return resp
+
+        return await self._run(request, parsed, "/v1/completions", respond, lambda m, s: _openai_error(m, s, _error_type(s)))
+
+    async def generate(self, request: web.Request) -> web.StreamResponse:
+        try:
+            body = await _read_json(request)
+            parsed = _parse_generate(body, request, self.cfg)
+        except _ClientError as exc:
+            return _json({"error": {"message": str(exc)}}, exc.status)
+        want_prompt_ids = bool(body.get("return_prompt_token_ids"))
+        incremental = self.cfg.incremental_streaming_output
+
+        def doc(p: _Parsed, fl: _Flight, ids: list[int], lo: int, hi: int, fin: Finished | None, first: bool) -> dict[str, Any]:
+            start = lo if incremental else 0
+            d: dict[str, Any] = {
+                "text": output_text(p.max_tokens, _text_seed(p.rid))[start * 4 : hi * 4],
+                "output_ids": ids[start:hi],
+                "meta_info": self._meta(p, fl, hi, fin, first),
+            }
+            if want_prompt_ids:
+                d["prompt_token_ids"] = token_ids(fl.prompt)
+            return d
+
+        async def respond(p: _Parsed, fl: _Flight) -> web.StreamResponse:
+            ids = token_ids(encode_text(output_text(p.max_tokens, _text_seed(p.rid))))
+            if not p.stream:
+                await self._wait_done(request, fl)
+                fin = fl.finished
+                assert fin is not None
+                return _json(doc(p, fl, ids, 0, fin.completion_tokens, fin, False))
+            resp = web.StreamResponse(headers=_SSE_HEADERS)
+            await resp.prepare(request)
+            n_chunks = 0
+            first = True
+            async for sent, total, fin in self._progress_chunks(request, fl):
+                n_chunks = await self._write(request, resp, _sse(doc(p, fl, ids, sent, total, fin, first)), n_chunks)
+                first = False
+            await resp.write(_DONE)
+            await resp.write_eof()
+            return resp
+
+        return await self._run(request, parsed, "/generate", respond, lambda m, s: _json({"error": {"message": m}}, s))
+
+    # ---- control plane -------------------------------------------------------------------
+    async def health(self, request: web.Request) -> web.Response:
+        rep = self.rep
+        if rep.faults.health_status is not None:
+            return web.Response(status=rep.faults.health_status)
+        if rep.status != "ready" or time.monotonic() - rep.started_wall < self.cfg.startup_delay_s:
+            return web.Response(status=503)
+        return web.Response(status=200)
+
+    async def health_generate(self, request: web.Request) -> web.Response:
+        pre = await self.health(request)
+        if pre.status != 200:
+            return pre
+        rep = self.rep
+        if rep.flights:  # already producing output
+            return web.Response(status=200)
+        parsed = _Parsed(f"HEALTH_CHECK_{uuid.uuid4().hex}", encode_ids([0]), 1, True, False, False, 0, None, None)
+        fl = rep.submit(parsed, False, is_health=True)
+        try:
+            await asyncio.wait_for(fl.done.wait(), 20.0)
+        except TimeoutError:
+            return web.Response(status=503)
+        finally:
+            if not fl.done.is_set():
+                rep.abort(fl.rid)
+        return web.Response(status=200)
+
+    def _model_card(self) -> dict[str, Any]:
+        return {"id": self.cfg.model_name, "object": "model", "created": int(self.rep.startup_time),
+                "owned_by": "sglang", "root": self.cfg.model_name, "parent": None,
+                "max_model_len": self.cfg.profile.max_context_tokens}
+
+    async def models(self, request: web.Request) -> web.Response:
+        return _json({"object": "list", "data": [self._model_card()]})
+
+    async def model(self, request: web.Request) -> web.Response:
+        name = request.match_info["model"]
+        if name != self.cfg.model_name:
+            return _json({"error": {"message": f"The model '{name}' does not exist", "type": "invalid_request_error",
+                                    "param": "model", "code": "model_not_found"}}, 404)
+        return _json(self._model_card())
+
+    async def model_info(self, request: web.Request) -> web.Response:
+        m = self.cfg.model_name
+        return _json({
+            "model_path": m, "served_model_name": m, "tokenizer_path": m, "is_generation": True,
+            "preferred_sampling_params": None, "weight_version": "default", "load_format": "auto",
+            "reasoning_parser": "kimi_k2", "tool_call_parser": "kimi_k2", "disaggregation_mode": "null",
+            "has_image_understanding": False, "has_audio_understanding": False, "model_type": "kimi_k25",
+            "architectures": ["KimiK25ForConditionalGeneration"],
+        })
+
+    async def server_info(self, request: web.Request) -> web.Response:
+        cfg, prof, rep = self.cfg, self.cfg.profile, self.rep
+        load = rep.engine.load()
+        host = prof.host_tokens > 0
+        spec = prof.spec_accept_length > 1.0
+        args: dict[str, Any] = {
+            "model_path": cfg.model_name, "served_model_name": cfg.model_name, "tokenizer_path": cfg.model_name,
+            "host": cfg.host, "port": cfg.port, "tp_size": prof.tp_size, "dp_size": 1, "pp_size": 1, "ep_size": 1,
+            "context_length": prof.max_context_tokens, "max_running_requests": prof.max_running_requests,
+            "max_total_tokens": None, "chunked_prefill_size": max(1, prof.chunked_prefill_size // prof.token_unit),
+            "max_prefill_tokens": 16384, "page_size": prof.page_size, "schedule_policy": "fcfs",
+            "kv_cache_dtype": "fp8_e4m3", "quantization": "modelopt_fp4",
+            "enable_hierarchical_cache": host, "hicache_ratio": (prof.host_capacity_tokens / prof.kv_capacity_tokens)
+            if host else None, "hicache_write_policy": "write_through",
+            "speculative_algorithm": "DFLASH" if spec else None, "enable_metrics": True,
+            "enable_cache_report": cfg.enable_cache_report, "stream_interval": max(1, cfg.stream_interval),
+            "stream_response_default_include_usage": cfg.stream_response_default_include_usage,
+            "incremental_streaming_output": cfg.incremental_streaming_output, "weight_version": "default",
+            "reasoning_parser": "kimi_k2", "tool_call_parser": "kimi_k2", "disable_radix_cache": False,
+            "api_key": None,
+        }
+        internal = {**args, "world_size": prof.tp_size, "effective_max_running_requests_per_dp":
+                    prof.max_running_requests, "last_gen_throughput": load.gen_throughput,
+                    "memory_usage": {"weight": 125.0, "kvcache": 30.0, "graph": 1.2,
+                                     "token_capacity": load.capacity_tokens}}
+        if spec:
+            internal["avg_spec_accept_length"] = prof.spec_accept_length
+        return _json({
+            **args,
+            "launch_command": f"kvroute emulate --profile {prof.name} --time-scale {cfg.time_scale}",
+            "status": rep.status, "max_total_num_tokens": load.capacity_tokens,
+            "max_req_input_len": prof.max_context_tokens - 1, "startup_time": rep.startup_time,
+            "kv_events": None, "internal_states": [internal], "version": SGLANG_VERSION, "frontend": "python",
+            "emulator": {"name": cfg.name, "profile": dataclasses.asdict(prof), "time_scale": cfg.time_scale,
+                         "token_unit": prof.token_unit},
+        })
+
+    def _load_doc(self) -> dict[str, Any]:
+        rep = self.rep
+        rep.poll()
+        load = rep.engine.load()
+        prof = self.cfg.profile
+        return {
+            "timestamp": time.time(), "dp_rank": 0, "num_running_reqs": load.running,
+            "num_waiting_reqs": load.queued, "num_waiting_uncached_tokens": load.waiting_tokens,
+            "num_used_tokens": load.used_tokens, "num_total_tokens": load.used_tokens + load.waiting_tokens,
+            "num_active_tokens": load.used_tokens + load.waiting_tokens, "num_prealloc_ready_tokens": 0,
+            "max_total_num_tokens": load.capacity_tokens, "max_running_requests": prof.max_running_requests,
+            "token_usage": round(load.token_usage, 6), "gen_throughput": round(load.gen_throughput, 3),
+            "cache_hit_rate": round(load.cache_hit_rate, 6),
+            "utilization": round(min(1.0, load.running / prof.max_running_requests), 6),
+            "total_prefill_uncached_tokens": 0, "total_prefill_busy_us": 0, "decode_moments": None,
+        }
+
+    async def loads(self, request: web.Request) -> web.Response:
+        core = self._load_doc()
+        load = self.rep.engine.load()
+        include = set(request.query.get("include", "all").split(","))
+        doc = dict(core)
+        if include & {"all", "memory"}:
+            doc["memory"] = {"weight_gb": 125.0, "kv_cache_gb": 30.0, "graph_gb": 1.2,
+                             "token_capacity": load.capacity_tokens}
+        if include & {"all", "spec"} and load.spec_accept_length > 1.0:
+            a = load.spec_accept_length
+            doc["speculative"] = {"accept_length": a, "accept_rate": round((a - 1) / a, 4)}
+        if include & {"all", "queues"}:
+            doc["queues"] = {"waiting": load.queued, "grammar": 0, "paused": 0, "retracted": 0, "prealloc_ready": 0}
+        if request.query.get("format") == "prometheus":
+            lines = []
+            for k, v in core.items():
+                if isinstance(v, int | float) and not isinstance(v, bool) and k not in {"timestamp", "dp_rank"}:
+                    lines.append(f'sglang_{k}{{dp_rank="0"}} {float(v)}')
+            return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
+        return _json({"timestamp": datetime.now(UTC).isoformat(), "version": SGLANG_VERSION,
+                      "accelerator": "NVIDIA B200 (emulated)", "num_accelerators": self.cfg.profile.tp_size,
+                      "loads": [doc]})
+
+    async def get_load(self, request: web.Request) -> web.Response:
+        fmt = self.cfg.get_load_format
+        if fmt == "off":
+            raise web.HTTPNotFound()
+        d = self._load_doc()
+        if fmt == "vllm":
+            return _json({"load": d["num_running_reqs"] + d["num_waiting_reqs"]})
+        return _json([{"dp_rank": 0, "num_reqs": d["num_running_reqs"], "num_waiting_reqs": d["num_waiting_reqs"],
+                       "num_tokens": d["num_used_tokens"], "num_pending_tokens": d["num_waiting_uncached_tokens"],
+                       "ts_tic": d["timestamp"]}])
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        self.rep.poll()
+        return web.Response(body=self.rep.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
+
+    async def flush_cache(self, request: web.Request) -> web.Response:
+        rep = self.rep
+        rep.poll()
+        if rep.engine.load().running or rep.engine.load().queued or not rep.cache.flush():
+            return web.Response(status=400, text="Cache not flushed: there are running or waiting requests.\n")
+        return web.Response(text="Cache flushed.\nPlease check backend logs for more details. (When there are "
+                                 "running or waiting requests, the operation will not be performed.)\n")
+
+    async def abort_request(self, request: web.Request) -> web.Response:
+        try:
+            body = await _read_json(request)
+        except _ClientError as exc:
+            return _json({"error": {"message": str(exc)}}, 400)
+        if body.get("abort_all"):
+            for rid in list(self.rep.flights):
+                self.rep.abort(rid)
+        elif isinstance(body.get("rid"), str):
+            self.rep.abort(body["rid"])
+        return web.Response(status=200)
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        try:
+            body = await _read_json(request)
+            if isinstance(body.get("messages"), list):
+                tools = body.get("tools")
+                prompt = encode_text(render_chat(body["messages"], tools if isinstance(tools, list) else None))
+            elif isinstance(body.get("prompt"), str):
+                prompt = encode_text(body["prompt"])
+            else:
+                raise _ClientError("prompt (string) or messages (list) is required")
+        except (_ClientError, ValueError) as exc:
+            return _openai_error(str(exc), 400)
+        ids = token_ids(prompt)
+        return _json({"tokens": ids, "count": len(ids), "max_model_len": self.cfg.profile.max_context_tokens})
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        try:
+            body = await _read_json(request)
+            tokens = body.get("tokens")
+            if not isinstance(tokens, list):
+                raise _ClientError("tokens (list of ints) is required")
+            text = decode_ids(tokens)
+        except (_ClientError, ValueError) as exc:
+            return _openai_error(str(exc), 400)
+        return _json({"text": text})
+
+    # ---- emulator hooks ------------------------------------------------------------------
+    async def get_faults(self, request: web.Request) -> web.Response:
+        return _json(self.rep.faults.to_json())
+
+    async def set_faults(self, request: web.Request) -> web.Response:
+        try:
+            body = await _read_json(request)
+            known = {f.name for f in dataclasses.fields(Faults)}
+            bad = set(body) - known
+            if bad:
+                raise _ClientError(f"unknown fault fields: {sorted(bad)}; known: {sorted(known)}")
+            f = Faults(**body)
+            if f.status is not None and not (isinstance(f.status, int) and 400 <= f.status <= 599):
+                raise _ClientError("status must be an HTTP error status (400-599)")
+            if f.health_status is not None and not isinstance(f.health_status, int):
+                raise _ClientError("health_status must be an integer")
+            if not isinstance(f.slow_factor, int | float) or f.slow_factor <= 0:
+                raise _ClientError("slow_factor must be > 0")
+            if f.break_after_chunks is not None and (not isinstance(f.break_after_chunks, int) or f.break_after_chunks < 0):
+                raise _ClientError("break_after_chunks must be an integer >= 0")
+        except (_ClientError, TypeError) as exc:
+            return _openai_error(str(exc), 400)
+        self.rep.faults = f
+        self.rep.set_slow_factor(float(f.slow_factor))
+        return _json(f.to_json())
+
+    async def clear_faults(self, request: web.Request) -> web.Response:
+        self.rep.faults = Faults()
+        self.rep.set_slow_factor(1.0)
+        return _json(self.rep.faults.to_json())
+
+    async def state(self, request: web.Request) -> web.Response:
+        return _json(self.rep.state())
+
+
+@web.middleware
+async def _errors_middleware(
+    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.status == 404:
+            return _json({"detail": "Not Found"}, 404)
+        if exc.status == 405:
+            return _json({"detail": "Method Not Allowed"}, 405)
+        if exc.status == 413:
+            return _openai_error("Request body too large", 413, "BadRequestError")
+        raise
+
+
+def make_emulator_app(config: EmulatorConfig) -> web.Application:
+    """An aiohttp app serving one emulated replica (the engine task runs while the app runs)."""
+    app = web.Application(client_max_size=config.max_body_bytes, middlewares=[_errors_middleware])
+    rep = Replica(config)
+    app[REPLICA_KEY] = rep
+    h = _Handlers(rep)
+
+    async def lifecycle(app_: web.Application) -> Any:
+        rep.start()
+        yield
+        await rep.stop()
+
+    app.cleanup_ctx.append(lifecycle)
+
+    async def tag(request: web.Request, response: web.StreamResponse) -> None:
+        response.headers["X-Emulator-Replica"] = config.name
+
+    app.on_response_prepare.append(tag)
+
+    if config.api_key:
+        api_key = config.api_key
+
+        @web.middleware
+        async def auth(
+            request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+        ) -> web.StreamResponse:
+            p = request.path
+            if request.method == "OPTIONS" or p.startswith(("/health", "/ready", "/metrics", "/_emulator")):
+                return await handler(request)
+            if request.headers.get("Authorization") != f"Bearer {api_key}":
+                return _json({"error": "Unauthorized"}, 401)
+            return await handler(request)
+
+        app.middlewares.append(auth)
+
+    r = app.router
+    r.add_post("/v1/chat/completions", h.chat)
+    r.add_post("/v1/completions", h.completions)
+    r.add_post("/generate", h.generate)
+    r.add_put("/generate", h.generate)
+    r.add_get("/health", h.health)
+    r.add_get("/health_generate", h.health_generate)
+    r.add_get("/ready", h.health)
+    r.add_get("/ping", h.health)
+    r.add_get("/v1/models", h.models)
+    r.add_get("/v1/models/{model:.+}", h.model)
+    r.add_get("/model_info", h.model_info)
+    r.add_get("/get_model_info", h.model_info)
+    r.add_get("/server_info", h.server_info)
+    r.add_get("/get_server_info", h.server_info)
+    r.add_get("/v1/loads", h.loads)
+    r.add_get("/get_load", h.get_load)
+    r.add_get("/metrics", h.metrics)
+    r.add_get("/flush_cache", h.flush_cache)
+    r.add_post("/flush_cache", h.flush_cache)
+    r.add_post("/abort_request", h.abort_request)
+    for path in ("/tokenize", "/v1/tokenize"):
+        r.add_post(path, h.tokenize)
+    for path in ("/detokenize", "/v1/detokenize"):
+        r.add_post(path, h.detokenize)
+    r.add_get("/_emulator/faults", h.get_faults)
+    r.add_post("/_emulator/faults", h.set_faults)
+    r.add_delete("/_emulator/faults", h.clear_faults)
+    r.add_get("/_emulator/state", h.state)
+    return app
