@@ -213,15 +213,16 @@ class SyntheticParams:
     prefix plus a summary of ``compact_tokens`` (a ``Turn.reset``)."""
     compact_tokens: int = 20_000
 
-    tool_think_fraction: float = 0.85
-    """Fraction of think times that are tool calls (the rest are human turns)."""
-    tool_think_median_s: float = 2.0
-    """Tool call (run tests, grep, edit): seconds, log-normal; tail reaches minutes."""
-    tool_think_sigma: float = 1.2
-    human_think_median_s: float = 30.0
-    """Human reading and typing: seconds, log-normal; tail reaches hours."""
-    human_think_sigma: float = 1.6
-    think_max_s: float = 3_600.0
+    tool_think_fraction: float = 0.97
+    """Fraction of think times that are tool calls (the rest are human turns). Blog-like: an agent
+    running mostly on its own, so sessions are busy a good part of their life."""
+    tool_think_median_s: float = 0.5
+    """Tool call (grep, edit, run a quick test): seconds, log-normal; the tail reaches minutes."""
+    tool_think_sigma: float = 1.0
+    human_think_median_s: float = 15.0
+    """Human reading and typing: seconds, log-normal; the tail reaches the cap (hours)."""
+    human_think_sigma: float = 1.5
+    think_max_s: float = 1_800.0
     """Cap on a single think time (replays cap idle gaps; calibration §5)."""
 
     thicc_fraction: float = 0.10

@@ -59,14 +59,17 @@ def test_synthetic_blog_like_statistics() -> None:
     assert sizes[len(sizes) // 10] * 4 < sizes[9 * len(sizes) // 10]
     # think-time mixture: many short tool calls, a heavy tail of long human pauses
     thinks = sorted(t.think_s for _, k, t, _ in iter_requests(specs) if k > 0)
-    assert thinks[len(thinks) // 2] < 5.0
-    assert thinks[int(len(thinks) * 0.99)] > 120.0
+    assert thinks[len(thinks) // 2] < 2.0
+    assert thinks[int(len(thinks) * 0.999)] > 60.0
+    assert thinks[-1] > 600.0
     # every session shares the same system+tools prefix, context never exceeds the cap
     assert {s.shared_prefix_tokens for s in specs} == {20_000}
     assert max(inp for *_, inp in iter_requests(specs)) <= SyntheticParams().max_context_tokens + 1
     # thicc: branches route with the root id and keep concurrency bounded
     thicc = [s for s in specs if s.branches]
-    assert thicc and all(b.routing_key == s.session_id and b.parent == s.session_id for s in thicc for b in s.branches)
+    assert thicc and all(
+        b.routing_key == s.session_id and b.parent == s.session_id for s in thicc for b in s.branches
+    )
     for s in thicc:
         per_turn: dict[int, int] = {}
         for b in s.branches:

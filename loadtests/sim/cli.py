@@ -1,0 +1,245 @@
+"""``kvroute sim``: run routing policies on the identical workload in the fleet simulator.
+
+    kvroute sim --workload synthetic|weka|mooncake [--trace PATH] --replicas R
+                --policies kv_aware,hash,... [--gateways G] [--state-lag-s S]
+                [--scale-up AT:TO] [--scale-down AT:TO] [--fail AT:INDEX]
+                [--duration S] [--warmup S] [--sessions N] [--lanes N] [--seed K] --json PATH
+
+Writes ``{policy: measures}`` (DESIGN §7 field names) to ``--json`` and prints a table.
+``--details PATH`` also writes the run statistics, the per-replica load histograms and the
+configuration. Defaults per workload are in ``_DEFAULTS`` and docs/SIMULATOR.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import random
+import sys
+from collections.abc import Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from loadtests.sim.run import DEFAULT_PAGE_SIZE, FailureEvent, ScaleEvent, SimConfig, SimResult, run_sim
+from loadtests.workloads import (
+    DEFAULT_MOONCAKE_TRACE,
+    DEFAULT_WEKA_TRACE,
+    SessionSpec,
+    SyntheticParams,
+    read_mooncake,
+    read_weka,
+    synthetic_sessions,
+    with_arrivals,
+)
+from replica.emulator.profiles import get_profile
+from router.policy.params import PolicyParams
+from router.policy.registry import POLICIES
+
+__all__ = ["build_parser", "cli_main", "load_workload"]
+
+# Per-workload defaults: (lanes per replica, duration_s, warmup_s, max_think_s)
+_DEFAULTS: dict[str, dict[str, float]] = {
+    "synthetic": {"lanes_per_replica": 10, "duration_s": 600.0, "warmup_s": 120.0, "max_think_s": 0.0},
+    "weka": {"lanes_per_replica": 8, "duration_s": 1800.0, "warmup_s": 300.0, "max_think_s": 60.0},
+    "mooncake": {"lanes_per_replica": 0, "duration_s": 3600.0, "warmup_s": 300.0, "max_think_s": 0.0},
+}
+
+
+def _at_to(text: str) -> tuple[float, int]:
+    try:
+        at, to = text.split(":", 1)
+        return float(at), int(to)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected AT:N (seconds:count), got {text!r}") from None
+
+
+def _kv(text: str) -> tuple[str, str]:
+    if "=" not in text:
+        raise argparse.ArgumentTypeError(f"expected key=value, got {text!r}")
+    k, v = text.split("=", 1)
+    return k.strip(), v.strip()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvroute sim", description=__doc__.split("\n\n")[0] if __doc__ else None)
+    p.add_argument("--workload", choices=("synthetic", "weka", "mooncake"), default="synthetic")
+    p.add_argument("--trace", type=Path, help="trace file (weka: *_requests.jsonl, mooncake: *_trace.jsonl)")
+    p.add_argument("--replicas", type=int, default=8)
+    p.add_argument("--policies", default="kv_aware,hash", help=f"comma list of {', '.join(POLICIES)}")
+    p.add_argument("--gateways", type=int, default=1)
+    p.add_argument("--state-lag-s", type=float, default=0.0, help="gateway replica-table refresh interval")
+    p.add_argument("--gateway-assign", choices=("random", "sticky"), default="random")
+    p.add_argument("--scale-up", type=_at_to, action="append", default=[], metavar="AT:TO")
+    p.add_argument("--scale-down", type=_at_to, action="append", default=[], metavar="AT:TO")
+    p.add_argument("--fail", type=_at_to, action="append", default=[], metavar="AT:INDEX")
+    p.add_argument("--duration", type=float, help="seconds of simulated time with new turns")
+    p.add_argument("--warmup", type=float, help="seconds excluded from the measures")
+    p.add_argument("--sessions", type=int, help="synthetic: sessions generated; traces: at most this many")
+    p.add_argument("--lanes", type=int, help="sessions kept alive (0: use each session's start time)")
+    p.add_argument("--no-mid-start", action="store_true", help="initial sessions start at turn 0")
+    p.add_argument("--arrival-rate", type=float, help="traces without a clock (weka), lanes 0: sessions/s")
+    p.add_argument("--max-think-s", type=float, help="cap on a think time (0: none)")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--profile", default="kimi-k2.6-b200-tp4")
+    p.add_argument("--page-size", type=int, default=DEFAULT_PAGE_SIZE)
+    p.add_argument("--set", type=_kv, action="append", default=[], metavar="FIELD=V", help="profile override")
+    p.add_argument("--param", type=_kv, action="append", default=[], metavar="K=V", help="kv_aware PolicyParams")
+    p.add_argument("--synthetic", type=_kv, action="append", default=[], metavar="K=V", help="SyntheticParams")
+    p.add_argument("--sample-interval-s", type=float, default=1.0)
+    p.add_argument("--scrape-interval-s", type=float, default=1.0)
+    p.add_argument("--json", type=Path, required=True, help="write {policy: measures} here")
+    p.add_argument("--details", type=Path, help="also write stats, load histograms, config here")
+    p.add_argument("--quiet", action="store_true")
+    return p
+
+
+def _synthetic_params(pairs: Sequence[tuple[str, str]], sessions: int) -> SyntheticParams:
+    types = {f.name: f.type for f in dataclasses.fields(SyntheticParams)}
+    changes: dict[str, Any] = {"sessions": sessions}
+    for k, v in pairs:
+        k = k.replace("-", "_")
+        if k not in types:
+            raise ValueError(f"--synthetic {k}: unknown; known: {', '.join(sorted(types))}")
+        t = str(types[k])
+        if v.lower() == "none":
+            changes[k] = None
+        elif t.startswith("int"):
+            changes[k] = int(float(v))
+        else:
+            changes[k] = float(v)
+    return SyntheticParams(**changes)
+
+
+def _cap_think(specs: list[SessionSpec], cap: float) -> list[SessionSpec]:
+    def cap_one(s: SessionSpec) -> SessionSpec:
+        turns = tuple(replace(t, think_s=min(t.think_s, cap)) if t.think_s > cap else t for t in s.turns)
+        return replace(s, turns=turns, start_s=s.start_s if s.parent is None else min(s.start_s, cap),
+                       branches=tuple(cap_one(b) for b in s.branches))
+
+    return [cap_one(s) for s in specs]
+
+
+def load_workload(args: argparse.Namespace, lanes: int) -> list[SessionSpec]:
+    rng = random.Random(f"workload:{args.seed}")
+    if args.workload == "synthetic":
+        n = args.sessions or max(100, 4 * lanes)
+        specs = synthetic_sessions(_synthetic_params(args.synthetic, n), rng)
+    elif args.workload == "weka":
+        specs = read_weka(args.trace or DEFAULT_WEKA_TRACE, limit=args.sessions)
+        rng.shuffle(specs)
+        if lanes == 0:
+            specs = with_arrivals(specs, rng, rate_per_s=args.arrival_rate or 0.5)
+    else:
+        specs = read_mooncake(args.trace or DEFAULT_MOONCAKE_TRACE, limit=args.sessions)
+    cap = args.max_think_s if args.max_think_s is not None else _DEFAULTS[args.workload]["max_think_s"]
+    if cap and cap > 0:
+        specs = _cap_think(specs, cap)
+    return specs
+
+
+def _fmt(v: Any, nd: int = 3) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.{nd}f}"
+    return str(v)
+
+
+def _print_table(results: list[SimResult], quiet: bool) -> None:
+    if quiet:
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title="kvroute sim: DESIGN §7 measures per policy")
+    cols = ["policy", "chr", "ideal", "disp", "p≤1", "p≥12", "ttft p50", "ttft p99", "e2e p99",
+            "moved", "by scale-up", "breaks", "cold prefill Mtok", "requests", "errors", "wall s"]
+    for c in cols:
+        t.add_column(c, justify="right" if c != "policy" else "left")
+    for r in results:
+        m = r.measures
+        t.add_row(
+            r.policy, _fmt(m["chr"]), _fmt(m["ideal_chr"]), _fmt(m["dispersion"]), _fmt(m["p_load_le1"]),
+            _fmt(m["p_load_ge12"], 4), _fmt(m["ttft_p50_s"]), _fmt(m["ttft_p99_s"]), _fmt(m["e2e_p99_s"]),
+            str(m["sessions_moved"]), str(m["sessions_moved_by_scaleup"]),
+            str(sum(m["affinity_breaks"].values())), f"{m['cold_prefill_tokens'] / 1e6:.1f}",
+            str(m["requests"]), str(m["errors"]), _fmt(r.stats["wall_s"], 1),
+        )
+    Console(stderr=True, width=max(160, Console(stderr=True).width)).print(t)
+
+
+def cli_main(argv: list[str]) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    d = _DEFAULTS[args.workload]
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    unknown = [p for p in policies if p not in POLICIES]
+    if unknown or not policies:
+        parser.error(f"--policies: unknown {unknown}; choose from {', '.join(POLICIES)}")
+    if args.replicas < 1 or args.gateways < 1:
+        parser.error("--replicas and --gateways must be >= 1")
+    lanes = args.lanes if args.lanes is not None else int(d["lanes_per_replica"] * args.replicas)
+    try:
+        profile = get_profile(args.profile).with_overrides(page_size=args.page_size, **dict(args.set))
+        params = PolicyParams().with_changes(**{k: float(v) for k, v in args.param})
+        specs = load_workload(args, lanes)
+    except (ValueError, OSError) as exc:
+        print(f"kvroute sim: {exc}", file=sys.stderr)
+        return 2
+    duration = args.duration if args.duration is not None else d["duration_s"]
+    warmup = args.warmup if args.warmup is not None else d["warmup_s"]
+    scale = tuple(ScaleEvent(at, to) for at, to in args.scale_up + args.scale_down)
+    fails = tuple(FailureEvent(at, idx) for at, idx in args.fail)
+    results: list[SimResult] = []
+    for pol in policies:
+        cfg = SimConfig(
+            replicas=args.replicas,
+            policy=pol,
+            policy_params=params,
+            profile=profile,
+            gateways=args.gateways,
+            state_lag_s=args.state_lag_s,
+            gateway_assign=args.gateway_assign,
+            scrape_interval_s=args.scrape_interval_s,
+            sample_interval_s=args.sample_interval_s,
+            warmup_s=warmup,
+            duration_s=duration,
+            lanes=lanes,
+            start_mid_session=not args.no_mid_start and lanes > 0,
+            scale=scale,
+            failures=fails,
+            seed=args.seed,
+        )
+        res = run_sim(specs, cfg)
+        results.append(res)
+        if not args.quiet:
+            print(f"[sim] {pol}: {res.stats['requests_sent']} requests, {res.stats['events']} events, "
+                  f"{res.stats['wall_s']:.1f} s wall", file=sys.stderr)
+    out = {r.policy: r.measures for r in results}
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(out, indent=2, sort_keys=True) + "\n")
+    if args.details is not None:
+        details = {
+            "argv": argv,
+            "workload": args.workload,
+            "sessions": len(specs),
+            "lanes": lanes,
+            "duration_s": duration,
+            "warmup_s": warmup,
+            "profile": dataclasses.asdict(profile),
+            "policy_params": params.to_dict(),
+            "runs": {
+                r.policy: {"stats": r.stats, "load_histogram": {str(k): v for k, v in r.load_histogram.items()}}
+                for r in results
+            },
+        }
+        args.details.parent.mkdir(parents=True, exist_ok=True)
+        args.details.write_text(json.dumps(details, indent=2, sort_keys=True) + "\n")
+    _print_table(results, args.quiet)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(cli_main(sys.argv[1:]))

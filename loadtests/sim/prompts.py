@@ -1,0 +1,164 @@
+"""Block hash names for a workload's prompts, at the simulated cache's page size.
+
+The emulator's ``PrefixCache`` keys blocks by *chained* hashes: one name stands for the whole
+prefix up to the end of its block. The simulator never renders text; it names blocks so that two
+prompts share a block name exactly when they share the prefix through that block:
+
+* synthetic chains (no ``hash_runs``): the context is append-only between resets, so block ``j``
+  of a chain's epoch ``e`` is ``chain_base(uid, e) + j``; blocks lying entirely inside the shared
+  system+tools prefix get *global* names (``shared_base(prefix_tokens) + j``), so every session
+  with the same prefix hits them (cross-session sharing);
+* trace chains (``hash_runs``, trace block size ``B``): simulated block ``b`` ends at token
+  ``(b+1)P - 1``, inside trace block ``t``; its name is ``scope_base + id_t * K + sub`` where
+  ``K = max(1, B // P)`` sub-blocks per trace block. ``hash_scope == "session"`` ids are
+  namespaced per routing key (WEKA: sub-agents share the parent's namespace); the first
+  ``shared_prefix_tokens`` get global names as for synthetic chains (calibration §5: WEKA's
+  hashes are session-local but every Claude Code session starts with ~15k shared tokens).
+
+``ChainNamer.names(k)`` gives the prompt's block names of turn ``k`` and
+``ChainNamer.full_names(k)`` the names of prompt + output (what the engine caches when the request
+finishes: SGLang keeps the generated tokens in its radix tree). For traces the output's names are
+taken from the next turn when it continues the same prefix.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from loadtests.workloads import SessionSpec, turn_inputs
+
+__all__ = ["ChainNamer", "IdealCache"]
+
+_CHAIN_SPAN = 1 << 24  # blocks per chain epoch (2^24 x page tokens: never reached)
+_EPOCH_SPAN = 1 << 12
+_SHARED_BASE = 1 << 62
+_SCOPE_BASE = 1 << 56
+
+
+def _shared_name(prefix_tokens: int, j: int) -> int:
+    return _SHARED_BASE + prefix_tokens * _CHAIN_SPAN + j
+
+
+class ChainNamer:
+    """Names of the blocks of every turn of one chain (a session or one of its branches)."""
+
+    __slots__ = ("_epochs", "_inputs", "_k", "_memo", "_scope_base", "_spec", "_uid", "page")
+
+    def __init__(self, spec: SessionSpec, uid: int, scope_uid: int, page_size: int) -> None:
+        if spec.block_size and (
+            (page_size >= spec.block_size and page_size % spec.block_size)
+            or (page_size < spec.block_size and spec.block_size % page_size)
+        ):
+            raise ValueError(
+                f"page size {page_size} must be a multiple or a divisor of the trace block size {spec.block_size}"
+            )
+        self._spec = spec
+        self._uid = uid
+        self.page = page_size
+        self._inputs = turn_inputs(spec)
+        self._scope_base = 0 if spec.hash_scope == "global" else _SCOPE_BASE + scope_uid * (1 << 40)
+        self._k = max(1, spec.block_size // page_size) if spec.block_size else 1
+        epochs: list[int] = []
+        e = 0
+        for i, t in enumerate(spec.turns):
+            if i > 0 and t.reset:
+                e += 1
+            epochs.append(e)
+        self._epochs = epochs
+        self._memo: dict[int, list[int]] = {}
+
+    @property
+    def inputs(self) -> tuple[int, ...]:
+        return self._inputs
+
+    def _synthetic(self, k: int, n_tokens: int) -> list[int]:
+        page = self.page
+        n = n_tokens // page
+        shared = min(n, self._spec.shared_prefix_tokens // page)
+        sp = self._spec.shared_prefix_tokens
+        base = (self._uid * _EPOCH_SPAN + self._epochs[k]) * _CHAIN_SPAN
+        out = [_shared_name(sp, j) for j in range(shared)]
+        out.extend(range(base + shared, base + n))
+        return out
+
+    def _trace(self, k: int, n_tokens: int) -> list[int]:
+        spec = self._spec
+        page = self.page
+        bsz = spec.block_size
+        n = n_tokens // page
+        kk = self._k
+        base = self._scope_base
+        runs = spec.turns[k].hash_runs
+        out: list[int] = []
+        append = out.append
+        shared = 0
+        if spec.hash_scope != "global":
+            shared = min(n, spec.shared_prefix_tokens // page)
+            sp = spec.shared_prefix_tokens
+            out.extend(_shared_name(sp, j) for j in range(shared))
+        # walk the runs: trace block index t -> id
+        run_i = 0
+        run_start_idx = 0  # trace index of the current run's first block
+        for b in range(shared, n):
+            end_tok = (b + 1) * page - 1
+            t = end_tok // bsz
+            while run_i < len(runs) and t >= run_start_idx + runs[run_i][1]:
+                run_start_idx += runs[run_i][1]
+                run_i += 1
+            if run_i >= len(runs):
+                break  # the trace has fewer blocks than the prompt's tokens: stop naming
+            tid = runs[run_i][0] + (t - run_start_idx)
+            sub = (end_tok % bsz) // page if kk > 1 else 0
+            append(base + tid * kk + sub)
+        return out
+
+    def names(self, k: int) -> list[int]:
+        """Block names of turn ``k``'s prompt (full pages only)."""
+        got = self._memo.pop(k, None)
+        if got is not None:
+            return got
+        if self._spec.turns[k].hash_runs and self._spec.block_size:
+            return self._trace(k, self._inputs[k])
+        return self._synthetic(k, self._inputs[k])
+
+    def full_names(self, k: int, prompt: Sequence[int]) -> list[int]:
+        """Names of the blocks of prompt + output of turn ``k`` (``prompt`` = ``names(k)``)."""
+        spec = self._spec
+        total = (self._inputs[k] + spec.turns[k].output_tokens) // self.page
+        if not (spec.turns[k].hash_runs and spec.block_size):
+            return self._synthetic(k, self._inputs[k] + spec.turns[k].output_tokens)
+        if k + 1 >= len(spec.turns):
+            return list(prompt)
+        nxt = self._memo.get(k + 1)
+        if nxt is None:
+            nxt = self._trace(k + 1, self._inputs[k + 1])
+            self._memo[k + 1] = nxt
+        n = len(prompt)
+        if len(nxt) < n or (n and nxt[n - 1] != prompt[-1]):
+            return list(prompt)  # the next turn rewrote the context: nothing more to name
+        return list(prompt) + nxt[n:total]
+
+    def forget(self) -> None:
+        self._memo.clear()
+
+
+class IdealCache:
+    """One infinite cache shared by every replica: what ``ideal_chr`` is measured against."""
+
+    __slots__ = ("_seen", "page")
+
+    def __init__(self, page_size: int) -> None:
+        self._seen: set[int] = set()
+        self.page = page_size
+
+    def hit_tokens(self, names: Sequence[int], prompt_tokens: int) -> int:
+        """Cached tokens an infinite cache would report (same matching rule as the engine)."""
+        n = min(len(names), (prompt_tokens - 1) // self.page)
+        seen = self._seen
+        i = 0
+        while i < n and names[i] in seen:
+            i += 1
+        return i * self.page
+
+    def add(self, names: Sequence[int]) -> None:
+        self._seen.update(names)

@@ -1,0 +1,610 @@
+"""The fleet simulation: closed-loop sessions -> G gateways (real policy, shared MemoryCore) ->
+R emulated replicas (pure engine + cache), in virtual time. ``run_sim(specs, config)``.
+
+Model (docs/SIMULATOR.md has the long form):
+  * Sessions are closed loops: turn k+1 is sent ``think_s`` after turn k's last response;
+    branches (sub-agents) start ``start_s`` after their parent's spawning turn and run
+    concurrently, routed with the root session id; ``Turn.parallel`` copies go out together.
+  * A request picks a gateway (``gateway_assign``: "random" per request, as behind a Service, or
+    "sticky" per session, as a client-pod sidecar). The gateway takes a snapshot, calls the real
+    ``policy.route``, then ``MemoryCore.acquire`` (which performs the effects, compare-and-set
+    first binds, and counts the request in flight), submits to the replica's engine, and on the
+    engine's ``Finished`` event calls ``MemoryCore.release`` with the usage the engine reported.
+  * State lag: with ``state_lag_s > 0`` each gateway routes on a copy of the replica table that
+    it refreshes every ``state_lag_s`` (the store's polled view), overlaid with the in-flight
+    changes it made itself since (a gateway always knows its own traffic). Session state is read
+    fresh (one round trip per request, DESIGN §4), and acquire/release hit the shared core.
+  * Engine load (running, queue, KV use, capacity) reaches the store every ``scrape_interval_s``,
+    like the live gateway's discovery loop.
+  * Fleet events: ``ScaleEvent(at_s, to)`` adds replicas (JOINING, ACTIVE after
+    ``health_interval_s``) or drains the highest-numbered ones (removed once empty);
+    ``FailureEvent(at_s, replica)`` kills one: requests without output yet are retried elsewhere
+    (excluding it), streaming ones fail; it refuses connections until marked DOWN after
+    ``fail_detect_s``.
+  * Measures: every request is a ``RequestRecord`` (cached tokens from the engine, ideal from one
+    infinite cache, break reason from ``router.policy.classify_break``); per-replica in-flight is
+    sampled every ``sample_interval_s`` over serving replicas; a session's home change counts as
+    a move (by scale-up when the new home joined by scale-up).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from loadtests.measures import MeasureCollector, RequestRecord
+from loadtests.sim.engine import EventLoop
+from loadtests.sim.prompts import ChainNamer, IdealCache
+from loadtests.sim.replica_model import SimReplica
+from loadtests.workloads import SessionSpec
+from replica.emulator.profiles import Profile, get_profile
+from replica.emulator.timemodel import EngineRequest, Finished, FirstToken, Started
+from router.errors import NoReplicaError
+from router.model import (
+    ClusterSnapshot,
+    Completion,
+    KeySource,
+    Lease,
+    ReplicaStatus,
+    RouteRequest,
+)
+from router.policy import Policy, classify_break, make_policy
+from router.policy.params import PolicyParams
+from router.store.base import StoreConfig
+from router.store.memory import MemoryCore
+
+__all__ = ["DEFAULT_PAGE_SIZE", "FailureEvent", "ScaleEvent", "SimConfig", "SimResult", "default_profile", "run_sim"]
+
+DEFAULT_PAGE_SIZE = 512
+"""Simulated cache page (tokens). Coarser than SGLang's so a 100k prompt is ~200 blocks, not
+1,600: the cache work per request drops 8x, at a cost of < 0.5 % of the cached tokens."""
+
+
+def default_profile(page_size: int = DEFAULT_PAGE_SIZE) -> Profile:
+    return get_profile("kimi-k2.6-b200-tp4").with_overrides(page_size=page_size)
+
+
+@dataclass(frozen=True, slots=True)
+class ScaleEvent:
+    at_s: float
+    to: int  # replicas wanted (ACTIVE + JOINING) after the event
+
+
+@dataclass(frozen=True, slots=True)
+class FailureEvent:
+    at_s: float
+    replica: int  # index of the replica that dies (r{index:03d})
+
+
+@dataclass(frozen=True, slots=True)
+class SimConfig:
+    replicas: int = 8
+    policy: str = "kv_aware"
+    policy_params: PolicyParams = field(default_factory=PolicyParams)
+    profile: Profile = field(default_factory=default_profile)
+    gateways: int = 1
+    state_lag_s: float = 0.0
+    gateway_assign: str = "random"  # "random" per request | "sticky" per session
+    scrape_interval_s: float = 1.0
+    sample_interval_s: float = 1.0
+    warmup_s: float = 0.0
+    duration_s: float | None = None  # no new turn starts after this; the measured window ends here
+    drain_s: float = 120.0  # after duration_s, in-flight requests get this long to finish
+    lanes: int = 0  # > 0: keep this many sessions alive (a finished one is replaced by the next spec)
+    lane_ramp_s: float = 30.0  # lanes: the initial sessions start spread over this window
+    start_mid_session: bool = False  # initial sessions start at a random turn (no cold-start transient)
+    health_interval_s: float = 5.0  # scale-up: JOINING -> ACTIVE after this
+    fail_detect_s: float = 2.0  # a failed replica is marked DOWN after this
+    max_attempts: int = 3  # per request: first try + retries before the first byte
+    scale: tuple[ScaleEvent, ...] = ()
+    failures: tuple[FailureEvent, ...] = ()
+    store: StoreConfig = field(default_factory=StoreConfig)
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.replicas < 1 or self.gateways < 1:
+            raise ValueError("replicas and gateways must be >= 1")
+        if self.gateway_assign not in ("random", "sticky"):
+            raise ValueError("gateway_assign must be 'random' or 'sticky'")
+        if self.state_lag_s < 0 or self.sample_interval_s <= 0 or self.scrape_interval_s <= 0:
+            raise ValueError("intervals must be > 0 and state_lag_s >= 0")
+        if self.max_attempts < 1:
+            raise ValueError("max_attempts must be >= 1")
+
+
+@dataclass(frozen=True, slots=True)
+class SimResult:
+    policy: str
+    measures: dict[str, Any]
+    load_histogram: dict[int, int]
+    stats: dict[str, Any]
+    records: tuple[RequestRecord, ...] = ()
+
+
+# ---- mutable run state ------------------------------------------------------------------------
+
+
+class _Root:
+    __slots__ = ("index", "open", "spec", "uid")
+
+    def __init__(self, spec: SessionSpec, index: int, uid: int) -> None:
+        self.spec = spec
+        self.index = index
+        self.uid = uid
+        self.open = 0  # chains still running
+
+
+class _Chain:
+    __slots__ = ("branches_at", "gateway", "key", "namer", "next_turn", "pending", "root", "spec")
+
+    def __init__(self, spec: SessionSpec, root: _Root, namer: ChainNamer, gateway: int, first_turn: int) -> None:
+        self.spec = spec
+        self.root = root
+        self.namer = namer
+        self.key = root.spec.routing_key
+        self.gateway = gateway
+        self.next_turn = first_turn
+        self.pending = 0
+        at: dict[int, list[SessionSpec]] = {}
+        for b in spec.branches:
+            if b.spawn_after_turn >= first_turn:
+                at.setdefault(b.spawn_after_turn, []).append(b)
+        self.branches_at = at
+
+
+class _Req:
+    __slots__ = (
+        "attempt",
+        "cached",
+        "chain",
+        "excluded",
+        "full",
+        "gw",
+        "ideal",
+        "input_tokens",
+        "lease",
+        "names",
+        "output_tokens",
+        "replica",
+        "rid",
+        "t_first",
+        "t_start",
+        "turn",
+    )
+
+    def __init__(self, rid: str, chain: _Chain, turn: int, names: list[int], full: list[int], t: float) -> None:
+        self.rid = rid
+        self.chain = chain
+        self.turn = turn
+        self.names = names
+        self.full = full
+        self.t_start = t
+        self.input_tokens = chain.namer.inputs[turn]
+        self.output_tokens = chain.spec.turns[turn].output_tokens
+        self.attempt = 0
+        self.excluded: frozenset[str] = frozenset()
+        self.lease: Lease | None = None
+        self.replica: SimReplica | None = None
+        self.t_first: float | None = None
+        self.cached = 0
+        self.ideal = 0
+        self.gw = 0
+
+
+class _Gateway:
+    __slots__ = ("delta", "index", "policy", "refreshed_at", "rng", "sent", "snap")
+
+    def __init__(self, index: int, policy: Policy, rng: random.Random) -> None:
+        self.index = index
+        self.policy = policy
+        self.rng = rng
+        self.snap: ClusterSnapshot | None = None
+        self.refreshed_at = -1e18
+        self.delta: dict[str, int] = {}
+        self.sent = 0
+
+
+class _Sim:
+    def __init__(self, specs: Sequence[SessionSpec], cfg: SimConfig) -> None:
+        self.cfg = cfg
+        self.specs = specs
+        self.loop = EventLoop()
+        self.clock = self.loop.clock
+        self.core = MemoryCore(self.clock, cfg.store)
+        self.page = cfg.profile.page_size
+        self.ideal = IdealCache(self.page)
+        self.measures = MeasureCollector(warmup_s=cfg.warmup_s, end_s=cfg.duration_s, replicas=cfg.replicas)
+        self.rng = random.Random(f"sim:{cfg.seed}")
+        self.gateways = [
+            _Gateway(g, make_policy(cfg.policy, cfg.policy_params), random.Random(f"gw:{cfg.seed}:{g}"))
+            for g in range(cfg.gateways)
+        ]
+        self.reps: dict[str, SimReplica] = {}
+        self.order: list[SimReplica] = []
+        self.reqs: dict[str, _Req] = {}
+        self.next_rid = 0
+        self.next_root = 0
+        self.uid = 0
+        self.end = cfg.duration_s if cfg.duration_s is not None else float("inf")
+        self.stats: dict[str, Any] = {
+            "sessions_started": 0,
+            "sessions_finished": 0,
+            "requests_sent": 0,
+            "retries": 0,
+            "refused": 0,
+            "no_replica": 0,
+        }
+
+    # ---- fleet ---------------------------------------------------------------------------------
+
+    def add_replica(self, t: float, *, active: bool, by_scaleup: bool) -> SimReplica:
+        rep = SimReplica.make(len(self.order), self.cfg.profile, by_scaleup=by_scaleup)
+        self.order.append(rep)
+        self.reps[rep.id] = rep
+        status = ReplicaStatus.ACTIVE if active else ReplicaStatus.JOINING
+        self.core.upsert_replica(rep.spec, status)
+        rep.status = status
+        self.core.report_engine_load(rep.id, rep.engine_load(t))
+        return rep
+
+    def _activate(self, t: float, rep: SimReplica) -> None:
+        if rep.removed or rep.dead or rep.status is not ReplicaStatus.JOINING:
+            return
+        self.core.set_status(rep.id, ReplicaStatus.ACTIVE)
+        rep.status = ReplicaStatus.ACTIVE
+
+    def _scale(self, t: float, ev: ScaleEvent) -> None:
+        live = [r for r in self.order if not r.removed and not r.dead and r.status in (
+            ReplicaStatus.ACTIVE, ReplicaStatus.JOINING)]
+        if ev.to > len(live):
+            for _ in range(ev.to - len(live)):
+                rep = self.add_replica(t, active=False, by_scaleup=True)
+                self.loop.at(t + self.cfg.health_interval_s, self._activate, rep)
+        elif ev.to < len(live):
+            for rep in sorted(live, key=lambda r: -r.index)[: len(live) - ev.to]:
+                self.core.set_status(rep.id, ReplicaStatus.DRAINING)
+                rep.status = ReplicaStatus.DRAINING
+                self._maybe_remove(rep)
+
+    def _maybe_remove(self, rep: SimReplica) -> None:
+        if rep.status is ReplicaStatus.DRAINING and rep.in_flight == 0 and not rep.removed:
+            self.core.remove_replica(rep.id)
+            rep.removed = True
+
+    def _fail(self, t: float, ev: FailureEvent) -> None:
+        if ev.replica >= len(self.order):
+            return
+        rep = self.order[ev.replica]
+        if rep.dead or rep.removed:
+            return
+        rep.dead = True
+        for rid in sorted(rep.requests):
+            req = self.reqs.get(rid)
+            rep.done(rid)
+            if req is None:
+                continue
+            if req.t_first is None:
+                self._retry_or_fail(t, req, "replica_gone")
+            else:
+                self._complete(t, req, ok=False, reason="replica_gone")
+        self.loop.at(t + self.cfg.fail_detect_s, self._mark_down, rep)
+
+    def _mark_down(self, t: float, rep: SimReplica) -> None:
+        if not rep.removed:
+            self.core.set_status(rep.id, ReplicaStatus.DOWN)
+            rep.status = ReplicaStatus.DOWN
+
+    def _serving(self) -> list[SimReplica]:
+        return [
+            r
+            for r in self.order
+            if not r.removed and not r.dead and r.status in (ReplicaStatus.ACTIVE, ReplicaStatus.DRAINING)
+        ]
+
+    def _sample(self, t: float, _: object) -> None:
+        self.measures.sample(t, [r.in_flight for r in self._serving()])
+        nt = t + self.cfg.sample_interval_s
+        if nt < self.end:
+            self.loop.at(nt, self._sample)
+
+    def _scrape(self, t: float, _: object) -> None:
+        for r in self.order:
+            if not r.removed and not r.dead:
+                self.core.report_engine_load(r.id, r.engine_load(t))
+        nt = t + self.cfg.scrape_interval_s
+        if nt < self.end + self.cfg.drain_s:
+            self.loop.at(nt, self._scrape)
+
+    # ---- sessions ------------------------------------------------------------------------------
+
+    def _start_root(self, t: float, index: int) -> None:
+        if t >= self.end or index >= len(self.specs):
+            return
+        spec = self.specs[index]
+        self.uid += 1
+        root = _Root(spec, index, self.uid)
+        self.stats["sessions_started"] += 1
+        first = 0
+        if self.cfg.start_mid_session and t < self.cfg.warmup_s and len(spec.turns) > 1:
+            first = self.rng.randrange(len(spec.turns))
+        self._start_chain(t, root, spec, first)
+
+    def _start_chain(self, t: float, root: _Root, spec: SessionSpec, first_turn: int) -> None:
+        if t >= self.end:
+            if root.open == 0:
+                self._root_done(t, root)
+            return
+        self.uid += 1
+        namer = ChainNamer(spec, self.uid, root.uid, self.page)
+        if self.cfg.gateway_assign == "sticky":
+            gw = zlib.crc32(root.spec.routing_key.encode()) % self.cfg.gateways
+        else:
+            gw = -1
+        chain = _Chain(spec, root, namer, gw, first_turn)
+        root.open += 1
+        self._send_turn(t, chain)
+
+    def _branch(self, t: float, arg: tuple[_Chain, SessionSpec]) -> None:
+        parent, spec = arg
+        parent.root.open -= 1  # drop the spawn's placeholder (taken when it was scheduled)
+        self._start_chain(t, parent.root, spec, 0)
+
+    def _send_turn(self, t: float, chain: _Chain) -> None:
+        k = chain.next_turn
+        if t >= self.end or k >= len(chain.spec.turns):
+            self._chain_done(t, chain)
+            return
+        turn = chain.spec.turns[k]
+        names = chain.namer.names(k)
+        full = chain.namer.full_names(k, names)
+        chain.pending = turn.parallel
+        for _ in range(turn.parallel):
+            self.next_rid += 1
+            req = _Req(f"q{self.next_rid}", chain, k, names, full, t)
+            self.stats["requests_sent"] += 1
+            self._dispatch(t, req)
+
+    def _next_turn(self, t: float, chain: _Chain) -> None:
+        self._send_turn(t, chain)
+
+    def _chain_done(self, t: float, chain: _Chain) -> None:
+        chain.namer.forget()
+        chain.root.open -= 1
+        if chain.root.open == 0:
+            self._root_done(t, chain.root)
+
+    def _root_done(self, t: float, root: _Root) -> None:
+        self.stats["sessions_finished"] += 1
+        if self.cfg.lanes > 0:
+            self.next_root += 1
+            self.loop.at(t, self._start_root_cb, self.next_root - 1)
+
+    def _start_root_cb(self, t: float, index: int) -> None:
+        self._start_root(t, index)
+
+    # ---- requests ------------------------------------------------------------------------------
+
+    def _gateway(self, chain: _Chain) -> _Gateway:
+        if chain.gateway >= 0:
+            return self.gateways[chain.gateway]
+        if len(self.gateways) == 1:
+            return self.gateways[0]
+        return self.gateways[self.rng.randrange(len(self.gateways))]
+
+    def _view(self, gw: _Gateway, t: float, key: str) -> ClusterSnapshot:
+        lag = self.cfg.state_lag_s
+        if lag <= 0:
+            return self.core.snapshot(key)
+        if gw.snap is None or t - gw.refreshed_at >= lag:
+            gw.snap = self.core.snapshot(None)
+            gw.refreshed_at = t
+            gw.delta.clear()
+            gw.sent = 0
+        snap = gw.snap
+        reps = snap.replicas
+        if gw.delta:
+            d = gw.delta
+            reps = tuple(
+                replace(r, in_flight=max(0, r.in_flight + d[r.id])) if d.get(r.id) else r for r in reps
+            )
+        return ClusterSnapshot(
+            now=t,
+            replicas=reps,
+            session=self.core.session(key),
+            seq=snap.seq + gw.sent,
+            sessions_active=snap.sessions_active,
+        )
+
+    def _dispatch(self, t: float, req: _Req) -> None:
+        chain = req.chain
+        gw = self._gateway(chain)
+        req.gw = gw.index
+        key = chain.key
+        snap = self._view(gw, t, key)
+        request = RouteRequest(session_key=key, key_source=KeySource.HEADER,
+                               prompt_tokens_estimate=req.input_tokens, excluded=req.excluded)
+        try:
+            decision = gw.policy.route(request, snap, gw.rng)
+            lease = self.core.acquire(decision, request)
+        except (NoReplicaError, KeyError):
+            self.stats["no_replica"] += 1
+            self._complete(t, req, ok=False, reason=None)
+            return
+        gw.sent += 1
+        if self.cfg.state_lag_s > 0:
+            gw.delta[lease.replica_id] = gw.delta.get(lease.replica_id, 0) + 1
+        req.lease = lease
+        prev_home = snap.session.home if snap.session is not None else None
+        if prev_home is not None:
+            after = self.core.session(key)
+            new_home = after.home if after is not None else None
+            if new_home is not None and new_home != prev_home:
+                rep_new = self.reps.get(new_home)
+                self.measures.session_moved(t, by_scaleup=rep_new is not None and rep_new.by_scaleup)
+        rep = self.reps.get(lease.replica_id)
+        if rep is None or rep.dead or rep.removed:
+            self._retry_or_fail(t, req, "replica_gone")
+            return
+        req.replica = rep
+        req.ideal = self.ideal.hit_tokens(req.names, req.input_tokens)
+        n = len(req.names)
+        ereq = EngineRequest(req.rid, req.input_tokens, req.names, req.output_tokens, tuple(req.full[n:]))
+        try:
+            rep.submit(ereq, t)
+        except ValueError:  # larger than the whole KV pool: refused (400 from SGLang)
+            self.stats["refused"] += 1
+            req.replica = None
+            self._complete(t, req, ok=False, reason=None)
+            return
+        self.reqs[req.rid] = req
+        self._pump(rep, t)
+
+    def _release(self, req: _Req, completion: Completion) -> None:
+        lease = req.lease
+        if lease is None:
+            return
+        req.lease = None
+        self.core.release(lease, completion)
+        if self.cfg.state_lag_s > 0:
+            gw = self.gateways[req.gw]
+            gw.delta[lease.replica_id] = gw.delta.get(lease.replica_id, 0) - 1
+
+    def _retry_or_fail(self, t: float, req: _Req, reason: str) -> None:
+        """The replica refused or died before the first byte: retry elsewhere (bounded)."""
+        lease = req.lease
+        if lease is not None:
+            self._release(req, Completion(ok=False))
+            req.excluded = req.excluded | {lease.replica_id}
+        self.reqs.pop(req.rid, None)
+        req.replica = None
+        req.attempt += 1
+        if req.attempt < self.cfg.max_attempts:
+            self.stats["retries"] += 1
+            self._dispatch(t, req)
+        else:
+            self._complete(t, req, ok=False, reason=reason)
+
+    def _pump(self, rep: SimReplica, t: float) -> None:
+        for ev in rep.advance(t):
+            req = self.reqs.get(ev.rid)
+            if req is None:
+                continue
+            if isinstance(ev, Started):
+                req.cached = ev.cached_device + ev.cached_host
+            elif isinstance(ev, FirstToken):
+                req.t_first = ev.t
+            elif isinstance(ev, Finished):
+                rep.done(ev.rid)
+                if ev.reason == "length":
+                    self._complete(ev.t, req, ok=True, reason=None)
+                self._maybe_remove(rep)
+        nt = rep.next_event_time()
+        if nt is not None and nt != rep.wake_at:
+            rep.wake_at = nt
+            self.loop.at(nt, self._wake, (rep, nt))
+
+    def _wake(self, t: float, arg: tuple[SimReplica, float]) -> None:
+        rep, stamp = arg
+        if rep.wake_at != stamp or rep.dead:
+            return
+        rep.wake_at = None
+        self._pump(rep, t)
+
+    def _complete(self, t: float, req: _Req, *, ok: bool, reason: str | None) -> None:
+        self.reqs.pop(req.rid, None)
+        lease = req.lease
+        break_reason = reason
+        if ok:
+            completion = Completion(
+                ok=True,
+                prompt_tokens=req.input_tokens,
+                cached_tokens=req.cached,
+                completion_tokens=req.output_tokens,
+                started_output=True,
+            )
+            if lease is not None:
+                brk = classify_break(lease, completion, KeySource.HEADER, page_tokens=self.page)
+                break_reason = brk.value if brk is not None else None
+            self.ideal.add(req.full)
+        else:
+            completion = Completion(ok=False, started_output=req.t_first is not None)
+        self._release(req, completion)
+        ttft = (req.t_first - req.t_start) if req.t_first is not None else t - req.t_start
+        self.measures.add(
+            RequestRecord(
+                session_id=req.chain.key,
+                replica=req.replica.id if req.replica is not None else None,
+                t_start=req.t_start,
+                ttft_s=ttft,
+                e2e_s=t - req.t_start,
+                input_tokens=req.input_tokens,
+                cached_tokens=req.cached if ok else 0,
+                output_tokens=req.output_tokens if ok else 0,
+                ideal_cached_tokens=req.ideal,
+                ok=ok,
+                break_reason=break_reason,
+            )
+        )
+        chain = req.chain
+        chain.pending -= 1
+        if chain.pending > 0:
+            return
+        k = req.turn
+        for b in chain.branches_at.pop(k, ()):
+            chain.root.open += 1  # placeholder until the branch starts
+            self.loop.at(t + b.start_s, self._branch, (chain, b))
+        chain.next_turn = k + 1
+        if chain.next_turn >= len(chain.spec.turns):
+            self._chain_done(t, chain)
+            return
+        self.loop.at(t + chain.spec.turns[chain.next_turn].think_s, self._next_turn, chain)
+
+    # ---- run -----------------------------------------------------------------------------------
+
+    def run(self) -> SimResult:
+        cfg = self.cfg
+        wall0 = time.perf_counter()
+        for _ in range(cfg.replicas):
+            self.add_replica(0.0, active=True, by_scaleup=False)
+        if cfg.lanes > 0:
+            n = min(cfg.lanes, len(self.specs))
+            for i in range(n):
+                self.loop.at(cfg.lane_ramp_s * i / max(1, n), self._start_root_cb, i)
+            self.next_root = n
+        else:
+            for i, s in enumerate(self.specs):
+                self.loop.at(s.start_s, self._start_root_cb, i)
+        for ev in cfg.scale:
+            self.loop.at(ev.at_s, self._scale, ev)
+        for fe in cfg.failures:
+            self.loop.at(fe.at_s, self._fail, fe)
+        self.loop.at(0.0, self._sample)
+        self.loop.at(cfg.scrape_interval_s, self._scrape)
+        until = None if cfg.duration_s is None else cfg.duration_s + cfg.drain_s
+        self.loop.run(until=until)
+        wall = time.perf_counter() - wall0
+        m = self.measures.result()
+        stats = dict(self.stats)
+        stats.update(
+            wall_s=round(wall, 3),
+            events=self.loop.processed,
+            sim_end_s=round(self.clock.now(), 3),
+            unfinished=len(self.reqs),
+            replicas_final=len(self._serving()),
+        )
+        return SimResult(
+            policy=cfg.policy,
+            measures=m,
+            load_histogram=self.measures.load_histogram(),
+            stats=stats,
+            records=self.measures.records,
+        )
+
+
+def run_sim(specs: Sequence[SessionSpec], config: SimConfig) -> SimResult:
+    """Simulate ``specs`` on the fleet of ``config`` with ``config.policy``. Deterministic."""
+    return _Sim(specs, config).run()
