@@ -325,6 +325,7 @@ class RedisStore:
     async def _resync(self) -> None:
         """Redis is back (or we try): restore counts, replay registry writes, republish bindings."""
         await self._restore()
+        await self._republish_if_wiped()
         while self._pending_registry:
             await self._pending_registry[0]()
             self._pending_registry.pop(0)
@@ -350,6 +351,22 @@ class RedisStore:
         self._mirror = None
         self.resync_total += 1
         log.warning("redis is back: state resynchronised")
+
+    async def _republish_if_wiped(self) -> None:
+        """A Redis that came back empty (restarted without persistence) gets our view back: the
+        replicas our mirror knows and every session home we have seen, each with compare-and-set."""
+        snap = await self._redis_snapshot(None)
+        mirror = self._mirror
+        if snap.replicas or mirror is None:
+            return
+        for r in mirror.replicas():
+            spec = self._spec_cache.get(r.id) or ReplicaSpec(id=r.id, url=r.url, model=r.model)
+            await self._registry("upsert", r.id, _spec_json(spec), r.status.value, self._expiry(spec.source))
+            if r.engine.updated_at:
+                await self._registry("engine", r.id, self._engine_json(r.engine), "", self._expiry(spec.source))
+        for sid, known in list(self._sessions.items()):
+            if known.home is not None and sid not in self._degraded_binds:
+                self._degraded_binds[sid] = (known.home, None, known.context_tokens)
 
     # ---- parsing ---------------------------------------------------------------------------------
 
@@ -652,10 +669,13 @@ class RedisStore:
 
         await self._write_registry(lambda m: m.remove_replica(replica_id), remote)
 
-    async def report_engine_load(self, replica_id: ReplicaId, load: EngineLoad) -> None:
+    def _engine_json(self, load: EngineLoad) -> str:
         d = asdict(load)
         d["updated_at"] = float(self._fleet(load.updated_at)) if load.updated_at else 0.0
-        raw = json.dumps(d, separators=(",", ":"), sort_keys=True)
+        return json.dumps(d, separators=(",", ":"), sort_keys=True)
+
+    async def report_engine_load(self, replica_id: ReplicaId, load: EngineLoad) -> None:
+        raw = self._engine_json(load)
         spec = self._spec_cache.get(replica_id)
         exp = self._expiry(spec.source if spec else "registry")
 

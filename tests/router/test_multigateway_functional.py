@@ -1,0 +1,258 @@
+"""Several gateways on one Redis, as separate processes (each a ``RedisStore`` with its own gateway id,
+driving the real ``kv_aware`` policy), against a real redis-server:
+
+- 200 new sessions sent concurrently through 3 gateways each end with exactly one home;
+- in-flight totals are exact under load, and a SIGKILLed gateway's load is gone once its lease expires;
+- Redis killed under load: no operation fails, degradation is counted; Redis back: bindings resync.
+
+The worker half of this file runs as ``python -m tests.router.test_multigateway_functional ...``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from router.clock import SystemClock
+from router.model import Completion, ReplicaSpec, ReplicaStatus, RouteRequest
+from router.policy.registry import make_policy
+from router.store.base import StoreConfig
+from router.store.redis import RedisStore
+
+ROOT = Path(__file__).resolve().parents[2]
+REPLICAS = [f"10.0.0.{i}:8000" for i in range(1, 5)]
+LEASE_TTL_S = 1.0
+
+
+def _config(prefix: str = "kvroute") -> StoreConfig:
+    return StoreConfig(lease_ttl_s=LEASE_TTL_S, key_prefix=prefix)
+
+
+async def _register(store: RedisStore) -> None:
+    for rid in REPLICAS:
+        await store.upsert_replica(ReplicaSpec(id=rid, url=f"http://{rid}", capacity_tokens=400_000),
+                                   ReplicaStatus.ACTIVE)  # fmt: skip
+
+
+# ---- worker process ------------------------------------------------------------------------------
+
+
+async def _worker_race(url: str, gid: str, sids: list[str], start_at: float, seed: int) -> dict[str, object]:
+    """Place every session concurrently, each with this gateway's own (random) view of the fleet."""
+    store = RedisStore.from_url(url, gid, _config(), SystemClock(), op_timeout_s=5.0)
+    policy = make_policy("kv_aware")
+    rng = random.Random(seed)
+    await store.start()
+    await asyncio.sleep(max(0.0, start_at - time.time()))
+
+    async def one(sid: str) -> tuple[str, str, bool]:
+        req = RouteRequest(sid, prompt_tokens_estimate=1000)
+        snap = await store.snapshot(sid)
+        d = policy.route(req, snap, rng)
+        lease = await store.acquire(d, req)
+        await asyncio.sleep(rng.random() * 0.05)
+        await store.release(lease, Completion(ok=True, prompt_tokens=1000, cached_tokens=0, completion_tokens=5))
+        return sid, lease.replica_id, lease.disagreement
+
+    res = await asyncio.gather(*(one(s) for s in sids))
+    out = {"served": {s: r for s, r, _ in res}, "disagreements": sum(d for *_, d in res),
+           "degraded_total": store.degraded_total}  # fmt: skip
+    await store.close()
+    return out
+
+
+async def _worker_hold(url: str, gid: str, n: int, seed: int) -> None:
+    """Hold ``n`` leases on random replicas, report them, release on a line from stdin."""
+    store = RedisStore.from_url(url, gid, _config(), SystemClock(), op_timeout_s=5.0)
+    policy = make_policy("kv_aware")
+    rng = random.Random(seed)
+    await store.start()
+    held: dict[str, int] = {}
+    leases = []
+    for i in range(n):
+        req = RouteRequest(f"{gid}-s{i % 7}", prompt_tokens_estimate=500)
+        d = policy.route(req, await store.snapshot(req.session_key), rng)
+        lease = await store.acquire(d, req)
+        leases.append(lease)
+        held[lease.replica_id] = held.get(lease.replica_id, 0) + 1
+    print(json.dumps({"held": held}), flush=True)
+    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
+    for lease in leases:
+        await store.release(lease, Completion(ok=True, prompt_tokens=500, completion_tokens=1))
+    print(json.dumps({"released": len(leases), "degraded_total": store.degraded_total}), flush=True)
+    await store.close()
+
+
+def _worker_main(argv: list[str]) -> int:
+    mode, url, gid = argv[0], argv[1], argv[2]
+    if mode == "race":
+        sids = argv[3].split(",")
+        out = asyncio.run(_worker_race(url, gid, sids, float(argv[4]), int(argv[5])))
+        print(json.dumps(out), flush=True)
+    elif mode == "hold":
+        asyncio.run(_worker_hold(url, gid, int(argv[3]), int(argv[4])))
+    return 0
+
+
+def _spawn(*args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(  # noqa: S603
+        [sys.executable, "-m", "tests.router.test_multigateway_functional", *args],
+        cwd=ROOT,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+
+
+# ---- tests ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+async def test_200_new_sessions_through_3_gateways_each_end_with_one_home(redis_url: str) -> None:
+    admin = RedisStore.from_url(redis_url, "admin", _config(), SystemClock(), op_timeout_s=5.0)
+    await _register(admin)
+    sids = [f"race-{i}" for i in range(200)]
+    start_at = time.time() + 2.0  # all three processes start placing at the same moment
+    procs = [_spawn("race", redis_url, f"gw{i}", ",".join(sids), str(start_at), str(i)) for i in range(3)]
+    outs = []
+    for p in procs:
+        stdout, _ = p.communicate(timeout=60)
+        assert p.returncode == 0, stdout
+        outs.append(json.loads(stdout.strip().splitlines()[-1]))
+    for sid in sids:
+        homes = {o["served"][sid] for o in outs}
+        assert len(homes) == 1, f"{sid} served on {homes}"
+        s = await admin.session(sid)
+        assert s is not None and s.home == homes.pop() and s.in_flight == ()
+    assert all(o["degraded_total"] == 0 for o in outs)
+    # the race was real: some gateways lost the compare-and-set and were redirected
+    assert sum(int(o["disagreements"]) for o in outs) > 0
+    snap = await admin.snapshot(None)
+    assert sum(r.in_flight for r in snap.replicas) == 0
+    assert sum(r.sessions_active for r in snap.replicas) == 200
+    await admin.close()
+
+
+@pytest.mark.slow
+async def test_inflight_exact_under_load_and_sigkilled_gateway_leaves_no_phantom(redis_url: str) -> None:
+    admin = RedisStore.from_url(redis_url, "admin", _config(), SystemClock(), op_timeout_s=5.0)
+    await _register(admin)
+    counts = [23, 17, 31]
+    procs = [_spawn("hold", redis_url, f"holder{i}", str(n), str(i)) for i, n in enumerate(counts)]
+    helds: list[dict[str, int]] = []
+    for p in procs:
+        assert p.stdout is not None
+        line = await asyncio.get_running_loop().run_in_executor(None, p.stdout.readline)
+        helds.append(json.loads(line)["held"])
+    total = {rid: sum(h.get(rid, 0) for h in helds) for rid in REPLICAS}
+    snap = await admin.snapshot(None)
+    assert {r.id: r.in_flight for r in snap.replicas} == total
+    assert sum(total.values()) == sum(counts)
+
+    victim = procs[2]
+    victim.send_signal(signal.SIGKILL)
+    victim.wait(timeout=10)
+    killed_at = time.monotonic()
+    expect = {rid: helds[0].get(rid, 0) + helds[1].get(rid, 0) for rid in REPLICAS}
+    while True:
+        snap = await admin.snapshot(None)
+        if {r.id: r.in_flight for r in snap.replicas} == expect:
+            break
+        assert time.monotonic() - killed_at < LEASE_TTL_S + 2.0, "phantom load outlived the lease"
+        await asyncio.sleep(0.05)
+    gone_after = time.monotonic() - killed_at
+    assert gone_after <= LEASE_TTL_S + 2.0
+    for p in procs[:2]:
+        assert p.stdin is not None and p.stdout is not None
+        p.stdin.write("release\n")
+        p.stdin.flush()
+        assert json.loads(p.stdout.readline())["degraded_total"] == 0
+        p.wait(timeout=30)
+        assert p.returncode == 0
+    snap = await admin.snapshot(None)
+    assert all(r.in_flight == 0 for r in snap.replicas)
+    # and the dead gateway's per-session in-flight is gone too
+    s = await admin.session("holder2-s0")
+    assert s is not None and s.in_flight == ()
+    await admin.close()
+
+
+@pytest.mark.slow
+async def test_redis_killed_under_load_then_back(redis_killable) -> None:  # type: ignore[no-untyped-def]
+    url = redis_killable.url
+    stores = [
+        RedisStore.from_url(url, f"g{i}", _config(), SystemClock(), op_timeout_s=0.2, retry_max_s=0.2)
+        for i in range(3)
+    ]
+    await _register(stores[0])
+    for s in stores:
+        await s.start()
+        await s.snapshot(None)  # each gateway has seen the fleet once
+    policy = make_policy("kv_aware")
+    errors: list[BaseException] = []
+    served: dict[str, set[str]] = {}
+    stop = asyncio.Event()
+    ops = 0
+
+    async def client(i: int) -> None:
+        nonlocal ops
+        rng = random.Random(i)
+        turn = 0
+        while not stop.is_set():
+            sid = f"c{i}-s{turn % 5}" if turn % 3 else f"c{i}-new{turn}"
+            store = stores[rng.randrange(3)]
+            req = RouteRequest(sid, prompt_tokens_estimate=800)
+            try:
+                snap = await store.snapshot(sid)
+                d = policy.route(req, snap, rng)
+                lease = await store.acquire(d, req)
+                await asyncio.sleep(0.005)
+                await store.release(lease, Completion(ok=True, prompt_tokens=800, completion_tokens=3))
+                served.setdefault(sid, set()).add(lease.replica_id)
+            except Exception as exc:  # noqa: BLE001 - the assertion below names it
+                errors.append(exc)
+            ops += 1
+            turn += 1
+
+    tasks = [asyncio.create_task(client(i)) for i in range(6)]
+    await asyncio.sleep(0.5)
+    redis_killable.kill()
+    ops_at_kill = ops
+    await asyncio.sleep(1.5)
+    assert errors == []
+    assert ops > ops_at_kill + 50, "gateways stopped serving while Redis was down"
+    assert all(s.degraded for s in stores)
+    assert all(s.degraded_total >= 1 and s.fallback_total > 0 for s in stores)
+    outage_sessions = {sid for sid in served if "new" in sid}
+    redis_killable.start()  # same port, empty (persistence is off)
+    deadline = time.monotonic() + 10
+    while any(s.degraded for s in stores):
+        assert time.monotonic() < deadline, [s.stats() for s in stores]
+        await asyncio.sleep(0.05)
+    stop.set()
+    await asyncio.gather(*tasks)
+    assert errors == []
+    assert all(s.resync_total >= 1 for s in stores)
+    # the empty Redis got the fleet back from the gateways' mirrors, and the bindings made meanwhile
+    assert [r.id for r in await stores[0].replicas()] == REPLICAS
+    republished = [await stores[0].session(sid) for sid in sorted(outage_sessions)]
+    assert sum(1 for s in republished if s is not None and s.home in REPLICAS) > 0
+    # in-flight converges to exactly zero once the load stops (restored counts, no phantoms)
+    snap = await stores[1].snapshot(None)
+    assert all(r.in_flight == 0 for r in snap.replicas)
+    for s in stores:
+        await s.close()
+
+
+if __name__ == "__main__":
+    raise SystemExit(_worker_main(sys.argv[1:]))
