@@ -18,6 +18,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Self
 
 __all__ = [
     "RedisCluster",
@@ -100,7 +101,7 @@ class RedisServer:
             "--logfile", str(self.workdir / "redis.log"),
             *self.extra_args,
         ]  # fmt: skip
-        self._proc = subprocess.Popen(  # noqa: S603 - fixed binary, our own arguments
+        self._proc = subprocess.Popen(
             cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
         )
         deadline = time.monotonic() + timeout_s
@@ -140,7 +141,7 @@ class RedisServer:
         if self._own_dir and self.workdir is not None:
             shutil.rmtree(self.workdir, ignore_errors=True)
 
-    def __enter__(self) -> RedisServer:
+    def __enter__(self) -> Self:
         return self.start() if not self.running else self
 
     def __exit__(self, *exc: object) -> None:
@@ -179,7 +180,7 @@ class RedisCluster:
                 )  # fmt: skip
                 self.nodes.append(node.start())
             addrs = [f"127.0.0.1:{n.port}" for n in self.nodes]
-            res = subprocess.run(  # noqa: S603
+            res = subprocess.run(
                 [cli, "--cluster", "create", *addrs, "--cluster-replicas", "0", "--cluster-yes"],
                 capture_output=True,
                 timeout=timeout_s,
@@ -189,7 +190,7 @@ class RedisCluster:
                 raise RedisUnavailable(f"redis-cli --cluster create failed: {res.stdout[-500:]!r}")
             deadline = time.monotonic() + timeout_s
             while time.monotonic() < deadline:
-                info = subprocess.run(  # noqa: S603
+                info = subprocess.run(
                     [cli, "-p", str(self.nodes[0].port), "cluster", "info"],
                     capture_output=True,
                     timeout=5,
@@ -211,7 +212,7 @@ class RedisCluster:
             shutil.rmtree(self._base, ignore_errors=True)
             self._base = None
 
-    def __enter__(self) -> RedisCluster:
+    def __enter__(self) -> Self:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

@@ -363,7 +363,9 @@ class RedisStore:
             spec = self._spec_cache.get(r.id) or ReplicaSpec(id=r.id, url=r.url, model=r.model)
             await self._registry("upsert", r.id, _spec_json(spec), r.status.value, self._expiry(spec.source))
             if r.engine.updated_at:
-                await self._registry("engine", r.id, self._engine_json(r.engine), "", self._expiry(spec.source))
+                await self._registry(
+                    "engine", r.id, self._engine_json(r.engine), "", self._expiry(spec.source)
+                )
         for sid, known in list(self._sessions.items()):
             if known.home is not None and sid not in self._degraded_binds:
                 self._degraded_binds[sid] = (known.home, None, known.context_tokens)
@@ -623,7 +625,9 @@ class RedisStore:
             return "0"
         return self._fleet(self.clock.now() + self.config.replica_ttl_s)
 
-    async def _write_registry(self, local: Callable[[MemoryCore], None], remote: Callable[[], Awaitable[None]]) -> None:
+    async def _write_registry(
+        self, local: Callable[[MemoryCore], None], remote: Callable[[], Awaitable[None]]
+    ) -> None:
         """Apply a registry write to Redis, and to the mirror if there is one; queue it if Redis is away."""
         self._ensure_started()
         if self._mirror is not None:
@@ -718,7 +722,13 @@ class RedisStore:
             try:
                 rows = await self._eval(
                     "sessions",
-                    ["on", self._fleet(self.clock.now()), self.config.session_ttl_s, replica_id, max(1, limit)],
+                    [
+                        "on",
+                        self._fleet(self.clock.now()),
+                        self.config.session_ttl_s,
+                        replica_id,
+                        max(1, limit),
+                    ],
                     "sessions_on",
                 )
                 return tuple(self._session_state(r) for r in rows)

@@ -60,7 +60,9 @@ async def _worker_race(url: str, gid: str, sids: list[str], start_at: float, see
         d = policy.route(req, snap, rng)
         lease = await store.acquire(d, req)
         await asyncio.sleep(rng.random() * 0.05)
-        await store.release(lease, Completion(ok=True, prompt_tokens=1000, cached_tokens=0, completion_tokens=5))
+        await store.release(
+            lease, Completion(ok=True, prompt_tokens=1000, cached_tokens=0, completion_tokens=5)
+        )
         return sid, lease.replica_id, lease.disagreement
 
     res = await asyncio.gather(*(one(s) for s in sids))
@@ -104,7 +106,7 @@ def _worker_main(argv: list[str]) -> int:
 
 
 def _spawn(*args: str) -> subprocess.Popen[str]:
-    return subprocess.Popen(  # noqa: S603
+    return subprocess.Popen(
         [sys.executable, "-m", "tests.router.test_multigateway_functional", *args],
         cwd=ROOT,
         stdin=subprocess.PIPE,

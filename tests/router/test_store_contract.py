@@ -433,7 +433,9 @@ async def test_random_sequences_match_memory(env: Env, seed: int) -> None:
             assert rb == ra, f"step {step} {ra} {rb}" + "\n".join(trace[-5:])
         assert b == a, f"step {step}"
         rid = rng.choice(rids)
-        assert order(await sut.sessions_on(rid)) == order(await ref.sessions_on(rid), a.now, cfg), f"step {step}"
+        assert order(await sut.sessions_on(rid)) == order(await ref.sessions_on(rid), a.now, cfg), (
+            f"step {step}"
+        )
 
 
 def is_live(s: SessionState, now: float, cfg: StoreConfig) -> bool:
@@ -442,7 +444,9 @@ def is_live(s: SessionState, now: float, cfg: StoreConfig) -> bool:
     return s.last_seen >= now - cfg.session_ttl_s or s.in_flight_total > 0
 
 
-def order(v: tuple[SessionState, ...], now: float | None = None, cfg: StoreConfig | None = None) -> list[SessionState]:
+def order(
+    v: tuple[SessionState, ...], now: float | None = None, cfg: StoreConfig | None = None
+) -> list[SessionState]:
     """Same sessions in last_seen order (Redis breaks ties by id, memory by touch order)."""
     keep = [s for s in v if now is None or cfg is None or is_live(s, now, cfg)]
     return sorted(keep, key=lambda s: (s.last_seen, s.session_id))
