@@ -194,6 +194,12 @@ class GatewayConfig(BaseSettings):
     store: StoreSettings = Field(default_factory=StoreSettings)  # type: ignore[arg-type]
     redis_url: str | None = None
     admin_token: SecretStr | None = None
+    # operator surface (docs/OPERATIONS.md): no admin_token -> /admin answers 404 unless admin_insecure
+    admin_insecure: bool = False  # serve /admin without a token: local demos only
+    admin_networks: Annotated[tuple[str, ...], NoDecode] = ()  # POST /admin/replicas URLs; () = loopback+private
+    otel: bool = False  # OpenTelemetry tracing (the 'otel' extra); on as well when otel_endpoint is set
+    otel_endpoint: str | None = None  # OTLP/HTTP collector base URL, e.g. http://otel-collector:4318
+    otel_service_name: str = Field("kvroute-gateway", min_length=1, max_length=128)
     gateway_id: str = Field(default_factory=_default_gateway_id, min_length=1, max_length=128)
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"] = "INFO"
     access_log: bool = False
@@ -278,6 +284,34 @@ class GatewayConfig(BaseSettings):
         if urlsplit(v).scheme not in ("redis", "rediss", "unix"):
             raise ValueError(f"{v!r}: expected redis://host:port/db, rediss://... or unix://...")
         return v
+
+    @field_validator("admin_networks", mode="before")
+    @classmethod
+    def _networks_list(cls, v: Any) -> Any:
+        return _split_list(v)
+
+    @field_validator("admin_networks")
+    @classmethod
+    def _networks(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        import ipaddress
+
+        for i, net in enumerate(v):
+            try:
+                ipaddress.ip_network(net, strict=False)
+            except ValueError:
+                raise ValueError(f"[{i}] {net!r}: expected a network like 10.0.0.0/8") from None
+        return v
+
+    @field_validator("otel_endpoint")
+    @classmethod
+    def _otel_endpoint(cls, v: str | None) -> str | None:
+        if v in (None, ""):
+            return None
+        assert v is not None
+        parts = urlsplit(v)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"{v!r}: expected http(s)://host:port of an OTLP/HTTP collector")
+        return v.rstrip("/")
 
     @field_validator("policy_params", mode="before")
     @classmethod
@@ -407,6 +441,11 @@ def build_arg_parser(prog: str = "kvroute serve") -> argparse.ArgumentParser:
                    help="do not add X-Kvroute-Replica / X-Kvroute-Reason to responses")
     p.add_argument("--max-retries", type=int)
     p.add_argument("--redis", "--redis-url", dest="redis_url", metavar="URL", help="shared state in Redis")
+    p.add_argument("--admin-token", metavar="TOKEN", help="bearer token of the /admin API (or KVROUTE_ADMIN_TOKEN)")
+    p.add_argument("--admin-insecure", action="store_true", default=argparse.SUPPRESS,
+                   help="serve /admin without a token (local demos only)")
+    p.add_argument("--otel", action="store_true", default=argparse.SUPPRESS, help="OpenTelemetry tracing on")
+    p.add_argument("--otel-endpoint", metavar="URL", help="OTLP/HTTP collector, e.g. http://127.0.0.1:4318")
     p.add_argument("--gateway-id")
     p.add_argument("--log-level")
     p.add_argument("--access-log", action="store_true", default=argparse.SUPPRESS)

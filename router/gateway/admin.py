@@ -92,20 +92,19 @@ class PolicyHolder:
         name: str,
         params: PolicyParams,
         factory: Callable[[str, PolicyParams], Policy] | None = None,
+        *,
+        initial: Policy | None = None,
     ) -> None:
         if factory is None:
             from router.policy.registry import make_policy
 
             factory = make_policy
         self._factory = factory
-        self._name = name
+        self.name = name
         self._params = params
-        self._policy = factory(name, params)
+        # ``initial``: adopt a policy the gateway already built (same name and params)
+        self._policy = initial if initial is not None else factory(name, params)
         self.generation = 0
-
-    @property
-    def name(self) -> str:
-        return self._name
 
     @property
     def params(self) -> PolicyParams:
@@ -120,10 +119,10 @@ class PolicyHolder:
 
     def replace(self, name: str | None = None, changes: Mapping[str, Any] | None = None) -> PolicyParams:
         """Validate and apply; raises ``ValueError`` naming the bad key and changes nothing then."""
-        new_name = self._name if name is None else name
+        new_name = self.name if name is None else name
         new_params = self._params.with_changes(**dict(changes or {}))
         new_policy = self._factory(new_name, new_params)  # ValueError for an unknown policy name
-        self._name, self._params, self._policy = new_name, new_params, new_policy
+        self.name, self._params, self._policy = new_name, new_params, new_policy
         self.generation += 1
         return new_params
 

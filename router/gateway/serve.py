@@ -89,6 +89,8 @@ async def start_gateway(
     extra_setup: Sequence[SetupFn] = (),
     discovery: bool = True,
     access_log: bool | None = None,
+    middlewares: Sequence[object] = (),
+    trace_configs: Sequence[object] = (),
 ) -> RunningGateway:
     """Start the gateway on ``config.host:config.port`` (port 0 = a free port) in this loop."""
     clock = clock or SystemClock()
@@ -97,7 +99,7 @@ async def start_gateway(
     rng = rng or random.Random(config.seed)
     app = make_app(
         config, store, policy, clock=clock, rng=rng, client=client, hooks=hooks,
-        extra_setup=extra_setup, discovery=discovery,
+        extra_setup=extra_setup, discovery=discovery, middlewares=middlewares, trace_configs=trace_configs,
     )
     want_access_log = config.access_log if access_log is None else access_log
     runner = web.AppRunner(
@@ -132,7 +134,17 @@ async def shutdown(runner: web.AppRunner, app: web.Application) -> None:
 
 
 async def _serve(config: GatewayConfig) -> int:
-    gw = await start_gateway(config)
+    from router.observability.surface import operator_surface_from_config
+
+    # operator surface: /admin (token or --admin-insecure), /metrics, tracing (docs/OPERATIONS.md)
+    surface = operator_surface_from_config(config)
+    gw = await start_gateway(
+        config, extra_setup=(surface.setup,), trace_configs=surface.tracing.trace_configs()
+    )
+    if not surface.admin.enabled:
+        log.info("admin API disabled: no admin token (--admin-token / KVROUTE_ADMIN_TOKEN)")
+    elif surface.admin.insecure and not surface.admin.token:
+        log.warning("admin API served WITHOUT authentication (--admin-insecure): local demos only")
     log.info("kvroute gateway %s listening on %s (policy %s, %d static replicas)",
              config.gateway_id, gw.url, config.policy, len(config.replicas))
     print(f"kvroute gateway listening on {gw.url}", file=sys.stderr, flush=True)

@@ -37,7 +37,9 @@ REDACTED = "[REDACTED]"
 
 _request_id: contextvars.ContextVar[str | None] = contextvars.ContextVar("kvroute_request_id", default=None)
 
-_SECRET_NAME = re.compile(r"(authorization|token|api[-_]?key|cookie|password|secret|credential)", re.IGNORECASE)
+_SECRET_NAME = re.compile(
+    r"(authorization|token|api[-_]?key|cookie|password|secret|credential)", re.IGNORECASE
+)
 _BEARER = re.compile(r"(?i)\b(bearer|basic)\s+[A-Za-z0-9._~+/=-]+")
 _KV_SECRET = re.compile(
     r"(?i)\b([a-z_-]*(?:token|api[-_]?key|password|secret)[a-z_-]*)(\s*[=:]\s*)([^\s&,;\"']+)"

@@ -20,7 +20,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client.exposition import generate_latest
 from prometheus_client.registry import Collector
 
 from router.events import (
@@ -39,13 +39,16 @@ from router.model import ReplicaState, ReplicaStatus
 from router.observability.stats import dispersion
 
 __all__ = [
-    "CONTENT_TYPE_LATEST",
+    "CONTENT_TYPE",
     "LATENCY_BUCKETS_S",
     "OVERHEAD_BUCKETS_S",
     "DesiredReplicasFn",
     "FleetCollector",
     "GatewayMetrics",
 ]
+
+# The classic text format every Prometheus (and SGLang-style scraper) understands.
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 LATENCY_BUCKETS_S: tuple[float, ...] = (
     0.005,
@@ -364,6 +367,12 @@ class GatewayMetrics:
             buckets=OVERHEAD_BUCKETS_S,
             registry=r,
         )
+        self.http_responses = Counter(
+            "kvroute_http_responses",
+            "HTTP responses of the gateway by matched route, method and status (incl. early 4xx rejections)",
+            ["route", "method", "status"],
+            registry=r,
+        )
         self.fleet = FleetCollector(desired_replicas)
         r.register(self.fleet)
 
@@ -401,6 +410,29 @@ class GatewayMetrics:
             self.store_degradations.inc()
         elif isinstance(event, StoreRecovered):
             pass
+
+    def http_middleware(self) -> Any:
+        """aiohttp middleware counting every response (route = the matched resource, never the raw path)."""
+        from aiohttp import web
+
+        counter = self.http_responses
+
+        @web.middleware
+        async def http_metrics(request: web.Request, handler: Any) -> web.StreamResponse:
+            resource = request.match_info.route.resource
+            route = resource.canonical if resource is not None else "unmatched"
+            try:
+                resp: web.StreamResponse = await handler(request)
+            except web.HTTPException as exc:
+                counter.labels(route, request.method, str(exc.status)).inc()
+                raise
+            except BaseException:
+                counter.labels(route, request.method, "error").inc()
+                raise
+            counter.labels(route, request.method, str(resp.status)).inc()
+            return resp
+
+        return http_metrics
 
     def render(self, replicas: Iterable[ReplicaState], now: float, store: Any = None) -> bytes:
         """Prometheus text exposition (format 0.0.4) with fleet gauges as of ``replicas``."""

@@ -2,10 +2,9 @@
 
 Usage (what ``kvroute serve`` does)::
 
-    surface = make_operator_surface(store=store, clock=clock, holder=PolicyHolder(name, params),
-                                    admin=AdminSettings(token=...), tracing=make_tracing(otel_on))
-    app = make_app(config, store, surface.holder, clock=clock, rng=rng,
-                   hooks=surface.hooks(), extra_setup=(surface.setup,))
+    surface = operator_surface_from_config(config)
+    gw = await start_gateway(config, extra_setup=(surface.setup,),
+                             trace_configs=surface.tracing.trace_configs())
 
 ``setup(app)`` mounts ``/admin`` (sub-app), ``GET /metrics`` and the tracing middleware, and runs the
 fleet sampler (dispersion/CHR time series and the autoscale EWMA) as a ``cleanup_ctx`` task.
@@ -17,20 +16,32 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
 from router.autoscale import AutoscaleConfig, AutoscaleSample, AutoscaleState, desired_replicas, observe
 from router.clock import Clock
 from router.events import AffinityBroken, Event, Hook, RequestFinished, RequestRouted, UpstreamRetry
-from router.gateway.admin import AdminSettings, PolicyHolder, make_admin_app
+from router.gateway.admin import DEFAULT_ALLOWED_NETWORKS, AdminSettings, PolicyHolder, make_admin_app
 from router.model import ReplicaState, ReplicaStatus
-from router.observability.metrics import CONTENT_TYPE_LATEST, GatewayMetrics
+from router.observability.metrics import CONTENT_TYPE, GatewayMetrics
 from router.observability.stats import RollingStats
-from router.observability.tracing import NOOP_TRACING, Tracing, decision_attributes
+from router.observability.tracing import NOOP_TRACING, Tracing, decision_attributes, make_tracing
+from router.policy.params import PolicyParams
 from router.store.base import StateStore
 
-__all__ = ["FleetSampler", "OperatorSurface", "StatsHook", "TracingHook", "make_operator_surface"]
+if TYPE_CHECKING:
+    from router.config import GatewayConfig
+
+__all__ = [
+    "FleetSampler",
+    "OperatorSurface",
+    "StatsHook",
+    "TracingHook",
+    "make_operator_surface",
+    "operator_surface_from_config",
+]
 
 
 class StatsHook:
@@ -129,16 +140,60 @@ class FleetSampler:
             await asyncio.sleep(self.interval_s)
 
 
-@dataclass(slots=True)
 class OperatorSurface:
-    store: StateStore
-    clock: Clock
-    holder: PolicyHolder
-    admin: AdminSettings
-    metrics: GatewayMetrics
-    stats: RollingStats
-    sampler: FleetSampler
-    tracing: Tracing = NOOP_TRACING
+    """Metrics, stats, sampler, tracing and the admin app for one gateway app.
+
+    ``setup(app)`` is an ``extra_setup`` function for ``make_app``. On a gateway app it binds to the
+    runtime (``RUNTIME_KEY``): store, clock, and the policy, which it wraps in a :class:`PolicyHolder`
+    so ``PATCH /admin/config`` swaps what the gateway routes with; it registers its hooks on the
+    gateway's emitter. On a bare app (tests) give ``store``/``clock``/``holder`` explicitly.
+    ``setup`` adds the tracing middleware itself; the client trace configs must reach the upstream
+    ``ClientSession``: pass ``surface.tracing.trace_configs()`` to ``make_app``/``start_gateway``.
+    """
+
+    def __init__(
+        self,
+        *,
+        admin: AdminSettings,
+        tracing: Tracing = NOOP_TRACING,
+        store: StateStore | None = None,
+        clock: Clock | None = None,
+        holder: PolicyHolder | None = None,
+        stats_window_s: float = 300.0,
+        sample_interval_s: float = 1.0,
+        autoscale: AutoscaleConfig | None = None,
+    ) -> None:
+        self.admin = admin
+        self.tracing = tracing
+        self.store = store
+        self.clock = clock
+        self.holder = holder
+        self.stats = RollingStats(window_s=stats_window_s, bucket_s=max(0.1, min(1.0, sample_interval_s)))
+        self.sample_interval_s = sample_interval_s
+        self.autoscale = autoscale or AutoscaleConfig()
+        self._sampler: FleetSampler | None = None
+        self.metrics = GatewayMetrics(desired_replicas=self._desired)
+        if store is not None and clock is not None:
+            self._bind(store, clock)
+
+    @property
+    def sampler(self) -> FleetSampler:
+        if self._sampler is None:
+            raise RuntimeError("the operator surface is not bound to a store yet (call setup(app))")
+        return self._sampler
+
+    def _bind(self, store: StateStore, clock: Clock) -> None:
+        self.store, self.clock = store, clock
+        self._sampler = FleetSampler(
+            store=store,
+            clock=clock,
+            stats=self.stats,
+            autoscale=self.autoscale,
+            interval_s=self.sample_interval_s,
+        )
+
+    def _desired(self, replicas: object = None) -> int | None:
+        return None if self._sampler is None else self._sampler.desired()
 
     def hooks(self) -> tuple[Hook, ...]:
         hooks: list[Hook] = [self.metrics, StatsHook(self.stats)]
@@ -147,12 +202,32 @@ class OperatorSurface:
         return tuple(hooks)
 
     async def metrics_handler(self, request: web.Request) -> web.Response:
+        assert self.store is not None and self.clock is not None
         reps = await self.store.replicas()
         body = self.metrics.render(reps, self.clock.now(), self.store)
-        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
 
     def setup(self, app: web.Application) -> None:
-        """Mount everything on the (not yet frozen) gateway app."""
+        """Mount everything on the (not yet frozen) app; see the class docstring."""
+        from router.gateway.keys import EMITTER_KEY, RUNTIME_KEY
+
+        if RUNTIME_KEY in app:
+            rt = app[RUNTIME_KEY]
+            self._bind(rt.store, rt.clock)
+            if isinstance(rt.policy, PolicyHolder):
+                self.holder = rt.policy
+            else:
+                name = getattr(rt.policy, "name", rt.config.policy)
+                params = getattr(rt.policy, "params", None)
+                if not isinstance(params, PolicyParams):
+                    params = rt.config.policy_params_obj()
+                self.holder = PolicyHolder(name, params, initial=rt.policy)
+                rt.policy = self.holder
+            for hook in self.hooks():
+                app[EMITTER_KEY].add(hook)
+        if self.store is None or self.clock is None or self.holder is None:
+            raise RuntimeError("OperatorSurface.setup on a bare app needs store, clock and holder")
+        app.middlewares.insert(0, self.metrics.http_middleware())
         for mw in self.tracing.middlewares():
             app.middlewares.insert(0, mw)
         app.router.add_get("/metrics", self.metrics_handler)
@@ -181,22 +256,35 @@ def make_operator_surface(
     sample_interval_s: float = 1.0,
     autoscale: AutoscaleConfig | None = None,
 ) -> OperatorSurface:
-    stats = RollingStats(window_s=stats_window_s, bucket_s=max(0.1, min(1.0, sample_interval_s)))
-    sampler = FleetSampler(
-        store=store,
-        clock=clock,
-        stats=stats,
-        autoscale=autoscale or AutoscaleConfig(),
-        interval_s=sample_interval_s,
-    )
-    metrics = GatewayMetrics(desired_replicas=sampler.desired)
+    """An operator surface for a bare app (explicit store, clock and policy holder)."""
     return OperatorSurface(
+        admin=admin,
+        tracing=tracing,
         store=store,
         clock=clock,
         holder=holder,
-        admin=admin,
-        metrics=metrics,
-        stats=stats,
-        sampler=sampler,
+        stats_window_s=stats_window_s,
+        sample_interval_s=sample_interval_s,
+        autoscale=autoscale,
+    )
+
+
+def operator_surface_from_config(config: GatewayConfig, *, tracing_exporter: Any = None) -> OperatorSurface:
+    """What ``kvroute serve`` mounts: admin settings and tracing from the gateway config."""
+    token = config.admin_token.get_secret_value() if config.admin_token is not None else None
+    networks = tuple(getattr(config, "admin_networks", ()) or DEFAULT_ALLOWED_NETWORKS)
+    endpoint = getattr(config, "otel_endpoint", None)
+    tracing = make_tracing(
+        bool(getattr(config, "otel", False) or endpoint or tracing_exporter is not None),
+        service_name=getattr(config, "otel_service_name", "kvroute-gateway"),
+        exporter=tracing_exporter,
+        otlp_endpoint=endpoint,
+    )
+    return OperatorSurface(
+        admin=AdminSettings(
+            token=token or None,
+            insecure=bool(getattr(config, "admin_insecure", False)),
+            allowed_networks=networks,
+        ),
         tracing=tracing,
     )
