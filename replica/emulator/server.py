@@ -135,9 +135,12 @@ class _ClientGone(Exception):
 
 
 class _ClientError(Exception):
-    def __init__(self, message: str, status: int = 400) -> None:
+    """Bad input. ``plain``: SGLang's schema gate answers ``{"error": "<text>"}`` (a bare string)."""
+
+    def __init__(self, message: str, status: int = 400, plain: bool = False) -> None:
         super().__init__(message)
         self.status = status
+        self.plain = plain
 
 
 @dataclass(slots=True)
@@ -345,6 +348,7 @@ def _text_seed(rid: str) -> int:
 
 
 REPLICA_KEY = web.AppKey("kvroute_emulator_replica", Replica)
+_BREAK_KEY = web.RequestKey("kvroute_emulator_break_after", int)
 
 
 # ---- encoding helpers --------------------------------------------------------------------------
@@ -493,7 +497,10 @@ def _parse_generate(body: dict[str, Any], request: web.Request, cfg: EmulatorCon
         raise _ClientError("sampling_params must be an object")
     unknown = [k for k in sp if k not in _SAMPLING_SET]
     if unknown:
-        raise _ClientError(f"unknown field `{unknown[0]}`, expected one of " + ", ".join(f"`{k}`" for k in SAMPLING_PARAMS))
+        raise _ClientError(
+            f"unknown field `{unknown[0]}`, expected one of " + ", ".join(f"`{k}`" for k in SAMPLING_PARAMS),
+            plain=True,
+        )
     if isinstance(body.get("text"), str):
         prompt = encode_text(body["text"])
     elif body.get("input_ids") is not None:
@@ -507,7 +514,7 @@ def _parse_generate(body: dict[str, Any], request: web.Request, cfg: EmulatorCon
     explicit = "max_new_tokens" in sp
     mnt = sp.get("max_new_tokens", cfg.default_max_tokens)
     if isinstance(mnt, bool) or not isinstance(mnt, int) or mnt < 0:
-        raise _ClientError(f"invalid type: max_new_tokens {mnt!r}, expected a non-negative integer")
+        raise _ClientError(f"invalid type: {json.dumps(mnt)}, expected u32", plain=True)
     _check_context(cfg, prompt.num_tokens, mnt)
     rid = body.get("rid")
     return _Parsed(
@@ -634,7 +641,7 @@ class _Handlers:
                 if fault.hang:
                     return await self._hang(request)
                 if fault.break_after_chunks is not None:
-                    request["emulator_break"] = fault.break_after_chunks
+                    request[_BREAK_KEY] = fault.break_after_chunks
             try:
                 fl = rep.submit(parsed, parsed.stream)
             except _ClientError as exc:
@@ -681,7 +688,7 @@ class _Handlers:
                 await asyncio.sleep(delay)
 
     async def _write(self, request: web.Request, resp: web.StreamResponse, data: bytes, n_chunks: int) -> int:
-        limit = request.get("emulator_break")
+        limit = request.get(_BREAK_KEY)
         if limit is not None and n_chunks >= limit:
             if request.transport is not None:
                 request.transport.abort()
@@ -812,7 +819,7 @@ class _Handlers:
             body = await _read_json(request)
             parsed = _parse_generate(body, request, self.cfg)
         except _ClientError as exc:
-            return _json({"error": {"message": str(exc)}}, exc.status)
+            return _json({"error": str(exc) if exc.plain else {"message": str(exc)}}, exc.status)
         want_prompt_ids = bool(body.get("return_prompt_token_ids"))
         incremental = self.cfg.incremental_streaming_output
 

@@ -1,0 +1,468 @@
+"""The emulator over real sockets: SGLang bytes, field names, cache behaviour, metrics, faults."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import Any
+
+import aiohttp
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from replica.emulator.metrics import E2E_BUCKETS, TTFT_BUCKETS
+from replica.emulator.runner import Running
+from tests.replica.conftest import EmuFactory
+
+CHAT_CHUNK_KEYS = ["id", "object", "created", "model", "choices"]
+CHOICE_KEYS = ["index", "delta", "logprobs", "finish_reason", "matched_stop"]
+META_KEYS = ["id", "finish_reason", "prompt_tokens", "weight_version", "num_retractions", "reasoning_tokens",
+             "completion_tokens", "cached_tokens"]
+
+
+def sse_events(raw: bytes) -> list[bytes]:
+    """Split an SSE body exactly as framed: every event is b"data: ..." terminated by a blank line."""
+    assert raw.endswith(b"\n\n")
+    parts = raw.split(b"\n\n")
+    assert parts[-1] == b""
+    events = parts[:-1]
+    for ev in events:
+        assert ev.startswith(b"data: "), ev[:40]
+        assert b"\n" not in ev
+    return [ev[len(b"data: ") :] for ev in events]
+
+
+def compact(payload: bytes) -> Any:
+    obj = json.loads(payload)
+    assert json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode() == payload  # no spaces
+    return obj
+
+
+def chat_body(messages: list[dict[str, str]], **kw: Any) -> dict[str, Any]:
+    return {"model": "moonshotai/Kimi-K2.6", "messages": messages, **kw}
+
+
+async def post(http: aiohttp.ClientSession, url: str, body: Any, **kw: Any) -> tuple[int, Any, aiohttp.ClientResponse]:
+    async with http.post(url, json=body, **kw) as r:
+        raw = await r.read()
+        try:
+            doc = json.loads(raw) if raw else None
+        except ValueError:
+            doc = raw
+        return r.status, doc, r
+
+
+async def state(http: aiohttp.ClientSession, emu: Running) -> dict[str, Any]:
+    async with http.get(f"{emu.url}/_emulator/state") as r:
+        assert r.status == 200
+        doc: dict[str, Any] = await r.json()
+        return doc
+
+
+# ---- SSE framing and field names -------------------------------------------------------------
+
+
+async def test_chat_stream_bytes_and_fields(emulators: EmuFactory, http: aiohttp.ClientSession) -> None:
+    async with emulators(1, time_scale=1.0, min_chunk_interval_s=0.0) as (emu,):
+        body = chat_body([{"role": "user", "content": "hello " * 40}], max_tokens=6, stream=True,
+                         stream_options={"include_usage": True})
+        async with http.post(f"{emu.url}/v1/chat/completions", json=body) as r:
+            assert r.status == 200
+            assert r.headers["Content-Type"] == "text/event-stream; charset=utf-8"
+            assert r.headers["X-Emulator-Replica"] == "replica-0"
+            raw = await r.read()
+    events = sse_events(raw)
+    assert events[-1] == b"[DONE]"
+    chunks = [compact(e) for e in events[:-1]]
+    first, *content, finish, usage = chunks
+    assert list(first) == CHAT_CHUNK_KEYS and first["object"] == "chat.completion.chunk"
+    assert first["model"] == "moonshotai/Kimi-K2.6"  # echoed
+    assert len(first["id"]) == 32 and int(first["id"], 16) >= 0  # bare uuid hex, no chatcmpl- prefix
+    assert list(first["choices"][0]) == CHOICE_KEYS
+    assert first["choices"][0]["delta"] == {"reasoning_content": None, "role": "assistant", "content": ""}
+    assert len(content) >= 2  # one chunk per decode step (2 tokens/step in small-test)
+    for c in content:
+        assert list(c["choices"][0]["delta"]) == ["reasoning_content", "content"]
+        assert c["choices"][0]["finish_reason"] is None and c["id"] == first["id"]
+    text = "".join(c["choices"][0]["delta"]["content"] for c in content)
+    assert len(text.encode()) == 6 * 4
+    assert finish["choices"][0]["delta"] == {"reasoning_content": None}
+    assert finish["choices"][0]["finish_reason"] == "length" and finish["choices"][0]["matched_stop"] is None
+    assert usage["choices"] == [] and list(usage["usage"]) == [
+        "prompt_tokens", "total_tokens", "completion_tokens", "prompt_tokens_details", "reasoning_tokens",
+        "completion_tokens_details"]
+    assert usage["usage"]["completion_tokens"] == 6
+    assert usage["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+
+
+async def test_chat_stream_without_usage_and_default_include(emulators: EmuFactory, http: aiohttp.ClientSession) -> None:
+    async with emulators(1) as (emu,):
+        body = chat_body([{"role": "user", "content": "x"}], max_tokens=3, stream=True)
+        async with http.post(f"{emu.url}/v1/chat/completions", json=body) as r:
+            chunks = [json.loads(e) for e in sse_events(await r.read())[:-1]]
+        assert all("usage" not in c for c in chunks)
+    async with emulators(1, stream_response_default_include_usage=True) as (emu,):
+        async with http.post(f"{emu.url}/v1/chat/completions", json=body) as r:
+            chunks = [json.loads(e) for e in sse_events(await r.read())[:-1]]
+        assert chunks[-1]["usage"]["completion_tokens"] == 3
+
+
+async def test_generate_stream_is_cumulative_with_meta_info(emulators: EmuFactory, http: aiohttp.ClientSession) -> None:
+    async with emulators(1, time_scale=1.0, min_chunk_interval_s=0.0) as (emu,):
+        body = {"text": "The capital of France is", "sampling_params": {"max_new_tokens": 6, "temperature": 0},
+                "stream": True, "rid": "req-001"}
+        async with http.post(f"{emu.url}/generate", json=body) as r:
+            assert r.headers["Content-Type"] == "text/event-stream; charset=utf-8"
+            events = sse_events(await r.read())
+    assert events[-1] == b"[DONE]"
+    chunks = [compact(e) for e in events[:-1]]
+    assert len(chunks) >= 2
+    for prev, cur in zip(chunks, chunks[1:], strict=False):
+        assert cur["text"].startswith(prev["text"]) and cur["output_ids"][: len(prev["output_ids"])] == prev["output_ids"]
+    for c in chunks:
+        assert list(c) == ["text", "output_ids", "meta_info"]
+        assert list(c["meta_info"])[: len(META_KEYS)] == META_KEYS
+        assert c["meta_info"]["id"] == "req-001" and c["meta_info"]["dp_rank"] is None
+        assert len(c["output_ids"]) == c["meta_info"]["completion_tokens"]
+    assert "response_sent_to_client_ts" in chunks[0]["meta_info"]
+    assert all(c["meta_info"]["finish_reason"] is None and "e2e_latency" not in c["meta_info"] for c in chunks[:-1])
+    last = chunks[-1]["meta_info"]
+    assert last["finish_reason"] == {"type": "length", "length": 6} and last["e2e_latency"] > 0
+    assert last["spec_accept_length"] > 1 and last["spec_verify_ct"] >= 1
+
+
+async def test_generate_nonstream_and_input_ids(emu: Running, http: aiohttp.ClientSession) -> None:
+    status, doc, _ = await post(http, f"{emu.url}/generate",
+                                {"input_ids": [1, 450, 7483, 310, 3444, 338], "sampling_params": {"max_new_tokens": 4},
+                                 "return_prompt_token_ids": True})
+    assert status == 200
+    assert doc["meta_info"]["prompt_tokens"] == 6 and doc["prompt_token_ids"] == [1, 450, 7483, 310, 3444, 338]
+    assert len(doc["output_ids"]) == 4 and doc["meta_info"]["completion_tokens"] == 4
+    status, doc, _ = await post(http, f"{emu.url}/generate", {"text": "hi"})  # default max_new_tokens 128
+    assert status == 200 and doc["meta_info"]["completion_tokens"] == 128
+    assert doc["meta_info"]["finish_reason"] == {"type": "stop", "matched": 163586}
+
+
+async def test_completions_stream_and_nonstream(emu: Running, http: aiohttp.ClientSession) -> None:
+    body = {"model": "m", "prompt": "Say hello world", "max_tokens": 5, "stream": True,
+            "stream_options": {"include_usage": True}}
+    async with http.post(f"{emu.url}/v1/completions", json=body) as r:
+        events = sse_events(await r.read())
+    chunks = [compact(e) for e in events[:-1]]
+    assert events[-1] == b"[DONE]"
+    for c in chunks[:-1]:
+        assert c["object"] == "text_completion" and c["usage"] is None
+        assert list(c["choices"][0]) == ["index", "text", "logprobs", "finish_reason", "matched_stop"]
+    assert chunks[-2]["choices"][0]["finish_reason"] == "length"
+    assert chunks[-1]["choices"] == [] and "completion_tokens_details" not in chunks[-1]["usage"]
+    status, doc, _ = await post(http, f"{emu.url}/v1/completions", {"prompt": [5, 6, 7], "max_tokens": 2})
+    assert status == 200 and doc["usage"]["prompt_tokens"] == 3 and doc["choices"][0]["finish_reason"] == "length"
+    assert doc["metadata"] == {"weight_version": "default"}
+
+
+# ---- cache behaviour through HTTP ------------------------------------------------------------
+
+
+async def test_cached_tokens_grow_across_session_turns_and_zero_when_cold(
+    emulators: EmuFactory, http: aiohttp.ClientSession
+) -> None:
+    async with emulators(2) as (a, b):
+        msgs = [{"role": "system", "content": "You are a coding agent. " * 20},
+                {"role": "user", "content": "read file main.py " * 30}]
+        cached: list[int] = []
+        prompts: list[int] = []
+        for turn in range(4):
+            status, doc, _ = await post(http, f"{a.url}/v1/chat/completions",
+                                        chat_body(msgs, max_tokens=12, session_id="s1"),
+                                        headers={"x-smg-routing-key": "s1"})
+            assert status == 200
+            cached.append(doc["usage"]["prompt_tokens_details"]["cached_tokens"])
+            prompts.append(doc["usage"]["prompt_tokens"])
+            msgs += [{"role": "assistant", "content": doc["choices"][0]["message"]["content"]},
+                     {"role": "user", "content": f"turn {turn}: now fix the bug in line {turn * 7} " * 5}]
+        assert cached[0] == 0
+        assert cached[1] > 0 and cached[1] < cached[2] < cached[3]
+        # the generated answer was cached too: the hit covers more than the previous prompt's full blocks
+        assert cached[2] > (prompts[1] // 16 - 1) * 16
+        assert all(c <= p for c, p in zip(cached, prompts, strict=True))
+        # the same conversation on a cold replica: nothing cached
+        status, doc, _ = await post(http, f"{b.url}/v1/chat/completions", chat_body(msgs, max_tokens=4))
+        assert doc["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        st = await state(http, a)
+        assert st["sessions_seen"] == 1 and st["requests_served"] == 4
+        # native meta_info and sglext details on request
+        status, doc, _ = await post(http, f"{a.url}/v1/chat/completions",
+                                    chat_body(msgs, max_tokens=2, return_meta_info=True,
+                                              return_cached_tokens_details=True))
+        meta = doc["choices"][0]["meta_info"]
+        assert meta["cached_tokens"] == doc["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+        assert meta["cached_tokens_details"] == doc["sglext"]["cached_tokens_details"]
+
+
+async def test_host_tier_hits_reported(emulators: EmuFactory, http: aiohttp.ClientSession) -> None:
+    async with emulators(1) as (emu,):
+        a = "A" * 4 * 3000
+        s1, d1, _ = await post(http, f"{emu.url}/generate", {"text": a, "sampling_params": {"max_new_tokens": 2}})
+        for i in range(3):  # 3 x 3000 tokens through an 8192-token pool: a is demoted to host
+            await post(http, f"{emu.url}/generate", {"text": str(i) * 4 * 3000, "sampling_params": {"max_new_tokens": 2}})
+        s2, d2, _ = await post(http, f"{emu.url}/generate", {"text": a + "tail", "sampling_params": {"max_new_tokens": 2}})
+        assert s2 == 200
+        det = d2["meta_info"]["cached_tokens_details"]
+        assert det["host"] > 0 and det["device"] + det["host"] == d2["meta_info"]["cached_tokens"] >= 2990
+        async with http.get(f"{emu.url}/metrics") as r:
+            fams = {f.name: f for f in text_string_to_metric_families(await r.text())}
+        by_source = {s.labels["cache_source"]: s.value for s in fams["sglang:cached_tokens"].samples}
+        assert by_source["host"] == det["host"]
+        host_used = fams["sglang:hicache_host_used_tokens"].samples[0].value
+        assert host_used > 0
+
+
+async def test_flush_cache(emu: Running, http: aiohttp.ClientSession) -> None:
+    text = "flush me " * 100
+    await post(http, f"{emu.url}/generate", {"text": text, "sampling_params": {"max_new_tokens": 1}})
+    _, d, _ = await post(http, f"{emu.url}/generate", {"text": text, "sampling_params": {"max_new_tokens": 1}})
+    assert d["meta_info"]["cached_tokens"] > 0
+    async with http.post(f"{emu.url}/flush_cache") as r:
+        assert r.status == 200 and (await r.text()).startswith("Cache flushed.")
+    _, d, _ = await post(http, f"{emu.url}/generate", {"text": text, "sampling_params": {"max_new_tokens": 1}})
+    assert d["meta_info"]["cached_tokens"] == 0 and "cached_tokens_details" not in d["meta_info"]
+
+
+# ---- metrics and info endpoints --------------------------------------------------------------
+
+GATEWAY_SCRAPE = [
+    "sglang:num_running_reqs", "sglang:num_queue_reqs", "sglang:token_usage", "sglang:num_used_tokens",
+    "sglang:max_total_num_tokens", "sglang:kv_evictable_tokens", "sglang:cache_hit_rate", "sglang:gen_throughput",
+    "sglang:spec_accept_length", "sglang:hicache_host_used_tokens", "sglang:hicache_host_total_tokens",
+]
+
+
+async def test_metrics_parse_and_names(emu: Running, http: aiohttp.ClientSession) -> None:
+    for stream in (False, True):
+        body = chat_body([{"role": "user", "content": "metrics " * 50}], max_tokens=5, stream=stream)
+        async with http.post(f"{emu.url}/v1/chat/completions", json=body) as r:
+            await r.read()
+    async with http.get(f"{emu.url}/metrics", headers={"Accept": "text/plain"}) as r:
+        assert r.status == 200
+        assert r.headers["Content-Type"] == "text/plain; version=0.0.4; charset=utf-8"
+        text = await r.text()
+    assert "_created" not in text
+    fams = {f.name: f for f in text_string_to_metric_families(text)}
+    for name in GATEWAY_SCRAPE:
+        assert fams[name].type == "gauge", name
+        assert fams[name].samples[0].labels == {"engine_type": "unified", "model_name": "emulated/small-test",
+                                                "moe_ep_rank": "0", "pp_rank": "0", "tp_rank": "0"}
+    assert fams["sglang:max_total_num_tokens"].samples[0].value == 8192
+    assert fams["sglang:hicache_host_total_tokens"].samples[0].value == 16384
+    assert fams["sglang:spec_accept_length"].samples[0].value == 2.0
+    for name in ("sglang:prompt_tokens", "sglang:generation_tokens", "sglang:num_requests"):
+        assert fams[name].type == "counter"
+        vals = {s.labels["is_streaming"]: s.value for s in fams[name].samples if s.name.endswith("_total")}
+        assert vals["true"] > 0 and vals["false"] > 0
+    gen = {s.labels["is_streaming"]: s.value for s in fams["sglang:generation_tokens"].samples}
+    assert gen == {"true": 5.0, "false": 5.0}
+    for name, bounds in (("sglang:time_to_first_token_seconds", TTFT_BUCKETS),
+                         ("sglang:e2e_request_latency_seconds", E2E_BUCKETS)):
+        fam = fams[name]
+        assert fam.type == "histogram"
+        les = [s.labels["le"] for s in fam.samples if s.name.endswith("_bucket") and s.labels["is_streaming"] == "true"]
+        assert les == [repr(float(b)) for b in bounds] + ["+Inf"]
+        count = [s.value for s in fam.samples if s.name.endswith("_count") and s.labels["is_streaming"] == "true"]
+        assert count == [1.0]
+    assert "sglang:cached_tokens_total{cache_source=\"device\"" in text
+
+
+async def test_info_endpoints(emu: Running, http: aiohttp.ClientSession) -> None:
+    async with http.get(f"{emu.url}/server_info") as r:
+        si = await r.json()
+    for key, want in (("max_total_num_tokens", 8192), ("max_running_requests", 4), ("page_size", 16),
+                      ("tp_size", 1), ("version", "0.5.23"), ("frontend", "python")):
+        assert si[key] == want, key
+    assert si["internal_states"][0]["avg_spec_accept_length"] == 2.0
+    async with http.get(f"{emu.url}/v1/models") as r:
+        models = await r.json()
+    assert models["object"] == "list" and models["data"][0]["id"] == "emulated/small-test"
+    assert models["data"][0]["owned_by"] == "sglang"
+    async with http.get(f"{emu.url}/v1/models/nope") as r:
+        assert r.status == 404
+        assert (await r.json())["error"]["code"] == "model_not_found"
+    async with http.get(f"{emu.url}/model_info") as r:
+        assert (await r.json())["model_path"] == "emulated/small-test"
+    async with http.get(f"{emu.url}/v1/loads") as r:
+        loads = await r.json()
+    ld = loads["loads"][0]
+    assert ld["max_total_num_tokens"] == 8192 and ld["num_running_reqs"] == 0 and ld["dp_rank"] == 0
+    assert "memory" in ld and "queues" in ld and "speculative" in ld
+    async with http.get(f"{emu.url}/v1/loads?include=core") as r:
+        assert "memory" not in (await r.json())["loads"][0]
+    async with http.get(f"{emu.url}/v1/loads?format=prometheus") as r:
+        assert 'sglang_num_running_reqs{dp_rank="0"} 0.0' in await r.text()
+    async with http.get(f"{emu.url}/get_load") as r:
+        gl = await r.json()
+    assert isinstance(gl, list) and set(gl[0]) >= {"dp_rank", "num_reqs", "num_waiting_reqs", "num_tokens"}
+    for path in ("/health", "/health_generate", "/ready"):
+        async with http.get(f"{emu.url}{path}") as r:
+            assert r.status == 200 and await r.read() == b"", path
+
+
+async def test_tokenize_detokenize(emu: Running, http: aiohttp.ClientSession) -> None:
+    msgs = [{"role": "user", "content": "tokenize me please"}]
+    _, tok, _ = await post(http, f"{emu.url}/tokenize", {"model": "m", "messages": msgs})
+    _, chat, _ = await post(http, f"{emu.url}/v1/chat/completions", chat_body(msgs, max_tokens=1))
+    assert tok["count"] == len(tok["tokens"]) == chat["usage"]["prompt_tokens"]
+    assert tok["max_model_len"] == 16384
+    _, tok2, _ = await post(http, f"{emu.url}/v1/tokenize", {"prompt": "hello world"})
+    _, det, _ = await post(http, f"{emu.url}/detokenize", {"tokens": tok2["tokens"]})
+    assert det == {"text": "hello world"}
+
+
+# ---- errors ------------------------------------------------------------------------------------
+
+
+async def test_errors_are_sglang_shaped(emu: Running, http: aiohttp.ClientSession) -> None:
+    async with http.post(f"{emu.url}/v1/chat/completions", data=b"{not json",
+                         headers={"Content-Type": "application/json"}) as r:
+        assert r.status == 400
+        err = await r.json()
+    assert err["object"] == "error" and err["code"] == 400 and err["type"] == "BadRequestError"
+    async with http.post(f"{emu.url}/v1/chat/completions", data=b"{}", headers={"Content-Type": "text/plain"}) as r:
+        assert r.status == 400
+    status, err, _ = await post(http, f"{emu.url}/v1/chat/completions", {"messages": []})
+    assert status == 400 and "messages" in err["message"]
+    status, err, _ = await post(http, f"{emu.url}/v1/chat/completions",
+                                chat_body([{"role": "user", "content": "x" * 4 * 17000}], max_tokens=10))
+    assert status == 400 and "maximum context length" in err["message"]
+    status, err, _ = await post(http, f"{emu.url}/generate", {"text": "x", "sampling_params": {"foo": 1}})
+    assert status == 400 and isinstance(err["error"], str) and err["error"].startswith("unknown field `foo`")
+    status, err, _ = await post(http, f"{emu.url}/generate", {"sampling_params": {}})
+    assert status == 400 and "message" in err["error"]
+    status, err, _ = await post(http, f"{emu.url}/generate", {"input_ids": [1, -5]})
+    assert status == 400
+    status, err, _ = await post(http, f"{emu.url}/v1/completions", {"prompt": "x", "max_tokens": 0})
+    assert status == 400 and err["object"] == "error"
+    async with http.get(f"{emu.url}/nope") as r:
+        assert r.status == 404
+    st = await state(http, emu)
+    assert st["running"] == 0 and st["requests_served"] == 0
+
+
+# ---- disconnect, abort, faults ---------------------------------------------------------------
+
+
+async def wait_for(pred: Any, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if await pred():
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError("condition not met in time")
+
+
+async def test_client_disconnect_aborts_stream(emulators: EmuFactory, http: aiohttp.ClientSession) -> None:
+    async with emulators(1, time_scale=1.0) as (emu,):
+        body = chat_body([{"role": "user", "content": "long answer please"}], max_tokens=3000, stream=True)
+        r = await http.post(f"{emu.url}/v1/chat/completions", json=body)
+        await r.content.readuntil(b"\n\n")
+        assert (await state(http, emu))["running"] == 1
+        r.close()  # drop the connection mid-stream
+
+        async def aborted() -> bool:
+            st = await state(http, emu)
+            return bool(st["running"] == 0 and st["requests_aborted"] == 1)
+
+        await wait_for(aborted)
+        assert emu.replica.cache.stats().reserved_tokens == 0
+
+
+async def test_client_disconnect_aborts_nonstream(emulators: EmuFactory, http: aiohttp.ClientSession) -> None:
+    async with emulators(1, time_scale=1.0) as (emu,):
+        body = chat_body([{"role": "user", "content": "long answer please"}], max_tokens=3000)
+        with pytest.raises(asyncio.TimeoutError):
+            async with http.post(f"{emu.url}/v1/chat/completions", json=body,
+                                 timeout=aiohttp.ClientTimeout(total=0.3)) as r:
+                await r.read()
+
+        async def aborted() -> bool:
+            st = await state(http, emu)
+            return bool(st["running"] == 0 and st["requests_aborted"] == 1)
+
+        await wait_for(aborted)
+
+
+async def test_abort_request_endpoint(emulators: EmuFactory, http: aiohttp.ClientSession) -> None:
+    async with emulators(1, time_scale=1.0) as (emu,):
+        task = asyncio.create_task(post(http, f"{emu.url}/generate",
+                                        {"text": "abc", "rid": "victim", "sampling_params": {"max_new_tokens": 5000}}))
+        await wait_for(lambda: _running(http, emu, 1))
+        async with http.post(f"{emu.url}/abort_request", json={"rid": "victim"}) as r:
+            assert r.status == 200
+        status, doc, _ = await task
+        assert status == 200 and doc["meta_info"]["finish_reason"]["type"] == "abort"
+        assert 0 < doc["meta_info"]["completion_tokens"] < 5000
+
+
+async def _running(http: aiohttp.ClientSession, emu: Running, n: int) -> bool:
+    return bool((await state(http, emu))["running"] == n)
+
+
+async def test_fault_status_with_count_then_recovers(emu: Running, http: aiohttp.ClientSession) -> None:
+    status, f, _ = await post(http, f"{emu.url}/_emulator/faults", {"status": 503, "count": 1})
+    assert status == 200 and f["status"] == 503
+    status, err, _ = await post(http, f"{emu.url}/v1/chat/completions", chat_body([{"role": "user", "content": "a"}]))
+    assert status == 503 and err["code"] == 503
+    status, _, _ = await post(http, f"{emu.url}/v1/chat/completions", chat_body([{"role": "user", "content": "a"}],
+                                                                                 max_tokens=1))
+    assert status == 200
+    status, _, _ = await post(http, f"{emu.url}/_emulator/faults", {"health_status": 503})
+    async with http.get(f"{emu.url}/health") as r:
+        assert r.status == 503
+    async with http.delete(f"{emu.url}/_emulator/faults") as r:
+        assert r.status == 200
+    async with http.get(f"{emu.url}/health") as r:
+        assert r.status == 200
+    status, err, _ = await post(http, f"{emu.url}/_emulator/faults", {"bogus": 1})
+    assert status == 400
+
+
+async def test_fault_hang(emu: Running, http: aiohttp.ClientSession) -> None:
+    await post(http, f"{emu.url}/_emulator/faults", {"hang": True})
+    t0 = time.monotonic()
+    with pytest.raises(asyncio.TimeoutError):
+        async with http.post(f"{emu.url}/v1/chat/completions", json=chat_body([{"role": "user", "content": "a"}]),
+                             timeout=aiohttp.ClientTimeout(total=0.3)) as r:
+            await r.read()
+    assert time.monotonic() - t0 >= 0.29
+    assert (await state(http, emu))["running"] == 0  # a hung request never reached the engine
+
+
+async def test_fault_break_after_chunks(emulators: EmuFactory, http: aiohttp.ClientSession) -> None:
+    async with emulators(1, time_scale=1.0, min_chunk_interval_s=0.0) as (emu,):
+        await post(http, f"{emu.url}/_emulator/faults", {"break_after_chunks": 2})
+        got = b""
+        with pytest.raises(aiohttp.ClientPayloadError):
+            async with http.post(f"{emu.url}/v1/chat/completions",
+                                 json=chat_body([{"role": "user", "content": "a"}], max_tokens=50, stream=True)) as r:
+                assert r.status == 200
+                async for chunk in r.content.iter_any():
+                    got += chunk
+        assert got.count(b"data: ") == 2 and b"[DONE]" not in got
+
+        async def aborted() -> bool:
+            return bool((await state(http, emu))["requests_aborted"] == 1)
+
+        await wait_for(aborted)
+
+
+async def test_fault_slow_factor(emulators: EmuFactory, http: aiohttp.ClientSession) -> None:
+    async with emulators(1, time_scale=0.2) as (emu,):
+        body = {"text": "x" * 400, "sampling_params": {"max_new_tokens": 20}}
+        t0 = time.monotonic()
+        await post(http, f"{emu.url}/generate", body | {"rid": "fast"})
+        fast = time.monotonic() - t0
+        await post(http, f"{emu.url}/_emulator/faults", {"slow_factor": 5})
+        t0 = time.monotonic()
+        status, doc, _ = await post(http, f"{emu.url}/generate", body | {"rid": "slow"})
+        slow = time.monotonic() - t0
+        assert status == 200 and slow > 3 * fast
+        assert doc["meta_info"]["e2e_latency"] < 0.5  # modelled time did not change, only its wall pace
