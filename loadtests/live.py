@@ -296,7 +296,8 @@ class _Run:
                 return
             if not self.may_issue():
                 return
-            if conv is None or turn.reset or inputs[k] < prev_in + prev_out:
+            continuation = conv is not None and not turn.reset and inputs[k] >= prev_in + prev_out
+            if conv is None or not continuation:
                 # a new context (first turn, compaction): shared prefix + new text
                 conv = Conversation(key=f"{spec.session_id}~{k}", shared_prefix_tokens=shared)
                 # one infinite cache holds the shared prefix once any session has sent it
@@ -311,11 +312,12 @@ class _Run:
             out = max(1, emulated_tokens(int(turn.output_tokens), c.token_unit))
             body = json.dumps(self._body(conv.messages, out), separators=(",", ":")).encode()
             main = spec.parent is None
-            reqs = [self.request(sid, body, ideal, conv.prompt_tokens, side=False, main=main)]
+            ctx = (sid, ideal, conv.prompt_tokens, continuation)
+            reqs = [self.request(body, ctx, side=False, main=main)]
             for _ in range(max(1, int(turn.parallel)) - 1):
                 if not self.may_issue():
                     break
-                reqs.append(self.request(sid, body, ideal, conv.prompt_tokens, side=True, main=False))
+                reqs.append(self.request(body, ctx, side=True, main=False))
             await asyncio.gather(*reqs)
             prev_in, prev_out, prev_prompt = inputs[k], int(turn.output_tokens), conv.prompt_tokens
             for b in getattr(spec, "branches", ()):
@@ -334,10 +336,10 @@ class _Run:
             body["stream_options"] = {"include_usage": True}
         return body
 
-    async def request(
-        self, sid: str, body: bytes, ideal_emul: int, prompt_emul: int, *, side: bool, main: bool
-    ) -> None:
+    async def request(self, body: bytes, ctx: tuple[str, int, int, bool], *, side: bool, main: bool) -> None:
+        """Send one request; ``ctx`` = (session id, ideal cached and prompt emulated tokens, continuation)."""
         c = self.c
+        sid = ctx[0]
         self.issued += 1
         self.stats.started += 1
         self.stats.in_flight += 1
@@ -378,24 +380,23 @@ class _Run:
             error = f"{type(exc).__name__}: {exc}"[:300]
         e2e = time.monotonic() - t_start
         self.stats.in_flight -= 1
-        self._record(sid, replica, t_start, ttft, e2e, usage, ideal_emul, prompt_emul, status, error, side, main)
+        self._record(ctx, replica, t_start, ttft, e2e, usage, status, error, side, main)
 
     def _record(
         self,
-        sid: str,
+        ctx: tuple[str, int, int, bool],
         replica: str | None,
         t_start: float,
         ttft: float | None,
         e2e: float,
         usage: dict[str, Any] | None,
-        ideal_emul: int,
-        prompt_emul: int,
         status: int,
         error: str | None,
         side: bool,
         main: bool,
     ) -> None:
         c, u = self.c, self.c.token_unit
+        sid, ideal_emul, prompt_emul, continuation = ctx
         ok = error is None and status == 200
         prompt = int((usage or {}).get("prompt_tokens") or prompt_emul)
         details = (usage or {}).get("prompt_tokens_details") or {}
@@ -406,8 +407,9 @@ class _Run:
         ideal = min(round(ideal_emul * prompt / prompt_emul) if prompt_emul > 0 else 0, prompt)
         brk: str | None = None
         prev = self.last_replica.get(sid)
-        if ok and ideal > 0 and cached < c.break_tolerance * ideal:
-            if side:
+        # an affinity break: a continuation whose cached tokens fall short of its previous context
+        if ok and continuation and ideal > 0 and cached < c.break_tolerance * ideal:
+            if side or not main and prev is not None and replica != prev:
                 brk = "thicc_split"
             elif prev is not None and replica is not None and prev != replica:
                 brk = "moved"
