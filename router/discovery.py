@@ -196,15 +196,16 @@ class Discovery:
         await self._loop(self.scrape_once, self._cfg.scrape_interval_s, "scrape")
 
     async def _loop(self, once: Callable[[], object], interval_s: float, name: str) -> None:
+        # the app runs one round of each before it starts serving: sleep first
         while True:
+            j = self._cfg.jitter
+            await asyncio.sleep(interval_s * (1.0 + self._rng.uniform(-j, j)))
             try:
                 await once()  # type: ignore[misc]
             except asyncio.CancelledError:
                 raise
             except Exception:  # a bug in one round must not kill membership for good
                 log.exception("discovery %s round failed", name)
-            j = self._cfg.jitter
-            await asyncio.sleep(interval_s * (1.0 + self._rng.uniform(-j, j)))
 
     # ---- helpers -----------------------------------------------------------------------------------
 

@@ -176,7 +176,7 @@ class _Proxy:
                 decision = self.rt.policy.route(req, snap, self.rt.rng)
             except NoReplicaError:
                 if last_error is not None:
-                    raise last_error from None
+                    return self._give_up(last_error)
                 raise
             lease = await self.rt.store.acquire(decision, req)
             self.p.replica_id, self.p.reason = lease.replica_id, lease.reason
@@ -204,7 +204,7 @@ class _Proxy:
                 if isinstance(exc, UpstreamConnectError) and self.rt.discovery is not None:
                     await self.rt.discovery.on_connect_error(lease.replica_id, str(exc))
                 if not can_retry:
-                    raise
+                    return self._give_up(exc)
                 excluded.add(lease.replica_id)
                 attempt += 1
                 self.p.retries = attempt
@@ -219,6 +219,18 @@ class _Proxy:
                     )
                 )
                 log.info("retrying after %s on %s (attempt %d)", exc.code, lease.replica_id, attempt)
+
+    def _give_up(self, exc: UpstreamError) -> web.StreamResponse:
+        """Every attempt failed before the first byte. A replica's own 5xx answer is relayed as it
+        was (status and body); connect errors and timeouts become OpenAI-style 502/504 JSON."""
+        if isinstance(exc, UpstreamStatusError) and exc.body:
+            self.p.status = exc.upstream_status
+            resp = web.Response(status=exc.upstream_status, body=exc.body, content_type="application/json")
+            if self.cfg.decision_headers and self.p.replica_id is not None and self.p.reason is not None:
+                resp.headers[REPLICA_HEADER] = self.p.replica_id
+                resp.headers[REASON_HEADER] = str(self.p.reason)
+            return resp
+        raise exc
 
     async def _replica_url(self, replica_id: str, state: Any) -> str | None:
         if state is not None:

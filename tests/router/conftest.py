@@ -81,7 +81,7 @@ class FakeReplica:
     async def _inference(self, request: web.Request) -> web.StreamResponse:
         st = self.state
         raw = await request.read()
-        st.requests.append({"path": request.path, "headers": dict(request.headers), "body": raw})
+        st.requests.append({"path": request.path, "headers": request.headers.copy(), "body": raw})
         if st.fail_status:
             fail = st.fail_status
             if st.fail_times > 0:
@@ -235,6 +235,34 @@ async def fake_replicas() -> AsyncIterator[Callable[[int], Awaitable[list[FakeRe
         await r.stop()
 
 
+class EventLog:
+    """A hook that keeps every event (tests read it)."""
+
+    def __init__(self) -> None:
+        self.events: list[Any] = []
+
+    def __call__(self, event: Any) -> None:
+        self.events.append(event)
+
+    def of(self, kind: type) -> list[Any]:
+        return [e for e in self.events if isinstance(e, kind)]
+
+
+async def wait_for(cond: Callable[[], Any], timeout_s: float = 5.0) -> None:
+    """Poll ``cond`` (sync or async) until truthy; fail the test after ``timeout_s``."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while True:
+        v = cond()
+        if asyncio.iscoroutine(v):
+            v = await v
+        if v:
+            return
+        if loop.time() > deadline:
+            raise AssertionError("condition not met in time")
+        await asyncio.sleep(0.01)
+
+
 def fast_config(replicas: list[str], **overrides: Any) -> GatewayConfig:
     """A gateway config for tests: free port, fast health checks, short timeouts."""
     base: dict[str, Any] = {
@@ -259,11 +287,11 @@ def fast_config(replicas: list[str], **overrides: Any) -> GatewayConfig:
 async def gateway_factory() -> AsyncIterator[Callable[..., Awaitable[RunningGateway]]]:
     running: list[RunningGateway] = []
 
-    async def make(replicas: list[str], **overrides: Any) -> RunningGateway:
+    async def make(replicas: list[str], hooks: tuple[Any, ...] = (), **overrides: Any) -> RunningGateway:
         cfg = fast_config(replicas, **overrides)
         clock = SystemClock()
         gw = await start_gateway(cfg, MemoryStore(clock, cfg.store.to_store_config()), clock=clock,
-                                 rng=random.Random(cfg.seed))
+                                 rng=random.Random(cfg.seed), hooks=hooks)
         running.append(gw)
         return gw
 
