@@ -12,9 +12,9 @@ Lifecycle (one :class:`Agent`)::
   A new replica starts as ``joining``; the gateways promote it after their first good health check.
 - REGISTERED: every ``heartbeat_interval_s`` scrapes ``/metrics`` and heartbeats the registry with
   the load (running, queued, KV utilisation, cache hit rate, host-tier use); the heartbeat refreshes
-  the registry TTL, so a sidecar that dies leaves no entry behind. ``/health`` is checked every
-  ``health_interval_s``; ``unhealthy_after`` failures in a row mark the replica ``down``, a good check
-  makes it ``joining`` again.
+  the registry TTL, so a sidecar that dies leaves no entry behind. ``/health`` (or the deeper
+  ``/health_generate``) is checked every ``health_interval_s``; ``unhealthy_after`` failures in a row
+  withdraw the replica from the registry (ENGINE_DOWN), a good check registers it again (``joining``).
 - DRAINING: marks the replica ``draining`` (gateways send it no new sessions and move its sessions at
   their next turn), keeps heartbeating, waits until its in-flight count is 0 (the registry's exact
   count over all gateways; the engine's running+queued when the registry cannot tell), then
@@ -460,27 +460,32 @@ class Agent:
             if tick >= next_health:
                 next_health = tick + cfg.health_interval_s
                 await self._check_health(spec)
-            down = self._status.phase is AgentPhase.ENGINE_DOWN
-            await self._beat(spec, ReplicaStatus.DOWN if down else None)
+            if self._status.phase is AgentPhase.REGISTERED:
+                await self._beat(spec, None)
             await self._pause(cfg.heartbeat_interval_s - (self.clock.now() - tick))
         return spec
 
     async def _check_health(self, spec: ReplicaSpec) -> None:
+        """Deep health of the engine. A broken engine *leaves* the registry (rather than being marked
+        down) so that the gateways' own, shallower health checks cannot readmit it while the sidecar
+        knows better; it re-registers (as ``joining``) once healthy again."""
         ok = await self.probe.healthy()
         fails = 0 if ok else self._status.health_failures_in_row + 1
         self._set(health_failures_in_row=fails)
         phase = self._status.phase
         try:
             if not ok and fails >= self.cfg.unhealthy_after and phase is AgentPhase.REGISTERED:
-                log.warning("engine unhealthy: marking replica down", extra={"replica": spec.id})
+                log.warning("engine unhealthy: withdrawing the replica", extra={"replica": spec.id})
                 self._set(phase=AgentPhase.ENGINE_DOWN)
-                await self.registrar.set_status(spec, ReplicaStatus.DOWN)
+                await self.registrar.deregister(spec.id)
             elif ok and phase is AgentPhase.ENGINE_DOWN:
                 log.info("engine healthy again: rejoining", extra={"replica": spec.id})
+                await self.registrar.register(spec)
                 self._set(phase=AgentPhase.REGISTERED)
-                await self.registrar.set_status(spec, ReplicaStatus.JOINING)
         except RegistrationError as exc:
-            log.warning("status change not recorded", extra={"error": str(exc)})
+            log.warning("registry change not recorded (retried at the next check)", extra={"error": str(exc)})
+            if phase is AgentPhase.REGISTERED and self._status.phase is AgentPhase.ENGINE_DOWN:
+                self._set(phase=AgentPhase.REGISTERED, health_failures_in_row=fails)
 
     async def _drain_and_deregister(self, spec: ReplicaSpec) -> None:
         cfg = self.cfg

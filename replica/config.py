@@ -38,7 +38,7 @@ class AgentConfig:
     health_interval_s: float = 5.0  # engine /health is a 1-token generate on SGLang: not every beat
     health_path: str = "/health"
     probe_timeout_s: float = 5.0
-    unhealthy_after: int = 3  # consecutive failed health checks -> the replica is marked down
+    unhealthy_after: int = 3  # consecutive failed health checks -> the replica leaves the registry
     engine_wait_timeout_s: float = 0.0  # give up waiting for the engine's first /health (0 = never)
     drain_timeout_s: float = 600.0  # SIGTERM: wait at most this long for in-flight to reach 0
     drain_grace_s: float = 1.0  # in-flight must stay 0 this long (gateways' snapshots catch up)
