@@ -49,6 +49,7 @@ class RequestRouted:
     session_id: str | None
     attempt: int = 0  # 0 = first try, 1.. = retries
     disagreement: bool = False  # the store overrode the decision (another gateway bound first)
+    scores: tuple[tuple[ReplicaId, float], ...] = ()  # the policy's per-replica scores (tracing)
 
 
 @dataclass(frozen=True, slots=True)

@@ -192,6 +192,7 @@ class _Proxy:
                     session_id=req.session_key if req.key_source is KeySource.HEADER else None,
                     attempt=attempt,
                     disagreement=lease.disagreement,
+                    scores=decision.scores,
                 )
             )
             can_retry = attempt < self.cfg.max_retries

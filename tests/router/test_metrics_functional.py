@@ -16,6 +16,7 @@ from typing import Any
 import aiohttp
 import pytest
 from aiohttp import web
+from multidict import CIMultiDict
 from prometheus_client.parser import text_string_to_metric_families
 
 from replica.emulator.server import EmulatorConfig, make_emulator_app
@@ -121,7 +122,7 @@ def chat_body(turn: int, stream: bool = False, sid: str = "") -> bytes:
 
 async def send(
     s: aiohttp.ClientSession, url: str, sid: str | None, turn: int, stream: bool = False
-) -> tuple[int, dict[str, str]]:
+) -> tuple[int, CIMultiDict[str]]:
     hdrs = {"Content-Type": "application/json"}
     if sid is not None:
         hdrs["Modal-Session-Id"] = sid
@@ -129,7 +130,7 @@ async def send(
         url + "/v1/chat/completions", data=chat_body(turn, stream, sid or "anon"), headers=hdrs
     ) as r:
         await r.read()
-        return r.status, dict(r.headers)
+        return r.status, CIMultiDict(r.headers)
 
 
 def parse(text: str) -> dict[str, list[tuple[str, dict[str, str], float]]]:
