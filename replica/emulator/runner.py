@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
@@ -17,6 +18,18 @@ from aiohttp import web
 from replica.emulator.server import REPLICA_KEY, EmulatorConfig, Replica, make_emulator_app
 
 __all__ = ["Running", "running_emulators", "start_emulators", "stop_emulators"]
+
+
+class _DropH2Probe(logging.Filter):
+    """sglang-router probes every worker with an HTTP/2 preface (``PRI * HTTP/2.0``) before using
+    HTTP/1.1 (peers.md §2); aiohttp logs that as an ERROR with a traceback. It is expected: drop it."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        return not (exc is not None and type(exc).__name__ == "BadHttpMessage" and "PRI" in str(exc))
+
+
+_H2_FILTER = _DropH2Probe()
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +55,9 @@ async def start_emulators(
     """Serve ``n`` replicas on ``host``; ports ``base_port + i`` (or free ports if ``base_port`` is 0).
     Replica i is named ``replica-{first_index + i}``."""
     base = config or EmulatorConfig()
+    server_log = logging.getLogger("aiohttp.server")
+    if _H2_FILTER not in server_log.filters:
+        server_log.addFilter(_H2_FILTER)
     out: list[Running] = []
     try:
         for i in range(n):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import time
 from typing import Any
@@ -118,7 +119,7 @@ async def test_generate_stream_is_cumulative_with_meta_info(emulators: EmuFactor
     assert events[-1] == b"[DONE]"
     chunks = [compact(e) for e in events[:-1]]
     assert len(chunks) >= 2
-    for prev, cur in zip(chunks, chunks[1:], strict=False):
+    for prev, cur in itertools.pairwise(chunks):
         assert cur["text"].startswith(prev["text"]) and cur["output_ids"][: len(prev["output_ids"])] == prev["output_ids"]
     for c in chunks:
         assert list(c) == ["text", "output_ids", "meta_info"]
@@ -203,7 +204,8 @@ async def test_cached_tokens_grow_across_session_turns_and_zero_when_cold(
 async def test_host_tier_hits_reported(emulators: EmuFactory, http: aiohttp.ClientSession) -> None:
     async with emulators(1) as (emu,):
         a = "A" * 4 * 3000
-        s1, d1, _ = await post(http, f"{emu.url}/generate", {"text": a, "sampling_params": {"max_new_tokens": 2}})
+        s1, _, _ = await post(http, f"{emu.url}/generate", {"text": a, "sampling_params": {"max_new_tokens": 2}})
+        assert s1 == 200
         for i in range(3):  # 3 x 3000 tokens through an 8192-token pool: a is demoted to host
             await post(http, f"{emu.url}/generate", {"text": str(i) * 4 * 3000, "sampling_params": {"max_new_tokens": 2}})
         s2, d2, _ = await post(http, f"{emu.url}/generate", {"text": a + "tail", "sampling_params": {"max_new_tokens": 2}})

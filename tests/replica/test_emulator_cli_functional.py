@@ -1,0 +1,83 @@
+"""``kvroute emulate`` as a real subprocess: prints URLs, serves, stops cleanly on SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import sys
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from replica.emulator.cli import build_config, parser
+
+KVROUTE = str(Path(sys.executable).parent / "kvroute")
+
+
+async def _start(*args: str) -> tuple[asyncio.subprocess.Process, list[str]]:
+    proc = await asyncio.create_subprocess_exec(
+        KVROUTE, "emulate", *args, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
+    )
+    n = int(args[args.index("--replicas") + 1])
+    urls = []
+    assert proc.stdout is not None
+    for _ in range(n):
+        line = await asyncio.wait_for(proc.stdout.readline(), 30)
+        assert line, (await proc.stderr.read()).decode() if proc.stderr else ""
+        urls.append(line.decode().strip())
+    return proc, urls
+
+
+async def _stop(proc: asyncio.subprocess.Process) -> int:
+    proc.send_signal(signal.SIGTERM)
+    return await asyncio.wait_for(proc.wait(), 15)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("processes", [False, True])
+async def test_emulate_serves_and_stops_on_sigterm(processes: bool) -> None:
+    args = ["--replicas", "2", "--profile", "small-test", "--time-scale", "0.01", "--set", "page_size=32",
+            "--max-running-requests", "3"]
+    if processes:
+        args.append("--processes")
+    proc, urls = await _start(*args)
+    try:
+        assert len(urls) == 2 and all(u.startswith("http://127.0.0.1:") for u in urls)
+        async with aiohttp.ClientSession() as http:
+            names = set()
+            for u in urls:
+                async with http.get(f"{u}/health") as r:
+                    assert r.status == 200
+                    names.add(r.headers["X-Emulator-Replica"])
+                async with http.get(f"{u}/server_info") as r:
+                    info = await r.json()
+                assert info["page_size"] == 32 and info["max_running_requests"] == 3
+                async with http.post(f"{u}/v1/chat/completions",
+                                     json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}) as r:
+                    doc = json.loads(await r.read())
+                assert doc["usage"]["completion_tokens"] == 3
+            assert names == {"replica-0", "replica-1"}
+    finally:
+        rc = await _stop(proc)
+    assert rc == 0
+
+
+async def test_emulate_base_port_and_bad_args() -> None:
+    proc = await asyncio.create_subprocess_exec(
+        KVROUTE, "emulate", "--set", "no_such_field=1", stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
+    )
+    _, err = await proc.communicate()
+    assert proc.returncode == 2 and b"no_such_field" in err
+
+
+def test_build_config_flags_override_profile() -> None:
+    ns = parser().parse_args(["--profile", "kimi-k2.6-b200-tp4", "--time-scale", "0.5", "--token-unit", "8",
+                              "--kv-capacity-tokens", "400000", "--set", "spec_accept_length=3.0",
+                              "--stream-interval", "4", "--disable-cache-report", "--get-load-format", "vllm"])
+    cfg = build_config(ns)
+    assert cfg.time_scale == 0.5 and cfg.token_unit == 8 and cfg.profile.kv_capacity_tokens == 400_000
+    assert cfg.profile.capacity_tokens == 50_000 and cfg.profile.spec_accept_length == 3.0
+    assert cfg.stream_interval == 4 and not cfg.enable_cache_report and cfg.get_load_format == "vllm"
+    assert cfg.profile.host_capacity_tokens == 1_700_000  # untouched fields keep the profile's values

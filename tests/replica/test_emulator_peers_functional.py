@@ -1,0 +1,113 @@
+"""The real SGLang router (``smg launch``, PyPI sglang-router) in front of two emulated replicas."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import signal
+import socket
+import sys
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from replica.emulator.runner import Running, running_emulators
+from tests.replica.conftest import small_config
+
+pytestmark = [pytest.mark.peers, pytest.mark.slow]
+
+
+def _smg() -> str | None:
+    return shutil.which("smg") or (str(Path(sys.executable).parent / "smg")
+                                    if (Path(sys.executable).parent / "smg").exists() else None)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture
+async def smg_fleet(tmp_path: Path) -> AsyncIterator[tuple[str, list[Running]]]:
+    binary = _smg()
+    if binary is None:
+        pytest.skip("smg (pip install sglang-router, the 'peers' extra) is not on PATH")
+    async with running_emulators(2, config=small_config(time_scale=0.02)) as reps:
+        port, prom = _free_port(), _free_port()
+        log = (tmp_path / "smg.log").open("wb")
+        proc = await asyncio.create_subprocess_exec(
+            binary, "launch", "--host", "127.0.0.1", "--port", str(port), "--prometheus-host", "127.0.0.1",
+            "--prometheus-port", str(prom), "--log-level", "warn", "--policy", "manual",
+            "--shutdown-grace-period-secs", "1", "--worker-urls", *[r.url for r in reps],
+            stdout=log, stderr=log, env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        )
+        url = f"http://127.0.0.1:{port}"
+        try:
+            deadline = time.monotonic() + 30
+            async with aiohttp.ClientSession() as http:
+                while True:
+                    try:
+                        async with http.get(f"{url}/readiness") as r:
+                            if r.status == 200 and (await r.json()).get("healthy_workers") == 2:
+                                break
+                    except aiohttp.ClientError:
+                        pass
+                    if time.monotonic() > deadline or proc.returncode is not None:
+                        pytest.fail("smg did not become ready: " + (tmp_path / "smg.log").read_text()[-2000:])
+                    await asyncio.sleep(0.2)
+            yield url, reps
+        finally:
+            if proc.returncode is None:
+                proc.send_signal(signal.SIGTERM)
+                try:
+                    await asyncio.wait_for(proc.wait(), 10)
+                except TimeoutError:
+                    proc.kill()
+                    await proc.wait()
+            log.close()
+
+
+async def stream_chat(http: aiohttp.ClientSession, url: str, messages: list[dict[str, str]], key: str) -> tuple[str, str, int]:
+    """One streamed chat completion; returns (replica name, text, cached tokens from the usage chunk)."""
+    body = {"model": "emulated/small-test", "messages": messages, "max_tokens": 8, "stream": True,
+            "stream_options": {"include_usage": True}}
+    async with http.post(f"{url}/v1/chat/completions", json=body, headers={"X-SMG-Routing-Key": key}) as r:
+        assert r.status == 200, await r.text()
+        replica = r.headers["X-Emulator-Replica"]
+        raw = await r.read()
+    events = [e[len(b"data: "):] for e in raw.split(b"\n\n") if e]
+    assert events[-1] == b"[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+    usage = chunks[-1]["usage"]
+    assert usage["completion_tokens"] == 8 and len(text.encode()) == 32
+    return replica, text, usage["prompt_tokens_details"]["cached_tokens"]
+
+
+async def test_smg_routes_streams_to_emulators_and_sessions_hit_cache(smg_fleet: tuple[str, list[Running]]) -> None:
+    url, reps = smg_fleet
+    # new connection per request: smg adds ~40 ms to streams on reused keep-alive connections (peers.md §3.8)
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True),
+                                     timeout=aiohttp.ClientTimeout(total=30)) as http:
+        seen: dict[str, set[str]] = {}
+        for s in range(6):
+            key = f"session-{s}"
+            msgs = [{"role": "system", "content": f"[{key}] You are a coding agent. " * 10},
+                    {"role": "user", "content": f"task {s}: " + "edit the file " * 30}]
+            cached: list[int] = []
+            for _turn in range(3):
+                replica, text, c = await stream_chat(http, url, msgs, key)
+                seen.setdefault(key, set()).add(replica)
+                cached.append(c)
+                msgs += [{"role": "assistant", "content": text}, {"role": "user", "content": "and then? " * 5}]
+            assert cached[0] == 0 and 0 < cached[1] < cached[2], cached
+        assert all(len(v) == 1 for v in seen.values())  # manual policy: sticky on the routing key
+        assert len(set().union(*seen.values())) == 2  # and both replicas got sessions
+    served = sum(r.replica.served for r in reps)
+    assert served == 18
