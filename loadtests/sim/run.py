@@ -45,10 +45,12 @@ from replica.emulator.profiles import Profile, get_profile
 from replica.emulator.timemodel import EngineRequest, Finished, FirstToken, Started
 from router.errors import NoReplicaError
 from router.model import (
+    AffinityBreak,
     ClusterSnapshot,
     Completion,
     KeySource,
     Lease,
+    Reason,
     ReplicaStatus,
     RouteRequest,
 )
@@ -139,7 +141,7 @@ class _Root:
 
 
 class _Chain:
-    __slots__ = ("branches_at", "gateway", "key", "namer", "next_turn", "pending", "root", "spec")
+    __slots__ = ("branches_at", "gateway", "key", "last_replica", "namer", "next_turn", "pending", "root", "spec")
 
     def __init__(self, spec: SessionSpec, root: _Root, namer: ChainNamer, gateway: int, first_turn: int) -> None:
         self.spec = spec
@@ -149,6 +151,7 @@ class _Chain:
         self.gateway = gateway
         self.next_turn = first_turn
         self.pending = 0
+        self.last_replica: str | None = None
         at: dict[int, list[SessionSpec]] = {}
         for b in spec.branches:
             if b.spawn_after_turn >= first_turn:
@@ -514,6 +517,27 @@ class _Sim:
         rep.wake_at = None
         self._pump(rep, t)
 
+    def _break(self, req: _Req, lease: Lease, completion: Completion) -> str | None:
+        """The gateway's own classification (``classify_break``), as live. Policies that bind no
+        session (the baselines) leave the store without a session context, so it abstains; then
+        the simulator, which knows what an infinite cache would have hit, classifies the loss
+        itself: same replica as the chain's previous turn (or its first) -> evicted; another -> the
+        baseline moved it (hash: membership change -> replica_gone; others -> overload_spill)."""
+        brk = classify_break(lease, completion, KeySource.HEADER, page_tokens=self.page)
+        if brk is not None:
+            return brk.value
+        if lease.prev_context_tokens > 0 or req.ideal <= 0:
+            return None
+        tolerance = self.page + 0.02 * req.ideal
+        if req.cached >= req.ideal - tolerance:
+            return None
+        chain = req.chain
+        if chain.last_replica is None or chain.last_replica == lease.replica_id:
+            return AffinityBreak.EVICTED.value
+        if lease.reason is Reason.HASH:
+            return AffinityBreak.REPLICA_GONE.value
+        return AffinityBreak.OVERLOAD_SPILL.value
+
     def _complete(self, t: float, req: _Req, *, ok: bool, reason: str | None) -> None:
         self.reqs.pop(req.rid, None)
         lease = req.lease
@@ -527,8 +551,7 @@ class _Sim:
                 started_output=True,
             )
             if lease is not None:
-                brk = classify_break(lease, completion, KeySource.HEADER, page_tokens=self.page)
-                break_reason = brk.value if brk is not None else None
+                break_reason = self._break(req, lease, completion)
             self.ideal.add(req.full)
         else:
             completion = Completion(ok=False, started_output=req.t_first is not None)
@@ -550,6 +573,8 @@ class _Sim:
             )
         )
         chain = req.chain
+        if ok and req.replica is not None:
+            chain.last_replica = req.replica.id
         chain.pending -= 1
         if chain.pending > 0:
             return
