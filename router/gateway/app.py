@@ -109,6 +109,9 @@ def make_app(
             await rt.client.close()
 
     async def registry_ctx(app: web.Application) -> AsyncIterator[None]:
+        start = getattr(store, "start", None)  # the Redis store publishes its gateway lease
+        if start is not None:
+            await start()
         if register_static:
             for spec in config.replica_specs():
                 await store.upsert_replica(spec)  # new ones start JOINING; existing keep their state

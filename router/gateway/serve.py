@@ -30,7 +30,6 @@ from router.gateway.forward import ReplicaClient
 from router.gateway.keys import RUNTIME_KEY, GatewayRuntime
 from router.policy import Policy
 from router.store.base import StateStore
-from router.store.memory import MemoryStore
 
 __all__ = ["RunningGateway", "cli_main", "make_store", "start_gateway"]
 
@@ -38,18 +37,13 @@ log = logging.getLogger("kvroute.gateway")
 
 
 def make_store(config: GatewayConfig, clock: Clock) -> StateStore:
-    """The embedded memory store, or Redis when ``redis_url`` is set."""
-    if config.redis_url is None:
-        return MemoryStore(clock, config.store.to_store_config())
+    """The embedded memory store, or Redis when ``redis_url`` is set (``router.store.factory``)."""
+    from router.store.factory import make_store as factory
+
     try:
-        from router.store import redis as redis_store
+        return factory(config, clock)
     except ImportError as exc:
         raise ConfigError(f"redis_url: the Redis store cannot be loaded: {exc}") from exc
-    factory = getattr(redis_store, "make_redis_store", None)
-    if factory is None:
-        raise ConfigError("redis_url: this build's Redis store has no make_redis_store()")
-    store: StateStore = factory(config, clock)
-    return store
 
 
 def make_policy_from_config(config: GatewayConfig) -> Policy:
@@ -68,6 +62,7 @@ class RunningGateway:
     app: web.Application
     runner: web.AppRunner
     store: StateStore
+    owns_store: bool = False  # created by start_gateway: closed with it
 
     @property
     def runtime(self) -> GatewayRuntime:
@@ -75,6 +70,8 @@ class RunningGateway:
 
     async def close(self) -> None:
         await shutdown(self.runner, self.app)
+        if self.owns_store:
+            await self.store.close()
 
 
 async def start_gateway(
@@ -94,6 +91,7 @@ async def start_gateway(
 ) -> RunningGateway:
     """Start the gateway on ``config.host:config.port`` (port 0 = a free port) in this loop."""
     clock = clock or SystemClock()
+    owns_store = store is None
     store = store if store is not None else make_store(config, clock)
     policy = policy or make_policy_from_config(config)
     rng = rng or random.Random(config.seed)
@@ -118,7 +116,7 @@ async def start_gateway(
     port = int(runner.addresses[0][1])
     host = config.host if config.host not in ("0.0.0.0", "::", "") else "127.0.0.1"
     url = f"http://{host}:{port}" if ":" not in host else f"http://[{host}]:{port}"
-    return RunningGateway(url=url, port=port, app=app, runner=runner, store=store)
+    return RunningGateway(url=url, port=port, app=app, runner=runner, store=store, owns_store=owns_store)
 
 
 async def shutdown(runner: web.AppRunner, app: web.Application) -> None:
@@ -157,7 +155,6 @@ async def _serve(config: GatewayConfig) -> int:
         log.info("shutting down (in flight: %d)", gw.runtime.in_flight)
     finally:
         await gw.close()
-        await gw.store.close()
     return 0
 
 

@@ -42,10 +42,27 @@ def test_constructing_never_reads_process_env(monkeypatch: pytest.MonkeyPatch) -
 
 def test_serve_flags() -> None:
     c = load_config(
-        ["--host", "0.0.0.0", "--port", "9000", "--replica", "http://10.0.0.5:30000/",
-         "--replica", "http://10.0.0.6:30000", "--policy", "hash", "--no-decision-headers",
-         "--policy-param", "thicc_threshold=4", "--set", "limits.max_body_bytes=2048",
-         "--redis", "redis://127.0.0.1:6390/0", "--session-header", "X-Conv"],
+        [
+            "--host",
+            "0.0.0.0",
+            "--port",
+            "9000",
+            "--replica",
+            "http://10.0.0.5:30000/",
+            "--replica",
+            "http://10.0.0.6:30000",
+            "--policy",
+            "hash",
+            "--no-decision-headers",
+            "--policy-param",
+            "thicc_threshold=4",
+            "--set",
+            "limits.max_body_bytes=2048",
+            "--redis",
+            "redis://127.0.0.1:6390/0",
+            "--session-header",
+            "X-Conv",
+        ],
         {},
     )
     assert (c.host, c.port, c.policy, c.decision_headers) == ("0.0.0.0", 9000, "hash", False)
@@ -101,7 +118,11 @@ def test_precedence_cli_env_yaml_defaults(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("argv", "env", "names"),
     [
-        ([], {"KVROUTE_LIMITS__MAX_BODY_BYTES": "-1"}, ["limits.max_body_bytes", "KVROUTE_LIMITS__MAX_BODY_BYTES"]),
+        (
+            [],
+            {"KVROUTE_LIMITS__MAX_BODY_BYTES": "-1"},
+            ["limits.max_body_bytes", "KVROUTE_LIMITS__MAX_BODY_BYTES"],
+        ),
         ([], {"KVROUTE_PORT": "http"}, ["port", "KVROUTE_PORT"]),
         (["--port", "70000"], {}, ["port"]),
         (["--replica", "ftp://x:1"], {}, ["replicas", "ftp://x:1"]),
@@ -144,8 +165,12 @@ def test_yaml_errors(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     ("url", "rid"),
-    [("http://127.0.0.1:31001", "127.0.0.1:31001"), ("http://host", "host:80"), ("https://h", "h:443"),
-     ("http://[::1]:5", "[::1]:5")],
+    [
+        ("http://127.0.0.1:31001", "127.0.0.1:31001"),
+        ("http://host", "host:80"),
+        ("https://h", "h:443"),
+        ("http://[::1]:5", "[::1]:5"),
+    ],
 )
 def test_replica_ids(url: str, rid: str) -> None:
     assert replica_id_from_url(url) == rid

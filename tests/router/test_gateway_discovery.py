@@ -1,0 +1,100 @@
+"""The pure health state machine of discovery, and discovery rounds against real sockets."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import pytest
+
+from router.clock import SystemClock
+from router.config import HealthConfig, TimeoutsConfig
+from router.discovery import Discovery, HealthTrack, health_transition
+from router.events import ReplicaActivated, ReplicaEjected, ReplicaReadmitted
+from router.gateway.forward import AiohttpReplicaClient
+from router.model import ReplicaSpec, ReplicaStatus
+from router.store.memory import MemoryStore
+from tests.router.conftest import EventLog
+
+A, J, D, R = ReplicaStatus.ACTIVE, ReplicaStatus.JOINING, ReplicaStatus.DOWN, ReplicaStatus.DRAINING
+CFG = HealthConfig(unhealthy_threshold=3, healthy_threshold=2)
+
+
+@pytest.mark.parametrize(
+    ("status", "track", "ok", "want_track", "want_status"),
+    [
+        (J, HealthTrack(), True, HealthTrack(1, 0), A),  # first good check activates
+        (J, HealthTrack(), False, HealthTrack(0, 1), None),
+        (A, HealthTrack(5, 0), False, HealthTrack(0, 1), None),
+        (A, HealthTrack(0, 1), False, HealthTrack(0, 2), None),
+        (A, HealthTrack(0, 2), False, HealthTrack(0, 3), D),  # third failure in a row
+        (A, HealthTrack(0, 2), True, HealthTrack(1, 0), None),  # a success resets the streak
+        (D, HealthTrack(0, 4), True, HealthTrack(1, 0), None),
+        (D, HealthTrack(1, 0), True, HealthTrack(2, 0), A),  # readmitted after two successes
+        (D, HealthTrack(1, 0), False, HealthTrack(0, 1), None),
+        (R, HealthTrack(0, 9), False, HealthTrack(0, 10), None),  # draining belongs to the operator
+        (R, HealthTrack(), True, HealthTrack(1, 0), None),
+    ],
+)
+def test_health_transition(status: ReplicaStatus, track: HealthTrack, ok: bool, want_track: HealthTrack,
+                           want_status: ReplicaStatus | None) -> None:
+    assert health_transition(status, track, ok, CFG) == (want_track, want_status)
+
+
+async def test_rounds_against_real_replicas(fake_replicas: Any) -> None:
+    up, flaky = await fake_replicas(2)
+    clock = SystemClock()
+    store = MemoryStore(clock)
+    for r in (up, flaky):
+        await store.upsert_replica(ReplicaSpec(id=r.id, url=r.url))
+    await store.upsert_replica(ReplicaSpec(id="127.0.0.1:9", url="http://127.0.0.1:9"))
+    log = EventLog()
+    client = AiohttpReplicaClient(TimeoutsConfig(probe_s=1.0))
+    d = Discovery(store, client, HealthConfig(unhealthy_threshold=2, healthy_threshold=2, eject_on_connect_errors=2),
+                  clock=clock, emit=log, rng=random.Random(1))
+    try:
+        await d.check_health_once()
+        states = {r.id: r.status for r in await store.replicas()}
+        assert states == {up.id: A, flaky.id: A, "127.0.0.1:9": J}
+        assert {e.replica_id for e in log.of(ReplicaActivated)} == {up.id, flaky.id}
+
+        await d.scrape_once()
+        eng = {r.id: r.engine for r in await store.replicas()}
+        assert eng[up.id].capacity_tokens == 850000 and eng[up.id].kv_util == 0.1 and eng[up.id].updated_at > 0
+        assert eng["127.0.0.1:9"].updated_at == 0  # failed scrapes leave nothing
+        assert d.scrapes_ok == 2 and d.scrapes_failed == 1
+
+        flaky.state.health_status = 503
+        await d.check_health_once()
+        assert {r.id: r.status for r in await store.replicas()}[flaky.id] is A
+        await d.check_health_once()
+        assert {r.id: r.status for r in await store.replicas()}[flaky.id] is D
+        (ej,) = log.of(ReplicaEjected)
+        assert ej.replica_id == flaky.id and ej.cause == "health" and "503" in ej.detail
+        flaky.state.health_status = 200
+        await d.check_health_once()
+        await d.check_health_once()
+        assert {r.id: r.status for r in await store.replicas()}[flaky.id] is A
+        assert [e.replica_id for e in log.of(ReplicaReadmitted)] == [flaky.id]
+
+        # passive ejection: two connect errors in a row take an ACTIVE replica down
+        await d.on_connect_error(up.id, "refused")
+        assert {r.id: r.status for r in await store.replicas()}[up.id] is A
+        d.on_success(up.id)
+        await d.on_connect_error(up.id, "refused")
+        assert {r.id: r.status for r in await store.replicas()}[up.id] is A  # the success reset the count
+        await d.on_connect_error(up.id, "refused")
+        assert {r.id: r.status for r in await store.replicas()}[up.id] is D
+        assert log.of(ReplicaEjected)[-1].cause == "connect"
+
+        # replicas removed from the store are forgotten, draining is left alone
+        await store.set_status(flaky.id, R)
+        flaky.state.health_status = 500
+        for _ in range(3):
+            await d.check_health_once()
+        assert {r.id: r.status for r in await store.replicas()}[flaky.id] is R
+        await store.remove_replica("127.0.0.1:9")
+        await d.check_health_once()
+        assert "127.0.0.1:9" not in {r.id for r in await store.replicas()}
+    finally:
+        await client.close()

@@ -1,0 +1,71 @@
+"""``kvroute serve`` as a real process: start-up, config errors, graceful SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+from typing import Any
+
+import aiohttp
+import pytest
+
+PY = sys.executable
+
+
+async def _spawn(*args: str, env: dict[str, str] | None = None) -> asyncio.subprocess.Process:
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("KVROUTE_")}
+    full_env.update(env or {})
+    return await asyncio.create_subprocess_exec(
+        PY, "-m", "router", "serve", *args, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        env=full_env,
+    )
+
+
+async def _url(proc: asyncio.subprocess.Process) -> str:
+    assert proc.stderr is not None
+    async with asyncio.timeout(20):
+        while True:
+            line = (await proc.stderr.readline()).decode()
+            if not line:
+                raise AssertionError("gateway exited before listening")
+            if "listening on http://" in line and "kvroute gateway listening" in line and line.startswith("kvroute"):
+                return line.rsplit(" ", 1)[1].strip()
+
+
+async def test_bad_config_exits_2_naming_the_key() -> None:
+    proc = await _spawn("--port", "0", env={"KVROUTE_LIMITS__MAX_BODY_BYTES": "zero"})
+    _, err = await asyncio.wait_for(proc.communicate(), 20)
+    assert proc.returncode == 2
+    assert b"limits.max_body_bytes" in err and b"KVROUTE_LIMITS__MAX_BODY_BYTES" in err
+    proc = await _spawn("--port", "0", "--policy", "nope")
+    _, err = await asyncio.wait_for(proc.communicate(), 20)
+    assert proc.returncode == 2 and b"policy" in err
+
+
+@pytest.mark.slow
+async def test_serve_routes_and_drains_on_sigterm(fake_replicas: Any) -> None:
+    (rep,) = await fake_replicas(1)
+    rep.state.chunks, rep.state.chunk_delay_s = 10, 0.1  # a 1 s stream
+    proc = await _spawn("--host", "127.0.0.1", "--port", "0", "--replica", rep.url,
+                        "--set", "health.health_interval_s=0.1")
+    try:
+        url = await _url(proc)
+        async with aiohttp.ClientSession() as s:
+            async with s.get(url + "/ready") as r:
+                assert r.status == 200
+            body = b'{"text":"hi","stream":true}'
+            async with s.post(url + "/generate", data=body, headers={"Modal-Session-Id": "sig"}) as r:
+                assert r.status == 200 and r.headers["X-Kvroute-Replica"] == rep.id
+                first = await r.content.readline()
+                assert first.startswith(b"data: ")
+                proc.send_signal(signal.SIGTERM)  # in flight: must be allowed to finish
+                rest = await r.read()
+        assert rest.endswith(b"data: [DONE]\n\n") and rest.count(b"data: ") == 10
+        assert await asyncio.wait_for(proc.wait(), 20) == 0
+        assert rep.state.completed == 1 and rep.state.aborted == 0
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
