@@ -156,19 +156,25 @@ async def run_policy(
                     view.update(_render(spec.name, st, scenario.duration_s))
 
                 return await run_load(sessions, config, stats=stats, on_tick=tick)
+        every = min(5.0, max(1.0, scenario.duration_s / 6))
         last = [time.monotonic()]
 
-        def plain(st: LiveStats) -> None:
-            if time.monotonic() - last[0] >= 5.0:
-                last[0] = time.monotonic()
-                print(
-                    f"[{spec.name}] {st.elapsed_s:5.1f}s req {st.finished} err {st.errors} "
-                    f"in-flight {list(st.last_loads)} disp {st.dispersion:.2f} chr {st.chr:.3f} "
-                    f"ttft p50 {st.ttft_quantile(0.5):.2f}s p99 {st.ttft_quantile(0.99):.2f}s",
-                    flush=True,
-                )
+        def line(st: LiveStats) -> None:
+            print(
+                f"[{spec.name}] {st.elapsed_s:5.1f}s req {st.finished} err {st.errors} "
+                f"in-flight {list(st.last_loads)} disp {st.dispersion:.2f} chr {st.chr:.3f} "
+                f"ttft p50 {st.ttft_quantile(0.5):.2f}s p99 {st.ttft_quantile(0.99):.2f}s",
+                flush=True,
+            )
 
-        return await run_load(sessions, config, stats=stats, on_tick=plain)
+        def plain(st: LiveStats) -> None:
+            if time.monotonic() - last[0] >= every:
+                last[0] = time.monotonic()
+                line(st)
+
+        result = await run_load(sessions, config, stats=stats, on_tick=plain)
+        line(stats)
+        return result
 
 
 async def run_demo(
@@ -218,6 +224,7 @@ def cli_main(argv: list[str]) -> int:
     p.add_argument("--token-unit", type=int, default=d.token_unit, help="model tokens per emulated token")
     p.add_argument("--profile", default=d.profile, help="emulator profile")
     p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--drain", type=float, default=d.drain_s, help="wall seconds in-flight requests get at the end")
     p.add_argument("--json", type=Path, help="write {policy: DESIGN §7 measures} here")
     p.add_argument("--plots", type=Path, help="write load histogram and TTFT CDF PNGs into this directory")
     p.add_argument("--no-live", action="store_true", help="plain progress lines instead of the live view")
@@ -229,7 +236,7 @@ def cli_main(argv: list[str]) -> int:
         p.error("--replicas, --duration and --sessions must be positive")
     scenario = demo_scenario(
         replicas=ns.replicas, duration_s=ns.duration, sessions=ns.sessions, time_scale=ns.time_scale,
-        token_unit=ns.token_unit, profile=ns.profile, seed=ns.seed,
+        token_unit=ns.token_unit, profile=ns.profile, seed=ns.seed, drain_s=ns.drain,
     )
     live = sys.stdout.isatty() and not ns.no_live
     print(

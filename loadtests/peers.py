@@ -255,3 +255,106 @@ async def emulated_fleet(
         await stop_process(p)
         if own_dir is not None:
             own_dir.cleanup()
+
+
+# ---- kvroute bench peers -------------------------------------------------------------------------
+
+BENCH_TARGETS: tuple[str, ...] = (
+    "kvroute",
+    "sglang-cache_aware",
+    "sglang-manual",
+    "vllm-consistent_hash",
+    "vllm-sticky_least_loaded",
+)
+
+
+async def run_peers_bench(
+    targets: Sequence[str], scenario: object, *, out_dir: Path, say: Callable[[str], None]
+) -> dict[str, object]:
+    """Each target on a fresh emulated fleet, the identical workload; returns the JSON document."""
+    from loadtests.demo import DemoScenario, run_policy
+    from loadtests.report import plot_load, plot_ttft_cdf
+
+    assert isinstance(scenario, DemoScenario)
+    sessions = scenario.workload()
+    results: dict[str, dict[str, object]] = {}
+    skipped: dict[str, str] = {}
+    loads: dict[str, list[tuple[float, tuple[int, ...]]]] = {}
+    ttfts: dict[str, list[float]] = {}
+    warm = scenario.duration_s * scenario.warmup_frac / scenario.time_scale
+    with tempfile.TemporaryDirectory(prefix="kvroute-peers-") as tmp:
+        for t in targets:
+            spec = PEERS[t]
+            if find_binary(spec.binary) is None:
+                skipped[spec.name] = f"{spec.binary} not installed (pip install 'kvroute[peers]')"
+                say(f"skip {spec.name}: {skipped[spec.name]}")
+                continue
+            say(f"running {spec.name} ({scenario.duration_s:.0f} s){'; ' + spec.note if spec.note else ''}")
+            try:
+                res = await run_policy(spec, scenario, sessions, log_dir=Path(tmp), live=False)
+            except RuntimeError as exc:  # a router that failed to start: report, go on with the rest
+                skipped[spec.name] = f"failed to start: {str(exc).splitlines()[0]}"
+                say(f"skip {spec.name}: {skipped[spec.name]}")
+                continue
+            m = dict(res.measures)
+            m["router"] = spec.kind
+            m["policy"] = spec.policy
+            m["note"] = spec.note
+            results[spec.name] = m
+            loads[spec.name] = [s for s in res.load_samples if s[0] >= warm]
+            ttfts[spec.name] = [o.ttft_s for o in res.outcomes if o.ok and o.ttft_s is not None and o.t_start >= warm]
+    out_dir.mkdir(parents=True, exist_ok=True)
+    plots = {
+        "load": str(plot_load(loads, out_dir / "peers_load.png", title=f"{scenario.replicas} emulated replicas")),
+        "ttft_cdf": str(plot_ttft_cdf(ttfts, out_dir / "peers_ttft_cdf.png")),
+    }
+    return {"bench": "peers", "results": results, "skipped": skipped, "plots": plots}
+
+
+def bench_peers_main(argv: list[str]) -> int:
+    import argparse
+    import json
+    from dataclasses import asdict
+
+    from rich.console import Console
+
+    from loadtests.demo import DemoScenario, demo_scenario
+    from loadtests.report import comparison_table
+
+    d = DemoScenario()
+    p = argparse.ArgumentParser(
+        prog="kvroute bench peers",
+        description="kvroute and the peer routers one after another on the identical workload and fleet",
+    )
+    p.add_argument("--targets", default=",".join(BENCH_TARGETS), help=f"comma list from {sorted(PEERS)}")
+    p.add_argument("--replicas", type=int, default=d.replicas)
+    p.add_argument("--duration", type=float, default=d.duration_s, help="wall seconds of load per router")
+    p.add_argument("--sessions", type=int, default=d.sessions)
+    p.add_argument("--time-scale", type=float, default=d.time_scale)
+    p.add_argument("--token-unit", type=int, default=d.token_unit)
+    p.add_argument("--profile", default=d.profile)
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--out", type=Path, default=Path("out/peers"), help="directory for plots")
+    p.add_argument("--json", type=Path, help="write the JSON here (default OUT/peers.json)")
+    ns = p.parse_args(argv)
+    targets = [t for t in ns.targets.split(",") if t]
+    unknown = [t for t in targets if t not in PEERS]
+    if unknown:
+        p.error(f"unknown targets {unknown}; choose from {sorted(PEERS)}")
+    scenario = demo_scenario(
+        replicas=ns.replicas, duration_s=ns.duration, sessions=ns.sessions, time_scale=ns.time_scale,
+        token_unit=ns.token_unit, profile=ns.profile, seed=ns.seed,
+    )
+    console = Console(stderr=True)
+    doc = asyncio.run(run_peers_bench(targets, scenario, out_dir=ns.out, say=console.print))
+    doc["scenario"] = asdict(scenario)
+    results = doc["results"]
+    assert isinstance(results, dict)
+    if results:
+        console.print(comparison_table(results, title="routers side by side (same workload, fresh fleet each)"))
+    path = ns.json or ns.out / "peers.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(doc, indent=2) + "\n")
+    console.print(f"wrote {path} and plots in {ns.out}")
+    print(json.dumps(doc, indent=2))
+    return 0

@@ -1,0 +1,45 @@
+"""``kvroute demo`` through the real console script, as a subprocess (tiny fleet, a few seconds)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from loadtests.measures import MEASURE_FIELDS
+
+KVROUTE = str(Path(sys.executable).parent / "kvroute")
+
+
+@pytest.mark.slow
+def test_tiny_demo_writes_both_policies(tmp_path: Path) -> None:
+    out = tmp_path / "demo.json"
+    proc = subprocess.run(
+        [KVROUTE, "demo", "--replicas", "2", "--duration", "4", "--sessions", "8", "--drain", "2",
+         "--time-scale", "0.05", "--json", str(out), "--plots", str(tmp_path)],
+        capture_output=True, text=True, timeout=90,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert {"kv_aware", "hash"} <= set(doc)
+    for policy in ("kv_aware", "hash"):
+        m = doc[policy]
+        assert set(MEASURE_FIELDS) <= set(m), set(MEASURE_FIELDS) - set(m)
+        assert m["requests"] > 10
+        assert m["errors"] == 0
+        assert 0.0 < m["chr"] <= 1.0 and m["ideal_chr"] > 0.5
+        assert m["dispersion"] is not None and m["ttft_p99_s"] > 0
+    assert doc["_scenario"]["replicas"] == 2 and doc["_scenario"]["policies"] == ["kv_aware", "hash"]
+    # not a TTY: plain progress lines and the final comparison
+    assert "[kvroute kv_aware]" in proc.stdout and "dispersion" in proc.stdout
+    assert (tmp_path / "demo_load.png").stat().st_size > 5000
+    assert (tmp_path / "demo_ttft_cdf.png").stat().st_size > 5000
+
+
+def test_demo_rejects_bad_arguments() -> None:
+    proc = subprocess.run([KVROUTE, "demo", "--replicas", "0"], capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 2
+    assert "--replicas" in proc.stderr
