@@ -15,9 +15,9 @@ KVROUTE = str(Path(sys.executable).parent / "kvroute")
 
 
 def test_bench_usage_and_unknown() -> None:
-    ok = subprocess.run([KVROUTE, "bench", "--help"], capture_output=True, text=True, timeout=30)
+    ok = subprocess.run([KVROUTE, "bench", "--help"], check=False, capture_output=True, text=True, timeout=30)
     assert ok.returncode == 0 and "overhead" in ok.stdout and "peers" in ok.stdout
-    bad = subprocess.run([KVROUTE, "bench", "nope"], capture_output=True, text=True, timeout=30)
+    bad = subprocess.run([KVROUTE, "bench", "nope"], check=False, capture_output=True, text=True, timeout=30)
     assert bad.returncode == 2 and "unknown benchmark" in bad.stderr
 
 
@@ -27,7 +27,7 @@ def test_tiny_overhead_run(tmp_path: Path) -> None:
     proc = subprocess.run(
         [KVROUTE, "bench", "overhead", "--duration", "0.4", "--concurrency", "1", "--concurrency", "4",
          "--targets", "kvroute", "--json", str(out)],
-        capture_output=True, text=True, timeout=120,
+        check=False, capture_output=True, text=True, timeout=120,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     doc = json.loads(out.read_text())
@@ -52,7 +52,7 @@ def test_tiny_peers_run(tmp_path: Path) -> None:
     proc = subprocess.run(
         [KVROUTE, "bench", "peers", "--targets", "kvroute,sglang-manual", "--replicas", "2", "--duration", "3",
          "--sessions", "6", "--time-scale", "0.05", "--out", str(tmp_path)],
-        capture_output=True, text=True, timeout=120,
+        check=False, capture_output=True, text=True, timeout=120,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     doc = json.loads((tmp_path / "peers.json").read_text())

@@ -20,7 +20,7 @@ def test_tiny_demo_writes_both_policies(tmp_path: Path) -> None:
     proc = subprocess.run(
         [KVROUTE, "demo", "--replicas", "2", "--duration", "4", "--sessions", "8", "--drain", "2",
          "--time-scale", "0.05", "--json", str(out), "--plots", str(tmp_path)],
-        capture_output=True, text=True, timeout=90,
+        check=False, capture_output=True, text=True, timeout=90,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     doc = json.loads(out.read_text())
@@ -40,6 +40,6 @@ def test_tiny_demo_writes_both_policies(tmp_path: Path) -> None:
 
 
 def test_demo_rejects_bad_arguments() -> None:
-    proc = subprocess.run([KVROUTE, "demo", "--replicas", "0"], capture_output=True, text=True, timeout=30)
+    proc = subprocess.run([KVROUTE, "demo", "--replicas", "0"], check=False, capture_output=True, text=True, timeout=30)
     assert proc.returncode == 2
     assert "--replicas" in proc.stderr

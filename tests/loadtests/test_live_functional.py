@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from loadtests.live import LoadConfig, run_load
@@ -53,7 +55,7 @@ async def test_cached_tokens_grow_across_turns_and_measures_are_complete() -> No
     alpha = [o for o in by_session["alpha"] if not o.side]
     assert alpha[0].cached_tokens == 0  # cold replica
     cached = [o.cached_tokens for o in alpha]
-    assert all(b > a for a, b in zip(cached, cached[1:], strict=False)), cached
+    assert all(b > a for a, b in itertools.pairwise(cached)), cached
     for o in alpha[1:]:
         # a warm continuation hits (nearly) its whole previous context, as the ideal cache does
         assert o.cached_tokens >= 0.9 * o.ideal_cached_tokens > 0
