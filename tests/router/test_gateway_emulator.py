@@ -1,0 +1,164 @@
+"""The gateway in front of the project's SGLang-compatible emulator (``replica.emulator``).
+
+Relay fidelity against SGLang's real wire format (modulo ids and timestamps), the emulator's own
+fault knobs (``POST /_emulator/faults``), the engine's prefix cache seen through ``cached_tokens``,
+and engine-side aborts when the client goes away.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+import pytest
+
+from replica.emulator.profiles import get_profile
+from replica.emulator.runner import Running, start_emulators, stop_emulators
+from replica.emulator.server import EmulatorConfig
+from router.events import RequestFinished, UpstreamRetry
+from tests.router.conftest import EventLog, wait_for
+
+_VOLATILE = re.compile(
+    rb'"(id|rid|created|e2e_latency|response_sent_to_client_ts|request_received_ts|request_finished_ts|'
+    rb'queue_time|forward_entry_time|prefill_finished_time|first_token_latency|api_server_dispatch_finish_ts|'
+    rb'decode_throughput|timestamp)":("[^"]*"|[-0-9.e+]+|null)'
+)
+
+
+def _normalise(raw: bytes) -> bytes:
+    return _VOLATILE.sub(rb'"\1":X', raw)
+
+
+@pytest.fixture
+async def emulators() -> AsyncIterator[Any]:
+    started: list[Running] = []
+
+    async def make(n: int, **cfg: Any) -> list[Running]:
+        config = EmulatorConfig(**{"profile": get_profile("small-test"), "time_scale": 0.002, **cfg})
+        reps = await start_emulators(n, config=config, first_index=len(started))
+        started.extend(reps)
+        return reps
+
+    yield make
+    await stop_emulators(started)
+
+
+def _chat(text: str, stream: bool, max_tokens: int = 8) -> bytes:
+    obj: dict[str, Any] = {"model": "emulated/small-test", "messages": [{"role": "user", "content": text}],
+                           "max_tokens": max_tokens, "stream": stream, "rid": "fixed-rid-1"}
+    if stream:
+        obj["stream_options"] = {"include_usage": True}
+    return json.dumps(obj).encode()
+
+
+BODIES = {
+    "/v1/chat/completions": _chat,
+    "/v1/completions": lambda text, stream: json.dumps(
+        {"model": "emulated/small-test", "prompt": text, "max_tokens": 8, "stream": stream, "rid": "fixed-rid-1",
+         **({"stream_options": {"include_usage": True}} if stream else {})}).encode(),
+    "/generate": lambda text, stream: json.dumps(
+        {"text": text, "sampling_params": {"max_new_tokens": 8}, "stream": stream, "rid": "fixed-rid-1"}).encode(),
+}
+
+
+async def _post(s: aiohttp.ClientSession, url: str, body: bytes, sid: str | None) -> tuple[int, bytes, Any]:
+    headers = {"Content-Type": "application/json"}
+    if sid:
+        headers["Modal-Session-Id"] = sid
+    async with s.post(url, data=body, headers=headers) as r:
+        return r.status, await r.read(), r.headers
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("route", list(BODIES))
+async def test_relay_matches_direct_modulo_ids(emulators: Any, gateway_factory: Any, route: str, stream: bool) -> None:
+    via, direct = await emulators(2)
+    gw = await gateway_factory([via.url])
+    body = BODIES[route]("Explain the bug in this function. " * 20, stream)
+    async with aiohttp.ClientSession() as s:
+        st1, got, h1 = await _post(s, gw.url + route, body, "emu-1")
+        st2, want, h2 = await _post(s, direct.url + route, body, None)
+    assert st1 == st2 == 200
+    assert h1["Content-Type"] == h2["Content-Type"]
+    assert _normalise(got) == _normalise(want)
+    assert h1["X-Emulator-Replica"] == via.name  # the replica's own headers pass through
+    if stream:
+        assert got.endswith(b"data: [DONE]\n\n") and got.count(b"data: ") >= 2
+
+
+async def test_cached_tokens_learned_across_turns(emulators: Any, gateway_factory: Any) -> None:
+    reps = await emulators(2)
+    log = EventLog()
+    gw = await gateway_factory([r.url for r in reps], hooks=(log,))
+    history = "You are a coding agent working on a repository. " * 30
+    async with aiohttp.ClientSession() as s:
+        for turn in range(3):
+            history += f" Turn {turn}: run the tests and fix what fails."
+            status, _, _ = await _post(s, gw.url + "/v1/chat/completions", _chat(history, True, 4), "agent-1")
+            assert status == 200
+    await wait_for(lambda: len(log.of(RequestFinished)) == 3)
+    fin = log.of(RequestFinished)
+    assert len({f.replica_id for f in fin}) == 1
+    assert fin[0].cached_tokens == 0
+    assert all(f.cached_tokens and f.cached_tokens >= 0.8 * f0.prompt_tokens for f, f0 in zip(fin[1:], fin[:-1], strict=True))
+    assert not any(f.breaks for f in fin)
+    sess = await gw.store.session("agent-1")
+    assert sess is not None and sess.turns == 3 and sess.context_tokens == fin[-1].prompt_tokens + fin[-1].completion_tokens
+
+
+async def _set_faults(s: aiohttp.ClientSession, rep: Running, **faults: Any) -> None:
+    async with s.post(rep.url + "/_emulator/faults", json=faults) as r:
+        assert r.status == 200
+
+
+async def _state(s: aiohttp.ClientSession, rep: Running) -> dict[str, Any]:
+    async with s.get(rep.url + "/_emulator/state") as r:
+        return dict(await r.json())
+
+
+async def test_emulator_faults_retry_and_break(emulators: Any, gateway_factory: Any) -> None:
+    a, b = await emulators(2)
+    log = EventLog()
+    gw = await gateway_factory([a.url, b.url], hooks=(log,))
+    async with aiohttp.ClientSession() as s:
+        _, _, h = await _post(s, gw.url + "/generate", BODIES["/generate"]("hello " * 50, False), "f-1")
+        home = a if h["X-Kvroute-Replica"].endswith(f":{a.port}") else b
+        other = b if home is a else a
+        await _set_faults(s, home, status=503, count=1)
+        status, _, h = await _post(s, gw.url + "/generate", BODIES["/generate"]("hello " * 50, True), "f-1")
+        assert status == 200 and h["X-Kvroute-Replica"].endswith(f":{other.port}")
+        assert [r.error for r in log.of(UpstreamRetry)] == ["upstream_status"]
+
+        for rep in (a, b):
+            await _set_faults(s, rep, break_after_chunks=2, count=1)
+        body = BODIES["/v1/chat/completions"]("x " * 40, True)
+        status, raw, h = await _post(s, gw.url + "/v1/chat/completions", body, "f-2")
+        assert status == 200
+        events = [e for e in raw.decode().split("\n\n") if e]
+        assert len(events) == 4  # two relayed chunks, then the gateway's error event and [DONE]
+        assert json.loads(events[-2].removeprefix("data: "))["error"]["code"] == 502
+        assert events[-1] == "data: [DONE]"
+        await wait_for(lambda: all(r.in_flight == 0 for r in gw.runtime.store.core.replicas()))
+
+
+async def test_disconnect_aborts_in_the_engine(emulators: Any, gateway_factory: Any) -> None:
+    (rep,) = await emulators(1, time_scale=0.05)
+    gw = await gateway_factory([rep.url])
+    async with aiohttp.ClientSession() as s:
+        async with s.post(gw.url + "/generate", headers={"Modal-Session-Id": "bye"},
+                          data=BODIES["/generate"]("long " * 200, True).replace(b'"max_new_tokens": 8',
+                                                                                 b'"max_new_tokens": 2000')) as r:
+            assert r.status == 200
+            await r.content.readline()
+            r.close()
+        await wait_for(lambda: _aborted(s, rep), timeout_s=5)
+    await wait_for(lambda: all(x.in_flight == 0 for x in gw.runtime.store.core.replicas()))
+
+
+async def _aborted(s: aiohttp.ClientSession, rep: Running) -> bool:
+    st = await _state(s, rep)
+    return bool(st["requests_aborted"] == 1 and st["in_flight"] == 0)
