@@ -7,7 +7,6 @@ and engine-side aborts when the client goes away.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import re
 from collections.abc import AsyncIterator
