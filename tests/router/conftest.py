@@ -42,6 +42,7 @@ class FakeReplicaState:
     fail_times: int = 0  # ... this many times (0 = always while fail_status is set)
     break_after: int = -1  # cut the connection after this many SSE events (-1 = never)
     health_status: int = 200
+    break_json: bool = False  # non-stream: declare the full Content-Length, send half, cut the connection
     cache_report: bool = True
     requests: list[dict[str, Any]] = field(default_factory=list)
     aborted: int = 0
@@ -99,8 +100,18 @@ class FakeReplica:
             if body.get("stream"):
                 return await self._stream(request, body, prompt, cached)
             await asyncio.sleep(st.chunk_delay_s * st.chunks)
+            full = self._full(request.path, body, prompt, cached).encode()
+            if st.break_json:
+                resp = web.StreamResponse(headers={"Content-Type": "application/json"})
+                resp.content_length = len(full)
+                await resp.prepare(request)
+                await resp.write(full[: len(full) // 2])
+                await asyncio.sleep(0.05)
+                assert request.transport is not None
+                request.transport.abort()
+                return resp
             st.completed += 1
-            return web.Response(text=self._full(request.path, body, prompt, cached), content_type="application/json")
+            return web.Response(body=full, content_type="application/json")
         except asyncio.CancelledError:
             st.aborted += 1
             raise

@@ -254,6 +254,27 @@ async def test_mid_stream_break_gives_error_event(fake_replicas: Any, gateway_fa
     assert all(r.in_flight == 0 for r in await gw.store.replicas())
 
 
+async def test_non_stream_break_cuts_the_connection(fake_replicas: Any, gateway_factory: Any) -> None:
+    (a,) = await fake_replicas(1)
+    a.state.break_json = True
+    log = EventLog()
+    gw = await gateway_factory([a.url], hooks=(log,))
+    async with aiohttp.ClientSession() as s:
+        async with s.post(gw.url + "/v1/chat/completions", data=_body("/v1/chat/completions", False),
+                          headers={"Modal-Session-Id": "cut"}) as r:
+            assert r.status == 200  # already sent when the replica broke
+            with pytest.raises(aiohttp.ClientPayloadError):
+                await r.read()  # truncated, never silently short
+        # the gateway still serves on new connections
+        a.state.break_json = False
+        status, _, _ = await _post(s, gw.url + "/v1/chat/completions", _body("/v1/chat/completions", False), "cut")
+        assert status == 200
+    await _finished(log, 2)
+    first = log.of(RequestFinished)[0]
+    assert not first.ok and first.error == "upstream_stream_broken" and first.retries == 0
+    await wait_for(lambda: _in_flight_zero(gw))
+
+
 async def test_client_disconnect_releases_load_and_aborts_upstream(fake_replicas: Any, gateway_factory: Any) -> None:
     (a,) = await fake_replicas(1)
     a.state.first_delay_s = 3.0
