@@ -286,9 +286,9 @@ def _path_id(request: web.Request, name: str) -> str:
 
 
 def _int_field(data: Mapping[str, Any], key: str, default: int = 0) -> int:
-    val = data.get(key, default)
-    if val is None:
+    if key not in data:
         return default
+    val = data[key]
     if isinstance(val, bool) or not isinstance(val, int) or val < 0 or val > 10**12:
         raise BadRequestError(f"{key}: expected a non-negative integer")
     return val
@@ -343,8 +343,10 @@ def make_admin_app(
             return await handler(request)
         except KvrouteError as exc:
             return _kv_error(exc)
-        except web.HTTPMethodNotAllowed:
-            return _error(405, f"method {request.method} not allowed here", "method_not_allowed")
+        except web.HTTPMethodNotAllowed as exc:
+            resp405 = _error(405, f"method {request.method} not allowed here", "method_not_allowed")
+            resp405.headers["Allow"] = ", ".join(sorted(exc.allowed_methods))
+            return resp405
         except web.HTTPNotFound:
             return _error(404, f"no admin route {request.path}", "not_found")
         except web.HTTPException:
@@ -424,21 +426,16 @@ def make_admin_app(
         if "url" not in data:
             raise BadRequestError("url: required")
         url = await validate_replica_url(data["url"], networks, settings.resolve_timeout_s)
-        rid = data.get("id")
-        if rid is None:
-            rid = replica_id_from_url(url)
+        rid = data["id"] if "id" in data else replica_id_from_url(url)
         if not isinstance(rid, str) or not rid or len(rid) > 256 or not set(rid) <= _ID_CHARS:
             raise BadRequestError("id: 1-256 characters of [A-Za-z0-9-_.:[]]")
         model = data.get("model", "")
-        if model is None:
-            model = ""
         if not isinstance(model, str) or len(model) > 256:
             raise BadRequestError("model: expected a string of at most 256 characters")
-        status_raw = data.get("status")
         status: ReplicaStatus | None = None
-        if status_raw is not None:
+        if "status" in data:
             try:
-                status = ReplicaStatus(status_raw)
+                status = ReplicaStatus(data["status"])
             except ValueError:
                 raise BadRequestError(f"status: one of {', '.join(s.value for s in ReplicaStatus)}") from None
         spec = ReplicaSpec(
@@ -504,11 +501,9 @@ def make_admin_app(
         if unknown:
             raise BadRequestError(f"{min(unknown)}: unknown field (expected policy, params)")
         name = data.get("policy")
-        if name is not None and not isinstance(name, str):
+        if "policy" in data and not isinstance(name, str):
             raise BadRequestError("policy: expected a string")
         changes = data.get("params", {})
-        if changes is None:
-            changes = {}
         if not isinstance(changes, dict):
             raise BadRequestError("params: expected an object")
         try:

@@ -243,6 +243,10 @@ async def test_replicas_register_update_drain_delete(admin: tuple[TestClient, Me
         ({"url": "http://127.0.0.1:1", "status": "sleepy"}, "status"),
         ({"url": "http://127.0.0.1:1", "id": "a/b"}, "id"),
         ({"url": "http://127.0.0.1:1", "model": 7}, "model"),
+        ({"url": "http://127.0.0.1:1", "model": None}, "model"),
+        ({"url": "http://127.0.0.1:1", "id": None}, "id"),
+        ({"url": "http://127.0.0.1:1", "status": None}, "status"),
+        ({"url": "http://127.0.0.1:1", "tp_size": None}, "tp_size"),
     ],
 )
 async def test_replica_validation_errors(
@@ -274,6 +278,7 @@ async def test_unknown_route_and_method(admin: tuple[TestClient, MemoryStore, An
     _assert_error(await resp.json(), "not_found")
     resp = await client.put("/admin/config", headers=AUTH, json={})
     assert resp.status == 405
+    assert set(resp.headers["Allow"].split(", ")) == {"GET", "HEAD", "PATCH"}
     _assert_error(await resp.json(), "method_not_allowed")
 
 
@@ -345,6 +350,8 @@ async def test_config_get_patch_and_validation(admin: tuple[TestClient, MemorySt
         ({"params": [1]}, "params"),
         ({"policy": "magic"}, "policy"),
         ({"policy": 3}, "policy"),
+        ({"policy": None}, "policy"),
+        ({"params": None}, "params"),
         ({"knobs": {}}, "knobs"),
     ]:
         resp = await client.patch("/admin/config", headers=AUTH, json=bad)

@@ -143,3 +143,43 @@ def test_tracing_module_imports_otel_lazily() -> None:
 def test_decision_attributes_types(extra: dict[str, Any], expected: dict[str, Any]) -> None:
     attrs = decision_attributes("r", "hash", **extra)
     assert {k: v for k, v in attrs.items() if k not in {"kvroute.replica", "kvroute.reason"}} == expected
+
+
+def test_otlp_exporter_posts_to_a_collector() -> None:
+    """The OTLP/HTTP exporter (the 'otel' extra) ships spans to a collector: a tiny one on 127.0.0.1:0."""
+    import asyncio
+    import threading
+
+    received: list[tuple[str, str, bytes]] = []
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+
+    async def start() -> TestServer:
+        async def traces(request: web.Request) -> web.Response:
+            received.append((request.path, request.content_type, await request.read()))
+            return web.Response(status=200, body=b"", content_type="application/x-protobuf")
+
+        app = web.Application()
+        app.router.add_post("/v1/traces", traces)
+        srv = TestServer(app, host="127.0.0.1", port=0)
+        await srv.start_server()
+        return srv
+
+    srv = asyncio.run_coroutine_threadsafe(start(), loop).result(timeout=10)
+    try:
+        tracing = make_tracing(True, otlp_endpoint=str(srv.make_url("")).rstrip("/"), batch=False)
+        provider = tracing.provider  # type: ignore[attr-defined]
+        tracer = provider.get_tracer("test")
+        with tracer.start_as_current_span("kvroute.request") as span:
+            span.set_attribute("kvroute.reason", "affinity")
+        provider.shutdown()
+    finally:
+        asyncio.run_coroutine_threadsafe(srv.close(), loop).result(timeout=10)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(timeout=10)
+        loop.close()
+    assert len(received) == 1
+    path, ctype, body = received[0]
+    assert path == "/v1/traces" and ctype == "application/x-protobuf"
+    assert b"kvroute.request" in body and b"affinity" in body and b"kvroute-gateway" in body
