@@ -41,7 +41,7 @@ __all__ = ["build_parser", "cli_main", "load_workload"]
 
 # Per-workload defaults: (lanes per replica, duration_s, warmup_s, max_think_s)
 _DEFAULTS: dict[str, dict[str, float]] = {
-    "synthetic": {"lanes_per_replica": 10, "duration_s": 600.0, "warmup_s": 120.0, "max_think_s": 0.0},
+    "synthetic": {"lanes_per_replica": 7, "duration_s": 600.0, "warmup_s": 120.0, "max_think_s": 0.0},
     "weka": {"lanes_per_replica": 8, "duration_s": 1800.0, "warmup_s": 300.0, "max_think_s": 60.0},
     "mooncake": {"lanes_per_replica": 0, "duration_s": 3600.0, "warmup_s": 300.0, "max_think_s": 0.0},
 }

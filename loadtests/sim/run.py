@@ -131,10 +131,11 @@ class SimResult:
 
 
 class _Root:
-    __slots__ = ("index", "open", "spec", "uid")
+    __slots__ = ("index", "last_replica", "open", "spec", "uid")
 
     def __init__(self, spec: SessionSpec, index: int, uid: int) -> None:
         self.spec = spec
+        self.last_replica: str | None = None  # non-binding policies: where the main chain last went
         self.index = index
         self.uid = uid
         self.open = 0  # chains still running
@@ -441,13 +442,7 @@ class _Sim:
         if self.cfg.state_lag_s > 0:
             gw.delta[lease.replica_id] = gw.delta.get(lease.replica_id, 0) + 1
         req.lease = lease
-        prev_home = snap.session.home if snap.session is not None else None
-        if prev_home is not None:
-            after = self.core.session(key)
-            new_home = after.home if after is not None else None
-            if new_home is not None and new_home != prev_home:
-                rep_new = self.reps.get(new_home)
-                self.measures.session_moved(t, by_scaleup=rep_new is not None and rep_new.by_scaleup)
+        self._count_move(t, req, snap, lease)
         rep = self.reps.get(lease.replica_id)
         if rep is None or rep.dead or rep.removed:
             self._retry_or_fail(t, req, "replica_gone")
@@ -465,6 +460,26 @@ class _Sim:
             return
         self.reqs[req.rid] = req
         self._pump(rep, t)
+
+    def _count_move(self, t: float, req: _Req, snap: ClusterSnapshot, lease: Lease) -> None:
+        """A session moved when its home changed (binding policies) or, for policies that bind
+        nothing (the baselines), when its main chain's request went somewhere else than the last."""
+        root = req.chain.root
+        key = req.chain.key
+        prev_home = snap.session.home if snap.session is not None else None
+        after = self.core.session(key)
+        new_home = after.home if after is not None else None
+        moved_to: str | None = None
+        if new_home is not None:
+            if prev_home is not None and new_home != prev_home:
+                moved_to = new_home
+        elif req.chain.spec.parent is None and req.attempt == 0:
+            if root.last_replica is not None and root.last_replica != lease.replica_id:
+                moved_to = lease.replica_id
+            root.last_replica = lease.replica_id
+        if moved_to is not None:
+            rep_new = self.reps.get(moved_to)
+            self.measures.session_moved(t, by_scaleup=rep_new is not None and rep_new.by_scaleup)
 
     def _release(self, req: _Req, completion: Completion) -> None:
         lease = req.lease
