@@ -1,0 +1,104 @@
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from loadtests.measures import MEASURE_FIELDS
+from loadtests.sim.cli import cli_main
+
+
+def test_cli_synthetic_writes_measures_per_policy(tmp_path: Path) -> None:
+    out = tmp_path / "sim.json"
+    details = tmp_path / "details.json"
+    rc = cli_main(
+        [
+            "--workload",
+            "synthetic",
+            "--replicas",
+            "4",
+            "--policies",
+            "kv_aware,hash,round_robin",
+            "--sessions",
+            "60",
+            "--lanes",
+            "24",
+            "--duration",
+            "90",
+            "--warmup",
+            "20",
+            "--synthetic",
+            "turns_median=12",
+            "--scale-up",
+            "45:5",
+            "--seed",
+            "2",
+            "--json",
+            str(out),
+            "--details",
+            str(details),
+            "--quiet",
+        ]
+    )
+    assert rc == 0
+    data = json.loads(out.read_text())
+    assert list(data) == ["hash", "kv_aware", "round_robin"]
+    for m in data.values():
+        assert set(m) == set(MEASURE_FIELDS)
+        assert m["requests"] > 50 and m["errors"] == 0
+        assert 0.0 < m["chr"] <= m["ideal_chr"] <= 1.0
+    assert data["kv_aware"]["sessions_moved_by_scaleup"] == 0
+    d = json.loads(details.read_text())
+    assert d["lanes"] == 24 and d["runs"]["kv_aware"]["stats"]["replicas_final"] == 5
+    assert sum(d["runs"]["hash"]["load_histogram"].values()) > 0
+
+
+def test_cli_rejects_bad_arguments(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        cli_main(["--policies", "nope", "--json", str(tmp_path / "x.json")])
+    assert exc.value.code == 2
+    assert "unknown" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli_main(["--scale-up", "abc", "--json", str(tmp_path / "x.json")])
+    assert cli_main(["--synthetic", "bogus=1", "--json", str(tmp_path / "x.json"), "--quiet"]) == 2
+
+
+@pytest.mark.slow
+def test_console_script_replays_mooncake(tmp_path: Path) -> None:
+    out = tmp_path / "mc.json"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "router",
+            "sim",
+            "--workload",
+            "mooncake",
+            "--sessions",
+            "400",
+            "--replicas",
+            "4",
+            "--policies",
+            "kv_aware,hash",
+            "--duration",
+            "400",
+            "--warmup",
+            "60",
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "kvroute sim" in proc.stderr  # the table
+    data = json.loads(out.read_text())
+    assert set(data) == {"kv_aware", "hash"}
+    for m in data.values():
+        assert m["requests"] > 100
+        assert m["ideal_chr"] is not None and 0.0 < m["ideal_chr"] < 0.9  # chat: far less reuse than agents
