@@ -292,3 +292,33 @@ async def test_admin_stats_and_patch_through_the_gateway(
     assert stats["series"], "the fleet sampler runs inside the gateway"
     assert sess["session_id"] == "sticky" and sess["turns"] >= 1 and sess["in_flight_total"] == 0
     assert sess["home"] in {r.id for r in st.replicas}
+
+
+async def test_redis_round_trips_and_degradation(
+    stack_factory: Callable[..., Awaitable[Stack]], redis_killable: Any
+) -> None:
+    """With the Redis store: round trips are exported; killing Redis shows up as degradation."""
+    st = await stack_factory(2, redis_url=redis_killable.url)
+    gw = st.gateway
+    async with aiohttp.ClientSession() as s:
+        for i in range(4):
+            assert (await send(s, gw.url, f"redis-{i}", 0))[0] == 200
+        async with s.get(gw.url + "/metrics") as r:
+            before = parse(await r.text())
+        assert (
+            total(before, "kvroute_store_round_trips", "kvroute_store_round_trips_total") >= 8
+        )  # acquire+release
+        assert total(before, "kvroute_store_degraded", "kvroute_store_degraded") == 0
+        assert total(before, "kvroute_store_degradations", "kvroute_store_degradations_total") == 0
+        redis_killable.kill()
+        for i in range(3):  # no request fails because Redis did
+            assert (await send(s, gw.url, f"redis-{i}", 1))[0] == 200
+        async with s.get(gw.url + "/metrics") as r:
+            after = parse(await r.text())
+        async with s.get(gw.url + "/admin/stats", headers=AUTH) as r:
+            stats = await r.json()
+    assert total(after, "kvroute_store_degraded", "kvroute_store_degraded") == 1
+    assert total(after, "kvroute_store_degradations", "kvroute_store_degradations_total") >= 1
+    assert (
+        stats["degradation"]["store_degraded"] is True and stats["degradation"]["store_degraded_total"] >= 1
+    )
