@@ -37,11 +37,12 @@ from router.errors import (
     BadRequestError,
     KvrouteError,
     NoReplicaError,
+    StoreError,
     UpstreamConnectError,
     UpstreamError,
     UpstreamStatusError,
 )
-from router.events import AffinityBroken, RequestFinished, RequestRouted, UpstreamRetry
+from router.events import AffinityBroken, RequestFinished, RequestRouted, StoreDegraded, UpstreamRetry
 from router.gateway.forward import (
     UpstreamResponse,
     UsageSniffer,
@@ -354,7 +355,11 @@ class _Proxy:
                 completion_tokens=completion.completion_tokens,
                 started_output=self.p.sent,
             )
-            await asyncio.shield(self.rt.store.release(lease, completion))
+            try:
+                await asyncio.shield(self.rt.store.release(lease, completion))
+            except StoreError as exc:  # the response is already decided: never fail it for this
+                log.warning("store release failed for %s: %s", lease.replica_id, exc)
+                self.rt.emit(StoreDegraded(at=self.rt.clock.now(), error=str(exc)))
             if completion.ok:
                 self._record_break(lease, completion)
 

@@ -211,7 +211,7 @@ class FakeReplica:
         app.router.add_get("/health", self._health)
         app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/v1/models", self._models)
-        self.runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+        self.runner = web.AppRunner(app, handler_cancellation=True, access_log=None, max_field_size=65536)
         await self.runner.setup()
         site = web.TCPSite(self.runner, "127.0.0.1", 0)
         await site.start()

@@ -35,8 +35,9 @@ def _body(route: str, stream: bool, text: str = "hello") -> bytes:
     return json.dumps(obj, indent=1).encode()
 
 
-async def _post(s: aiohttp.ClientSession, url: str, body: bytes, sid: str | None = None,
-                **headers: str) -> tuple[int, bytes, Any]:
+async def _post(
+    s: aiohttp.ClientSession, url: str, body: bytes, sid: str | None = None, **headers: str
+) -> tuple[int, bytes, Any]:
     hdrs = {"Content-Type": "application/json", **headers}
     if sid is not None:
         hdrs["Modal-Session-Id"] = sid
@@ -46,13 +47,17 @@ async def _post(s: aiohttp.ClientSession, url: str, body: bytes, sid: str | None
 
 @pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("route", ROUTES)
-async def test_relay_is_byte_identical(fake_replicas: Any, gateway_factory: Any, route: str, stream: bool) -> None:
+async def test_relay_is_byte_identical(
+    fake_replicas: Any, gateway_factory: Any, route: str, stream: bool
+) -> None:
     via, direct = await fake_replicas(2)
     gw = await gateway_factory([via.url])
     body = _body(route, stream)
     async with aiohttp.ClientSession() as s:
         st_gw, got, hdrs = await _post(s, gw.url + route, body, "sess-1")
-        st_direct, want, direct_hdrs = await _post(s, direct.url + route, body, **{"x-smg-routing-key": "sess-1"})
+        st_direct, want, direct_hdrs = await _post(
+            s, direct.url + route, body, **{"x-smg-routing-key": "sess-1"}
+        )
     assert st_gw == st_direct == 200
     assert got == want
     assert hdrs["Content-Type"] == direct_hdrs["Content-Type"]
@@ -73,7 +78,9 @@ async def test_learns_usage_without_changing_the_stream(fake_replicas: Any, gate
     gw = await gateway_factory([rep.url], hooks=(log,))
     async with aiohttp.ClientSession() as s:
         for _ in range(2):
-            status, _, _ = await _post(s, gw.url + "/v1/chat/completions", _body("/v1/chat/completions", True), "s-usage")
+            status, _, _ = await _post(
+                s, gw.url + "/v1/chat/completions", _body("/v1/chat/completions", True), "s-usage"
+            )
             assert status == 200
     await _finished(log, 2)
     fin = log.of(RequestFinished)
@@ -91,7 +98,9 @@ async def test_stream_without_usage_estimates_prompt(fake_replicas: Any, gateway
     (rep,) = await fake_replicas(1)
     log = EventLog()
     gw = await gateway_factory([rep.url], hooks=(log,))
-    body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "x" * 400}], "stream": True}).encode()
+    body = json.dumps(
+        {"model": "m", "messages": [{"role": "user", "content": "x" * 400}], "stream": True}
+    ).encode()
     async with aiohttp.ClientSession() as s:
         status, got, _ = await _post(s, gw.url + "/v1/chat/completions", body, "s-est")
     assert status == 200 and b'"usage"' not in got
@@ -108,7 +117,9 @@ async def test_session_sticks_and_sessions_spread(fake_replicas: Any, gateway_fa
         for turn in range(4):
             for i in range(6):
                 sid = f"sess-{i}"
-                status, _, hdrs = await _post(s, gw.url + "/generate", _body("/generate", False, "t" * (50 + turn)), sid)
+                status, _, hdrs = await _post(
+                    s, gw.url + "/generate", _body("/generate", False, "t" * (50 + turn)), sid
+                )
                 assert status == 200
                 homes.setdefault(sid, set()).add(hdrs["X-Kvroute-Replica"])
     assert all(len(h) == 1 for h in homes.values()), homes
@@ -175,12 +186,15 @@ async def test_dead_replica_is_skipped_with_retry(fake_replicas: Any, gateway_fa
     live, dead = await fake_replicas(2)
     dead_url, dead_id = dead.url, dead.id
     log = EventLog()
-    gw = await gateway_factory([live.url, dead_url], hooks=(log,),
-                               health={"health_interval_s": 30.0, "scrape_interval_s": 30.0})
+    gw = await gateway_factory(
+        [live.url, dead_url], hooks=(log,), health={"health_interval_s": 30.0, "scrape_interval_s": 30.0}
+    )
     await dead.stop()  # both ACTIVE after the first round; now one refuses connections
     async with aiohttp.ClientSession() as s:
         for i in range(6):
-            status, _, h = await _post(s, gw.url + "/v1/completions", _body("/v1/completions", False), f"d-{i}")
+            status, _, h = await _post(
+                s, gw.url + "/v1/completions", _body("/v1/completions", False), f"d-{i}"
+            )
             assert status == 200 and h["X-Kvroute-Replica"] == live.id
     retries = log.of(UpstreamRetry)
     assert retries and all(r.replica_id == dead_id and r.error == "upstream_connect_error" for r in retries)
@@ -193,14 +207,18 @@ async def test_503_before_first_byte_is_retried(fake_replicas: Any, gateway_fact
     log = EventLog()
     gw = await gateway_factory([r.url for r in reps], hooks=(log,))
     async with aiohttp.ClientSession() as s:
-        _, _, h = await _post(s, gw.url + "/v1/chat/completions", _body("/v1/chat/completions", False), "r503")
+        _, _, h = await _post(
+            s, gw.url + "/v1/chat/completions", _body("/v1/chat/completions", False), "r503"
+        )
         home = next(r for r in reps if r.id == h["X-Kvroute-Replica"])
         healthy = next(r for r in reps if r is not home)
         for r in reps:
             if r is not healthy:
                 r.state.fail_status = 503  # the session's home and one more answer 503 before any byte
         log.events.clear()
-        status, body, h = await _post(s, gw.url + "/v1/chat/completions", _body("/v1/chat/completions", True), "r503")
+        status, body, h = await _post(
+            s, gw.url + "/v1/chat/completions", _body("/v1/chat/completions", True), "r503"
+        )
     assert status == 200 and body.endswith(b"data: [DONE]\n\n")
     assert h["X-Kvroute-Replica"] == healthy.id
     await wait_for(lambda: any(f.retries for f in log.of(RequestFinished)))
@@ -226,8 +244,11 @@ async def test_retries_exhausted_passes_last_5xx_through(fake_replicas: Any, gat
         gw1 = await gateway_factory([a.url], max_retries=3)
         status, body, h = await _post(s, gw1.url + "/generate", _body("/generate", False), "x")
         assert status == 503 and h["X-Kvroute-Replica"] == a.id  # ran out of replicas before retries
-    dead = await gateway_factory(["http://127.0.0.1:9"], max_retries=1,
-                                 health={"eject_on_connect_errors": 0, "health_interval_s": 30.0})
+    dead = await gateway_factory(
+        ["http://127.0.0.1:9"],
+        max_retries=1,
+        health={"eject_on_connect_errors": 0, "health_interval_s": 30.0},
+    )
     await dead.store.set_status("127.0.0.1:9", ReplicaStatus.ACTIVE)
     async with aiohttp.ClientSession() as s:
         status, body, _ = await _post(s, dead.url + "/generate", _body("/generate", False), "x")
@@ -241,7 +262,9 @@ async def test_mid_stream_break_gives_error_event(fake_replicas: Any, gateway_fa
     log = EventLog()
     gw = await gateway_factory([a.url], hooks=(log,))
     async with aiohttp.ClientSession() as s:
-        status, body, _ = await _post(s, gw.url + "/v1/chat/completions", _body("/v1/chat/completions", True), "brk")
+        status, body, _ = await _post(
+            s, gw.url + "/v1/chat/completions", _body("/v1/chat/completions", True), "brk"
+        )
     assert status == 200
     events = [e for e in body.decode().split("\n\n") if e]
     assert len(events) == 4  # two relayed chunks, the error, [DONE]
@@ -260,14 +283,19 @@ async def test_non_stream_break_cuts_the_connection(fake_replicas: Any, gateway_
     log = EventLog()
     gw = await gateway_factory([a.url], hooks=(log,))
     async with aiohttp.ClientSession() as s:
-        async with s.post(gw.url + "/v1/chat/completions", data=_body("/v1/chat/completions", False),
-                          headers={"Modal-Session-Id": "cut"}) as r:
+        async with s.post(
+            gw.url + "/v1/chat/completions",
+            data=_body("/v1/chat/completions", False),
+            headers={"Modal-Session-Id": "cut"},
+        ) as r:
             assert r.status == 200  # already sent when the replica broke
             with pytest.raises(aiohttp.ClientPayloadError):
                 await r.read()  # truncated, never silently short
         # the gateway still serves on new connections
         a.state.break_json = False
-        status, _, _ = await _post(s, gw.url + "/v1/chat/completions", _body("/v1/chat/completions", False), "cut")
+        status, _, _ = await _post(
+            s, gw.url + "/v1/chat/completions", _body("/v1/chat/completions", False), "cut"
+        )
         assert status == 200
     await _finished(log, 2)
     first = log.of(RequestFinished)[0]
@@ -275,7 +303,9 @@ async def test_non_stream_break_cuts_the_connection(fake_replicas: Any, gateway_
     await wait_for(lambda: _in_flight_zero(gw))
 
 
-async def test_client_disconnect_releases_load_and_aborts_upstream(fake_replicas: Any, gateway_factory: Any) -> None:
+async def test_client_disconnect_releases_load_and_aborts_upstream(
+    fake_replicas: Any, gateway_factory: Any
+) -> None:
     (a,) = await fake_replicas(1)
     a.state.first_delay_s = 3.0
     log = EventLog()
@@ -299,9 +329,14 @@ async def test_client_disconnect_mid_stream(fake_replicas: Any, gateway_factory:
     (a,) = await fake_replicas(1)
     a.state.chunks, a.state.chunk_delay_s = 50, 0.05
     gw = await gateway_factory([a.url])
-    async with aiohttp.ClientSession() as s, s.post(
-        gw.url + "/v1/completions", data=_body("/v1/completions", True), headers={"Modal-Session-Id": "ms"}
-    ) as r:
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(
+            gw.url + "/v1/completions",
+            data=_body("/v1/completions", True),
+            headers={"Modal-Session-Id": "ms"},
+        ) as r,
+    ):
         await r.content.readline()
         r.close()
     await wait_for(lambda: a.state.aborted == 1, timeout_s=2.0)
@@ -361,6 +396,10 @@ async def test_limits_and_errors(fake_replicas: Any, gateway_factory: Any) -> No
         async with s.post(url, data=b"{}", headers={"X-Big": "z" * 20000}) as r:
             assert 400 <= r.status < 500
     assert a.state.requests == []  # none of these reached the replica
+    async with aiohttp.ClientSession() as s:
+        # 12 kB header: over aiohttp's default 8190, under our configured 16 KiB -> served
+        status, _, _ = await _post(s, url, _body("/v1/chat/completions", False), "ok", **{"X-Big": "z" * 12000})
+        assert status == 200
 
 
 async def test_no_session_uses_prefix_key(fake_replicas: Any, gateway_factory: Any) -> None:
@@ -371,9 +410,16 @@ async def test_no_session_uses_prefix_key(fake_replicas: Any, gateway_factory: A
     async with aiohttp.ClientSession() as s:
         used = set()
         for i in range(4):
-            body = json.dumps({"model": "m", "messages": [{"role": "system", "content": system},
-                                                          {"role": "user", "content": "fix the bug " * 100},
-                                                          {"role": "assistant", "content": f"turn {i}"}]}).encode()
+            body = json.dumps(
+                {
+                    "model": "m",
+                    "messages": [
+                        {"role": "system", "content": system},
+                        {"role": "user", "content": "fix the bug " * 100},
+                        {"role": "assistant", "content": f"turn {i}"},
+                    ],
+                }
+            ).encode()
             status, _, h = await _post(s, gw.url + "/v1/chat/completions", body)
             assert status == 200
             used.add(h["X-Kvroute-Replica"])
@@ -412,8 +458,9 @@ async def test_decision_headers_can_be_turned_off(fake_replicas: Any, gateway_fa
     (a,) = await fake_replicas(1)
     gw = await gateway_factory([a.url], decision_headers=False, routing_key_header="")
     async with aiohttp.ClientSession() as s:
-        status, _, h = await _post(s, gw.url + "/generate", _body("/generate", False), "s",
-                                   **{"X-Request-Id": "client-chosen-id"})
+        status, _, h = await _post(
+            s, gw.url + "/generate", _body("/generate", False), "s", **{"X-Request-Id": "client-chosen-id"}
+        )
     assert status == 200
     assert "X-Kvroute-Replica" not in h and "X-Kvroute-Reason" not in h
     assert h["X-Request-Id"] == "client-chosen-id"
