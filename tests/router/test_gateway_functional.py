@@ -465,3 +465,29 @@ async def test_decision_headers_can_be_turned_off(fake_replicas: Any, gateway_fa
     assert "X-Kvroute-Replica" not in h and "X-Kvroute-Reason" not in h
     assert h["X-Request-Id"] == "client-chosen-id"
     assert "x-smg-routing-key" not in a.state.requests[-1]["headers"]
+
+
+async def test_two_gateways_share_state_through_redis(fake_replicas: Any, redis_url: str) -> None:
+    """``redis_url`` in the config: start_gateway builds and starts the Redis store, and closes it."""
+    from router.gateway.serve import start_gateway
+    from tests.router.conftest import fast_config
+
+    reps = await fake_replicas(3)
+    gws = [await start_gateway(fast_config([r.url for r in reps], redis_url=redis_url, gateway_id=f"gw{i}"))
+           for i in range(2)]
+    try:
+        assert all(gw.owns_store for gw in gws)
+        async with aiohttp.ClientSession() as s:
+            homes = set()
+            for turn in range(3):
+                for gw in gws:  # alternate gateways: one session, one home
+                    status, _, h = await _post(s, gw.url + "/generate", _body("/generate", False, f"t{turn}"), "shared")
+                    assert status == 200
+                    homes.add(h["X-Kvroute-Replica"])
+        assert len(homes) == 1
+        sess = await gws[1].store.session("shared")
+        assert sess is not None and sess.home in homes and sess.turns == 6
+        await wait_for(lambda: _in_flight_zero(gws[0]))
+    finally:
+        for gw in gws:
+            await gw.close()
