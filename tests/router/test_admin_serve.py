@@ -58,26 +58,29 @@ async def _serve(replica_url: str, env_extra: dict[str, str]) -> AsyncIterator[s
 
 
 async def test_serve_mounts_admin_and_metrics() -> None:
-    async with running_emulators(1, config=EmulatorConfig(time_scale=0.001)) as reps:
-        async with (
-            _serve(reps[0].url, {"KVROUTE_ADMIN_TOKEN": "proc-token"}) as url,
-            aiohttp.ClientSession() as s,
-        ):
-            async with s.get(url + "/admin/stats") as r:
-                assert r.status == 401
-            async with s.get(url + "/admin/stats", headers={"Authorization": "Bearer proc-token"}) as r:
-                assert r.status == 200
-                body = await r.json()
-            assert [rep["url"] for rep in body["replicas"]] == [reps[0].url]
-            async with s.get(url + "/metrics") as r:
-                assert r.status == 200 and "kvroute_replica_in_flight_requests" in await r.text()
+    async with (
+        running_emulators(1, config=EmulatorConfig(time_scale=0.001)) as reps,
+        _serve(reps[0].url, {"KVROUTE_ADMIN_TOKEN": "proc-token"}) as url,
+        aiohttp.ClientSession() as s,
+    ):
+        async with s.get(url + "/admin/stats") as r:
+            assert r.status == 401
+        async with s.get(url + "/admin/stats", headers={"Authorization": "Bearer proc-token"}) as r:
+            assert r.status == 200
+            body = await r.json()
+        assert [rep["url"] for rep in body["replicas"]] == [reps[0].url]
+        async with s.get(url + "/metrics") as r:
+            assert r.status == 200 and "kvroute_replica_in_flight_requests" in await r.text()
 
 
 async def test_serve_without_token_disables_admin() -> None:
-    async with running_emulators(1, config=EmulatorConfig(time_scale=0.001)) as reps:
-        async with _serve(reps[0].url, {}) as url, aiohttp.ClientSession() as s:
-            async with s.get(url + "/admin/config", headers={"Authorization": "Bearer anything"}) as r:
-                assert r.status == 404
-                assert (await r.json())["error"]["code"] == "not_found"
-            async with s.get(url + "/metrics") as r:
-                assert r.status == 200
+    async with (
+        running_emulators(1, config=EmulatorConfig(time_scale=0.001)) as reps,
+        _serve(reps[0].url, {}) as url,
+        aiohttp.ClientSession() as s,
+    ):
+        async with s.get(url + "/admin/config", headers={"Authorization": "Bearer anything"}) as r:
+            assert r.status == 404
+            assert (await r.json())["error"]["code"] == "not_found"
+        async with s.get(url + "/metrics") as r:
+            assert r.status == 200
