@@ -30,6 +30,7 @@ def replica(
     status: ReplicaStatus = ReplicaStatus.ACTIVE,
     in_flight: int = 0,
     queued: int = 0,
+    running: int = 0,
     kv_util: float = 0.0,
     sessions: int = 0,
     active_ctx: int = 0,
@@ -47,7 +48,11 @@ def replica(
         joined_at=joined_at,
         in_flight=in_flight,
         engine=EngineLoad(
-            queued=queued, kv_util=kv_util, capacity_tokens=capacity, updated_at=engine_updated_at
+            running=running,
+            queued=queued,
+            kv_util=kv_util,
+            capacity_tokens=capacity,
+            updated_at=engine_updated_at,
         ),
         capacity_tokens=capacity,
         host_capacity_tokens=host,

@@ -226,8 +226,11 @@ class KvAwarePolicy:
             return False
         active = [r for r in snapshot.replicas if r.status is ReplicaStatus.ACTIVE]
         mean = sum(r.in_flight for r in active) / len(active) if active else 0.0
-        busy = home.in_flight >= p.reassign_factor * mean + p.reassign_margin
-        persistent = home.engine.queued > 0 or home.engine.updated_at == 0.0
+        bound = p.reassign_factor * mean + p.reassign_margin
+        busy = home.in_flight >= bound
+        # persistence: the engine's own (polled, so older) figures showed the overload too
+        eng = home.engine
+        persistent = eng.updated_at == 0.0 or eng.queued > 0 or eng.running >= bound
         thrashing = home.active_context_tokens > hbm_capacity(home, p)
         return (busy and persistent) or thrashing
 

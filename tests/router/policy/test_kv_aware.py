@@ -325,6 +325,19 @@ CASES: dict[str, Case] = {
         (bind(B, A, Reason.REASSIGNED_OVERLOAD),),
         AffinityBreak.OVERLOAD_SPILL,
     ),
+    "soft_overload_persistent_by_engine_running": Case(
+        snapshot(
+            replica(A, in_flight=6, running=6),
+            replica(B),
+            replica(C, in_flight=1),
+            sess=session("s1", A, ctx=10_000),
+        ),
+        request(),
+        B,
+        Reason.REASSIGNED_OVERLOAD,
+        (bind(B, A, Reason.REASSIGNED_OVERLOAD),),
+        AffinityBreak.OVERLOAD_SPILL,
+    ),
     "soft_overload_not_persistent_stays": Case(
         snapshot(
             replica(A, in_flight=6), replica(B), replica(C, in_flight=1), sess=session("s1", A, ctx=10_000)
