@@ -73,6 +73,7 @@ DEFAULT_ALLOWED_NETWORKS: tuple[str, ...] = (
 )
 
 _MAX_BODY = 64 * 1024
+SESSIONS_BOUND_CAP = 10_000  # /admin/stats reports at most this many bound sessions per replica
 _ID_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.:[]")
 
 
@@ -353,13 +354,14 @@ def make_admin_app(
             raise
 
     async def _view(r: ReplicaState, now: float) -> dict[str, Any]:
-        bound = len(await store.sessions_on(r.id, limit=1_000_000))
+        # counting bound sessions walks them in the store: capped so a poll stays cheap
+        bound = len(await store.sessions_on(r.id, limit=SESSIONS_BOUND_CAP))
         return replica_view(r, now, sessions_bound=bound, breaks=stats.breaks_for(r.id))
 
     async def get_stats(request: web.Request) -> web.Response:
         now = clock.now()
         reps = await store.replicas()
-        views = [await _view(r, now) for r in reps]
+        views = list(await asyncio.gather(*(_view(r, now) for r in reps)))
         active = [r for r in reps if r.status is ReplicaStatus.ACTIVE]
         loads = [r.in_flight for r in active]
         fleet = stats.view(now, loads_now=loads)
@@ -400,7 +402,7 @@ def make_admin_app(
     async def list_replicas(request: web.Request) -> web.Response:
         now = clock.now()
         reps = await store.replicas()
-        return web.json_response({"replicas": [await _view(r, now) for r in reps]})
+        return web.json_response({"replicas": list(await asyncio.gather(*(_view(r, now) for r in reps)))})
 
     async def _find(rid: str) -> ReplicaState:
         for r in await store.replicas():

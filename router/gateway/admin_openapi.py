@@ -62,7 +62,9 @@ def openapi_spec() -> dict[str, Any]:
             "status": {"type": "string", "enum": [s.value for s in ReplicaStatus]},
             "model": {"type": "string"},
             "in_flight": {"type": "integer", "minimum": 0},
-            "sessions_bound": _nullable({"type": "integer", "minimum": 0}),
+            "sessions_bound": _nullable(
+                {"type": "integer", "minimum": 0, "description": "sessions homed here (counted up to 10000)"}
+            ),
             "sessions_active": {"type": "integer", "minimum": 0},
             "active_context_tokens": {"type": "integer", "minimum": 0},
             "capacity_tokens": {"type": "integer", "minimum": 0},

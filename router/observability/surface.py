@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -22,6 +23,7 @@ from aiohttp import web
 
 from router.autoscale import AutoscaleConfig, AutoscaleSample, AutoscaleState, desired_replicas, observe
 from router.clock import Clock
+from router.errors import KvrouteError
 from router.events import AffinityBroken, Event, Hook, RequestFinished, RequestRouted, UpstreamRetry
 from router.gateway.admin import DEFAULT_ALLOWED_NETWORKS, AdminSettings, PolicyHolder, make_admin_app
 from router.model import ReplicaState, ReplicaStatus
@@ -33,6 +35,8 @@ from router.store.base import StateStore
 
 if TYPE_CHECKING:
     from router.config import GatewayConfig
+
+log = logging.getLogger("kvroute.observability")
 
 __all__ = [
     "FleetSampler",
@@ -135,8 +139,10 @@ class FleetSampler:
 
     async def run(self) -> None:
         while True:
-            with contextlib.suppress(Exception):  # a store hiccup must not kill the sampler
+            try:
                 await self.sample_once()
+            except (KvrouteError, OSError, TimeoutError) as exc:  # a store hiccup must not kill the sampler
+                log.warning("fleet sample failed: %s", exc)
             await asyncio.sleep(self.interval_s)
 
 
