@@ -33,6 +33,7 @@ import math
 import random
 import sys
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,7 +41,7 @@ from typing import Any
 
 import aiohttp
 
-from loadtests.textgen import Conversation, emulated_tokens
+from loadtests.textgen import BYTES_PER_TOKEN, Conversation, emulated_tokens
 
 __all__ = [
     "DEFAULT_SESSION_HEADERS",
@@ -107,6 +108,7 @@ class Outcome:
     status: int = 0
     error: str | None = None
     side: bool = False  # an extra concurrent request of a thicc turn
+    route_reason: str | None = None  # X-Kvroute-Reason when the router is kvroute
 
 
 @dataclass(slots=True)
@@ -287,7 +289,7 @@ class _Run:
         sid = str(spec.routing_key)
         inputs = turn_inputs(spec)
         shared_model = int(spec.shared_prefix_tokens)
-        shared = emulated_tokens(shared_model, c.token_unit)
+        shared = (shared_model * BYTES_PER_TOKEN + c.token_unit // 2) // c.token_unit // BYTES_PER_TOKEN
         conv: Conversation | None = None
         prev_in = prev_out = 0  # model tokens of the previous turn
         prev_prompt = 0  # emulated tokens of the previous request's prompt
@@ -299,14 +301,15 @@ class _Run:
             continuation = conv is not None and not turn.reset and inputs[k] >= prev_in + prev_out
             if conv is None or not continuation:
                 # a new context (first turn, compaction): shared prefix + new text
-                conv = Conversation(key=f"{spec.session_id}~{k}", shared_prefix_tokens=shared)
+                conv = Conversation(key=f"{spec.session_id}~{k}", shared_prefix_tokens=shared_model,
+                                    token_unit=c.token_unit)
                 # one infinite cache holds the shared prefix once any session has sent it
                 ideal = shared if shared_model in self.shared_seen else 0
-                conv.add_user(emulated_tokens(max(inputs[k] - shared_model, 1), c.token_unit))
+                conv.add(max(inputs[k] - shared_model, 1))
             else:
                 ideal = prev_prompt
-                conv.add_assistant(emulated_tokens(prev_out, c.token_unit))
-                conv.add_user(emulated_tokens(max(inputs[k] - prev_in - prev_out, 0), c.token_unit))
+                conv.add(prev_out)  # the model's previous reply, then the new input
+                conv.add(max(inputs[k] - prev_in - prev_out, 0))
             if shared_model > 0:
                 self.shared_seen.add(shared_model)
             out = max(1, emulated_tokens(int(turn.output_tokens), c.token_unit))
@@ -349,12 +352,14 @@ class _Run:
         ttft: float | None = None
         usage: dict[str, Any] | None = None
         replica: str | None = None
+        reason: str | None = None
         status = 0
         error: str | None = None
         try:
             async with self.http.post(self._url, data=body, headers=headers) as resp:
                 status = resp.status
                 replica = next((resp.headers[h] for h in _REPLICA_HEADERS if h in resp.headers), None)
+                reason = resp.headers.get("X-Kvroute-Reason")
                 if status != 200:
                     error = (await resp.text())[:300]
                 elif c.stream:
@@ -380,7 +385,7 @@ class _Run:
             error = f"{type(exc).__name__}: {exc}"[:300]
         e2e = time.monotonic() - t_start
         self.stats.in_flight -= 1
-        self._record(ctx, replica, t_start, ttft, e2e, usage, status, error, side, main)
+        self._record(ctx, replica, t_start, ttft, e2e, usage, status, error, side, main, reason)
 
     def _record(
         self,
@@ -394,6 +399,7 @@ class _Run:
         error: str | None,
         side: bool,
         main: bool,
+        reason: str | None,
     ) -> None:
         c, u = self.c, self.c.token_unit
         sid, ideal_emul, prompt_emul, continuation = ctx
@@ -435,6 +441,7 @@ class _Run:
             status=status,
             error=error,
             side=side,
+            route_reason=reason,
         )
         self.outcomes.append(out)
         st = self.stats
@@ -561,6 +568,9 @@ def _measures(
         col.sample(t, loads)
     for t in run.move_times:
         col.session_moved(t)
+    window = [o for o in run.outcomes if o.t_start >= warm_modelled]
+    reasons = Counter(o.route_reason for o in window if o.route_reason)
+    errors = Counter(_error_kind(o) for o in window if not o.ok)
     m = dict(col.result())
     m.update(
         {
@@ -573,9 +583,17 @@ def _measures(
             "censored": censored,
             "load_source": "replicas",
             "fresh_connections": config.fresh_connections,
+            "route_reasons": dict(sorted(reasons.items())),  # X-Kvroute-Reason counts (kvroute only)
+            "error_kinds": dict(sorted(errors.items())),
         }
     )
     return m
+
+
+def _error_kind(o: Outcome) -> str:
+    if o.status and o.status != 200:
+        return f"http_{o.status}"
+    return (o.error or "unknown").split(":", 1)[0][:60]
 
 
 # ---- CLI ---------------------------------------------------------------------------------------------

@@ -66,42 +66,59 @@ def shared_prefix(n_bytes: int, namespace: str = "kvroute-shared-system-and-tool
 
 @dataclass(slots=True)
 class Conversation:
-    """A growing chat transcript for one session (or one branch of a thicc session).
+    """A growing transcript for one session (or one branch / one context after a compaction).
 
-    ``messages`` is the OpenAI ``messages`` array sent each turn; the caller appends a user message
-    before a request and the assistant's reply after it (``add_user`` / ``add_assistant``).
-    ``prompt_tokens`` counts emulated tokens of message *contents* (bytes / 4; the chat template adds
-    a few more on the replica).
+    Sizes are given in *model* tokens; the text has ``4 / token_unit`` bytes per model token, computed
+    on the running total so that rounding never drifts (1000 turns of 30 tokens stay 30,000 tokens).
+
+    The request has two messages: the shared system + tools prompt, and ONE user message holding the
+    whole session history, which grows append-only turn by turn (tool results, the model's previous
+    replies, user text). One message instead of one per turn keeps the chat template's per-message
+    markers (~10 emulated tokens each, i.e. ~1000 model tokens at ``token_unit`` 100) from inflating
+    the context; the rendered prompt of turn T-1 is then a prefix of turn T's up to its closing
+    marker, which is what a prefix cache needs.
     """
 
-    key: str  # seed namespace: session id + branch, so branches do not share history text
-    shared_prefix_tokens: int
-    messages: list[dict[str, str]] = field(default_factory=list)
-    prompt_tokens: int = 0
-    _n: int = 0
+    key: str  # seed namespace: conversation id, so no two conversations share history text
+    shared_prefix_tokens: int  # model tokens
+    token_unit: int = 1
+    _shared: str = ""
+    _chunks: list[str] = field(default_factory=list)
+    _history_model_tokens: int = 0
+    _history_bytes: int = 0
 
     def __post_init__(self) -> None:
-        if self.shared_prefix_tokens > 0:
-            self.messages.append(
-                {"role": "system", "content": shared_prefix(self.shared_prefix_tokens * BYTES_PER_TOKEN)}
-            )
-            self.prompt_tokens += self.shared_prefix_tokens
+        if self.token_unit < 1:
+            raise ValueError(f"token_unit must be >= 1, got {self.token_unit}")
+        n = self._bytes_for(self.shared_prefix_tokens)
+        self._shared = shared_prefix(n) if n > 0 else ""
+        marker = f"[{self.key}] "  # AgentX-style cache-bust id right after the shared prefix
+        self._chunks.append(marker)
+        self._history_bytes = len(marker)
 
-    def add_user(self, tokens: int) -> None:
-        self._append("user", tokens)
+    def _bytes_for(self, model_tokens: int) -> int:
+        return (max(model_tokens, 0) * BYTES_PER_TOKEN + self.token_unit // 2) // self.token_unit
 
-    def add_assistant(self, tokens: int) -> None:
-        self._append("assistant", tokens)
+    def add(self, model_tokens: int) -> None:
+        """Append ``model_tokens`` of new context (tool output, user text or the previous reply)."""
+        self._history_model_tokens += max(model_tokens, 0)
+        target = max(self._bytes_for(self._history_model_tokens), self._history_bytes)
+        n = target - self._history_bytes
+        if n > 0:
+            self._chunks.append(filler(f"{self.key}/{len(self._chunks)}", n))
+            self._history_bytes = target
 
-    def _append(self, role: str, tokens: int) -> None:
-        self._n += 1
-        n_bytes = max(tokens, 0) * BYTES_PER_TOKEN
-        if self._n == 1:
-            # a per-conversation marker up front (AgentX's cache-bust id): no two sessions share text
-            # beyond the shared prefix, even if their seeds collided
-            marker = f"[{self.key}] "
-            content = marker + filler(f"{self.key}/{self._n}", n_bytes - len(marker))
-        else:
-            content = filler(f"{self.key}/{self._n}", n_bytes)
-        self.messages.append({"role": role, "content": content})
-        self.prompt_tokens += len(content) // BYTES_PER_TOKEN
+    # kept for readability at call sites
+    add_user = add
+    add_assistant = add
+
+    @property
+    def messages(self) -> list[dict[str, str]]:
+        out = [{"role": "system", "content": self._shared}] if self._shared else []
+        out.append({"role": "user", "content": "".join(self._chunks)})
+        return out
+
+    @property
+    def prompt_tokens(self) -> int:
+        """Emulated tokens of the message contents (the replica's template adds a few)."""
+        return (len(self._shared) + self._history_bytes) // BYTES_PER_TOKEN

@@ -25,26 +25,32 @@ def test_filler_is_deterministic_ascii_and_exact_length() -> None:
 def test_shared_prefix_is_identical_across_conversations() -> None:
     a = Conversation(key="a", shared_prefix_tokens=500)
     b = Conversation(key="b", shared_prefix_tokens=500)
-    a.add_user(100)
-    b.add_user(100)
-    ra, rb = _render(a), _render(b)
-    sp = shared_prefix(500 * BYTES_PER_TOKEN)
-    assert ra.startswith(sp) and rb.startswith(sp)
-    assert ra[len(sp)] == rb[len(sp)] == "["  # the per-conversation marker follows
-    assert ra[len(sp) :] != rb[len(sp) :]
+    a.add(100)
+    b.add(100)
+    assert a.messages[0] == b.messages[0] == {"role": "system", "content": shared_prefix(500 * BYTES_PER_TOKEN)}
+    assert a.messages[1]["content"].startswith("[a] ") and b.messages[1]["content"].startswith("[b] ")
+    assert a.messages[1]["content"][4:] != b.messages[1]["content"][4:]
 
 
 def test_conversation_is_append_only_and_counts_tokens() -> None:
     c = Conversation(key="sess", shared_prefix_tokens=200)
-    c.add_user(300)
+    c.add(300)
     t1, n1 = _render(c), c.prompt_tokens
-    c.add_assistant(5)
-    c.add_user(40)
+    c.add(5)
+    c.add(40)
     t2, n2 = _render(c), c.prompt_tokens
     assert t2.startswith(t1)
-    assert n1 == len(t1) // BYTES_PER_TOKEN == 500
+    assert [m["role"] for m in c.messages] == ["system", "user"]  # one growing history message
+    assert n1 == len(t1) // BYTES_PER_TOKEN == 200 + 300  # the marker counts within the budget
     assert n2 == len(t2) // BYTES_PER_TOKEN == 545
-    assert [m["role"] for m in c.messages] == ["system", "user", "assistant", "user"]
+
+
+def test_token_unit_scales_text_without_rounding_drift() -> None:
+    c = Conversation(key="k", shared_prefix_tokens=20_000, token_unit=100)
+    assert c.prompt_tokens == 200 + 1  # the marker before any history
+    for _ in range(1000):
+        c.add(30)  # 0.3 emulated tokens each: rounding per call would give 0 or 1000
+    assert c.prompt_tokens == pytest.approx(200 + 300, abs=2)
 
 
 @pytest.mark.parametrize(("model", "unit", "expected"), [(100_000, 100, 1000), (49, 100, 1), (0, 100, 0), (7, 1, 7)])
@@ -52,6 +58,8 @@ def test_emulated_tokens(model: int, unit: int, expected: int) -> None:
     assert emulated_tokens(model, unit) == expected
 
 
-def test_emulated_tokens_rejects_bad_unit() -> None:
+def test_bad_unit_is_rejected() -> None:
     with pytest.raises(ValueError, match="token_unit"):
         emulated_tokens(10, 0)
+    with pytest.raises(ValueError, match="token_unit"):
+        Conversation(key="k", shared_prefix_tokens=1, token_unit=0)
