@@ -4,23 +4,28 @@ No I/O, no clock, no asyncio: the live emulator and the fleet simulator drive th
 
 Theory of operation
 -------------------
-A block is ``page_size`` tokens named by a chained hash (``tokenizer.block_hashes``): one hash
-names the whole prefix up to and including that block, so a dict of hashes *is* the radix tree.
+A block is ``page_size`` tokens named by a chained hash (``tokenizer.block_hashes``). Blocks live
+in a radix tree whose nodes hold *runs* of blocks (as SGLang's radix cache holds runs of tokens),
+so the work per request is O(nodes on its path), not O(blocks): a 100k-token conversation is one
+or two nodes, compared with C-speed list slices.
 
 Rule 1 (accounting): the device pool holds ``capacity_tokens`` token slots. Used slots = cached
-        blocks x ``page_size`` + slots *reserved* by running requests (their uncached prompt
-        tail and their output, allocated at admission so a running request never runs out).
-Rule 2 (pinning): a running request pins every device block of its prefix; pinned blocks are
-        not in the LRU and can never be evicted. Pins are counted (requests share prefixes).
-Rule 3 (LRU order = radix order): whenever a chain is touched its blocks are (re)appended to
-        the LRU deepest-first, so a parent is always more recent than its children. The LRU
-        front is therefore always a leaf, eviction is ``popitem(last=False)`` (O(1)), and the
-        set of cached blocks stays prefix-closed: a chain's cached part is always a prefix.
-Rule 4 (host tier): with ``host_capacity_tokens > 0`` an evicted device block is demoted to the
-        host LRU (same ordering rule; its own capacity; overflow is dropped). A lookup matches
-        the device prefix, then continues on the host; a host hit is promoted back to the
-        device (pinned) when the request is admitted, and the time model charges a reload
-        cost per host token. Tiers are exclusive: a block lives in exactly one of them.
+        device blocks x ``page_size`` + slots *reserved* by running requests (their uncached
+        prompt tail and their output, allocated at admission so a running request never runs out).
+Rule 2 (pinning): a running request pins every node on its path (root to its deepest node);
+        pinned nodes are not in the LRU and can never be evicted. Pins are counted.
+Rule 3 (LRU order = radix order): when a path is released its nodes are appended to the LRU
+        deepest-first, so a parent is always more recent than its children. The LRU front is
+        therefore always a leaf; eviction takes blocks from the *tail* of the front node (splitting
+        it if only part is needed), so the cached part of any chain stays a prefix.
+Rule 4 (host tier): with ``host_capacity_tokens > 0`` evicted device blocks are demoted to the host
+        tier (same ordering rule, own capacity; overflow is dropped, again tail first). A lookup
+        matches device nodes, then continues on host nodes; host hits are promoted back to the
+        device (pinned) on admission, and the time model charges a reload cost per host token.
+        Tiers are exclusive: a block lives in exactly one of them; a device node never hangs below
+        a host node.
+Rule 5 (compression): on release a node with a single child of the same state is merged with it,
+        so a long conversation does not grow a node per turn.
 
 Admission is all-or-nothing: :meth:`PrefixCache.try_lock` either pins/promotes/reserves
 everything a request needs or changes nothing and returns ``None``.
@@ -72,6 +77,7 @@ class CacheStats:
     device_evicted_tokens: int  # left the device (demoted to host or dropped)
     host_evicted_tokens: int  # dropped from host
     admitted: int
+    nodes: int  # radix-tree nodes (device + host)
 
     @property
     def hit_rate(self) -> float:
@@ -83,15 +89,42 @@ class CacheStats:
         return self.used_tokens / self.capacity_tokens if self.capacity_tokens else 0.0
 
 
+class _Node:
+    __slots__ = ("children", "hashes", "host", "parent", "pins")
+
+    def __init__(self, hashes: list[int], parent: _Node | None, host: bool = False) -> None:
+        self.hashes = hashes
+        self.parent = parent
+        self.children: dict[int, _Node] = {}
+        self.pins = 0
+        self.host = host
+
+
 class Lease:
-    """What one admitted request holds: pinned block hashes (chain order) + reserved slots."""
+    """What one admitted request holds: the deepest node of its pinned path + reserved slots."""
 
-    __slots__ = ("pinned", "released", "reserved")
+    __slots__ = ("blocks", "node", "released", "reserved")
 
-    def __init__(self, pinned: list[int], reserved: int) -> None:
-        self.pinned = pinned
+    def __init__(self, node: _Node, blocks: int, reserved: int) -> None:
+        self.node = node
+        self.blocks = blocks  # blocks on the pinned path
         self.reserved = reserved
         self.released = False
+
+
+def _common(run: list[int], hashes: list[int], i: int) -> int:
+    """Length of the common prefix of ``run`` and ``hashes[i:]`` (C-speed slice compares)."""
+    hi = min(len(run), len(hashes) - i)
+    if hashes[i : i + hi] == run[:hi]:
+        return hi
+    lo = 0  # run[:lo] matches, run[:hi] does not
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if hashes[i : i + mid] == run[:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
 
 
 class PrefixCache:
@@ -102,9 +135,13 @@ class PrefixCache:
         self.page_size = page_size
         self.host_capacity_tokens = host_capacity_tokens
         self._host_cap_blocks = host_capacity_tokens // page_size
-        self._pins: dict[int, int] = {}  # every device block -> pin count
-        self._lru: OrderedDict[int, None] = OrderedDict()  # unpinned device blocks, LRU first
-        self._host: OrderedDict[int, None] = OrderedDict()  # host blocks, LRU first
+        self._root = _Node([], None)
+        self._lru: OrderedDict[_Node, None] = OrderedDict()  # unpinned device nodes, LRU first
+        self._host_lru: OrderedDict[_Node, None] = OrderedDict()  # host nodes, LRU first
+        self._dev_blocks = 0
+        self._evictable_blocks = 0
+        self._host_blocks = 0
+        self._nodes = 0
         self._reserved = 0
         self._lookup = 0
         self._dev_hit = 0
@@ -116,7 +153,7 @@ class PrefixCache:
     # ---- queries -------------------------------------------------------------------------
     @property
     def used_tokens(self) -> int:
-        return len(self._pins) * self.page_size + self._reserved
+        return self._dev_blocks * self.page_size + self._reserved
 
     @property
     def free_tokens(self) -> int:
@@ -124,32 +161,46 @@ class PrefixCache:
 
     @property
     def evictable_tokens(self) -> int:
-        return len(self._lru) * self.page_size
+        return self._evictable_blocks * self.page_size
 
     @property
     def host_used_tokens(self) -> int:
-        return len(self._host) * self.page_size
+        return self._host_blocks * self.page_size
+
+    def _walk(self, hashes: list[int]) -> list[tuple[_Node, int]]:
+        """(node, matched blocks in it) from the root; only the last may be partial."""
+        path: list[tuple[_Node, int]] = []
+        node = self._root
+        i, n = 0, len(hashes)
+        while i < n:
+            child = node.children.get(hashes[i])
+            if child is None:
+                break
+            run = child.hashes
+            k = len(run)
+            if i + k > n or (k > 1 and hashes[i : i + k] != run):
+                k = _common(run, hashes, i)
+                path.append((child, k))
+                break
+            path.append((child, k))
+            i += k
+            node = child
+        return path
+
+    def _count(self, path: list[tuple[_Node, int]]) -> Match:
+        d = h = unpinned = 0
+        for node, k in path:
+            if node.host:
+                h += k
+            else:
+                d += k
+                if node.pins == 0:
+                    unpinned += k
+        return Match(d, h, self.page_size, unpinned)
 
     def match(self, hashes: Sequence[int]) -> Match:
-        """Longest cached prefix of ``hashes``: device part, then host part. Does not touch LRU."""
-        pins = self._pins
-        d = 0
-        unpinned = 0
-        for h in hashes:
-            p = pins.get(h)
-            if p is None:
-                break
-            d += 1
-            if p == 0:
-                unpinned += 1
-        k = 0
-        if self._host:
-            host = self._host
-            for i in range(d, len(hashes)):
-                if hashes[i] not in host:
-                    break
-                k += 1
-        return Match(d, k, self.page_size, unpinned)
+        """Longest cached prefix of ``hashes``: device part, then host part. Changes nothing."""
+        return self._count(self._walk(hashes if isinstance(hashes, list) else list(hashes)))
 
     def can_fit(self, match: Match, total_tokens: int) -> bool:
         """Whether a request occupying ``total_tokens`` slots could be admitted after ``match``."""
@@ -161,7 +212,7 @@ class PrefixCache:
         return CacheStats(
             capacity_tokens=self.capacity_tokens,
             used_tokens=self.used_tokens,
-            cached_tokens=len(self._pins) * self.page_size,
+            cached_tokens=self._dev_blocks * self.page_size,
             evictable_tokens=self.evictable_tokens,
             reserved_tokens=self._reserved,
             host_capacity_tokens=self.host_capacity_tokens,
@@ -172,6 +223,7 @@ class PrefixCache:
             device_evicted_tokens=self._dev_evicted * self.page_size,
             host_evicted_tokens=self._host_evicted * self.page_size,
             admitted=self._admitted,
+            nodes=self._nodes,
         )
 
     # ---- mutations -----------------------------------------------------------------------
@@ -179,92 +231,196 @@ class PrefixCache:
         """Admit a request whose prompt has (matchable) block ``hashes`` and which will occupy
         ``total_tokens`` slots in all (prompt + output). Pins the device prefix, promotes the host
         continuation, reserves the rest; or returns ``None`` and changes nothing."""
-        m = self.match(hashes)
+        hl = hashes if isinstance(hashes, list) else list(hashes)
+        path = self._walk(hl)
+        m = self._count(path)
         if not self.can_fit(m, total_tokens):
             return None
-        d, k = m.device_blocks, m.host_blocks
-        pins, lru = self._pins, self._lru
-        for h in hashes[:d]:
-            p = pins[h]
-            if p == 0:
-                del lru[h]
-            pins[h] = p + 1
-        promoted = hashes[d : d + k]
-        for h in promoted:
-            del self._host[h]
+        if path and path[-1][1] < len(path[-1][0].hashes):
+            node, k = path[-1]
+            path[-1] = (self._split(node, k), k)
+        promoted: list[_Node] = []
+        for node, _ in path:
+            if node.host:
+                self._host_lru.pop(node, None)  # a fresh split head is in no LRU
+                self._host_blocks -= len(node.hashes)
+                promoted.append(node)
+            else:
+                self._pin(node)
         self._make_room(total_tokens - m.device_tokens)
-        for h in promoted:
-            pins[h] = 1
-        self._reserved += total_tokens - m.tokens
-        self._lookup += len(hashes) * self.page_size
+        for node in promoted:
+            node.host = False
+            node.pins = 1
+            self._dev_blocks += len(node.hashes)
+        reserve = total_tokens - m.tokens
+        self._reserved += reserve
+        self._lookup += len(hl) * self.page_size
         self._dev_hit += m.device_tokens
         self._host_hit += m.host_tokens
         self._admitted += 1
-        return Lease(list(hashes[: d + k]), total_tokens - m.tokens), m
+        deepest = path[-1][0] if path else self._root
+        return Lease(deepest, m.device_blocks + m.host_blocks, reserve), m
 
     def insert(self, lease: Lease, hashes: Sequence[int]) -> None:
-        """Blocks a running request has just computed: cached and pinned, paid from its reservation."""
-        pins, lru, page = self._pins, self._lru, self.page_size
-        for h in hashes:
-            p = pins.get(h)
-            if p is None:
-                if lease.reserved < page:
-                    break  # cannot happen for prompt blocks; defensive
-                self._host.pop(h, None)
-                pins[h] = 1
-                lease.reserved -= page
-                self._reserved -= page
+        """Blocks a running request has just computed (following its pinned path): cached and
+        pinned, paid from its reservation."""
+        hl = hashes if isinstance(hashes, list) else list(hashes)
+        node, i, page = lease.node, 0, self.page_size
+        while i < len(hl):
+            child = node.children.get(hl[i])
+            if child is None:
+                break
+            k = _common(child.hashes, hl, i)
+            if k < len(child.hashes):
+                child = self._split(child, k)
+            if child.host:  # a concurrent twin was computed and demoted meanwhile: reload it
+                if lease.reserved < k * page:
+                    break
+                self._host_lru.pop(child, None)
+                self._host_blocks -= k
+                child.host = False
+                child.pins = 1
+                self._dev_blocks += k
+                lease.reserved -= k * page
+                self._reserved -= k * page
             else:
-                if p == 0:
-                    del lru[h]
-                pins[h] = p + 1
-            lease.pinned.append(h)
+                self._pin(child)
+            node = child
+            i += k
+            lease.blocks += k
+        rest = min(len(hl) - i, lease.reserved // page)
+        if rest > 0:
+            new = _Node(hl[i : i + rest], node)
+            new.pins = 1
+            node.children[new.hashes[0]] = new
+            self._nodes += 1
+            self._dev_blocks += rest
+            lease.reserved -= rest * page
+            self._reserved -= rest * page
+            lease.blocks += rest
+            node = new
+        lease.node = node
 
     def release(self, lease: Lease, extra: Sequence[int] = ()) -> None:
-        """A request ended: unpin its blocks and free its reservation. ``extra`` blocks (e.g. its
-        prompt+output continuation) are cached unpinned first, paid from the reservation."""
+        """A request ended: unpin its path and free its reservation. ``extra`` blocks (e.g. its
+        prompt+output continuation) are first cached unpinned below it, paid from the reservation."""
         if lease.released:
             return
         lease.released = True
-        pins, lru, page = self._pins, self._lru, self.page_size
-        added: list[int] = []
-        for h in extra:
-            if h in pins:
-                continue
-            if lease.reserved < page:
-                break
-            self._host.pop(h, None)
-            pins[h] = 0
-            lease.reserved -= page
-            self._reserved -= page
-            added.append(h)
-        for h in reversed(added):  # deepest first: parents end up more recent (Rule 3)
-            lru[h] = None
-        for h in reversed(lease.pinned):
-            p = pins[h] - 1
-            pins[h] = p
-            if p == 0:
-                lru[h] = None
+        page = self.page_size
+        node = lease.node
+        if extra and node.children.get(extra[0]) is None:
+            n = min(len(extra), lease.reserved // page)
+            if n > 0:
+                new = _Node(list(extra[:n]), node)
+                node.children[new.hashes[0]] = new
+                self._nodes += 1
+                self._dev_blocks += n
+                lease.reserved -= n * page
+                self._reserved -= n * page
+                self._lru_add(new)  # older than its parent, which is appended below (Rule 3)
+        while node is not self._root:
+            assert node.parent is not None
+            node.pins -= 1
+            if node.pins == 0:
+                self._lru_add(node)
+            node = node.parent
         self._reserved -= lease.reserved
         lease.reserved = 0
+        self._compress(lease.node)
 
     def flush(self) -> bool:
         """Drop every unpinned block on both tiers. Refused (False) while anything is running."""
-        if self._reserved or len(self._lru) != len(self._pins):
+        if self._reserved or self._evictable_blocks != self._dev_blocks:
             return False
-        self._pins.clear()
+        self._root = _Node([], None)
         self._lru.clear()
-        self._host.clear()
+        self._host_lru.clear()
+        self._dev_blocks = self._evictable_blocks = self._host_blocks = self._nodes = 0
         return True
 
+    # ---- internals -----------------------------------------------------------------------
+    def _lru_add(self, node: _Node) -> None:
+        self._lru[node] = None
+        self._evictable_blocks += len(node.hashes)
+
+    def _pin(self, node: _Node) -> None:
+        if node.pins == 0 and node in self._lru:  # (a fresh split head is in no LRU)
+            del self._lru[node]
+            self._evictable_blocks -= len(node.hashes)
+        node.pins += 1
+
+    def _split(self, node: _Node, k: int) -> _Node:
+        """Split ``node`` after its first ``k`` blocks; returns the new head (``node`` keeps the
+        tail, so references to ``node`` still name the deeper part). The head is in no LRU."""
+        assert node.parent is not None and 0 < k < len(node.hashes)
+        head = _Node(node.hashes[:k], node.parent, node.host)
+        head.pins = node.pins
+        node.parent.children[head.hashes[0]] = head
+        node.hashes = node.hashes[k:]
+        node.parent = head
+        head.children[node.hashes[0]] = node
+        self._nodes += 1
+        if not node.host and node.pins == 0 and node in self._lru:
+            self._evictable_blocks -= k
+        return head
+
     def _make_room(self, need: int) -> None:
-        lru, pins, host = self._lru, self._pins, self._host
+        lru, page = self._lru, self.page_size
         while self.free_tokens < need and lru:
-            h, _ = lru.popitem(last=False)
-            del pins[h]
-            self._dev_evicted += 1
+            node = next(iter(lru))
+            want = -((self.free_tokens - need) // page)  # ceil((need - free) / page)
+            if len(node.hashes) > want:
+                head = self._split(node, len(node.hashes) - want)
+                self._lru_add(head)
+                lru.move_to_end(head, last=False)  # as old as the node it came from
+            del lru[node]
+            n = len(node.hashes)
+            self._evictable_blocks -= n
+            self._dev_blocks -= n
+            self._dev_evicted += n
             if self._host_cap_blocks:
-                host[h] = None
-                if len(host) > self._host_cap_blocks:
-                    host.popitem(last=False)
-                    self._host_evicted += 1
+                node.host = True
+                self._host_lru[node] = None
+                self._host_blocks += n
+                self._trim_host()
+            else:
+                self._detach(node)
+
+    def _trim_host(self) -> None:
+        hl = self._host_lru
+        while self._host_blocks > self._host_cap_blocks and hl:
+            node = next(iter(hl))
+            excess = self._host_blocks - self._host_cap_blocks
+            if len(node.hashes) > excess:
+                head = self._split(node, len(node.hashes) - excess)
+                hl[head] = None
+                hl.move_to_end(head, last=False)
+            del hl[node]
+            self._host_blocks -= len(node.hashes)
+            self._host_evicted += len(node.hashes)
+            self._detach(node)
+
+    def _detach(self, node: _Node) -> None:
+        parent = node.parent
+        assert parent is not None and not node.children, "only leaves leave the tree"
+        del parent.children[node.hashes[0]]
+        node.parent = None
+        self._nodes -= 1
+
+    def _compress(self, node: _Node) -> None:
+        """Merge unpinned single-child device chains on ``node``'s path (Rule 5)."""
+        while node is not self._root:
+            parent = node.parent
+            assert parent is not None
+            if node.pins == 0 and not node.host and len(node.children) == 1:
+                (child,) = node.children.values()
+                if child.pins == 0 and not child.host:
+                    del self._lru[child]
+                    node.hashes = node.hashes + child.hashes
+                    node.children = child.children
+                    for gc in node.children.values():
+                        gc.parent = node
+                    self._nodes -= 1
+                    continue  # the merged node may merge again
+            node = parent

@@ -426,7 +426,7 @@ class ReplicaEngine:
                 continue
             self._prefilling.remove(r)
             assert r.lease is not None
-            self.cache.insert(r.lease, r.req.block_hashes[len(r.lease.pinned) :])
+            self.cache.insert(r.lease, r.req.block_hashes[r.lease.blocks :])
             if r.req.output_tokens == 0:
                 self._finish(r, t, "length")
                 continue

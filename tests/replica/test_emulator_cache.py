@@ -131,3 +131,81 @@ def test_extra_output_blocks_cached_on_release() -> None:
 def test_too_big_never_fits() -> None:
     c = PrefixCache(capacity_tokens=16, page_size=PAGE)
     assert c.try_lock(chain(1, 5), 20) is None
+
+
+def test_long_conversation_stays_a_few_nodes_and_diverging_prefixes_split() -> None:
+    c = PrefixCache(capacity_tokens=1_000_000, page_size=PAGE)
+    convo: list[int] = chain(1, 100)
+    prev = 0
+    for _ in range(50):
+        assert run(c, convo, len(convo) * PAGE + 8) == prev * PAGE  # the whole previous turn hits
+        prev = len(convo)
+        convo = convo + chain(1, 20, tuple(convo))[len(convo):]
+    assert c.stats().nodes <= 2
+    # a second conversation sharing the first 30 blocks splits the node and shares them
+    other = convo[:30] + chain(2, 10, tuple(convo[:30]))[30:]
+    assert run(c, other, len(other) * PAGE) == 30 * PAGE
+    assert c.match(convo).device_blocks == prev  # the last extension was never sent
+    assert c.stats().nodes <= 4
+
+
+def check_tree(c: PrefixCache) -> None:
+    """White-box: the counters agree with the tree; device never hangs below host; LRUs exact."""
+    dev = host = evictable = nodes = 0
+    stack = [(c._root, False)]
+    while stack:
+        node, under_host = stack.pop()
+        for child in node.children.values():
+            assert child.parent is node and child.hashes and node.children[child.hashes[0]] is child
+            assert not (under_host and not child.host), "device node below a host node"
+            nodes += 1
+            if child.host:
+                host += len(child.hashes)
+                assert child in c._host_lru and child.pins == 0
+            else:
+                dev += len(child.hashes)
+                assert (child in c._lru) == (child.pins == 0)
+                evictable += len(child.hashes) if child.pins == 0 else 0
+            stack.append((child, child.host))
+    assert (dev, host, evictable, nodes) == (c._dev_blocks, c._host_blocks, c._evictable_blocks, c._nodes)
+    assert len(c._lru) + len(c._host_lru) <= nodes
+
+
+def test_randomized_invariants() -> None:
+    import random
+
+    rng = random.Random(7)
+    c = PrefixCache(capacity_tokens=400, page_size=PAGE, host_capacity_tokens=300)
+    system = chain(99, 8)
+    sessions = {s: system + chain(s, rng.randint(1, 10), tuple(system))[8:] for s in range(12)}
+    running: list[tuple[object, list[int]]] = []
+    for _ in range(3000):
+        if running and (rng.random() < 0.5 or len(running) > 4):
+            lease, h = running.pop(rng.randrange(len(running)))
+            extra = chain(1000 + len(h), 2, tuple(h))[len(h):] if rng.random() < 0.5 else []
+            c.release(lease, extra)  # type: ignore[arg-type]
+        else:
+            s = rng.randrange(12)
+            h = sessions[s]
+            if rng.random() < 0.3:  # the conversation grows
+                h = sessions[s] = h + chain(s * 7 + len(h), rng.randint(1, 6), tuple(h))[len(h):]
+            total = len(h) * PAGE + rng.randint(0, 12)
+            got = c.try_lock(h[: len(h) - 1], total)
+            if got is not None:
+                lease, m = got
+                c.insert(lease, h[m.device_blocks + m.host_blocks :])
+                running.append((lease, h))
+        # invariants
+        st = c.stats()
+        assert 0 <= st.used_tokens <= st.capacity_tokens
+        assert 0 <= st.host_used_tokens <= st.host_capacity_tokens
+        assert 0 <= st.evictable_tokens <= st.cached_tokens and st.reserved_tokens >= 0
+        for _lease, h in running:  # a running request's blocks are all on device
+            assert c.match(h).device_blocks == len(h)
+        check_tree(c)
+    for lease, _ in running:
+        c.release(lease)  # type: ignore[arg-type]
+    st = c.stats()
+    assert st.reserved_tokens == 0 and st.evictable_tokens == st.cached_tokens
+    assert st.device_evicted_tokens > 0 and st.host_evicted_tokens > 0 and st.host_hit_tokens > 0
+    assert c.flush() and c.stats().nodes == 0

@@ -5,6 +5,7 @@ import time
 import pytest
 
 from replica.emulator.tokenizer import (
+    ChainMemo,
     GENERATION_PROMPT,
     block_hashes,
     decode_ids,
@@ -75,7 +76,10 @@ def test_chain_extension_equals_full_hash() -> None:
 
 
 def test_chat_turns_share_token_prefix() -> None:
-    msgs = [{"role": "system", "content": "You are a coding agent."}, {"role": "user", "content": "fix bug " * 300}]
+    msgs = [
+        {"role": "system", "content": "You are a coding agent."},
+        {"role": "user", "content": "fix bug " * 300},
+    ]
     turn1 = render_chat(msgs)
     answer = output_text(50, seed=3)
     msgs2 = msgs + [{"role": "assistant", "content": answer}, {"role": "user", "content": "now test"}]
@@ -87,7 +91,12 @@ def test_chat_turns_share_token_prefix() -> None:
 
 
 def test_chat_tools_and_parts_render() -> None:
-    msgs = [{"role": "user", "content": [{"type": "text", "text": "hi"}, {"type": "image_url", "image_url": {"url": "u"}}]}]
+    msgs = [
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": "hi"}, {"type": "image_url", "image_url": {"url": "u"}}],
+        }
+    ]
     s = render_chat(msgs, tools=[{"type": "function", "function": {"name": "f"}}])
     assert "tool_declare" in s and "hi" in s and '"image_url"' in s
     with pytest.raises(ValueError):
@@ -113,3 +122,19 @@ def test_large_prompt_is_fast() -> None:
     per = (time.process_time() - t0) / 5
     assert p.num_tokens == 100_000 and len(hashes) == 1562
     assert per < 0.02, per  # well under 20 ms for a 100k-token prompt
+
+
+def test_chain_memo_matches_full_hashing_and_reuses() -> None:
+    memo = ChainMemo(max_entries=2)
+    base = "conversation " * 2000
+    turns = [base, base + "more " * 300, base + "more " * 300 + "and more " * 100]
+    for t in turns:
+        p = encode_text(t)
+        assert memo.hashes(p, 16, key="s1") == block_hashes(p, 16)
+    assert memo.reused_blocks > memo.hashed_blocks
+    # a different conversation under the same key (compaction): detected, rehashed correctly
+    p = encode_text("compacted " * 1000)
+    assert memo.hashes(p, 16, key="s1") == block_hashes(p, 16)
+    # salted chains differ and are still exact; no key -> keyed by the first block
+    assert memo.hashes(p, 16, seed=7) == block_hashes(p, 16, seed=7)
+    assert memo.hashes(encode_text("ab"), 16) == []
