@@ -375,14 +375,23 @@ class GatewayMetrics:
         )
         self.fleet = FleetCollector(desired_replicas)
         r.register(self.fleet)
+        # labelled children of the per-request series, cached: labels() costs more than inc()
+        self._children: dict[tuple[str, ...], Any] = {}
+
+    def _child(self, metric: Any, *labels: str) -> Any:
+        key = (metric._name, *labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*labels)
+        return child
 
     def __call__(self, event: Event) -> None:
         if isinstance(event, RequestFinished):
             reason = event.reason.value if event.reason is not None else "none"
-            self.requests.labels(event.route, reason, str(event.status)).inc()
+            self._child(self.requests, event.route, reason, str(event.status)).inc()
             if event.ttft_s is not None:
-                self.ttft.labels(event.route).observe(event.ttft_s)
-            self.e2e.labels(event.route).observe(event.e2e_s)
+                self._child(self.ttft, event.route).observe(event.ttft_s)
+            self._child(self.e2e, event.route).observe(event.e2e_s)
             self.overhead.observe(event.overhead_s)
             if event.client_disconnected:
                 self.client_disconnects.labels(event.route).inc()
@@ -393,7 +402,7 @@ class GatewayMetrics:
             if event.completion_tokens is not None:
                 self.completion_tokens.inc(event.completion_tokens)
         elif isinstance(event, RequestRouted):
-            self.decisions.labels(event.reason.value, event.key_source.value).inc()
+            self._child(self.decisions, event.reason.value, event.key_source.value).inc()
             if event.disagreement:
                 self.disagreements.inc()
         elif isinstance(event, AffinityBroken):
