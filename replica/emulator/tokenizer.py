@@ -38,8 +38,8 @@ import mmh3
 
 __all__ = [
     "BYTES_PER_TOKEN",
-    "ChainMemo",
     "GENERATION_PROMPT",
+    "ChainMemo",
     "Prompt",
     "block_hashes",
     "decode_ids",
