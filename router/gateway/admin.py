@@ -19,6 +19,7 @@ Rules:
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import hmac
 import ipaddress
 import json
@@ -306,7 +307,10 @@ def make_admin_app(
     from router.gateway.admin_openapi import openapi_spec
 
     token = (settings.token or "").encode()
-    networks = tuple(ipaddress.ip_network(n) for n in settings.allowed_networks)
+    # the dashboard cookie carries a value derived from the token, never the token itself: a leaked
+    # cookie grants reads only and does not reveal the bearer credential
+    cookie_value = hmac.new(token, b"kvroute-admin-ui-cookie", hashlib.sha256).hexdigest().encode()
+    networks = tuple(ipaddress.ip_network(n, strict=False) for n in settings.allowed_networks)
     spec_bytes = json.dumps(openapi_spec(), indent=1).encode()
 
     @web.middleware
@@ -325,7 +329,12 @@ def make_admin_app(
                 location = str(request.rel_url.with_path("/admin/ui").with_query(rest))
                 resp = web.Response(status=303, headers={"Location": location, "Cache-Control": "no-store"})
                 resp.set_cookie(
-                    ADMIN_COOKIE, settings.token or "", httponly=True, samesite="Strict", path="/admin"
+                    ADMIN_COOKIE,
+                    cookie_value.decode(),
+                    httponly=True,
+                    samesite="Strict",
+                    path="/admin",
+                    secure=request.secure,
                 )
                 return resp
             auth = request.headers.get("Authorization", "")
@@ -333,7 +342,7 @@ def make_admin_app(
             ok = scheme.lower() == "bearer" and hmac.compare_digest(cred.strip().encode(), token)
             if not ok and request.method in {"GET", "HEAD"}:
                 cookie = request.cookies.get(ADMIN_COOKIE)
-                ok = cookie is not None and hmac.compare_digest(cookie.encode(), token)
+                ok = cookie is not None and hmac.compare_digest(cookie.encode(), cookie_value)
             if not ok:
                 resp401 = _kv_error(
                     UnauthorizedError("missing admin token" if not auth else "invalid admin token")

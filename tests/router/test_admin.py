@@ -410,8 +410,10 @@ async def test_openapi_and_dashboard_and_cookie(admin: tuple[TestClient, MemoryS
     assert resp.status == 303 and resp.headers["Location"] == "/admin/ui"
     cookie = resp.cookies[ADMIN_COOKIE]
     assert cookie["httponly"] and cookie["samesite"] == "Strict"
+    assert cookie.value != TOKEN  # derived from the token, not the token
+    assert (await client.get("/admin/stats", cookies={ADMIN_COOKIE: TOKEN})).status == 401
     # the cookie authorises reads only
-    jar = {ADMIN_COOKIE: TOKEN}
+    jar = {ADMIN_COOKIE: cookie.value}
     assert (await client.get("/admin/stats", cookies=jar)).status == 200
     resp = await client.patch("/admin/config", cookies=jar, json={"params": {"thicc_threshold": 9}})
     assert resp.status == 401
