@@ -165,12 +165,13 @@ class ReplicaClient(Protocol):
 
 
 class _AiohttpUpstream:
-    __slots__ = ("_idle_s", "_resp", "_rid", "status")
+    __slots__ = ("_first_s", "_idle_s", "_resp", "_rid", "status")
 
-    def __init__(self, resp: aiohttp.ClientResponse, replica_id: str, idle_s: float) -> None:
+    def __init__(self, resp: aiohttp.ClientResponse, replica_id: str, idle_s: float, first_s: float) -> None:
         self._resp = resp
         self._rid = replica_id
         self._idle_s = idle_s
+        self._first_s = first_s  # the first body chunk may wait for a whole prefill
         self.status = resp.status
 
     @property
@@ -187,13 +188,15 @@ class _AiohttpUpstream:
 
     async def chunks(self) -> AsyncIterator[bytes]:
         it = self._resp.content.iter_any().__aiter__()
+        limit = self._first_s
         while True:
             with map_client_errors(self._rid):
-                async with asyncio.timeout(self._idle_s):
+                async with asyncio.timeout(limit):
                     try:
                         chunk = await it.__anext__()
                     except StopAsyncIteration:
                         return
+            limit = self._idle_s
             yield chunk
 
     async def read(self, limit: int) -> bytes:
@@ -247,6 +250,8 @@ class AiohttpReplicaClient:
     ) -> UpstreamResponse:
         hdrs: CIMultiDict[str] = CIMultiDict(headers)
         skip = () if "Accept-Encoding" in hdrs else ("Accept-Encoding",)
+        loop = asyncio.get_running_loop()
+        started = loop.time()
         with map_client_errors(replica_id):
             async with asyncio.timeout(self._timeouts.first_byte_s):
                 resp = await self._session.request(
@@ -257,7 +262,10 @@ class AiohttpReplicaClient:
                     allow_redirects=False,
                     skip_auto_headers=skip,
                 )
-        return _AiohttpUpstream(resp, replica_id, self._timeouts.idle_read_s)
+        # headers may come before the first body byte (SSE): the first chunk gets what is left of
+        # first_byte_s (at least connect_s), later chunks idle_read_s each
+        left = max(self._timeouts.connect_s, self._timeouts.first_byte_s - (loop.time() - started))
+        return _AiohttpUpstream(resp, replica_id, self._timeouts.idle_read_s, left)
 
     async def fetch(
         self, replica_id: str, url: str, *, accept: str | None = None, timeout_s: float | None = None

@@ -41,6 +41,7 @@ from router.errors import (
     UpstreamConnectError,
     UpstreamError,
     UpstreamStatusError,
+    UpstreamTimeoutError,
 )
 from router.events import AffinityBroken, RequestFinished, RequestRouted, StoreDegraded, UpstreamRetry
 from router.gateway.forward import (
@@ -324,7 +325,8 @@ class _Proxy:
                 log.warning("upstream %s broke mid-response: %s", lease.replica_id, exc)
                 if sniffer.is_sse:
                     sep = b"" if last_tail == b"\n\n" else b"\n\n"
-                    await resp.write(sep + sse_error_event(f"upstream {lease.replica_id} failed mid-stream: {exc.code}"))
+                    msg = f"upstream {lease.replica_id} failed mid-stream: {exc.code}"
+                    await resp.write(sep + sse_error_event(msg, 504 if isinstance(exc, UpstreamTimeoutError) else 502))
                     await resp.write_eof()
                 else:
                     resp.force_close()

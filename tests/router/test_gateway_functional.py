@@ -303,6 +303,31 @@ async def test_non_stream_break_cuts_the_connection(fake_replicas: Any, gateway_
     await wait_for(lambda: _in_flight_zero(gw))
 
 
+async def test_timeouts_first_byte_retried_idle_read_ends_stream(fake_replicas: Any, gateway_factory: Any) -> None:
+    slow, fast = await fake_replicas(2)
+    log = EventLog()
+    gw = await gateway_factory([slow.url, fast.url], hooks=(log,),
+                               timeouts={"first_byte_s": 0.3, "idle_read_s": 0.3})
+    async with aiohttp.ClientSession() as s:
+        _, _, h = await _post(s, gw.url + "/generate", _body("/generate", True), "slow")
+        home = slow if h["X-Kvroute-Replica"] == slow.id else fast
+        other = fast if home is slow else slow
+        home.state.first_delay_s = 2.0  # "prefill" longer than first_byte_s: retried elsewhere
+        status, body, h = await _post(s, gw.url + "/generate", _body("/generate", True), "slow")
+        assert status == 200 and h["X-Kvroute-Replica"] == other.id and body.endswith(b"data: [DONE]\n\n")
+        assert [r.error for r in log.of(UpstreamRetry)] == ["upstream_timeout"]
+        home.state.first_delay_s = 0.0
+        for r in (slow, fast):
+            r.state.chunks, r.state.chunk_delay_s = 5, 1.0  # a stall mid-stream: idle_read_s
+        status, body, _ = await _post(s, gw.url + "/generate", _body("/generate", True), "slow2")
+    assert status == 200
+    events = [e for e in body.decode().split("\n\n") if e]
+    assert len(events) == 3  # one relayed chunk, the timeout error, [DONE]
+    assert json.loads(events[1].removeprefix("data: "))["error"]["code"] == 504
+    assert events[-1] == "data: [DONE]"
+    await wait_for(lambda: _in_flight_zero(gw))
+
+
 async def test_client_disconnect_releases_load_and_aborts_upstream(
     fake_replicas: Any, gateway_factory: Any
 ) -> None:
