@@ -6,6 +6,7 @@ streamed chat requests, and prints JSON. Two workloads:
 
 * ``coding``: closed-loop coding-agent sessions, ~100k-token prompts growing ~700 tokens a turn
   (so the prefix cache hits), ~216 output tokens (WEKA median), streamed with usage;
+* ``coding_nonstream``: the same without streaming (isolates the per-body cost);
 * ``small``: ~1k-token prompts, 32 output tokens, streamed.
 
 Every decode step is streamed as its own SSE chunk (``--min-chunk-interval 0``), as at time
@@ -35,6 +36,7 @@ class _Workload:
     base_tokens: int
     turn_tokens: int
     max_tokens: int
+    stream: bool = True
 
 
 def _text(n_tokens: int, tag: str) -> str:
@@ -45,20 +47,28 @@ def _text(n_tokens: int, tag: str) -> str:
 
 async def _session(http: aiohttp.ClientSession, url: str, w: _Workload, sid: int, stats: dict[str, float]) -> None:
     msgs: list[dict[str, str]] = [{"role": "system", "content": _text(w.base_tokens, f"{w.name}-{sid}")}]
+    await asyncio.sleep(0.05 * sid)  # stagger the sessions a little
     for turn in range(w.turns):
         msgs.append({"role": "user", "content": _text(w.turn_tokens, f"t{turn}")})
-        body = json.dumps({"model": "m", "messages": msgs, "max_tokens": w.max_tokens, "stream": True,
-                           "stream_options": {"include_usage": True}}).encode()
+        req: dict[str, Any] = {"model": "m", "messages": msgs, "max_tokens": w.max_tokens, "stream": w.stream}
+        if w.stream:
+            req["stream_options"] = {"include_usage": True}
+        body = json.dumps(req).encode()
         async with http.post(f"{url}/v1/chat/completions", data=body,
                              headers={"Content-Type": "application/json", "x-smg-routing-key": f"s{sid}"}) as r:
             if r.status != 200:
                 raise RuntimeError(f"HTTP {r.status}: {(await r.text())[:200]}")
             raw = await r.read()
-        events = [e for e in raw.split(b"\n\n") if e]
-        usage = json.loads(events[-2][6:])["usage"]
-        content = "".join(
-            (json.loads(e[6:])["choices"] or [{}])[0].get("delta", {}).get("content") or "" for e in events[1:-3]
-        )
+        if w.stream:
+            events = [e for e in raw.split(b"\n\n") if e]
+            usage = json.loads(events[-2][6:])["usage"]
+            content = "".join(
+                (json.loads(e[6:])["choices"] or [{}])[0].get("delta", {}).get("content") or "" for e in events[1:-3]
+            )
+        else:
+            events = [raw]
+            doc = json.loads(raw)
+            usage, content = doc["usage"], doc["choices"][0]["message"]["content"]
         stats["requests"] += 1
         stats["chunks"] += len(events)
         stats["prompt_tokens"] += usage["prompt_tokens"]
@@ -90,6 +100,7 @@ async def _run(ns: argparse.Namespace) -> dict[str, Any]:
             out["idle_cpu_ms_per_s"] = round(idle * 1000, 3)
             workloads = [
                 _Workload("coding", ns.sessions, ns.coding_turns, 100_000, 700, 216),
+                _Workload("coding_nonstream", ns.sessions, ns.coding_turns, 100_000, 700, 216, stream=False),
                 _Workload("small", ns.sessions, ns.small_turns, 1_000, 50, 32),
             ]
             for w in workloads:

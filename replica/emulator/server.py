@@ -672,31 +672,34 @@ class _Handlers:
     ) -> AsyncIterator[tuple[int, int, Finished | None]]:
         """Yields (tokens already sent, tokens now, Finished on the last item) at decode steps."""
         rep = self.rep
+        engine = rep.engine
         await fl.first.wait()
         interval = self.cfg.stream_interval
+        min_gap = self.cfg.min_chunk_interval_s
         sent = 0
         last_emit = 0.0
         while True:
-            rep.poll()
             fin = fl.finished
+            if fin is None:
+                now = rep.model_now()
+                pr = engine.progress(fl.rid, now)
+                if pr.next_time is None or pr.next_time <= now or pr.tokens >= fl.n_out:
+                    rep.poll()  # an engine event is due: let it land before reading again
+                    fin = fl.finished
             if fin is not None:
                 yield sent, fin.completion_tokens, fin
                 return
-            pr = rep.engine.progress(fl.rid, rep.model_now())
             tokens = max(pr.tokens, 1)
             if tokens > sent and (interval == 0 or tokens - sent >= interval or sent == 0):
                 yield sent, tokens, None
                 sent = tokens
                 last_emit = time.monotonic()
+            # sleep to the next decode step (a finish is one too); a changed batch just means
+            # waking to no news and sleeping again
             delay = rep.wall_delay(pr.next_time) if pr.next_time is not None else 0.05
-            delay = max(delay, last_emit + self.cfg.min_chunk_interval_s - time.monotonic())
-            if delay > 0.02:
-                try:
-                    await asyncio.wait_for(fl.done.wait(), delay)
-                except TimeoutError:
-                    pass
-            else:
-                await asyncio.sleep(delay)
+            if min_gap:
+                delay = max(delay, last_emit + min_gap - time.monotonic())
+            await asyncio.sleep(min(delay, 1.0))
 
     async def _write(self, request: web.Request, resp: web.StreamResponse, data: bytes, n_chunks: int) -> int:
         limit = request.get(_BREAK_KEY)
