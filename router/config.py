@@ -196,6 +196,7 @@ class GatewayConfig(BaseSettings):
     admin_token: SecretStr | None = None
     # operator surface (docs/OPERATIONS.md): no admin_token -> /admin answers 404 unless admin_insecure
     admin_insecure: bool = False  # serve /admin without a token: local demos only
+    admin_port: int | None = Field(None, ge=0, le=65535)  # serve /admin on its own port (same host); 0 = free
     admin_networks: Annotated[tuple[str, ...], NoDecode] = ()  # POST /admin/replicas URLs; () = loopback+private
     otel: bool = False  # OpenTelemetry tracing (the 'otel' extra); on as well when otel_endpoint is set
     otel_endpoint: str | None = None  # OTLP/HTTP collector base URL, e.g. http://otel-collector:4318
@@ -442,6 +443,7 @@ def build_arg_parser(prog: str = "kvroute serve") -> argparse.ArgumentParser:
     p.add_argument("--max-retries", type=int)
     p.add_argument("--redis", "--redis-url", dest="redis_url", metavar="URL", help="shared state in Redis")
     p.add_argument("--admin-token", metavar="TOKEN", help="bearer token of the /admin API (or KVROUTE_ADMIN_TOKEN)")
+    p.add_argument("--admin-port", type=int, help="serve /admin on this port instead of the gateway's")
     p.add_argument("--admin-insecure", action="store_true", default=argparse.SUPPRESS,
                    help="serve /admin without a token (local demos only)")
     p.add_argument("--otel", action="store_true", default=argparse.SUPPRESS, help="OpenTelemetry tracing on")

@@ -139,6 +139,8 @@ async def _serve(config: GatewayConfig) -> int:
     gw = await start_gateway(
         config, extra_setup=(surface.setup,), trace_configs=surface.tracing.trace_configs()
     )
+    if surface.admin_url is not None:
+        print(f"kvroute admin API listening on {surface.admin_url}/admin", file=sys.stderr, flush=True)
     if not surface.admin.enabled:
         log.info("admin API disabled: no admin token (--admin-token / KVROUTE_ADMIN_TOKEN)")
     elif surface.admin.insecure and not surface.admin.token:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -168,8 +168,12 @@ class OperatorSurface:
         stats_window_s: float = 300.0,
         sample_interval_s: float = 1.0,
         autoscale: AutoscaleConfig | None = None,
+        admin_listen: tuple[str, int] | None = None,
     ) -> None:
         self.admin = admin
+        # (host, port): serve /admin from its own listener instead of the gateway's port
+        self.admin_listen = admin_listen
+        self.admin_url: str | None = None  # set once the separate admin listener is up
         self.tracing = tracing
         self.store = store
         self.clock = clock
@@ -237,8 +241,31 @@ class OperatorSurface:
         for mw in self.tracing.middlewares():
             app.middlewares.insert(0, mw)
         app.router.add_get("/metrics", self.metrics_handler)
-        app.add_subapp("/admin", make_admin_app(self.store, self.holder, self.stats, self.clock, self.admin))
+        admin_app = make_admin_app(self.store, self.holder, self.stats, self.clock, self.admin)
+        if self.admin_listen is None:
+            app.add_subapp("/admin", admin_app)
+        else:
+            app.cleanup_ctx.append(self._admin_listener(admin_app, *self.admin_listen))
         app.cleanup_ctx.append(self._background)
+
+    def _admin_listener(
+        self, admin_app: web.Application, host: str, port: int
+    ) -> Callable[[web.Application], AsyncIterator[None]]:
+        async def ctx(_app: web.Application) -> AsyncIterator[None]:
+            root = web.Application()
+            root.add_subapp("/admin", admin_app)
+            runner = web.AppRunner(root, access_log=None, handle_signals=False)
+            await runner.setup()
+            try:
+                await web.TCPSite(runner, host, port, reuse_address=True).start()
+                bound = int(runner.addresses[0][1])
+                shown = host if host not in ("0.0.0.0", "::", "") else "127.0.0.1"
+                self.admin_url = f"http://[{shown}]:{bound}" if ":" in shown else f"http://{shown}:{bound}"
+                yield
+            finally:
+                await runner.cleanup()
+
+        return ctx
 
     async def _background(self, _app: web.Application) -> AsyncIterator[None]:
         task = asyncio.create_task(self.sampler.run(), name="kvroute-fleet-sampler")
@@ -286,6 +313,7 @@ def operator_surface_from_config(config: GatewayConfig, *, tracing_exporter: Any
         exporter=tracing_exporter,
         otlp_endpoint=endpoint,
     )
+    admin_port = getattr(config, "admin_port", None)
     return OperatorSurface(
         admin=AdminSettings(
             token=token or None,
@@ -293,4 +321,5 @@ def operator_surface_from_config(config: GatewayConfig, *, tracing_exporter: Any
             allowed_networks=networks,
         ),
         tracing=tracing,
+        admin_listen=None if admin_port is None else (config.host, admin_port),
     )

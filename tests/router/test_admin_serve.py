@@ -9,12 +9,16 @@ import os
 import signal
 import sys
 from collections.abc import AsyncIterator
+from typing import Any
 
 import aiohttp
 import pytest
 
 from replica.emulator.runner import running_emulators
 from replica.emulator.server import EmulatorConfig
+from tests.router.test_metrics_functional import stack_factory
+
+__all__ = ["stack_factory"]  # fixture shared with the metrics tests
 
 pytestmark = pytest.mark.slow
 
@@ -83,4 +87,20 @@ async def test_serve_without_token_disables_admin() -> None:
             assert r.status == 404
             assert (await r.json())["error"]["code"] == "not_found"
         async with s.get(url + "/metrics") as r:
+            assert r.status == 200
+
+
+async def test_admin_on_its_own_port(stack_factory: Any) -> None:
+    st = await stack_factory(1, admin_port=0)
+    admin_url = st.surface.admin_url
+    assert admin_url is not None and admin_url != st.gateway.url
+    hdr = {"Authorization": "Bearer metrics-admin-token"}
+    async with aiohttp.ClientSession() as s:
+        async with s.get(admin_url + "/admin/stats", headers=hdr) as r:
+            assert r.status == 200 and len((await r.json())["replicas"]) == 1
+        async with s.get(admin_url + "/admin/stats") as r:
+            assert r.status == 401
+        async with s.get(st.gateway.url + "/admin/stats", headers=hdr) as r:
+            assert r.status == 404  # not on the data-plane port
+        async with s.get(st.gateway.url + "/metrics") as r:
             assert r.status == 200
