@@ -81,3 +81,20 @@ def test_build_config_flags_override_profile() -> None:
     assert cfg.profile.capacity_tokens == 50_000 and cfg.profile.spec_accept_length == 3.0
     assert cfg.stream_interval == 4 and not cfg.enable_cache_report and cfg.get_load_format == "vllm"
     assert cfg.profile.host_capacity_tokens == 1_700_000  # untouched fields keep the profile's values
+
+
+@pytest.mark.slow
+def test_cpu_bench_prints_json(capsys: pytest.CaptureFixture[str]) -> None:
+    from replica.emulator.cpu_bench import cli_main
+
+    rc = cli_main(["--time-scale", "0.01", "--sessions", "1", "--coding-turns", "2", "--small-turns", "3",
+                   "--max-seconds", "60"])
+    assert rc == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert set(doc["workloads"]) == {"coding", "coding_nonstream", "small"}
+    coding = doc["workloads"]["coding"]
+    assert coding["requests"] == 2 and coding["prompt_tokens_mean"] > 99_000
+    assert coding["cached_fraction"] > 0.4  # the second turn hit the first one's prefix
+    assert coding["sse_events_per_request"] > 4
+    for w in doc["workloads"].values():
+        assert 0 < w["cpu_ms_per_request"] < 200

@@ -468,3 +468,16 @@ async def test_fault_slow_factor(emulators: EmuFactory, http: aiohttp.ClientSess
         slow = time.monotonic() - t0
         assert status == 200 and slow > 2.5 * fast  # modelled the same (both cold), 5x slower on the wall
         assert doc["meta_info"]["e2e_latency"] < 0.5  # modelled time did not change, only its wall pace
+
+
+async def test_token_unit_scales_reported_capacity(emulators: EmuFactory, http: aiohttp.ClientSession) -> None:
+    async with emulators(1, profile_overrides={"token_unit": 4}) as (emu,):
+        async with http.get(f"{emu.url}/server_info") as r:
+            si = await r.json()
+        assert si["max_total_num_tokens"] == 8192 // 4 and si["context_length"] == 16384 // 4
+        assert si["emulator"]["token_unit"] == 4
+        status, doc, _ = await post(http, f"{emu.url}/generate", {"text": "u" * 400, "sampling_params": {"max_new_tokens": 3}})
+        assert status == 200 and doc["meta_info"]["prompt_tokens"] == 100  # counts stay in emulated tokens
+        async with http.get(f"{emu.url}/metrics") as r:
+            fams = {f.name: f for f in text_string_to_metric_families(await r.text())}
+        assert fams["sglang:max_total_num_tokens"].samples[0].value == 2048
