@@ -652,6 +652,10 @@ class _Handlers:
                 if fault.hang:
                     return await self._hang(request)
                 if fault.break_after_chunks is not None:
+                    if not parsed.stream:  # nothing to cut mid-way: drop the connection unanswered
+                        if request.transport is not None:
+                            request.transport.abort()
+                        return web.Response(status=499)
                     request[_BREAK_KEY] = fault.break_after_chunks
             try:
                 fl = rep.submit(parsed, parsed.stream)

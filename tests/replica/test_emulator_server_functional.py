@@ -481,3 +481,14 @@ async def test_token_unit_scales_reported_capacity(emulators: EmuFactory, http: 
         async with http.get(f"{emu.url}/metrics") as r:
             fams = {f.name: f for f in text_string_to_metric_families(await r.text())}
         assert fams["sglang:max_total_num_tokens"].samples[0].value == 2048
+
+
+async def test_fault_break_nonstream_closes_connection(emu: Running, http: aiohttp.ClientSession) -> None:
+    await post(http, f"{emu.url}/_emulator/faults", {"break_after_chunks": 0, "count": 1})
+    with pytest.raises(aiohttp.ClientError):
+        await post(http, f"{emu.url}/v1/chat/completions", chat_body([{"role": "user", "content": "a"}], max_tokens=2))
+    status, _, _ = await post(http, f"{emu.url}/v1/chat/completions",
+                              chat_body([{"role": "user", "content": "a"}], max_tokens=2))
+    assert status == 200  # count=1: the fault is gone
+    st = await state(http, emu)
+    assert st["requests_served"] == 1 and st["faults"]["break_after_chunks"] is None
