@@ -6,6 +6,7 @@ import asyncio
 import io
 import json
 import logging
+from typing import Any
 
 from router.observability.logging import (
     REDACTED,
@@ -14,6 +15,9 @@ from router.observability.logging import (
     redact_text,
     request_id_scope,
 )
+from tests.router.test_metrics_functional import stack_factory
+
+__all__ = ["stack_factory"]  # fixture shared with the metrics tests
 
 
 def _lines(buf: io.StringIO) -> list[dict[str, object]]:
@@ -82,3 +86,28 @@ def test_redact_helpers() -> None:
     assert redact({"a": [{"password": "p"}], "b": 1}) == {"a": [{"password": REDACTED}], "b": 1}
     assert redact_text("Bearer abc.def") == f"Bearer {REDACTED}"
     assert "zzz" not in redact_text("url?token=zzz&x=1")
+
+
+async def test_gateway_log_lines_carry_the_request_id(stack_factory: Any) -> None:
+    """Through the live gateway: a retry logged inside a request carries that request's id."""
+    import asyncio
+
+    import aiohttp
+
+    from tests.router.test_metrics_functional import send
+
+    # no active health checks during the test: the dead replica is found by the requests themselves
+    st = await stack_factory(2, health={"health_interval_s": 60.0})
+    buf = io.StringIO()
+    handler = configure_logging("info", stream=buf, logger="kvroute")
+    try:
+        await st.replicas[0].stop()  # connection refused: the first attempt on it fails and is retried
+        async with aiohttp.ClientSession() as s:
+            results = await asyncio.gather(*(send(s, st.gateway.url, f"log-{i}", 0) for i in range(8)))
+        assert all(code == 200 for code, _ in results)
+        ids = [hdrs["X-Request-Id"] for _, hdrs in results]
+    finally:
+        logging.getLogger("kvroute").removeHandler(handler)
+    retries = [line for line in _lines(buf) if str(line["msg"]).startswith("retrying after")]
+    assert retries, buf.getvalue()[-2000:]
+    assert all(line["request_id"] in ids for line in retries)
