@@ -314,9 +314,11 @@ class _Proxy:
                     last_tail = (last_tail + chunk)[-2:]
                 done = True
                 upstream.release()
-                await resp.write_eof()
+                # everything is relayed: learn now, so a client that hangs up during the last
+                # flush does not erase what this turn taught us
                 self.p.ok = 200 <= upstream.status < 300
                 completion = self._completion(sniffer, ok=self.p.ok)
+                await resp.write_eof()
                 return resp
             except UpstreamError as exc:
                 # after the first byte: never retried (rule 4)

@@ -49,12 +49,16 @@ async def test_serve_routes_and_drains_on_sigterm(fake_replicas: Any) -> None:
     (rep,) = await fake_replicas(1)
     rep.state.chunks, rep.state.chunk_delay_s = 10, 0.1  # a 1 s stream
     proc = await _spawn("--host", "127.0.0.1", "--port", "0", "--replica", rep.url,
-                        "--set", "health.health_interval_s=0.1")
+                        "--set", "health.health_interval_s=0.1", "--access-log", "--log-level", "debug")
     try:
         url = await _url(proc)
         async with aiohttp.ClientSession() as s:
             async with s.get(url + "/ready") as r:
                 assert r.status == 200
+            async with s.post(url + "/generate?api_key=sk-secret-456", data=b'{"text":"hi"}',
+                              headers={"Modal-Session-Id": "sig", "Authorization": "Bearer sk-secret-123"}) as r:
+                assert r.status == 200 and (await r.read()).startswith(b"{")
+            assert rep.state.requests[-1]["headers"]["Authorization"] == "Bearer sk-secret-123"  # end to end
             body = b'{"text":"hi","stream":true}'
             async with s.post(url + "/generate", data=body, headers={"Modal-Session-Id": "sig"}) as r:
                 assert r.status == 200 and r.headers["X-Kvroute-Replica"] == rep.id
@@ -64,7 +68,11 @@ async def test_serve_routes_and_drains_on_sigterm(fake_replicas: Any) -> None:
                 rest = await r.read()
         assert rest.endswith(b"data: [DONE]\n\n") and rest.count(b"data: ") == 10
         assert await asyncio.wait_for(proc.wait(), 20) == 0
-        assert rep.state.completed == 1 and rep.state.aborted == 0
+        assert rep.state.completed == 2 and rep.state.aborted == 0
+        assert proc.stderr is not None
+        logs = (await proc.stderr.read()).decode()
+        assert "POST /generate" in logs  # the access log ran ...
+        assert "sk-secret" not in logs  # ... and no credential reached a log line
     finally:
         if proc.returncode is None:
             proc.kill()
