@@ -460,10 +460,11 @@ class ReplicaEngine:
         still: list[_Req] = []
         for r in op.reqs:
             r.gen += gained
-            if r.abort_pending:
+            if r.abort_pending:  # its Finished(abort) went out at abort time; nothing else will ask
                 r.state = _DONE
                 if r.lease is not None:
                     self.cache.release(r.lease)
+                self._reqs.pop(r.req.rid, None)
             elif r.gen >= r.req.output_tokens - 1e-9:
                 r.gen = float(r.req.output_tokens)
                 self._finish(r, t, "length")

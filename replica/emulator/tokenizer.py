@@ -203,9 +203,10 @@ class ChainMemo:
     only the new blocks are hashed. Results are identical to :func:`block_hashes`.
     """
 
-    def __init__(self, max_entries: int = 4096) -> None:
+    def __init__(self, max_entries: int = 1024) -> None:
         self.max_entries = max_entries
-        self._memo: OrderedDict[Hashable, tuple[int, int, bytes, list[int]]] = OrderedDict()
+        # chains kept as array('Q') (8 B per block, ~13 KB for a 100k-token prompt)
+        self._memo: OrderedDict[Hashable, tuple[int, int, bytes, array[int]]] = OrderedDict()
         self.reused_blocks = 0
         self.hashed_blocks = 0
 
@@ -224,14 +225,14 @@ class ChainMemo:
         if old is not None:
             n_old, _, digest, old_hashes = old
             if 0 < n_old <= n_full and mmh3.mmh3_x64_128_digest(view[: n_old * step], seed) == digest:
-                out = old_hashes[:n_old]
+                out = old_hashes[:n_old].tolist()
                 out += block_hashes(data, page_size, seed, start_block=n_old, prev_hash=out[-1])
                 self.reused_blocks += n_old
                 self.hashed_blocks += n_full - n_old
         if out is None:
             out = block_hashes(data, page_size, seed)
             self.hashed_blocks += n_full
-        self._memo[key] = (n_full, seed, mmh3.mmh3_x64_128_digest(view[: n_full * step], seed), out)
+        self._memo[key] = (n_full, seed, mmh3.mmh3_x64_128_digest(view[: n_full * step], seed), array("Q", out))
         self._memo.move_to_end(key)
         if len(self._memo) > self.max_entries:
             self._memo.popitem(last=False)

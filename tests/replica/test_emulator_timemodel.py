@@ -262,3 +262,21 @@ def test_engine_cost_is_per_request_not_per_token() -> None:
     cpu = time.process_time() - t0
     assert e.finished_count == n
     assert cpu / n < 0.002, cpu / n
+
+
+def test_forgotten_requests_leave_no_state() -> None:
+    prof = get_profile("small-test")
+    e = ReplicaEngine(prof)
+    for i in range(3):
+        e.submit(req(f"r{i}", f"{i}" * 400, 300, prof.page_size), 0.0)
+    drain(e, until=0.3)
+    e.abort("r0", 0.3)
+    evs = e.advance(0.3)
+    for ev in evs:
+        if isinstance(ev, Finished):
+            e.forget(ev.rid)  # what the server and the simulator do on Finished
+    for ev in drain(e):
+        if isinstance(ev, Finished):
+            e.forget(ev.rid)
+    assert e._reqs == {}
+    assert e.cache.stats().reserved_tokens == 0
