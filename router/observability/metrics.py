@@ -379,7 +379,7 @@ class GatewayMetrics:
         self._children: dict[tuple[str, ...], Any] = {}
 
     def _child(self, metric: Any, *labels: str) -> Any:
-        key = (metric._name, *labels)
+        key = (str(id(metric)), *labels)
         child = self._children.get(key)
         if child is None:
             child = self._children[key] = metric.labels(*labels)

@@ -6,6 +6,7 @@ changes. A screenshot is saved to ``test-output/dashboard.png``.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 from pathlib import Path
@@ -92,9 +93,21 @@ async def test_dashboard_renders_stats_and_updates() -> None:
     _need_browser()
     from playwright.async_api import async_playwright
 
-    server, store, _surface = await _server()
+    server, store, surface = await _server()
     base = str(server.make_url("")).rstrip("/")
     OUT.mkdir(exist_ok=True)
+
+    async def traffic() -> None:
+        # virtual time moves and responses with varying cache hits arrive, so the series has a shape
+        clock = surface.clock
+        for i in range(10_000):
+            await asyncio.sleep(0.05)
+            clock.advance(1.0)
+            surface.stats.record_finished(
+                clock.now(), status="200", prompt_tokens=1000, cached_tokens=600 + (i * 37) % 400
+            )
+
+    feeder: asyncio.Task[None] | None = None
     try:
         async with async_playwright() as pw:
             browser = await pw.chromium.launch(
@@ -153,7 +166,9 @@ async def test_dashboard_renders_stats_and_updates() -> None:
                 assert await page.locator('#decisions [data-key="placed_new"] .num').text_content() == "1"
                 assert await page.locator('#breaks [data-key="evicted"] .num').text_content() == "1"
 
-                # the fleet changes: a new in-flight request on replica 3 and a drained replica 4
+                # the fleet changes: a new in-flight request on replica 3 and a drained replica 4,
+                # virtual time moves on and more responses arrive
+                feeder = asyncio.create_task(traffic())
                 store.core.acquire(
                     RouteDecision("127.0.0.1:41003", Reason.PLACED_NEW), RouteRequest(session_key=None)
                 )
@@ -171,10 +186,15 @@ async def test_dashboard_renders_stats_and_updates() -> None:
                 )
                 assert await page.text_content("#error") == ""
                 assert errors == []
+                await page.wait_for_function(
+                    "document.querySelectorAll('#series-chr').length === 1", timeout=15_000
+                )
                 await page.screenshot(path=str(OUT / "dashboard.png"), full_page=True)
             finally:
                 await browser.close()
     finally:
+        if feeder is not None:
+            feeder.cancel()
         await server.close()
     assert (OUT / "dashboard.png").stat().st_size > 10_000
 
