@@ -130,6 +130,8 @@ class PolicyHolder:
 
     def __getattr__(self, item: str) -> Any:
         # policy-specific extras (e.g. an ``observe`` hook) stay reachable through the holder
+        if item.startswith("_"):
+            raise AttributeError(item)
         return getattr(self._policy, item)
 
 
