@@ -90,6 +90,7 @@ class _View:
 
     pool: tuple[ReplicaState, ...]  # replicas this request may go to (never excluded/DOWN/JOINING)
     panic: bool
+    mean_in_flight: float  # over ACTIVE replicas
     hard_bound: float
     session_cap: int
     ramp_share: int
@@ -198,7 +199,7 @@ class KvAwarePolicy:
         if sess.in_flight_at(home.id) >= p.thicc_threshold or (over and not idle):
             brk = AffinityBreak.OVERLOAD_SPILL if over else AffinityBreak.THICC_SPLIT
             return self._spill(view, request, snapshot, sess, home, rng, Reason.THICC_SPLIT, brk)
-        if idle and not view.panic and (over or self._strained(home, view, snapshot, sess)):
+        if idle and not view.panic and (over or self._strained(home, view)):
             decision = self._try_move(
                 view,
                 request,
@@ -209,29 +210,23 @@ class KvAwarePolicy:
                 AffinityBreak.OVERLOAD_SPILL,
                 avoid=frozenset({old_home}),
             )
-            if decision is not None and (
-                over or self._gain(home, decision, snapshot, ctx) >= p.reassign_min_gain
-            ):
+            # rule 5: the bigger the context to re-prefill, the bigger the gain a move must bring
+            needed = p.reassign_min_gain + sess.context_tokens / p.reassign_tokens_per_gain
+            if decision is not None and (over or self._gain(home, decision, snapshot, ctx) >= needed):
                 return decision
         effects = self._collapse(sess, keep_only=tuple(o for o in sess.overflow if sess.in_flight_at(o) > 0))
         return RouteDecision(home.id, Reason.AFFINITY, effects, ((home.id, load_score(home, 0, p)),))
 
-    def _strained(
-        self, home: ReplicaState, view: _View, snapshot: ClusterSnapshot, sess: SessionState
-    ) -> bool:
-        """Rule 5's soft trigger: home persistently overloaded (or over its KV working set) and this
-        session cheap to move."""
+    def _strained(self, home: ReplicaState, view: _View) -> bool:
+        """Rule 5's soft trigger: home persistently busier than the fleet, or thrashing (its
+        sessions' working set exceeds its HBM). Whether a session moves is then a cost/benefit."""
         p = self.params
-        if sess.context_tokens > p.reassign_cheap_tokens:
-            return False
-        active = [r for r in snapshot.replicas if r.status is ReplicaStatus.ACTIVE]
-        mean = sum(r.in_flight for r in active) / len(active) if active else 0.0
-        bound = p.reassign_factor * mean + p.reassign_margin
+        bound = p.reassign_factor * view.mean_in_flight + p.reassign_margin
         busy = home.in_flight >= bound
         # persistence: the engine's own (polled, so older) figures showed the overload too
         eng = home.engine
         persistent = eng.updated_at == 0.0 or eng.queued > 0 or eng.running >= bound
-        thrashing = home.active_context_tokens > hbm_capacity(home, p)
+        thrashing = home.active_context_tokens > p.thrash_factor * hbm_capacity(home, p)
         return (busy and persistent) or thrashing
 
     def _gain(
@@ -431,7 +426,13 @@ class KvAwarePolicy:
         share = max(1, math.ceil(p.ramp_cap_factor * (recent + 1) / n))
         first = min(r.joined_at for r in fleet)
         return _View(
-            pool=pool, panic=panic, hard_bound=hard, session_cap=cap, ramp_share=share, first_join=first
+            pool=pool,
+            panic=panic,
+            mean_in_flight=mean,
+            hard_bound=hard,
+            session_cap=cap,
+            ramp_share=share,
+            first_join=first,
         )
 
 

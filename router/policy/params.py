@@ -34,10 +34,13 @@ class PolicyParams:
     reassign_margin: float = 2.0
     """Home is persistently overloaded when in-flight ≥ reassign_factor · mean + reassign_margin and
     the engine reports a queue (polled, so the overload outlived at least one scrape)."""
-    reassign_cheap_tokens: int = 24_000
-    """A session with at most this much context is cheap to move (rule 5: move cheap ones first)."""
     reassign_min_gain: float = 2.0
-    """A soft reassignment only happens if the best alternative scores this much lower than home."""
+    reassign_tokens_per_gain: int = 50_000
+    """A soft reassignment happens only if the best alternative scores at least
+    reassign_min_gain + context_tokens / reassign_tokens_per_gain lower than home: cheap sessions
+    (small context) move first (rule 5)."""
+    thrash_factor: float = 1.0
+    """A home whose active sessions' context exceeds thrash_factor × HBM is thrashing (rule 3)."""
 
     # ---- rule 4: scale-up ramp -------------------------------------------------------------------
     fresh_window_s: float = 120.0
@@ -102,6 +105,7 @@ class PolicyParams:
 _POSITIVE_INT = {
     "thicc_threshold",
     "hard_bound_min",
+    "reassign_tokens_per_gain",
     "default_capacity_tokens",
     "prefix_block_chars",
     "prefix_blocks",

@@ -99,7 +99,7 @@ CASES: dict[str, Case] = {
             replica(A, in_flight=6, queued=2),
             replica(B),
             replica(C, in_flight=1),
-            sess=session("s1", A, ctx=100_000),
+            sess=session("s1", A, ctx=400_000),
         ),
         request(),
         A,
@@ -337,6 +337,32 @@ CASES: dict[str, Case] = {
         Reason.REASSIGNED_OVERLOAD,
         (bind(B, A, Reason.REASSIGNED_OVERLOAD),),
         AffinityBreak.OVERLOAD_SPILL,
+    ),
+    "soft_overload_moves_bigger_session_for_bigger_gain": Case(
+        # needed gain = 2 + 100k / 50k = 4; A scores 8, B 0 (+0.25 for the session it gains)
+        snapshot(
+            replica(A, in_flight=6, queued=2),
+            replica(B),
+            replica(C, in_flight=1),
+            sess=session("s1", A, ctx=100_000),
+        ),
+        request(),
+        B,
+        Reason.REASSIGNED_OVERLOAD,
+        (bind(B, A, Reason.REASSIGNED_OVERLOAD),),
+        AffinityBreak.OVERLOAD_SPILL,
+    ),
+    "soft_overload_gain_too_small_for_size": Case(
+        # needed gain = 2 + 150k / 50k = 5; A scores 6, B 1.25 with the session: gain 4.75
+        snapshot(
+            replica(A, in_flight=6, running=6),
+            replica(B, in_flight=1),
+            replica(C, in_flight=1),
+            sess=session("s1", A, ctx=150_000),
+        ),
+        request(),
+        A,
+        Reason.AFFINITY,
     ),
     "soft_overload_not_persistent_stays": Case(
         snapshot(
