@@ -47,7 +47,7 @@ class DemoScenario:
 
     replicas: int = 8
     duration_s: float = 60.0  # wall seconds of load per policy
-    sessions: int = 200
+    sessions: int = 100
     time_scale: float = 0.1  # wall = modelled x time_scale
     token_unit: int = 100  # model tokens per emulated token
     profile: str = "kimi-k2.6-b200-tp4"
@@ -58,6 +58,11 @@ class DemoScenario:
     drain_s: float = 5.0
     sample_interval_s: float = 0.25
     max_think_modelled_s: float = 60.0
+    # think times: WEKA-like (calibration §2.1: a session is busy ~12 % of its wall time), so a
+    # replica's bound sessions need more KV than it has while only a few of them are in flight
+    tool_think_fraction: float = 0.85
+    tool_think_median_s: float = 3.0
+    human_think_median_s: float = 30.0
     extra_emulator_args: tuple[str, ...] = ()
 
     def emulator_args(self) -> list[str]:
@@ -68,6 +73,22 @@ class DemoScenario:
             "--set", f"page_size={self.page_size}",
             *self.extra_emulator_args,
         ]
+
+    def kvroute_args(self) -> list[str]:
+        """Gateway flags for this scenario. The gateway learns token counts from the replicas, which
+        report *emulated* tokens, so the policy's absolute token parameters are divided by
+        ``token_unit`` to keep their meaning."""
+        import dataclasses
+
+        from router.policy.params import PolicyParams
+
+        out: list[str] = []
+        defaults = PolicyParams()
+        for f in dataclasses.fields(PolicyParams):
+            value = getattr(defaults, f.name)
+            if "tokens" in f.name and isinstance(value, int) and not isinstance(value, bool):
+                out += ["--policy-param", f"{f.name}={max(1, value // self.token_unit)}"]
+        return out
 
     def load_config(self, url: str, replica_urls: Sequence[str], *, fresh: bool = False) -> LoadConfig:
         return LoadConfig(
@@ -87,7 +108,13 @@ class DemoScenario:
         from loadtests.workloads import SyntheticParams, synthetic_sessions
 
         modelled = self.duration_s / self.time_scale
-        params = SyntheticParams(sessions=self.sessions, start_spread_s=modelled * self.start_spread_frac)
+        params = SyntheticParams(
+            sessions=self.sessions,
+            start_spread_s=modelled * self.start_spread_frac,
+            tool_think_fraction=self.tool_think_fraction,
+            tool_think_median_s=self.tool_think_median_s,
+            human_think_median_s=self.human_think_median_s,
+        )
         return synthetic_sessions(params, random.Random(self.seed))
 
 
@@ -141,7 +168,10 @@ async def run_policy(
     """Fresh fleet + fresh router ``spec`` + the load; returns the driver's result."""
     async with (
         emulated_fleet(scenario.replicas, scenario.emulator_args(), log_dir=log_dir) as fleet,
-        running_router(spec, fleet.urls, log_dir=log_dir) as router,
+        running_router(
+            spec, fleet.urls, log_dir=log_dir,
+            extra_args=scenario.kvroute_args() if spec.kind == "kvroute" else (),
+        ) as router,
     ):
         config = scenario.load_config(
             router.url, fleet.urls, fresh=spec.fresh_connections if fresh is None else fresh

@@ -92,20 +92,22 @@ def find_binary(name: str) -> str | None:
     return shutil.which(name)
 
 
-def peer_argv(spec: PeerSpec, binary: str, port: int, worker_urls: Sequence[str]) -> list[str]:
-    """The command line that starts ``spec`` on ``port`` in front of ``worker_urls``."""
+def peer_argv(
+    spec: PeerSpec, binary: str, port: int, worker_urls: Sequence[str], extra: Sequence[str] = ()
+) -> list[str]:
+    """The command line that starts ``spec`` on ``port`` in front of ``worker_urls`` (+ ``extra``)."""
     if spec.kind == "kvroute":
         argv = [binary, "serve", "--host", "127.0.0.1", "--port", str(port), "--policy", spec.policy]
         for u in worker_urls:
             argv += ["--replica", u]
-        return argv
+        return argv + list(extra)
     prom = str(free_port())
     if spec.kind == "sglang":
         argv = [
             binary, "launch", "--host", "127.0.0.1", "--port", str(port),
             "--prometheus-host", "127.0.0.1", "--prometheus-port", prom, "--log-level", "warn",
             "--policy", spec.policy, "--shutdown-grace-period-secs", "2",
-            "--worker-urls", *worker_urls,
+            "--worker-urls", *worker_urls, *extra,
         ]
         return argv
     if spec.kind == "vllm":
@@ -113,7 +115,7 @@ def peer_argv(spec: PeerSpec, binary: str, port: int, worker_urls: Sequence[str]
             binary, "--host", "127.0.0.1", "--port", str(port),
             "--prometheus-host", "127.0.0.1", "--prometheus-port", prom, "--log-level", "warning",
             "--policy", spec.policy, "--worker-startup-check-interval", "1",
-            "--worker-urls", *worker_urls,
+            "--worker-urls", *worker_urls, *extra,
         ]
     raise ValueError(f"unknown router kind {spec.kind!r}")
 
@@ -195,7 +197,12 @@ def _readiness_check(url: str, n_workers: int, kind: str) -> Callable[[aiohttp.C
 
 @contextlib.asynccontextmanager
 async def running_router(
-    spec: PeerSpec, worker_urls: Sequence[str], *, log_dir: Path, timeout_s: float = 60.0
+    spec: PeerSpec,
+    worker_urls: Sequence[str],
+    *,
+    log_dir: Path,
+    timeout_s: float = 60.0,
+    extra_args: Sequence[str] = (),
 ) -> AsyncIterator[RunningProcess]:
     """Run ``spec`` in front of ``worker_urls`` until the block exits. Raises FileNotFoundError if
     its binary is missing (callers skip the peer with a message)."""
@@ -203,7 +210,7 @@ async def running_router(
     if binary is None:
         raise FileNotFoundError(f"{spec.binary} not found (pip install 'kvroute[peers]')")
     port = free_port()
-    p = await start_process(spec.name, peer_argv(spec, binary, port, worker_urls), log_dir=log_dir)
+    p = await start_process(spec.name, peer_argv(spec, binary, port, worker_urls, extra_args), log_dir=log_dir)
     p.url = f"http://127.0.0.1:{port}"
     try:
         await _wait_ready(p, _readiness_check(p.url, len(worker_urls), spec.kind), timeout_s)
