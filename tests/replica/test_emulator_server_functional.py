@@ -492,3 +492,32 @@ async def test_fault_break_nonstream_closes_connection(emu: Running, http: aioht
     assert status == 200  # count=1: the fault is gone
     st = await state(http, emu)
     assert st["requests_served"] == 1 and st["faults"]["break_after_chunks"] is None
+
+
+async def test_api_key_guards_data_plane_not_health(emulators: EmuFactory, http: aiohttp.ClientSession) -> None:
+    async with emulators(1, api_key="sk-test") as (emu,):
+        body = chat_body([{"role": "user", "content": "a"}], max_tokens=1)
+        status, err, _ = await post(http, f"{emu.url}/v1/chat/completions", body)
+        assert status == 401 and err == {"error": "Unauthorized"}
+        status, _, _ = await post(http, f"{emu.url}/v1/chat/completions", body,
+                                  headers={"Authorization": "Bearer sk-test"})
+        assert status == 200
+        for path in ("/health", "/metrics"):
+            async with http.get(f"{emu.url}{path}") as r:
+                assert r.status == 200
+
+
+async def test_zero_max_tokens_and_abort_mid_stream(emulators: EmuFactory, http: aiohttp.ClientSession) -> None:
+    async with emulators(1, time_scale=1.0) as (emu,):
+        body = chat_body([{"role": "user", "content": "a"}], max_tokens=0, stream=True)
+        async with http.post(f"{emu.url}/v1/chat/completions", json=body) as r:
+            chunks = [json.loads(e) for e in sse_events(await r.read())[:-1]]
+        assert [c["choices"][0]["finish_reason"] for c in chunks] == ["length"]
+        body = chat_body([{"role": "user", "content": "b"}], max_tokens=5000, stream=True, rid="victim")
+        async with http.post(f"{emu.url}/v1/chat/completions", json=body) as r:
+            await r.content.readuntil(b"\n\n")
+            async with http.post(f"{emu.url}/abort_request", json={"rid": "victim"}) as a:
+                assert a.status == 200
+            rest = sse_events(await r.read())
+        finals = [json.loads(e) for e in rest[:-1]]
+        assert rest[-1] == b"[DONE]" and finals[-1]["choices"][0]["finish_reason"] == "abort"
