@@ -44,6 +44,7 @@ __all__ = [
     "UsageSniffer",
     "filter_request_headers",
     "filter_response_headers",
+    "is_connect_failure",
     "map_client_errors",
     "usage_from_json",
 ]
@@ -111,6 +112,13 @@ def map_client_errors(replica_id: str) -> Iterator[None]:
         raise UpstreamConnectError(f"replica {replica_id}: cannot connect: {exc.os_error}") from exc
     except (aiohttp.ClientError, OSError) as exc:
         raise UpstreamConnectError(f"replica {replica_id}: {type(exc).__name__}: {exc}") from exc
+
+
+def is_connect_failure(exc: BaseException) -> bool:
+    """The replica could not be reached at all (refused, unreachable, connect timeout) - as opposed
+    to a reused keep-alive connection the server closed at the wrong moment, which says nothing
+    about the replica's health. Only the former counts towards passive ejection."""
+    return isinstance(exc, UpstreamConnectError) and isinstance(exc.__cause__, aiohttp.ClientConnectorError)
 
 
 # ---- the seam ---------------------------------------------------------------------------------------

@@ -49,6 +49,7 @@ from router.gateway.forward import (
     UsageSniffer,
     filter_request_headers,
     filter_response_headers,
+    is_connect_failure,
 )
 from router.gateway.keys import RUNTIME_KEY, GatewayRuntime
 from router.gateway.middleware import REQUEST_ID_HEADER, REQUEST_ID_KEY, read_body_limited
@@ -204,7 +205,7 @@ class _Proxy:
                 if self.p.sent:
                     raise
                 last_error = exc
-                if isinstance(exc, UpstreamConnectError) and self.rt.discovery is not None:
+                if is_connect_failure(exc) and self.rt.discovery is not None:
                     await self.rt.discovery.on_connect_error(lease.replica_id, str(exc))
                 if not can_retry:
                     return self._give_up(exc)

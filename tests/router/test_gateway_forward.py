@@ -6,11 +6,14 @@ import json
 
 import pytest
 
+from router.errors import KvrouteError, UpstreamConnectError
 from router.gateway.forward import (
     Usage,
     UsageSniffer,
     filter_request_headers,
     filter_response_headers,
+    is_connect_failure,
+    map_client_errors,
     usage_from_json,
 )
 from router.gateway.handlers import sse_error_event
@@ -134,3 +137,26 @@ def test_sse_error_event_is_parseable() -> None:
         "error": {"message": "replica died", "type": "upstream_error", "code": 502}
     }
     assert events[1] == "data: [DONE]"
+
+
+def _mapped(exc: BaseException) -> BaseException:
+    try:
+        with map_client_errors("r1"):
+            raise exc
+    except KvrouteError as mapped:
+        return mapped
+    raise AssertionError("not raised")
+
+
+def test_error_mapping() -> None:
+    import aiohttp
+
+    from router.errors import UpstreamBrokenError, UpstreamTimeoutError
+
+    refused = _mapped(aiohttp.ClientConnectorError(None, ConnectionRefusedError(111, "refused")))  # type: ignore[arg-type]
+    assert isinstance(refused, UpstreamConnectError) and is_connect_failure(refused)
+    dropped = _mapped(aiohttp.ServerDisconnectedError())
+    assert isinstance(dropped, UpstreamConnectError) and not is_connect_failure(dropped)  # keep-alive race
+    assert isinstance(_mapped(TimeoutError()), UpstreamTimeoutError)
+    assert isinstance(_mapped(aiohttp.ClientPayloadError("cut")), UpstreamBrokenError)
+    assert isinstance(_mapped(ConnectionResetError()), UpstreamConnectError)
