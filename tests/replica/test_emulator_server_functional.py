@@ -521,3 +521,36 @@ async def test_zero_max_tokens_and_abort_mid_stream(emulators: EmuFactory, http:
             rest = sse_events(await r.read())
         finals = [json.loads(e) for e in rest[:-1]]
         assert rest[-1] == b"[DONE]" and finals[-1]["choices"][0]["finish_reason"] == "abort"
+
+
+@pytest.mark.slow
+async def test_default_profile_ttft_over_http(http: aiohttp.ClientSession) -> None:
+    """Cold 100k-token prefill and a warm +700-token continuation, default profile, 5x faster."""
+    from replica.emulator.profiles import get_profile
+    from replica.emulator.runner import running_emulators
+    from replica.emulator.server import EmulatorConfig
+
+    cfg = EmulatorConfig(profile=get_profile("kimi-k2.6-b200-tp4"), time_scale=0.2)
+    async with running_emulators(1, config=cfg) as (emu,):
+        msgs = [{"role": "user", "content": "c" * 400_000}]
+        ttft: list[float] = []
+        for turn in range(2):
+            t0 = time.monotonic()
+            async with http.post(f"{emu.url}/v1/chat/completions",
+                                 json=chat_body(msgs, max_tokens=4, stream=True, stream_options={"include_usage": True})) as r:
+                await r.content.readuntil(b"\n\n")
+                ttft.append(time.monotonic() - t0)
+                events = sse_events(await r.read())
+            usage = json.loads(events[-2])["usage"]
+            assert usage["prompt_tokens"] >= 100_000 + 700 * turn
+            answer = "".join(json.loads(e)["choices"][0]["delta"].get("content") or ""
+                             for e in events[:-2] if json.loads(e)["choices"])
+            msgs += [{"role": "assistant", "content": answer}, {"role": "user", "content": "d" * 2800}]
+        assert usage["prompt_tokens_details"]["cached_tokens"] >= 99_900  # whole pages of the first turn
+        assert 4.0 * 0.2 < ttft[0] < 7.0 * 0.2 + 0.3  # cold: 4–7 modelled seconds
+        assert ttft[1] < 0.09 * 0.2 + 0.1  # warm: 50–90 ms modelled
+        async with http.get(f"{emu.url}/metrics") as r:
+            fams = {f.name: f for f in text_string_to_metric_families(await r.text())}
+        sums = {s.labels["is_streaming"]: s.value for s in fams["sglang:time_to_first_token_seconds"].samples
+                if s.name.endswith("_sum")}
+        assert 4.0 + 0.05 < sums["true"] < 7.0 + 0.09  # histograms are in modelled seconds
