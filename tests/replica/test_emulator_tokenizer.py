@@ -5,8 +5,8 @@ import time
 import pytest
 
 from replica.emulator.tokenizer import (
-    ChainMemo,
     GENERATION_PROMPT,
+    ChainMemo,
     block_hashes,
     decode_ids,
     encode_ids,
