@@ -223,7 +223,7 @@ def print_table(doc: dict[str, Any]) -> None:
                 _fmt(a.get("added_p99_ms")),
                 _fmt(a.get("throughput_ratio_vs_direct")),
             )
-    Console(stderr=True).print(table)
+    Console(stderr=True, width=160).print(table)
 
 
 def _fmt(x: float | None) -> str:

@@ -352,7 +352,7 @@ def bench_peers_main(argv: list[str]) -> int:
         replicas=ns.replicas, duration_s=ns.duration, sessions=ns.sessions, time_scale=ns.time_scale,
         token_unit=ns.token_unit, profile=ns.profile, seed=ns.seed,
     )
-    console = Console(stderr=True)
+    console = Console(stderr=True, width=160)
     doc = asyncio.run(run_peers_bench(targets, scenario, out_dir=ns.out, say=console.print))
     doc["scenario"] = asdict(scenario)
     results = doc["results"]
