@@ -53,7 +53,16 @@ from router.gateway.forward import (
 )
 from router.gateway.keys import RUNTIME_KEY, GatewayRuntime
 from router.gateway.middleware import REQUEST_ID_HEADER, REQUEST_ID_KEY, read_body_limited
-from router.model import AffinityBreak, Completion, KeySource, Lease, Reason, ReplicaStatus, RouteRequest
+from router.model import (
+    AffinityBreak,
+    Completion,
+    KeySource,
+    Lease,
+    Reason,
+    ReplicaState,
+    ReplicaStatus,
+    RouteRequest,
+)
 from router.policy.breaks import classify_break
 from router.policy.params import PolicyParams
 from router.policy.prefix_key import prefix_key
@@ -145,6 +154,7 @@ class _Progress:
     completion_tokens: int | None = None
     usage_estimated: bool = False
     breaks: tuple[AffinityBreak, ...] = ()
+    error_content_type: str = ""  # of the last replica error body (relayed when retries run out)
 
 
 class _Proxy:
@@ -183,7 +193,6 @@ class _Proxy:
                 raise
             lease = await self.rt.store.acquire(decision, req)
             self.p.replica_id, self.p.reason = lease.replica_id, lease.reason
-            url = await self._replica_url(lease.replica_id, snap.replica(lease.replica_id))
             self.rt.emit(
                 RequestRouted(
                     request_id=self.request_id,
@@ -200,7 +209,7 @@ class _Proxy:
             )
             can_retry = attempt < self.cfg.max_retries
             try:
-                return await self._attempt(lease, url, can_retry)
+                return await self._attempt(lease, snap.replica(lease.replica_id), can_retry)
             except UpstreamError as exc:
                 if self.p.sent:
                     raise
@@ -229,14 +238,15 @@ class _Proxy:
         was (status and body); connect errors and timeouts become OpenAI-style 502/504 JSON."""
         if isinstance(exc, UpstreamStatusError) and exc.body:
             self.p.status = exc.upstream_status
-            resp = web.Response(status=exc.upstream_status, body=exc.body, content_type="application/json")
+            resp = web.Response(status=exc.upstream_status, body=exc.body)
+            resp.headers["Content-Type"] = self.p.error_content_type or "application/json"
             if self.cfg.decision_headers and self.p.replica_id is not None and self.p.reason is not None:
                 resp.headers[REPLICA_HEADER] = self.p.replica_id
                 resp.headers[REASON_HEADER] = str(self.p.reason)
             return resp
         raise exc
 
-    async def _replica_url(self, replica_id: str, state: Any) -> str | None:
+    async def _replica_url(self, replica_id: str, state: ReplicaState | None) -> str | None:
         if state is not None:
             return str(state.url)
         for r in await self.rt.store.replicas():
@@ -244,13 +254,15 @@ class _Proxy:
                 return r.url
         return None
 
-    async def _attempt(self, lease: Lease, url: str | None, can_retry: bool) -> web.StreamResponse:
+    async def _attempt(self, lease: Lease, state: ReplicaState | None, can_retry: bool) -> web.StreamResponse:
         clock = self.rt.clock
         upstream: UpstreamResponse | None = None
         sniffer: UsageSniffer | None = None
         done = False
         completion = Completion(ok=False)
         try:
+            # inside the try: whatever happens from here on, the finally releases the lease
+            url = await self._replica_url(lease.replica_id, state)
             if url is None:
                 raise UpstreamConnectError(f"replica {lease.replica_id} is no longer registered")
             client = self.rt.client
@@ -266,6 +278,7 @@ class _Proxy:
                 t = clock.now()
                 err_body = await upstream.read(_ERROR_BODY_LIMIT)
                 self.p.upstream_wait_s += clock.now() - t
+                self.p.error_content_type = upstream.content_type
                 raise UpstreamStatusError(
                     f"replica {lease.replica_id} answered {upstream.status}", upstream.status, err_body
                 )
