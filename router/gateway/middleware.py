@@ -29,7 +29,7 @@ from typing import Any
 from aiohttp import web
 
 from router.errors import KvrouteError, PayloadTooLargeError, UpstreamStatusError
-from router.observability.logging import set_request_id
+from router.observability.logging import request_id_scope
 
 __all__ = [
     "REQUEST_ID_HEADER",
@@ -86,13 +86,8 @@ async def request_id_middleware(request: web.Request, handler: Handler) -> web.S
     given = request.headers.get(REQUEST_ID_HEADER, "")
     rid = given if _SANE_ID.match(given) else uuid.uuid4().hex
     request[REQUEST_ID_KEY] = rid
-    token = set_request_id(rid)
-    try:
+    with request_id_scope(rid):  # every log line of this request names it
         return await handler(request)
-    finally:
-        # reset by value, not token: a cancelled handler may run this in another context
-        set_request_id(None)
-        del token
 
 
 async def set_request_id_header(request: web.Request, response: web.StreamResponse) -> None:

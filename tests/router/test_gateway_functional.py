@@ -94,6 +94,26 @@ async def test_learns_usage_without_changing_the_stream(fake_replicas: Any, gate
     assert sess is not None and sess.context_tokens == prompt + 3 and sess.turns == 2
 
 
+async def test_request_id_reaches_logs_and_events(fake_replicas: Any, gateway_factory: Any) -> None:
+    from router.observability.logging import current_request_id
+
+    (rep,) = await fake_replicas(1)
+    seen: list[tuple[str, str | None]] = []
+
+    def hook(event: Any) -> None:
+        if isinstance(event, RequestRouted):
+            seen.append((event.request_id, current_request_id()))
+
+    gw = await gateway_factory([rep.url], hooks=(hook,))
+    async with aiohttp.ClientSession() as s:
+        _, _, h = await _post(s, gw.url + "/generate", _body("/generate", False), "rid", **{"X-Request-Id": "abc-123"})
+        _, _, h2 = await _post(s, gw.url + "/generate", _body("/generate", False), "rid", **{"X-Request-Id": "bad id!"})
+    assert h["X-Request-Id"] == "abc-123"
+    assert h2["X-Request-Id"] != "bad id!" and len(h2["X-Request-Id"]) == 32
+    assert seen == [("abc-123", "abc-123"), (h2["X-Request-Id"], h2["X-Request-Id"])]
+    assert current_request_id() is None
+
+
 async def test_stream_without_usage_estimates_prompt(fake_replicas: Any, gateway_factory: Any) -> None:
     (rep,) = await fake_replicas(1)
     log = EventLog()
