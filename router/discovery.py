@@ -138,12 +138,22 @@ class Discovery:
         if not ok:
             self.health_failures += 1
         async with self._lock:
+            # the round's view is enough to decide; re-read only before a change, so an operator's
+            # concurrent drain (or a passive ejection) is never overwritten
+            prev = self._tracks.get(r.id, HealthTrack())
+            track, new = health_transition(r.status, prev, ok, self._cfg)
+            self._tracks[r.id] = track
+            if new is None:
+                return
             current = await self._state(r.id)
             if current is None:
                 return
-            track, new = health_transition(current.status, self._tracks.get(r.id, HealthTrack()), ok, self._cfg)
-            self._tracks[r.id] = track
-            if new is None or not await self._set_status(r.id, new):
+            if current.status is not r.status:
+                track, new = health_transition(current.status, prev, ok, self._cfg)
+                self._tracks[r.id] = track
+                if new is None:
+                    return
+            if not await self._set_status(r.id, new):
                 return
             now = self._clock.now()
             if new is ReplicaStatus.DOWN:
