@@ -191,7 +191,11 @@ class _Proxy:
                 if last_error is not None:
                     return self._give_up(last_error)
                 raise
-            lease = await self.rt.store.acquire(decision, req)
+            try:
+                lease = await self.rt.store.acquire(decision, req)
+            except KeyError:  # the chosen replica was removed between snapshot and acquire
+                excluded.add(decision.replica_id)
+                continue
             self.p.replica_id, self.p.reason = lease.replica_id, lease.reason
             self.rt.emit(
                 RequestRouted(
