@@ -536,3 +536,22 @@ async def test_two_gateways_share_state_through_redis(fake_replicas: Any, redis_
     finally:
         for gw in gws:
             await gw.close()
+
+
+async def test_hop_by_hop_headers_are_not_forwarded(fake_replicas: Any, gateway_factory: Any) -> None:
+    (a,) = await fake_replicas(1)
+    gw = await gateway_factory([a.url])
+    async with aiohttp.ClientSession() as s:
+        status, _, _ = await _post(
+            s, gw.url + "/generate", _body("/generate", False), "hop",
+            **{"Connection": "keep-alive, X-Hop", "X-Hop": "1", "Keep-Alive": "timeout=5",
+               "Proxy-Authorization": "Basic eA==", "TE": "trailers", "X-End-To-End": "yes",
+               "Host": "evil.example:1"},
+        )
+    assert status == 200
+    seen = a.state.requests[-1]["headers"]
+    for name in ("X-Hop", "Keep-Alive", "Proxy-Authorization", "TE"):
+        assert name not in seen, name
+    assert seen["X-End-To-End"] == "yes"
+    assert seen["Host"] == f"127.0.0.1:{a.port}"  # the registered replica, never the client's Host
+    assert seen["X-Forwarded-For"] == "127.0.0.1"
