@@ -177,34 +177,73 @@ async def run_policy(
             router.url, fleet.urls, fresh=spec.fresh_connections if fresh is None else fresh
         )
         stats = LiveStats()
-        if live:
-            from rich.live import Live
-
-            with Live(_render(spec.name, stats, scenario.duration_s), refresh_per_second=4) as view:
-
-                def tick(st: LiveStats) -> None:
-                    view.update(_render(spec.name, st, scenario.duration_s))
-
-                return await run_load(sessions, config, stats=stats, on_tick=tick)
-        every = min(5.0, max(1.0, scenario.duration_s / 6))
-        last = [time.monotonic()]
-
-        def line(st: LiveStats) -> None:
-            print(
-                f"[{spec.name}] {st.elapsed_s:5.1f}s req {st.finished} err {st.errors} "
-                f"in-flight {list(st.last_loads)} disp {st.dispersion:.2f} chr {st.chr:.3f} "
-                f"ttft p50 {st.ttft_quantile(0.5):.2f}s p99 {st.ttft_quantile(0.99):.2f}s",
-                flush=True,
-            )
-
-        def plain(st: LiveStats) -> None:
-            if time.monotonic() - last[0] >= every:
-                last[0] = time.monotonic()
-                line(st)
-
-        result = await run_load(sessions, config, stats=stats, on_tick=plain)
-        line(stats)
+        result = await _drive(spec, scenario, sessions, config, stats, live=live)
+        if spec.kind == "kvroute":
+            await _gateway_overhead(router.url, result.measures)
         return result
+
+
+async def _gateway_overhead(url: str, measures: dict[str, Any]) -> None:
+    """Fill ``gateway_overhead_*_ms`` from kvroute's own histogram (time spent in the gateway,
+    upstream waits excluded); bucket-interpolated, so read it to the bucket's resolution."""
+    import aiohttp
+
+    from loadtests.report import histogram_quantiles
+
+    try:
+        async with (
+            aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as http,
+            http.get(f"{url}/metrics", headers={"Accept": "text/plain"}) as r,
+        ):
+            if r.status != 200:
+                return
+            text = await r.text()
+    except (aiohttp.ClientError, TimeoutError):
+        return
+    p50, p99 = histogram_quantiles(text, "kvroute_gateway_overhead_seconds", (0.5, 0.99))
+    if p50 is not None and p99 is not None:
+        measures["gateway_overhead_p50_ms"] = p50 * 1e3
+        measures["gateway_overhead_p99_ms"] = p99 * 1e3
+        measures["gateway_overhead_source"] = "kvroute_gateway_overhead_seconds histogram (whole run)"
+
+
+async def _drive(
+    spec: PeerSpec,
+    scenario: DemoScenario,
+    sessions: Sequence[Any],
+    config: LoadConfig,
+    stats: LiveStats,
+    *,
+    live: bool,
+) -> LoadResult:
+    if live:
+        from rich.live import Live
+
+        with Live(_render(spec.name, stats, scenario.duration_s), refresh_per_second=4) as view:
+
+            def tick(st: LiveStats) -> None:
+                view.update(_render(spec.name, st, scenario.duration_s))
+
+            return await run_load(sessions, config, stats=stats, on_tick=tick)
+    every = min(5.0, max(1.0, scenario.duration_s / 6))
+    last = [time.monotonic()]
+
+    def line(st: LiveStats) -> None:
+        print(
+            f"[{spec.name}] {st.elapsed_s:5.1f}s req {st.finished} err {st.errors} "
+            f"in-flight {list(st.last_loads)} disp {st.dispersion:.2f} chr {st.chr:.3f} "
+            f"ttft p50 {st.ttft_quantile(0.5):.2f}s p99 {st.ttft_quantile(0.99):.2f}s",
+            flush=True,
+        )
+
+    def plain(st: LiveStats) -> None:
+        if time.monotonic() - last[0] >= every:
+            last[0] = time.monotonic()
+            line(st)
+
+    result = await run_load(sessions, config, stats=stats, on_tick=plain)
+    line(stats)
+    return result
 
 
 async def run_demo(

@@ -158,3 +158,41 @@ def plot_ttft_cdf(per_policy: Mapping[str, Sequence[float]], path: Path, title: 
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def histogram_quantiles(metrics_text: str, name: str, qs: Sequence[float]) -> list[float | None]:
+    """Quantiles (linear within a bucket, Prometheus ``histogram_quantile`` style) of histogram
+    ``name`` summed over its label sets, from Prometheus text exposition. None if absent/empty."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    buckets: dict[float, float] = {}
+    for fam in text_string_to_metric_families(metrics_text):
+        if fam.name != name:
+            continue
+        for s in fam.samples:
+            if s.name == f"{name}_bucket":
+                le = float(s.labels["le"])
+                buckets[le] = buckets.get(le, 0.0) + float(s.value)
+    if not buckets:
+        return [None for _ in qs]
+    bounds = sorted(buckets)
+    total = buckets[bounds[-1]]
+    if total <= 0:
+        return [None for _ in qs]
+    out: list[float | None] = []
+    for q in qs:
+        rank = q * total
+        prev_b, prev_c = 0.0, 0.0
+        value: float | None = None
+        for b in bounds:
+            c = buckets[b]
+            if c >= rank:
+                if math.isinf(b):
+                    value = prev_b
+                else:
+                    frac = 0.0 if c == prev_c else (rank - prev_c) / (c - prev_c)
+                    value = prev_b + (b - prev_b) * frac
+                break
+            prev_b, prev_c = b, c
+        out.append(value)
+    return out

@@ -60,3 +60,23 @@ def test_plots_and_table(tmp_path: Path) -> None:
     table = comparison_table({"kv_aware": {"chr": 0.9, "affinity_breaks": {"evicted": 2}}, "hash": {"chr": 0.5}})
     assert [c.header for c in table.columns] == ["measure", "kv_aware", "hash"]
     assert "0.900" in list(table.columns[1].cells)
+
+
+def test_histogram_quantiles_interpolate_within_buckets() -> None:
+    from loadtests.report import histogram_quantiles
+
+    text = (
+        "# TYPE x_seconds histogram\n"
+        'x_seconds_bucket{route="a",le="0.001"} 40.0\n'
+        'x_seconds_bucket{route="a",le="0.002"} 80.0\n'
+        'x_seconds_bucket{route="a",le="+Inf"} 80.0\n'
+        'x_seconds_bucket{route="b",le="0.001"} 10.0\n'
+        'x_seconds_bucket{route="b",le="0.002"} 19.0\n'
+        'x_seconds_bucket{route="b",le="+Inf"} 20.0\n'
+        "x_seconds_count 100.0\nx_seconds_sum 0.1\n"
+    )
+    p50, p90, p999 = histogram_quantiles(text, "x_seconds", (0.5, 0.9, 0.999))
+    assert p50 == pytest.approx(0.001)  # 50 of 100 at or below 1 ms
+    assert p90 == pytest.approx(0.001 + 0.001 * (90 - 50) / (99 - 50))
+    assert p999 == pytest.approx(0.002)  # the +Inf bucket reports its lower bound
+    assert histogram_quantiles(text, "missing", (0.5,)) == [None]
