@@ -1,8 +1,10 @@
-"""The real SGLang router (``smg launch``, PyPI sglang-router) in front of two emulated replicas."""
+"""The real peer routers (``smg launch`` from PyPI sglang-router, and vllm-router) in front of two
+emulated replicas: they register them, stream through them, and sessions stick and hit the cache."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import shutil
@@ -22,9 +24,9 @@ from tests.replica.conftest import small_config
 pytestmark = [pytest.mark.peers, pytest.mark.slow]
 
 
-def _smg() -> str | None:
-    return shutil.which("smg") or (str(Path(sys.executable).parent / "smg")
-                                    if (Path(sys.executable).parent / "smg").exists() else None)
+def _binary(name: str) -> str | None:
+    local = Path(sys.executable).parent / name
+    return shutil.which(name) or (str(local) if local.exists() else None)
 
 
 def _free_port() -> int:
@@ -33,51 +35,62 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-@pytest.fixture
-async def smg_fleet(tmp_path: Path) -> AsyncIterator[tuple[str, list[Running]]]:
-    binary = _smg()
+# peer -> (binary, policy argv, sticky header), per reference/peers.md §3.1 / §4.1
+PEERS = {
+    "smg": ("smg", ["launch", "--log-level", "warn", "--policy", "manual", "--shutdown-grace-period-secs", "1"],
+            "X-SMG-Routing-Key"),
+    "vllm-router": ("vllm-router", ["--log-level", "warning", "--policy", "consistent_hash",
+                                    "--worker-startup-check-interval", "1"], "x-session-id"),
+}
+
+
+@contextlib.asynccontextmanager
+async def peer_router(kind: str, reps: list[Running], tmp_path: Path) -> AsyncIterator[str]:
+    name, args, _ = PEERS[kind]
+    binary = _binary(name)
     if binary is None:
-        pytest.skip("smg (pip install sglang-router, the 'peers' extra) is not on PATH")
-    async with running_emulators(2, config=small_config(time_scale=0.02)) as reps:
-        port, prom = _free_port(), _free_port()
-        log = (tmp_path / "smg.log").open("wb")
-        proc = await asyncio.create_subprocess_exec(
-            binary, "launch", "--host", "127.0.0.1", "--port", str(port), "--prometheus-host", "127.0.0.1",
-            "--prometheus-port", str(prom), "--log-level", "warn", "--policy", "manual",
-            "--shutdown-grace-period-secs", "1", "--worker-urls", *[r.url for r in reps],
-            stdout=log, stderr=log, env={**os.environ, "HF_HUB_OFFLINE": "1"},
-        )
-        url = f"http://127.0.0.1:{port}"
-        try:
-            deadline = time.monotonic() + 30
-            async with aiohttp.ClientSession() as http:
-                while True:
-                    try:
-                        async with http.get(f"{url}/readiness") as r:
-                            if r.status == 200 and (await r.json()).get("healthy_workers") == 2:
-                                break
-                    except aiohttp.ClientError:
-                        pass
-                    if time.monotonic() > deadline or proc.returncode is not None:
-                        pytest.fail("smg did not become ready: " + (tmp_path / "smg.log").read_text()[-2000:])
-                    await asyncio.sleep(0.2)
-            yield url, reps
-        finally:
-            if proc.returncode is None:
-                proc.send_signal(signal.SIGTERM)
+        pytest.skip(f"{name} is not on PATH (pip install 'kvroute[peers]')")
+    port, prom = _free_port(), _free_port()
+    log_path = tmp_path / f"{kind}.log"
+    log = log_path.open("wb")
+    proc = await asyncio.create_subprocess_exec(
+        binary, *args, "--host", "127.0.0.1", "--port", str(port), "--prometheus-host", "127.0.0.1",
+        "--prometheus-port", str(prom), "--worker-urls", *[r.url for r in reps],
+        stdout=log, stderr=log, env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 30
+        async with aiohttp.ClientSession() as http:
+            while True:
                 try:
-                    await asyncio.wait_for(proc.wait(), 10)
-                except TimeoutError:
-                    proc.kill()
-                    await proc.wait()
-            log.close()
+                    async with http.get(f"{url}/readiness") as r:
+                        if r.status == 200 and (await r.json()).get("healthy_workers") == len(reps):
+                            break
+                except aiohttp.ClientError:
+                    pass
+                if time.monotonic() > deadline or proc.returncode is not None:
+                    pytest.fail(f"{kind} did not become ready: " + log_path.read_text()[-2000:])
+                await asyncio.sleep(0.2)
+        yield url
+    finally:
+        if proc.returncode is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                await asyncio.wait_for(proc.wait(), 10)
+            except TimeoutError:
+                proc.kill()
+                await proc.wait()
+        log.close()
 
 
-async def stream_chat(http: aiohttp.ClientSession, url: str, messages: list[dict[str, str]], key: str) -> tuple[str, str, int]:
+async def stream_chat(
+    http: aiohttp.ClientSession, url: str, messages: list[dict[str, str]], header: str, key: str
+) -> tuple[str, str, int]:
     """One streamed chat completion; returns (replica name, text, cached tokens from the usage chunk)."""
     body = {"model": "emulated/small-test", "messages": messages, "max_tokens": 8, "stream": True,
             "stream_options": {"include_usage": True}}
-    async with http.post(f"{url}/v1/chat/completions", json=body, headers={"X-SMG-Routing-Key": key}) as r:
+    async with http.post(f"{url}/v1/chat/completions", json=body, headers={header: key}) as r:
         assert r.status == 200, await r.text()
         replica = r.headers["X-Emulator-Replica"]
         raw = await r.read()
@@ -90,24 +103,26 @@ async def stream_chat(http: aiohttp.ClientSession, url: str, messages: list[dict
     return replica, text, usage["prompt_tokens_details"]["cached_tokens"]
 
 
-async def test_smg_routes_streams_to_emulators_and_sessions_hit_cache(smg_fleet: tuple[str, list[Running]]) -> None:
-    url, reps = smg_fleet
-    # new connection per request: smg adds ~40 ms to streams on reused keep-alive connections (peers.md §3.8)
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True),
-                                     timeout=aiohttp.ClientTimeout(total=30)) as http:
-        seen: dict[str, set[str]] = {}
-        for s in range(6):
-            key = f"session-{s}"
-            msgs = [{"role": "system", "content": f"[{key}] You are a coding agent. " * 10},
-                    {"role": "user", "content": f"task {s}: " + "edit the file " * 30}]
-            cached: list[int] = []
-            for _turn in range(3):
-                replica, text, c = await stream_chat(http, url, msgs, key)
-                seen.setdefault(key, set()).add(replica)
-                cached.append(c)
-                msgs += [{"role": "assistant", "content": text}, {"role": "user", "content": "and then? " * 5}]
-            assert cached[0] == 0 and 0 < cached[1] < cached[2], cached
-        assert all(len(v) == 1 for v in seen.values())  # manual policy: sticky on the routing key
-        assert len(set().union(*seen.values())) == 2  # and both replicas got sessions
-    served = sum(r.replica.served for r in reps)
-    assert served == 18
+@pytest.mark.parametrize("kind", sorted(PEERS))
+async def test_peer_routes_streams_to_emulators_and_sessions_hit_cache(kind: str, tmp_path: Path) -> None:
+    header = PEERS[kind][2]
+    async with running_emulators(2, config=small_config(time_scale=0.02)) as reps, \
+            peer_router(kind, reps, tmp_path) as url:
+        # new connection per request: smg adds ~40 ms to streams on reused keep-alive connections (peers.md §3.8)
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True),
+                                         timeout=aiohttp.ClientTimeout(total=30)) as http:
+            seen: dict[str, set[str]] = {}
+            for s in range(12):  # P(all on one replica) = 2^-11
+                key = f"session-{s}"
+                msgs = [{"role": "system", "content": f"[{key}] You are a coding agent. " * 10},
+                        {"role": "user", "content": f"task {s}: " + "edit the file " * 30}]
+                cached: list[int] = []
+                for _turn in range(3):
+                    replica, text, c = await stream_chat(http, url, msgs, header, key)
+                    seen.setdefault(key, set()).add(replica)
+                    cached.append(c)
+                    msgs += [{"role": "assistant", "content": text}, {"role": "user", "content": "and then? " * 5}]
+                assert cached[0] == 0 and 0 < cached[1] < cached[2], cached
+            assert all(len(v) == 1 for v in seen.values())  # sticky on the session key
+            assert len(set().union(*seen.values())) == 2  # and both replicas got sessions
+        assert sum(r.replica.served for r in reps) == 36
