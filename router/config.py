@@ -16,6 +16,7 @@ The reference for every key is ``docs/CONFIG.md``.
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import os
 import re
@@ -205,6 +206,8 @@ class GatewayConfig(BaseSettings):
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"] = "INFO"
     access_log: bool = False
     seed: int | None = None  # routing RNG seed (tie-breaks); None = from the OS
+    tls_cert: str | None = None  # PEM certificate (chain) of the listener: HTTPS when set with tls_key
+    tls_key: str | None = None  # PEM private key of the listener
 
     @classmethod
     def settings_customise_sources(
@@ -303,6 +306,16 @@ class GatewayConfig(BaseSettings):
                 raise ValueError(f"[{i}] {net!r}: expected a network like 10.0.0.0/8") from None
         return v
 
+    @model_validator(mode="after")
+    def _tls_pair(self) -> GatewayConfig:
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("tls_cert: tls_cert and tls_key must be given together")
+        for name in ("tls_cert", "tls_key"):
+            path = getattr(self, name)
+            if path is not None and not os.path.isfile(path):
+                raise ValueError(f"{name}: {path!r} is not a readable file")
+        return self
+
     @field_validator("otel_endpoint")
     @classmethod
     def _otel_endpoint(cls, v: str | None) -> str | None:
@@ -380,11 +393,23 @@ class _MappingEnvSource(EnvSettingsSource):
 
 
 def _check_env_keys(environ: Mapping[str, str]) -> None:
-    """A ``KVROUTE_*`` variable that names no key is an error (typos must not pass silently)."""
+    """Catch typos in ``KVROUTE_*`` variables without tripping over other tools' variables.
+
+    Other parts of kvroute read ``KVROUTE_SIDECAR_*``, ``KVROUTE_MODEL_PATH``, ``KVROUTE_VENV`` ...
+    from the same environment, so an unknown top-level name is ignored, unless it is a near miss
+    of one of our keys (``KVROUTE_PROT``). A nested name (``KVROUTE_A__B``) whose section is ours
+    must name a real sub-key.
+    """
+    fields = list(GatewayConfig.model_fields)
     for name in environ:
         if not name.upper().startswith(ENV_PREFIX) or name.upper() == f"{ENV_PREFIX}CONFIG":
             continue
         path = name[len(ENV_PREFIX):].lower().split("__")
+        if path[0] not in GatewayConfig.model_fields:
+            close = difflib.get_close_matches(path[0], fields, n=1, cutoff=0.75)
+            if close:
+                raise ConfigError(f"{name}: unknown configuration key {path[0]!r} (did you mean {close[0]!r}?)")
+            continue  # someone else's variable
         model: type[BaseModel] = GatewayConfig
         for i, part in enumerate(path):
             field = model.model_fields.get(part)
@@ -452,6 +477,8 @@ def build_arg_parser(prog: str = "kvroute serve") -> argparse.ArgumentParser:
     p.add_argument("--log-level")
     p.add_argument("--access-log", action="store_true", default=argparse.SUPPRESS)
     p.add_argument("--seed", type=int)
+    p.add_argument("--tls-cert", dest="tls_cert", metavar="PATH", help="PEM certificate: serve HTTPS (with --tls-key)")
+    p.add_argument("--tls-key", dest="tls_key", metavar="PATH", help="PEM private key of --tls-cert")
     p.add_argument("--set", dest="overrides", action="append", metavar="KEY=VALUE",
                    help="any key by dotted path, e.g. --set limits.max_body_bytes=1048576 (value parsed as YAML)")
     return p

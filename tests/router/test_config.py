@@ -135,7 +135,8 @@ def test_precedence_cli_env_yaml_defaults(tmp_path: Path) -> None:
         (["--session-header", "bad header"], {}, ["session_headers"]),
         (["--redis", "http://x"], {}, ["redis_url"]),
         (["--log-level", "loud"], {}, ["log_level"]),
-        ([], {"KVROUTE_BOGUS": "1"}, ["KVROUTE_BOGUS", "bogus"]),
+        ([], {"KVROUTE_PROT": "1"}, ["KVROUTE_PROT", "did you mean 'port'"]),
+        ([], {"KVROUTE_LOG_LEVLE": "1"}, ["KVROUTE_LOG_LEVLE", "log_level"]),
         ([], {"KVROUTE_LIMITS__NOPE": "1"}, ["KVROUTE_LIMITS__NOPE", "limits.nope"]),
     ],
 )
@@ -174,3 +175,9 @@ def test_yaml_errors(tmp_path: Path) -> None:
 )
 def test_replica_ids(url: str, rid: str) -> None:
     assert replica_id_from_url(url) == rid
+
+
+def test_other_tools_variables_are_ignored() -> None:
+    env = {"KVROUTE_SIDECAR_REDIS_URL": "redis://x", "KVROUTE_MODEL_PATH": "/m", "KVROUTE_VENV": "/v",
+           "KVROUTE_SGLANG_PYTHON": "/p", "KVROUTE_CHROMIUM": "/c", "KVROUTE_PORT": "9200"}
+    assert load_config([], env).port == 9200
