@@ -78,7 +78,9 @@ class AffinityBroken:
 
 @dataclass(frozen=True, slots=True)
 class RequestFinished:
-    """A request ended (any outcome). Exactly one per HTTP request that reached a handler route."""
+    """An inference request ended (any outcome): exactly one per request that passed validation
+    (session id, body size, JSON where needed) and was routed or failed to be. Requests refused
+    before that (4xx) are counted by the HTTP layer, not here."""
 
     request_id: str
     at: float
