@@ -257,7 +257,9 @@ class AiohttpReplicaClient:
         self, replica_id: str, method: str, url: str, headers: Sequence[tuple[str, str]], body: bytes
     ) -> UpstreamResponse:
         hdrs: CIMultiDict[str] = CIMultiDict(headers)
-        skip = () if "Accept-Encoding" in hdrs else ("Accept-Encoding",)
+        # add nothing the client did not send (aiohttp would add Accept-Encoding and, for a bytes
+        # body, Content-Type: application/octet-stream)
+        skip = tuple(h for h in ("Accept-Encoding", "Content-Type") if h not in hdrs)
         loop = asyncio.get_running_loop()
         started = loop.time()
         with map_client_errors(replica_id):
