@@ -560,11 +560,13 @@ async def test_hop_by_hop_headers_are_not_forwarded(fake_replicas: Any, gateway_
 async def test_nothing_is_added_to_the_request(fake_replicas: Any, gateway_factory: Any) -> None:
     (a,) = await fake_replicas(1)
     gw = await gateway_factory([a.url])
-    async with aiohttp.ClientSession(skip_auto_headers=("User-Agent", "Accept-Encoding", "Accept")) as s:
-        async with s.post(gw.url + "/generate", data=_body("/generate", False), headers={"Modal-Session-Id": "bare"},
-                          skip_auto_headers=("Content-Type",)) as r:
-            assert r.status == 200
-            await r.read()
+    async with (
+        aiohttp.ClientSession(skip_auto_headers=("User-Agent", "Accept-Encoding", "Accept")) as s,
+        s.post(gw.url + "/generate", data=_body("/generate", False), headers={"Modal-Session-Id": "bare"},
+               skip_auto_headers=("Content-Type",)) as r,
+    ):
+        assert r.status == 200
+        await r.read()
     seen = a.state.requests[-1]["headers"]
     assert "Content-Type" not in seen and "Accept-Encoding" not in seen and "User-Agent" not in seen
     assert seen["Content-Length"] == str(len(_body("/generate", False)))
