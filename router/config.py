@@ -198,7 +198,9 @@ class GatewayConfig(BaseSettings):
     # operator surface (docs/OPERATIONS.md): no admin_token -> /admin answers 404 unless admin_insecure
     admin_insecure: bool = False  # serve /admin without a token: local demos only
     admin_port: int | None = Field(None, ge=0, le=65535)  # serve /admin on its own port (same host); 0 = free
-    admin_networks: Annotated[tuple[str, ...], NoDecode] = ()  # POST /admin/replicas URLs; () = loopback+private
+    admin_networks: Annotated[
+        tuple[str, ...], NoDecode
+    ] = ()  # POST /admin/replicas URLs; () = loopback+private
     otel: bool = False  # OpenTelemetry tracing (the 'otel' extra); on as well when otel_endpoint is set
     otel_endpoint: str | None = None  # OTLP/HTTP collector base URL, e.g. http://otel-collector:4318
     otel_service_name: str = Field("kvroute-gateway", min_length=1, max_length=128)
@@ -347,7 +349,9 @@ class GatewayConfig(BaseSettings):
             raise ValueError(f"policy_params.{exc}") from None
         names = _policy_names()
         if names is not None and self.policy not in names:
-            raise ValueError(f"policy: unknown policy {self.policy!r} (choose from {', '.join(sorted(names))})")
+            raise ValueError(
+                f"policy: unknown policy {self.policy!r} (choose from {', '.join(sorted(names))})"
+            )
         return self
 
     # ---- derived ----------------------------------------------------------------------------------
@@ -389,7 +393,9 @@ class _MappingEnvSource(EnvSettingsSource):
         super().__init__(settings_cls)
 
     def _load_env_vars(self) -> Mapping[str, str | None]:
-        return parse_env_vars(self._environ, self.case_sensitive, self.env_ignore_empty, self.env_parse_none_str)
+        return parse_env_vars(
+            self._environ, self.case_sensitive, self.env_ignore_empty, self.env_parse_none_str
+        )
 
 
 def _check_env_keys(environ: Mapping[str, str]) -> None:
@@ -404,11 +410,13 @@ def _check_env_keys(environ: Mapping[str, str]) -> None:
     for name in environ:
         if not name.upper().startswith(ENV_PREFIX) or name.upper() == f"{ENV_PREFIX}CONFIG":
             continue
-        path = name[len(ENV_PREFIX):].lower().split("__")
+        path = name[len(ENV_PREFIX) :].lower().split("__")
         if path[0] not in GatewayConfig.model_fields:
             close = difflib.get_close_matches(path[0], fields, n=1, cutoff=0.75)
             if close:
-                raise ConfigError(f"{name}: unknown configuration key {path[0]!r} (did you mean {close[0]!r}?)")
+                raise ConfigError(
+                    f"{name}: unknown configuration key {path[0]!r} (did you mean {close[0]!r}?)"
+                )
             continue  # someone else's variable
         model: type[BaseModel] = GatewayConfig
         for i, part in enumerate(path):
@@ -451,36 +459,70 @@ def _yaml_values(path: str) -> dict[str, Any]:
 
 def build_arg_parser(prog: str = "kvroute serve") -> argparse.ArgumentParser:
     """Flags of ``kvroute serve``. Only flags given on the command line override other sources."""
-    p = argparse.ArgumentParser(prog=prog, description="Run the kvroute gateway.", argument_default=argparse.SUPPRESS)
+    p = argparse.ArgumentParser(
+        prog=prog, description="Run the kvroute gateway.", argument_default=argparse.SUPPRESS
+    )
     p.add_argument("--config", metavar="PATH", help="YAML file with any of the keys of docs/CONFIG.md")
     p.add_argument("--host", help="bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, help="bind port (default 8000; 0 = any free port)")
-    p.add_argument("--replica", dest="replicas", action="append", metavar="URL",
-                   help="replica base URL, e.g. http://10.0.0.5:30000 (repeatable)")
+    p.add_argument(
+        "--replica",
+        dest="replicas",
+        action="append",
+        metavar="URL",
+        help="replica base URL, e.g. http://10.0.0.5:30000 (repeatable)",
+    )
     p.add_argument("--policy", help="kv_aware (default), hash, least_loaded, round_robin, random")
-    p.add_argument("--policy-param", dest="policy_param", action="append", metavar="KEY=VALUE",
-                   help="a policy parameter (repeatable), e.g. --policy-param thicc_threshold=4")
-    p.add_argument("--session-header", dest="session_headers", action="append", metavar="NAME",
-                   help="header carrying the session id (repeatable; replaces the default list)")
+    p.add_argument(
+        "--policy-param",
+        dest="policy_param",
+        action="append",
+        metavar="KEY=VALUE",
+        help="a policy parameter (repeatable), e.g. --policy-param thicc_threshold=4",
+    )
+    p.add_argument(
+        "--session-header",
+        dest="session_headers",
+        action="append",
+        metavar="NAME",
+        help="header carrying the session id (repeatable; replaces the default list)",
+    )
     p.add_argument("--routing-key-header", help="header the session id is forwarded under ('' = off)")
-    p.add_argument("--no-decision-headers", dest="decision_headers", action="store_false",
-                   help="do not add X-Kvroute-Replica / X-Kvroute-Reason to responses")
+    p.add_argument(
+        "--no-decision-headers",
+        dest="decision_headers",
+        action="store_false",
+        help="do not add X-Kvroute-Replica / X-Kvroute-Reason to responses",
+    )
     p.add_argument("--max-retries", type=int)
     p.add_argument("--redis", "--redis-url", dest="redis_url", metavar="URL", help="shared state in Redis")
-    p.add_argument("--admin-token", metavar="TOKEN", help="bearer token of the /admin API (or KVROUTE_ADMIN_TOKEN)")
+    p.add_argument(
+        "--admin-token", metavar="TOKEN", help="bearer token of the /admin API (or KVROUTE_ADMIN_TOKEN)"
+    )
     p.add_argument("--admin-port", type=int, help="serve /admin on this port instead of the gateway's")
-    p.add_argument("--admin-insecure", action="store_true", default=argparse.SUPPRESS,
-                   help="serve /admin without a token (local demos only)")
+    p.add_argument(
+        "--admin-insecure",
+        action="store_true",
+        default=argparse.SUPPRESS,
+        help="serve /admin without a token (local demos only)",
+    )
     p.add_argument("--otel", action="store_true", default=argparse.SUPPRESS, help="OpenTelemetry tracing on")
     p.add_argument("--otel-endpoint", metavar="URL", help="OTLP/HTTP collector, e.g. http://127.0.0.1:4318")
     p.add_argument("--gateway-id")
     p.add_argument("--log-level")
     p.add_argument("--access-log", action="store_true", default=argparse.SUPPRESS)
     p.add_argument("--seed", type=int)
-    p.add_argument("--tls-cert", dest="tls_cert", metavar="PATH", help="PEM certificate: serve HTTPS (with --tls-key)")
+    p.add_argument(
+        "--tls-cert", dest="tls_cert", metavar="PATH", help="PEM certificate: serve HTTPS (with --tls-key)"
+    )
     p.add_argument("--tls-key", dest="tls_key", metavar="PATH", help="PEM private key of --tls-cert")
-    p.add_argument("--set", dest="overrides", action="append", metavar="KEY=VALUE",
-                   help="any key by dotted path, e.g. --set limits.max_body_bytes=1048576 (value parsed as YAML)")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        metavar="KEY=VALUE",
+        help="any key by dotted path, e.g. --set limits.max_body_bytes=1048576 (value parsed as YAML)",
+    )
     return p
 
 
@@ -543,7 +585,9 @@ def _format_errors(exc: ValidationError) -> str:
             continue
         where = f"{dotted} ({_env_name(loc)})" if loc else dotted
         got = err.get("input")
-        suffix = f" (got {got!r})" if loc and not isinstance(got, dict | list | tuple) and got is not None else ""
+        suffix = (
+            f" (got {got!r})" if loc and not isinstance(got, dict | list | tuple) and got is not None else ""
+        )
         lines.append(f"{where}: {msg}{suffix}")
     return "invalid configuration: " + "; ".join(lines)
 

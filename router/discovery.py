@@ -108,7 +108,11 @@ class Discovery:
                 self._tracks[replica_id] = HealthTrack()
                 self._connect_errors[replica_id] = 0
                 log.warning("replica %s ejected after %d connect error(s): %s", replica_id, n, detail)
-                self._emit(ReplicaEjected(at=self._clock.now(), replica_id=replica_id, cause="connect", detail=detail))
+                self._emit(
+                    ReplicaEjected(
+                        at=self._clock.now(), replica_id=replica_id, cause="connect", detail=detail
+                    )
+                )
 
     def on_success(self, replica_id: ReplicaId) -> None:
         if self._connect_errors.get(replica_id):
@@ -157,7 +161,9 @@ class Discovery:
                 return
             now = self._clock.now()
             if new is ReplicaStatus.DOWN:
-                log.warning("replica %s down after %d failed health checks (%s)", r.id, track.fail_streak, detail)
+                log.warning(
+                    "replica %s down after %d failed health checks (%s)", r.id, track.fail_streak, detail
+                )
                 self._emit(ReplicaEjected(at=now, replica_id=r.id, cause="health", detail=detail))
             elif current.status is ReplicaStatus.JOINING:
                 log.info("replica %s active", r.id)

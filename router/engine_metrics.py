@@ -50,7 +50,7 @@ class MetricsParseError(ValueError):
 
 def _norm(name: str) -> str | None:
     n = name.replace(":", "_")
-    return n[len(_PREFIX):] if n.startswith(_PREFIX) else None
+    return n[len(_PREFIX) :] if n.startswith(_PREFIX) else None
 
 
 def scrape_values(text: str, wanted: Iterable[str] = _WANTED) -> dict[str, float]:

@@ -72,7 +72,9 @@ def make_app(
     ``trace_configs`` go to the upstream ``ClientSession``.
     """
     emitter = Emitter(hooks)
-    rt = GatewayRuntime(config=config, store=store, policy=policy, clock=clock, rng=rng, emit=emitter, client=client)
+    rt = GatewayRuntime(
+        config=config, store=store, policy=policy, clock=clock, rng=rng, emit=emitter, client=client
+    )
     app = web.Application(
         middlewares=[*middlewares, request_id_middleware, error_middleware],  # type: ignore[list-item]
         client_max_size=config.limits.max_body_bytes,

@@ -317,7 +317,11 @@ def _from_obj(obj: Mapping[str, Any]) -> Usage | None:
             return u
     meta = obj.get("meta_info")
     if isinstance(meta, Mapping):
-        u = Usage(_int(meta.get("prompt_tokens")), _int(meta.get("cached_tokens")), _int(meta.get("completion_tokens")))
+        u = Usage(
+            _int(meta.get("prompt_tokens")),
+            _int(meta.get("cached_tokens")),
+            _int(meta.get("completion_tokens")),
+        )
         if u.prompt_tokens is not None:
             return u
     return None
@@ -358,7 +362,13 @@ class UsageSniffer:
 
     __slots__ = ("_buf", "_last", "_max", "_mode", "_overflow", "events")
 
-    def __init__(self, content_type: str, *, max_json_bytes: int = 8 * 1024 * 1024, max_line_bytes: int = 8 * 1024 * 1024) -> None:
+    def __init__(
+        self,
+        content_type: str,
+        *,
+        max_json_bytes: int = 8 * 1024 * 1024,
+        max_line_bytes: int = 8 * 1024 * 1024,
+    ) -> None:
         ct = content_type.split(";", 1)[0].strip().lower()
         self._mode = "sse" if ct == "text/event-stream" else "json" if ct.endswith("json") else "none"
         self._buf = bytearray()

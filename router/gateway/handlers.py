@@ -100,13 +100,17 @@ def session_id_from_headers(headers: Mapping[str, str], cfg: GatewayConfig) -> s
         if len(value) > limit:
             raise BadRequestError(f"{name}: session id longer than {limit} characters")
         if not re.match(cfg.limits.session_id_pattern, value):
-            raise BadRequestError(f"{name}: session id has characters outside {cfg.limits.session_id_pattern}")
+            raise BadRequestError(
+                f"{name}: session id has characters outside {cfg.limits.session_id_pattern}"
+            )
         return value
     return None
 
 
 def sse_error_event(message: str, code: int = 502, error_type: str = "upstream_error") -> bytes:
-    payload = json.dumps({"error": {"message": message, "type": error_type, "code": code}}, separators=(",", ":"))
+    payload = json.dumps(
+        {"error": {"message": message, "type": error_type, "code": code}}, separators=(",", ":")
+    )
     return f"data: {payload}\n\n".encode() + b"data: [DONE]\n\n"
 
 
@@ -346,7 +350,9 @@ class _Proxy:
                 if sniffer.is_sse:
                     sep = b"" if last_tail == b"\n\n" else b"\n\n"
                     msg = f"upstream {lease.replica_id} failed mid-stream: {exc.code}"
-                    await resp.write(sep + sse_error_event(msg, 504 if isinstance(exc, UpstreamTimeoutError) else 502))
+                    await resp.write(
+                        sep + sse_error_event(msg, 504 if isinstance(exc, UpstreamTimeoutError) else 502)
+                    )
                     await resp.write_eof()
                 else:
                     resp.force_close()
@@ -392,8 +398,12 @@ class _Proxy:
             self.p.cached_tokens = usage.cached_tokens
             self.p.completion_tokens = usage.completion_tokens
             self.p.usage_estimated = False
-            return Completion(ok=ok, prompt_tokens=usage.prompt_tokens, cached_tokens=usage.cached_tokens,
-                              completion_tokens=usage.completion_tokens)
+            return Completion(
+                ok=ok,
+                prompt_tokens=usage.prompt_tokens,
+                cached_tokens=usage.cached_tokens,
+                completion_tokens=usage.completion_tokens,
+            )
         if not ok:
             return Completion(ok=False)
         # no usage in the response (stream without include_usage): estimate, cached unknown
@@ -431,7 +441,9 @@ def _with_excluded(req: RouteRequest, excluded: set[str]) -> RouteRequest:
     )
 
 
-def _forward_headers(request: web.Request, cfg: GatewayConfig, session_id: str | None, request_id: str) -> list[tuple[str, str]]:
+def _forward_headers(
+    request: web.Request, cfg: GatewayConfig, session_id: str | None, request_id: str
+) -> list[tuple[str, str]]:
     hdrs = filter_request_headers(request.headers.items())
     drop = {REQUEST_ID_HEADER.lower(), "x-forwarded-for"}
     if cfg.routing_key_header and session_id is not None:
@@ -526,7 +538,11 @@ async def handle_ready(request: web.Request) -> web.Response:
     active = sum(1 for r in replicas if r.status is ReplicaStatus.ACTIVE)
     body: dict[str, Any] = {"ready": False, "active_replicas": active, "replicas": len(replicas)}
     if rt.draining:
-        body["error"] = {"message": "gateway is shutting down", "type": "service_unavailable", "code": "draining"}
+        body["error"] = {
+            "message": "gateway is shutting down",
+            "type": "service_unavailable",
+            "code": "draining",
+        }
         return web.json_response(body, status=503)
     if active == 0:
         body["error"] = {"message": "no active replica", "type": "service_unavailable", "code": "no_replica"}
@@ -536,7 +552,9 @@ async def handle_ready(request: web.Request) -> web.Response:
 
 
 async def _fetch_models(rt: GatewayRuntime) -> dict[str, Any]:
-    replicas = [r for r in await rt.store.replicas() if r.status in (ReplicaStatus.ACTIVE, ReplicaStatus.DRAINING)]
+    replicas = [
+        r for r in await rt.store.replicas() if r.status in (ReplicaStatus.ACTIVE, ReplicaStatus.DRAINING)
+    ]
     if not replicas:
         raise NoReplicaError("no active replica to list models from")
     client = rt.client
@@ -584,6 +602,12 @@ async def handle_model(request: web.Request) -> web.Response:
         if item.get("id") == name:
             return web.json_response(item)
     return web.json_response(
-        {"error": {"message": f"The model '{name}' does not exist", "type": "invalid_request_error", "code": "model_not_found"}},
+        {
+            "error": {
+                "message": f"The model '{name}' does not exist",
+                "type": "invalid_request_error",
+                "code": "model_not_found",
+            }
+        },
         status=404,
     )

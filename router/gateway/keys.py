@@ -41,7 +41,9 @@ class GatewayRuntime:
     models_body: dict[str, Any] | None = None
     models_at: float = float("-inf")
     in_flight: int = 0  # requests inside this gateway's handlers (graceful shutdown waits on it)
-    counters: dict[str, int] = field(default_factory=lambda: {"requests": 0, "retries": 0, "client_disconnects": 0})
+    counters: dict[str, int] = field(
+        default_factory=lambda: {"requests": 0, "retries": 0, "client_disconnects": 0}
+    )
 
 
 CONFIG_KEY = web.AppKey("kvroute_config", GatewayConfig)

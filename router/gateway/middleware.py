@@ -67,7 +67,9 @@ def error_payload(message: str, error_type: str, code: str | int) -> dict[str, A
     return {"error": {"message": message, "type": error_type, "code": code}}
 
 
-def error_response(status: int, message: str, error_type: str, code: str, headers: dict[str, str] | None = None) -> web.Response:
+def error_response(
+    status: int, message: str, error_type: str, code: str, headers: dict[str, str] | None = None
+) -> web.Response:
     hdrs = {"X-Kvroute-Error": code}
     if headers:
         hdrs.update(headers)
@@ -108,7 +110,10 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     except web.HTTPException as exc:
         if exc.status < 400:
             raise  # redirects and the like are not errors
-        etype, code = _HTTP_TYPES.get(exc.status, ("invalid_request_error" if exc.status < 500 else "server_error", f"http_{exc.status}"))
+        etype, code = _HTTP_TYPES.get(
+            exc.status,
+            ("invalid_request_error" if exc.status < 500 else "server_error", f"http_{exc.status}"),
+        )
         message = exc.reason if exc.status != 404 else f"unknown route: {request.method} {request.path}"
         if exc.status == 405:
             message = f"method {request.method} not allowed on {request.path}"

@@ -89,8 +89,16 @@ class FakeReplica:
                 st.fail_times -= 1
                 if st.fail_times == 0:
                     st.fail_status = 0
-            return web.json_response({"object": "error", "message": "overloaded", "type": "ServiceUnavailable",
-                                      "param": None, "code": fail}, status=fail)
+            return web.json_response(
+                {
+                    "object": "error",
+                    "message": "overloaded",
+                    "type": "ServiceUnavailable",
+                    "param": None,
+                    "code": fail,
+                },
+                status=fail,
+            )
         body = json.loads(raw)
         prompt, cached = self._tokens(request, raw)
         st.active += 1
@@ -122,20 +130,63 @@ class FakeReplica:
         n = self.state.chunks
         text = "".join(f" tok{i}" for i in range(n))
         if path == "/generate":
-            return _dump({"text": text, "output_ids": list(range(n)), "meta_info": {
-                "id": "rid-1", "finish_reason": {"type": "length", "length": n}, "prompt_tokens": prompt,
-                "weight_version": "default", "num_retractions": 0, "reasoning_tokens": 0, "completion_tokens": n,
-                "cached_tokens": cached, "dp_rank": None, "e2e_latency": 0.01}})
+            return _dump(
+                {
+                    "text": text,
+                    "output_ids": list(range(n)),
+                    "meta_info": {
+                        "id": "rid-1",
+                        "finish_reason": {"type": "length", "length": n},
+                        "prompt_tokens": prompt,
+                        "weight_version": "default",
+                        "num_retractions": 0,
+                        "reasoning_tokens": 0,
+                        "completion_tokens": n,
+                        "cached_tokens": cached,
+                        "dp_rank": None,
+                        "e2e_latency": 0.01,
+                    },
+                }
+            )
         if path == "/v1/completions":
-            return _dump({"id": "cmpl-1", "object": "text_completion", "created": 1767225600, "model": MODEL,
-                          "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": "length",
-                                       "matched_stop": None}], "usage": self._usage(prompt, cached, n),
-                          "metadata": {"weight_version": "default"}})
-        return _dump({"id": "chat-1", "object": "chat.completion", "created": 1767225600, "model": MODEL,
-                      "choices": [{"index": 0, "message": {"role": "assistant", "content": text,
-                                                            "reasoning_content": None},
-                                   "logprobs": None, "finish_reason": "length", "matched_stop": None}],
-                      "usage": self._usage(prompt, cached, n), "metadata": {"weight_version": "default"}})
+            return _dump(
+                {
+                    "id": "cmpl-1",
+                    "object": "text_completion",
+                    "created": 1767225600,
+                    "model": MODEL,
+                    "choices": [
+                        {
+                            "index": 0,
+                            "text": text,
+                            "logprobs": None,
+                            "finish_reason": "length",
+                            "matched_stop": None,
+                        }
+                    ],
+                    "usage": self._usage(prompt, cached, n),
+                    "metadata": {"weight_version": "default"},
+                }
+            )
+        return _dump(
+            {
+                "id": "chat-1",
+                "object": "chat.completion",
+                "created": 1767225600,
+                "model": MODEL,
+                "choices": [
+                    {
+                        "index": 0,
+                        "message": {"role": "assistant", "content": text, "reasoning_content": None},
+                        "logprobs": None,
+                        "finish_reason": "length",
+                        "matched_stop": None,
+                    }
+                ],
+                "usage": self._usage(prompt, cached, n),
+                "metadata": {"weight_version": "default"},
+            }
+        )
 
     def _events(self, path: str, body: dict[str, Any], prompt: int, cached: int) -> list[str]:
         n = self.state.chunks
@@ -143,32 +194,88 @@ class FakeReplica:
         out: list[str] = []
         if path == "/generate":
             for i in range(n):
-                meta = {"id": "rid-1", "finish_reason": None if i < n - 1 else {"type": "length", "length": n},
-                        "prompt_tokens": prompt, "completion_tokens": i + 1, "cached_tokens": cached}
-                out.append(_dump({"text": "".join(f" tok{j}" for j in range(i + 1)),
-                                  "output_ids": list(range(i + 1)), "meta_info": meta}))
+                meta = {
+                    "id": "rid-1",
+                    "finish_reason": None if i < n - 1 else {"type": "length", "length": n},
+                    "prompt_tokens": prompt,
+                    "completion_tokens": i + 1,
+                    "cached_tokens": cached,
+                }
+                out.append(
+                    _dump(
+                        {
+                            "text": "".join(f" tok{j}" for j in range(i + 1)),
+                            "output_ids": list(range(i + 1)),
+                            "meta_info": meta,
+                        }
+                    )
+                )
             return out
         if path == "/v1/completions":
             for i in range(n):
-                out.append(_dump({"id": "cmpl-1", "object": "text_completion", "created": 1767225600, "model": MODEL,
-                                  "choices": [{"index": 0, "text": f" tok{i}", "logprobs": None,
-                                               "finish_reason": None, "matched_stop": None}], "usage": None}))
+                out.append(
+                    _dump(
+                        {
+                            "id": "cmpl-1",
+                            "object": "text_completion",
+                            "created": 1767225600,
+                            "model": MODEL,
+                            "choices": [
+                                {
+                                    "index": 0,
+                                    "text": f" tok{i}",
+                                    "logprobs": None,
+                                    "finish_reason": None,
+                                    "matched_stop": None,
+                                }
+                            ],
+                            "usage": None,
+                        }
+                    )
+                )
         else:
             for i in range(n):
-                out.append(_dump({"id": "chat-1", "object": "chat.completion.chunk", "created": 1767225600,
-                                  "model": MODEL, "choices": [{"index": 0, "delta": {"reasoning_content": None,
-                                                                                       "content": f" tok{i}"},
-                                                               "logprobs": None, "finish_reason": None,
-                                                               "matched_stop": None}]}))
+                out.append(
+                    _dump(
+                        {
+                            "id": "chat-1",
+                            "object": "chat.completion.chunk",
+                            "created": 1767225600,
+                            "model": MODEL,
+                            "choices": [
+                                {
+                                    "index": 0,
+                                    "delta": {"reasoning_content": None, "content": f" tok{i}"},
+                                    "logprobs": None,
+                                    "finish_reason": None,
+                                    "matched_stop": None,
+                                }
+                            ],
+                        }
+                    )
+                )
         if include_usage:
-            out.append(_dump({"id": "x-1", "object": "chunk", "created": 1767225600, "model": MODEL, "choices": [],
-                              "usage": self._usage(prompt, cached, n)}))
+            out.append(
+                _dump(
+                    {
+                        "id": "x-1",
+                        "object": "chunk",
+                        "created": 1767225600,
+                        "model": MODEL,
+                        "choices": [],
+                        "usage": self._usage(prompt, cached, n),
+                    }
+                )
+            )
         return out
 
-    async def _stream(self, request: web.Request, body: dict[str, Any], prompt: int, cached: int) -> web.StreamResponse:
+    async def _stream(
+        self, request: web.Request, body: dict[str, Any], prompt: int, cached: int
+    ) -> web.StreamResponse:
         st = self.state
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8",
-                                           "X-Replica-Name": st.name})
+        resp = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream; charset=utf-8", "X-Replica-Name": st.name}
+        )
         await resp.prepare(request)
         for i, ev in enumerate(self._events(request.path, body, prompt, cached)):
             if st.break_after >= 0 and i >= st.break_after:
@@ -198,9 +305,22 @@ class FakeReplica:
         return web.Response(text=text, content_type="text/plain")
 
     async def _models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [
-            {"id": MODEL, "object": "model", "created": 1, "owned_by": "sglang", "root": MODEL, "parent": None,
-             "max_model_len": 262144}]})
+        return web.json_response(
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "id": MODEL,
+                        "object": "model",
+                        "created": 1,
+                        "owned_by": "sglang",
+                        "root": MODEL,
+                        "parent": None,
+                        "max_model_len": 262144,
+                    }
+                ],
+            }
+        )
 
     # ---- lifecycle ---------------------------------------------------------------------------------
 
@@ -279,10 +399,19 @@ def fast_config(replicas: list[str], **overrides: Any) -> GatewayConfig:
     base: dict[str, Any] = {
         "port": 0,
         "replicas": replicas,
-        "health": {"scrape_interval_s": 0.05, "health_interval_s": 0.05, "unhealthy_threshold": 2,
-                   "healthy_threshold": 1},
-        "timeouts": {"connect_s": 1.0, "first_byte_s": 5.0, "idle_read_s": 5.0, "probe_s": 1.0,
-                     "shutdown_s": 2.0},
+        "health": {
+            "scrape_interval_s": 0.05,
+            "health_interval_s": 0.05,
+            "unhealthy_threshold": 2,
+            "healthy_threshold": 1,
+        },
+        "timeouts": {
+            "connect_s": 1.0,
+            "first_byte_s": 5.0,
+            "idle_read_s": 5.0,
+            "probe_s": 1.0,
+            "shutdown_s": 2.0,
+        },
         "gateway_id": "test-gw",
         "seed": 7,
     }
@@ -301,8 +430,13 @@ async def gateway_factory() -> AsyncIterator[Callable[..., Awaitable[RunningGate
     async def make(replicas: list[str], hooks: tuple[Any, ...] = (), **overrides: Any) -> RunningGateway:
         cfg = fast_config(replicas, **overrides)
         clock = SystemClock()
-        gw = await start_gateway(cfg, MemoryStore(clock, cfg.store.to_store_config()), clock=clock,
-                                 rng=random.Random(cfg.seed), hooks=hooks)
+        gw = await start_gateway(
+            cfg,
+            MemoryStore(clock, cfg.store.to_store_config()),
+            clock=clock,
+            rng=random.Random(cfg.seed),
+            hooks=hooks,
+        )
         running.append(gw)
         return gw
 

@@ -178,6 +178,12 @@ def test_replica_ids(url: str, rid: str) -> None:
 
 
 def test_other_tools_variables_are_ignored() -> None:
-    env = {"KVROUTE_SIDECAR_REDIS_URL": "redis://x", "KVROUTE_MODEL_PATH": "/m", "KVROUTE_VENV": "/v",
-           "KVROUTE_SGLANG_PYTHON": "/p", "KVROUTE_CHROMIUM": "/c", "KVROUTE_PORT": "9200"}
+    env = {
+        "KVROUTE_SIDECAR_REDIS_URL": "redis://x",
+        "KVROUTE_MODEL_PATH": "/m",
+        "KVROUTE_VENV": "/v",
+        "KVROUTE_SGLANG_PYTHON": "/p",
+        "KVROUTE_CHROMIUM": "/c",
+        "KVROUTE_PORT": "9200",
+    }
     assert load_config([], env).port == 9200

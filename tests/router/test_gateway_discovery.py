@@ -36,8 +36,13 @@ CFG = HealthConfig(unhealthy_threshold=3, healthy_threshold=2)
         (R, HealthTrack(), True, HealthTrack(1, 0), None),
     ],
 )
-def test_health_transition(status: ReplicaStatus, track: HealthTrack, ok: bool, want_track: HealthTrack,
-                           want_status: ReplicaStatus | None) -> None:
+def test_health_transition(
+    status: ReplicaStatus,
+    track: HealthTrack,
+    ok: bool,
+    want_track: HealthTrack,
+    want_status: ReplicaStatus | None,
+) -> None:
     assert health_transition(status, track, ok, CFG) == (want_track, want_status)
 
 
@@ -50,8 +55,14 @@ async def test_rounds_against_real_replicas(fake_replicas: Any) -> None:
     await store.upsert_replica(ReplicaSpec(id="127.0.0.1:9", url="http://127.0.0.1:9"))
     log = EventLog()
     client = AiohttpReplicaClient(TimeoutsConfig(probe_s=1.0))
-    d = Discovery(store, client, HealthConfig(unhealthy_threshold=2, healthy_threshold=2, eject_on_connect_errors=2),
-                  clock=clock, emit=log, rng=random.Random(1))
+    d = Discovery(
+        store,
+        client,
+        HealthConfig(unhealthy_threshold=2, healthy_threshold=2, eject_on_connect_errors=2),
+        clock=clock,
+        emit=log,
+        rng=random.Random(1),
+    )
     try:
         await d.check_health_once()
         states = {r.id: r.status for r in await store.replicas()}
@@ -60,7 +71,9 @@ async def test_rounds_against_real_replicas(fake_replicas: Any) -> None:
 
         await d.scrape_once()
         eng = {r.id: r.engine for r in await store.replicas()}
-        assert eng[up.id].capacity_tokens == 850000 and eng[up.id].kv_util == 0.1 and eng[up.id].updated_at > 0
+        assert (
+            eng[up.id].capacity_tokens == 850000 and eng[up.id].kv_util == 0.1 and eng[up.id].updated_at > 0
+        )
         assert eng["127.0.0.1:9"].updated_at == 0  # failed scrapes leave nothing
         assert d.scrapes_ok == 2 and d.scrapes_failed == 1
 

@@ -23,7 +23,7 @@ from tests.router.conftest import EventLog, wait_for
 
 _VOLATILE = re.compile(
     rb'"(id|rid|created|e2e_latency|response_sent_to_client_ts|request_received_ts|request_finished_ts|'
-    rb'queue_time|forward_entry_time|prefill_finished_time|first_token_latency|api_server_dispatch_finish_ts|'
+    rb"queue_time|forward_entry_time|prefill_finished_time|first_token_latency|api_server_dispatch_finish_ts|"
     rb'decode_throughput|timestamp)":("[^"]*"|[-0-9.e+]+|null)'
 )
 
@@ -47,8 +47,13 @@ async def emulators() -> AsyncIterator[Any]:
 
 
 def _chat(text: str, stream: bool, max_tokens: int = 8) -> bytes:
-    obj: dict[str, Any] = {"model": "emulated/small-test", "messages": [{"role": "user", "content": text}],
-                           "max_tokens": max_tokens, "stream": stream, "rid": "fixed-rid-1"}
+    obj: dict[str, Any] = {
+        "model": "emulated/small-test",
+        "messages": [{"role": "user", "content": text}],
+        "max_tokens": max_tokens,
+        "stream": stream,
+        "rid": "fixed-rid-1",
+    }
     if stream:
         obj["stream_options"] = {"include_usage": True}
     return json.dumps(obj).encode()
@@ -57,10 +62,18 @@ def _chat(text: str, stream: bool, max_tokens: int = 8) -> bytes:
 BODIES = {
     "/v1/chat/completions": _chat,
     "/v1/completions": lambda text, stream: json.dumps(
-        {"model": "emulated/small-test", "prompt": text, "max_tokens": 8, "stream": stream, "rid": "fixed-rid-1",
-         **({"stream_options": {"include_usage": True}} if stream else {})}).encode(),
+        {
+            "model": "emulated/small-test",
+            "prompt": text,
+            "max_tokens": 8,
+            "stream": stream,
+            "rid": "fixed-rid-1",
+            **({"stream_options": {"include_usage": True}} if stream else {}),
+        }
+    ).encode(),
     "/generate": lambda text, stream: json.dumps(
-        {"text": text, "sampling_params": {"max_new_tokens": 8}, "stream": stream, "rid": "fixed-rid-1"}).encode(),
+        {"text": text, "sampling_params": {"max_new_tokens": 8}, "stream": stream, "rid": "fixed-rid-1"}
+    ).encode(),
 }
 
 
@@ -74,7 +87,9 @@ async def _post(s: aiohttp.ClientSession, url: str, body: bytes, sid: str | None
 
 @pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("route", list(BODIES))
-async def test_relay_matches_direct_modulo_ids(emulators: Any, gateway_factory: Any, route: str, stream: bool) -> None:
+async def test_relay_matches_direct_modulo_ids(
+    emulators: Any, gateway_factory: Any, route: str, stream: bool
+) -> None:
     via, direct = await emulators(2)
     gw = await gateway_factory([via.url])
     body = BODIES[route]("Explain the bug in this function. " * 20, stream)
@@ -103,10 +118,17 @@ async def test_cached_tokens_learned_across_turns(emulators: Any, gateway_factor
     fin = log.of(RequestFinished)
     assert len({f.replica_id for f in fin}) == 1
     assert fin[0].cached_tokens == 0
-    assert all(f.cached_tokens and f.cached_tokens >= 0.8 * f0.prompt_tokens for f, f0 in zip(fin[1:], fin[:-1], strict=True))
+    assert all(
+        f.cached_tokens and f.cached_tokens >= 0.8 * f0.prompt_tokens
+        for f, f0 in zip(fin[1:], fin[:-1], strict=True)
+    )
     assert not any(f.breaks for f in fin)
     sess = await gw.store.session("agent-1")
-    assert sess is not None and sess.turns == 3 and sess.context_tokens == fin[-1].prompt_tokens + fin[-1].completion_tokens
+    assert (
+        sess is not None
+        and sess.turns == 3
+        and sess.context_tokens == fin[-1].prompt_tokens + fin[-1].completion_tokens
+    )
 
 
 async def _set_faults(s: aiohttp.ClientSession, rep: Running, **faults: Any) -> None:
@@ -148,9 +170,13 @@ async def test_disconnect_aborts_in_the_engine(emulators: Any, gateway_factory: 
     (rep,) = await emulators(1, time_scale=0.05)
     gw = await gateway_factory([rep.url])
     async with aiohttp.ClientSession() as s:
-        async with s.post(gw.url + "/generate", headers={"Modal-Session-Id": "bye"},
-                          data=BODIES["/generate"]("long " * 200, True).replace(b'"max_new_tokens": 8',
-                                                                                 b'"max_new_tokens": 2000')) as r:
+        async with s.post(
+            gw.url + "/generate",
+            headers={"Modal-Session-Id": "bye"},
+            data=BODIES["/generate"]("long " * 200, True).replace(
+                b'"max_new_tokens": 8', b'"max_new_tokens": 2000'
+            ),
+        ) as r:
             assert r.status == 200
             await r.content.readline()
             r.close()

@@ -8,11 +8,29 @@ import pytest
 
 EXPECTED = {
     "router.gateway": [],
-    "router.gateway.app": ["CONFIG_KEY", "EMITTER_KEY", "RUNTIME_KEY", "STORE_KEY", "GatewayRuntime", "make_app"],
+    "router.gateway.app": [
+        "CONFIG_KEY",
+        "EMITTER_KEY",
+        "RUNTIME_KEY",
+        "STORE_KEY",
+        "GatewayRuntime",
+        "make_app",
+    ],
     "router.gateway.serve": ["RunningGateway", "cli_main", "make_store", "start_gateway"],
-    "router.events": ["AffinityBroken", "Emitter", "Event", "Hook", "ReplicaActivated", "ReplicaEjected",
-                      "ReplicaReadmitted", "RequestFinished", "RequestRouted", "StoreDegraded", "StoreRecovered",
-                      "UpstreamRetry"],
+    "router.events": [
+        "AffinityBroken",
+        "Emitter",
+        "Event",
+        "Hook",
+        "ReplicaActivated",
+        "ReplicaEjected",
+        "ReplicaReadmitted",
+        "RequestFinished",
+        "RequestRouted",
+        "StoreDegraded",
+        "StoreRecovered",
+        "UpstreamRetry",
+    ],
     "router.engine_metrics": ["MetricsParseError", "parse_engine_metrics", "scrape_values"],
     "router.discovery": ["Discovery", "HealthTrack", "health_transition"],
 }

@@ -21,24 +21,50 @@ from router.gateway.handlers import sse_error_event
 
 def test_request_headers_drop_hop_by_hop_and_connection_named() -> None:
     given = [
-        ("Host", "evil.example"), ("Connection", "keep-alive, X-Secret-Hop"), ("Keep-Alive", "timeout=5"),
-        ("Proxy-Authorization", "Basic x"), ("TE", "trailers"), ("Trailer", "X"), ("Transfer-Encoding", "chunked"),
-        ("Upgrade", "h2c"), ("X-Secret-Hop", "1"), ("Content-Length", "12"), ("Expect", "100-continue"),
-        ("Authorization", "Bearer k"), ("Content-Type", "application/json"), ("Modal-Session-Id", "s"),
-        ("Accept", "text/event-stream"), ("x-custom", "a"), ("x-custom", "b"),
+        ("Host", "evil.example"),
+        ("Connection", "keep-alive, X-Secret-Hop"),
+        ("Keep-Alive", "timeout=5"),
+        ("Proxy-Authorization", "Basic x"),
+        ("TE", "trailers"),
+        ("Trailer", "X"),
+        ("Transfer-Encoding", "chunked"),
+        ("Upgrade", "h2c"),
+        ("X-Secret-Hop", "1"),
+        ("Content-Length", "12"),
+        ("Expect", "100-continue"),
+        ("Authorization", "Bearer k"),
+        ("Content-Type", "application/json"),
+        ("Modal-Session-Id", "s"),
+        ("Accept", "text/event-stream"),
+        ("x-custom", "a"),
+        ("x-custom", "b"),
     ]
     assert filter_request_headers(given) == [
-        ("Authorization", "Bearer k"), ("Content-Type", "application/json"), ("Modal-Session-Id", "s"),
-        ("Accept", "text/event-stream"), ("x-custom", "a"), ("x-custom", "b"),
+        ("Authorization", "Bearer k"),
+        ("Content-Type", "application/json"),
+        ("Modal-Session-Id", "s"),
+        ("Accept", "text/event-stream"),
+        ("x-custom", "a"),
+        ("x-custom", "b"),
     ]
 
 
 def test_response_headers() -> None:
-    given = [("Content-Type", "text/event-stream"), ("content-length", "10"), ("transfer-encoding", "chunked"),
-             ("connection", "close"), ("Server", "uvicorn"), ("Set-Cookie", "a=1"), ("Set-Cookie", "b=2"),
-             ("Content-Encoding", "gzip")]
+    given = [
+        ("Content-Type", "text/event-stream"),
+        ("content-length", "10"),
+        ("transfer-encoding", "chunked"),
+        ("connection", "close"),
+        ("Server", "uvicorn"),
+        ("Set-Cookie", "a=1"),
+        ("Set-Cookie", "b=2"),
+        ("Content-Encoding", "gzip"),
+    ]
     assert filter_response_headers(given) == [
-        ("Content-Type", "text/event-stream"), ("Server", "uvicorn"), ("Set-Cookie", "a=1"), ("Set-Cookie", "b=2"),
+        ("Content-Type", "text/event-stream"),
+        ("Server", "uvicorn"),
+        ("Set-Cookie", "a=1"),
+        ("Set-Cookie", "b=2"),
         ("Content-Encoding", "gzip"),
     ]
 
@@ -46,12 +72,28 @@ def test_response_headers() -> None:
 @pytest.mark.parametrize(
     ("obj", "want"),
     [
-        ({"usage": {"prompt_tokens": 5210, "completion_tokens": 311, "prompt_tokens_details": {"cached_tokens": 4096}}},
-         Usage(5210, 4096, 311)),
-        ({"usage": {"prompt_tokens": 12, "completion_tokens": 16, "prompt_tokens_details": None}}, Usage(12, None, 16)),
+        (
+            {
+                "usage": {
+                    "prompt_tokens": 5210,
+                    "completion_tokens": 311,
+                    "prompt_tokens_details": {"cached_tokens": 4096},
+                }
+            },
+            Usage(5210, 4096, 311),
+        ),
+        (
+            {"usage": {"prompt_tokens": 12, "completion_tokens": 16, "prompt_tokens_details": None}},
+            Usage(12, None, 16),
+        ),
         ({"meta_info": {"prompt_tokens": 6, "cached_tokens": 0, "completion_tokens": 3}}, Usage(6, 0, 3)),
-        ([{"meta_info": {"prompt_tokens": 6, "cached_tokens": 2, "completion_tokens": 3}},
-          {"meta_info": {"prompt_tokens": 4, "cached_tokens": 1, "completion_tokens": 1}}], Usage(10, 3, 4)),
+        (
+            [
+                {"meta_info": {"prompt_tokens": 6, "cached_tokens": 2, "completion_tokens": 3}},
+                {"meta_info": {"prompt_tokens": 4, "cached_tokens": 1, "completion_tokens": 1}},
+            ],
+            Usage(10, 3, 4),
+        ),
         ({"usage": None}, None),
         ({"choices": []}, None),
         ({"usage": {"prompt_tokens": "7"}}, None),
@@ -116,8 +158,9 @@ def test_sse_sniffer_overlong_line_is_skipped() -> None:
 
 
 def test_json_sniffer() -> None:
-    body = json.dumps({"usage": {"prompt_tokens": 9, "completion_tokens": 2,
-                                 "prompt_tokens_details": {"cached_tokens": 8}}}).encode()
+    body = json.dumps(
+        {"usage": {"prompt_tokens": 9, "completion_tokens": 2, "prompt_tokens_details": {"cached_tokens": 8}}}
+    ).encode()
     sn = UsageSniffer("application/json")
     for i in range(0, len(body), 5):
         sn.feed(body[i : i + 5])

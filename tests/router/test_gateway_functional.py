@@ -106,8 +106,12 @@ async def test_request_id_reaches_logs_and_events(fake_replicas: Any, gateway_fa
 
     gw = await gateway_factory([rep.url], hooks=(hook,))
     async with aiohttp.ClientSession() as s:
-        _, _, h = await _post(s, gw.url + "/generate", _body("/generate", False), "rid", **{"X-Request-Id": "abc-123"})
-        _, _, h2 = await _post(s, gw.url + "/generate", _body("/generate", False), "rid", **{"X-Request-Id": "bad id!"})
+        _, _, h = await _post(
+            s, gw.url + "/generate", _body("/generate", False), "rid", **{"X-Request-Id": "abc-123"}
+        )
+        _, _, h2 = await _post(
+            s, gw.url + "/generate", _body("/generate", False), "rid", **{"X-Request-Id": "bad id!"}
+        )
     assert h["X-Request-Id"] == "abc-123"
     assert h2["X-Request-Id"] != "bad id!" and len(h2["X-Request-Id"]) == 32
     assert seen == [("abc-123", "abc-123"), (h2["X-Request-Id"], h2["X-Request-Id"])]
@@ -323,11 +327,14 @@ async def test_non_stream_break_cuts_the_connection(fake_replicas: Any, gateway_
     await wait_for(lambda: _in_flight_zero(gw))
 
 
-async def test_timeouts_first_byte_retried_idle_read_ends_stream(fake_replicas: Any, gateway_factory: Any) -> None:
+async def test_timeouts_first_byte_retried_idle_read_ends_stream(
+    fake_replicas: Any, gateway_factory: Any
+) -> None:
     slow, fast = await fake_replicas(2)
     log = EventLog()
-    gw = await gateway_factory([slow.url, fast.url], hooks=(log,),
-                               timeouts={"first_byte_s": 0.3, "idle_read_s": 0.3})
+    gw = await gateway_factory(
+        [slow.url, fast.url], hooks=(log,), timeouts={"first_byte_s": 0.3, "idle_read_s": 0.3}
+    )
     async with aiohttp.ClientSession() as s:
         _, _, h = await _post(s, gw.url + "/generate", _body("/generate", True), "slow")
         home = slow if h["X-Kvroute-Replica"] == slow.id else fast
@@ -443,7 +450,9 @@ async def test_limits_and_errors(fake_replicas: Any, gateway_factory: Any) -> No
     assert a.state.requests == []  # none of these reached the replica
     async with aiohttp.ClientSession() as s:
         # 12 kB header: over aiohttp's default 8190, under our configured 16 KiB -> served
-        status, _, _ = await _post(s, url, _body("/v1/chat/completions", False), "ok", **{"X-Big": "z" * 12000})
+        status, _, _ = await _post(
+            s, url, _body("/v1/chat/completions", False), "ok", **{"X-Big": "z" * 12000}
+        )
         assert status == 200
 
 
@@ -518,15 +527,19 @@ async def test_two_gateways_share_state_through_redis(fake_replicas: Any, redis_
     from tests.router.conftest import fast_config
 
     reps = await fake_replicas(3)
-    gws = [await start_gateway(fast_config([r.url for r in reps], redis_url=redis_url, gateway_id=f"gw{i}"))
-           for i in range(2)]
+    gws = [
+        await start_gateway(fast_config([r.url for r in reps], redis_url=redis_url, gateway_id=f"gw{i}"))
+        for i in range(2)
+    ]
     try:
         assert all(gw.owns_store for gw in gws)
         async with aiohttp.ClientSession() as s:
             homes = set()
             for turn in range(3):
                 for gw in gws:  # alternate gateways: one session, one home
-                    status, _, h = await _post(s, gw.url + "/generate", _body("/generate", False, f"t{turn}"), "shared")
+                    status, _, h = await _post(
+                        s, gw.url + "/generate", _body("/generate", False, f"t{turn}"), "shared"
+                    )
                     assert status == 200
                     homes.add(h["X-Kvroute-Replica"])
         assert len(homes) == 1
@@ -543,10 +556,19 @@ async def test_hop_by_hop_headers_are_not_forwarded(fake_replicas: Any, gateway_
     gw = await gateway_factory([a.url])
     async with aiohttp.ClientSession() as s:
         status, _, _ = await _post(
-            s, gw.url + "/generate", _body("/generate", False), "hop",
-            **{"Connection": "keep-alive, X-Hop", "X-Hop": "1", "Keep-Alive": "timeout=5",
-               "Proxy-Authorization": "Basic eA==", "TE": "trailers", "X-End-To-End": "yes",
-               "Host": "evil.example:1"},
+            s,
+            gw.url + "/generate",
+            _body("/generate", False),
+            "hop",
+            **{
+                "Connection": "keep-alive, X-Hop",
+                "X-Hop": "1",
+                "Keep-Alive": "timeout=5",
+                "Proxy-Authorization": "Basic eA==",
+                "TE": "trailers",
+                "X-End-To-End": "yes",
+                "Host": "evil.example:1",
+            },
         )
     assert status == 200
     seen = a.state.requests[-1]["headers"]
@@ -562,8 +584,12 @@ async def test_nothing_is_added_to_the_request(fake_replicas: Any, gateway_facto
     gw = await gateway_factory([a.url])
     async with (
         aiohttp.ClientSession(skip_auto_headers=("User-Agent", "Accept-Encoding", "Accept")) as s,
-        s.post(gw.url + "/generate", data=_body("/generate", False), headers={"Modal-Session-Id": "bare"},
-               skip_auto_headers=("Content-Type",)) as r,
+        s.post(
+            gw.url + "/generate",
+            data=_body("/generate", False),
+            headers={"Modal-Session-Id": "bare"},
+            skip_auto_headers=("Content-Type",),
+        ) as r,
     ):
         assert r.status == 200
         await r.read()

@@ -18,7 +18,13 @@ async def _spawn(*args: str, env: dict[str, str] | None = None) -> asyncio.subpr
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("KVROUTE_")}
     full_env.update(env or {})
     return await asyncio.create_subprocess_exec(
-        PY, "-m", "router", "serve", *args, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        PY,
+        "-m",
+        "router",
+        "serve",
+        *args,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
         env=full_env,
     )
 
@@ -30,7 +36,11 @@ async def _url(proc: asyncio.subprocess.Process) -> str:
             line = (await proc.stderr.readline()).decode()
             if not line:
                 raise AssertionError("gateway exited before listening")
-            if "listening on http://" in line and "kvroute gateway listening" in line and line.startswith("kvroute"):
+            if (
+                "listening on http://" in line
+                and "kvroute gateway listening" in line
+                and line.startswith("kvroute")
+            ):
                 return line.rsplit(" ", 1)[1].strip()
 
 
@@ -48,15 +58,29 @@ async def test_bad_config_exits_2_naming_the_key() -> None:
 async def test_serve_routes_and_drains_on_sigterm(fake_replicas: Any) -> None:
     (rep,) = await fake_replicas(1)
     rep.state.chunks, rep.state.chunk_delay_s = 10, 0.1  # a 1 s stream
-    proc = await _spawn("--host", "127.0.0.1", "--port", "0", "--replica", rep.url,
-                        "--set", "health.health_interval_s=0.1", "--access-log", "--log-level", "debug")
+    proc = await _spawn(
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "0",
+        "--replica",
+        rep.url,
+        "--set",
+        "health.health_interval_s=0.1",
+        "--access-log",
+        "--log-level",
+        "debug",
+    )
     try:
         url = await _url(proc)
         async with aiohttp.ClientSession() as s:
             async with s.get(url + "/ready") as r:
                 assert r.status == 200
-            async with s.post(url + "/generate?api_key=sk-secret-456", data=b'{"text":"hi"}',
-                              headers={"Modal-Session-Id": "sig", "Authorization": "Bearer sk-secret-123"}) as r:
+            async with s.post(
+                url + "/generate?api_key=sk-secret-456",
+                data=b'{"text":"hi"}',
+                headers={"Modal-Session-Id": "sig", "Authorization": "Bearer sk-secret-123"},
+            ) as r:
                 assert r.status == 200 and (await r.read()).startswith(b"{")
             assert rep.state.requests[-1]["headers"]["Authorization"] == "Bearer sk-secret-123"  # end to end
             body = b'{"text":"hi","stream":true}'
