@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from router.errors import KvrouteError, UpstreamConnectError
 from router.gateway.forward import (
@@ -203,3 +206,17 @@ def test_error_mapping() -> None:
     assert isinstance(_mapped(TimeoutError()), UpstreamTimeoutError)
     assert isinstance(_mapped(aiohttp.ClientPayloadError("cut")), UpstreamBrokenError)
     assert isinstance(_mapped(ConnectionResetError()), UpstreamConnectError)
+
+
+@given(
+    cuts=st.lists(st.integers(min_value=0, max_value=len(CHAT_STREAM)), max_size=30),
+    crlf=st.booleans(),
+)
+def test_sse_sniffer_is_split_invariant(cuts: list[int], crlf: bool) -> None:
+    raw = CHAT_STREAM.replace(b"\n", b"\r\n") if crlf else CHAT_STREAM
+    bounds = sorted({0, len(raw), *(min(c, len(raw)) for c in cuts)})
+    sn = UsageSniffer("text/event-stream")
+    for a, b in itertools.pairwise(bounds):
+        sn.feed(raw[a:b])
+    assert sn.events == 3
+    assert sn.result() == Usage(5210, 4096, 311)
