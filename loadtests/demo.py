@@ -47,7 +47,8 @@ class DemoScenario:
 
     replicas: int = 8
     duration_s: float = 60.0  # wall seconds of load per policy
-    sessions: int = 100
+    sessions: int = 100  # live sessions at any time (lanes); each lane runs fresh sessions back to back
+    session_pool_factor: int = 4  # sessions generated per lane
     time_scale: float = 0.1  # wall = modelled x time_scale
     token_unit: int = 100  # model tokens per emulated token
     profile: str = "kimi-k2.6-b200-tp4"
@@ -102,6 +103,7 @@ class DemoScenario:
             sample_interval_s=self.sample_interval_s,
             fresh_connections=fresh,
             max_think_modelled_s=self.max_think_modelled_s,
+            lanes=self.sessions,
         )
 
     def workload(self) -> list[Any]:
@@ -109,7 +111,7 @@ class DemoScenario:
 
         modelled = self.duration_s / self.time_scale
         params = SyntheticParams(
-            sessions=self.sessions,
+            sessions=self.sessions * self.session_pool_factor,
             start_spread_s=modelled * self.start_spread_frac,
             tool_think_fraction=self.tool_think_fraction,
             tool_think_median_s=self.tool_think_median_s,

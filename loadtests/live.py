@@ -69,6 +69,7 @@ class LoadConfig:
     token_unit: int = 1  # each emulated token stands for this many model tokens
     duration_s: float = 60.0  # wall seconds of issuing requests
     max_requests: int | None = None
+    lanes: int | None = None  # keep this many sessions alive: a lane starts its next session when one ends
     warmup_s: float = 0.0  # wall seconds excluded from load samples and request measures
     drain_s: float = 10.0  # wall seconds in-flight requests get after the end
     sample_interval_s: float = 0.25  # wall seconds between load samples
@@ -86,6 +87,8 @@ class LoadConfig:
             raise ValueError(f"token_unit must be >= 1, got {self.token_unit}")
         if self.duration_s <= 0:
             raise ValueError(f"duration_s must be > 0, got {self.duration_s}")
+        if self.lanes is not None and self.lanes < 1:
+            raise ValueError(f"lanes must be >= 1, got {self.lanes}")
         if self.sample_interval_s <= 0:
             raise ValueError(f"sample_interval_s must be > 0, got {self.sample_interval_s}")
 
@@ -278,6 +281,14 @@ class _Run:
 
     def spawn(self, spec: Any, delay_modelled_s: float) -> None:
         self.tasks.append(asyncio.create_task(self.chain(spec, delay_modelled_s)))
+
+    async def lane(self, specs: Sequence[Any]) -> None:
+        """Sessions back to back (AgentX ``--concurrency`` semantics): the first at its ``start_s``,
+        each next one as soon as the previous session's main chain ends."""
+        for i, spec in enumerate(specs):
+            if self.stopping.is_set():
+                return
+            await self.chain(spec, float(spec.start_s) - self.modelled_now() if i == 0 else 0.0)
 
     async def chain(self, spec: Any, delay_modelled_s: float) -> None:
         """Run one chain (a session or a branch) closed-loop; branches spawn after their parent turn."""
@@ -495,8 +506,12 @@ async def run_load(
                 await asyncio.sleep(max(next_t - time.monotonic(), 0.0))
 
         sampler_task = asyncio.create_task(sample_loop())
-        for s in sessions:
-            run.spawn(s, float(s.start_s))
+        if config.lanes is None:
+            for s in sessions:
+                run.spawn(s, float(s.start_s))
+        else:
+            for i in range(min(config.lanes, len(sessions))):
+                run.tasks.append(asyncio.create_task(run.lane(sessions[i :: config.lanes])))
         censored = 0
 
         async def all_done() -> None:
@@ -610,6 +625,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="default")
     p.add_argument("--duration", type=float, default=60.0, help="wall seconds of load")
     p.add_argument("--max-requests", type=int)
+    p.add_argument("--lanes", type=int, help="keep this many sessions alive (run the workload's sessions back to back)")
     p.add_argument("--warmup", type=float, default=0.0, help="wall seconds excluded from measures")
     p.add_argument("--time-scale", type=float, default=1.0, help="wall = modelled x this (match the replicas)")
     p.add_argument("--token-unit", type=int, default=1, help="model tokens per emulated token (match replicas)")
@@ -646,6 +662,7 @@ async def _amain(ns: argparse.Namespace) -> int:
         token_unit=ns.token_unit,
         duration_s=ns.duration,
         max_requests=ns.max_requests,
+        lanes=ns.lanes,
         warmup_s=ns.warmup,
         sample_interval_s=ns.sample_interval,
         fresh_connections=ns.fresh_connections,

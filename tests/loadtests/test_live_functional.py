@@ -102,3 +102,23 @@ async def test_non_streaming_mode(stream: bool) -> None:
         result = await run_load([_session("ns", 0.0, 3)], cfg)
     assert result.measures["requests"] == 3 and result.measures["errors"] == 0
     assert result.outcomes[-1].cached_tokens > 0
+
+
+async def test_lanes_keep_a_fixed_number_of_sessions_alive() -> None:
+    async with running_emulators(1, config=_config(0.01)) as reps:
+        url = reps[0].url
+        cfg = LoadConfig(url=url, replica_urls=(url,), time_scale=0.01, token_unit=UNIT, duration_s=20.0,
+                         lanes=2)
+        sessions = [_session(f"s{i}", 0.0, 3) for i in range(5)]
+        result = await run_load(sessions, cfg)
+    assert result.measures["requests"] == 15 and result.measures["errors"] == 0
+    spans = {}
+    for o in result.outcomes:
+        lo, hi = spans.get(o.session_id, (o.t_start, o.t_start + o.e2e_s))
+        spans[o.session_id] = (min(lo, o.t_start), max(hi, o.t_start + o.e2e_s))
+    assert len(spans) == 5
+    # never more than two sessions active at once
+    for t in sorted(lo for lo, _ in spans.values()):
+        assert sum(lo <= t < hi for lo, hi in spans.values()) <= 2
+    # a lane runs its sessions in order: s2 starts after s0 ended
+    assert spans["s2"][0] >= spans["s0"][1]
