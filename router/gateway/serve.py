@@ -15,6 +15,7 @@ import logging
 import os
 import random
 import signal
+import ssl
 import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -31,7 +32,7 @@ from router.gateway.keys import RUNTIME_KEY, GatewayRuntime
 from router.policy import Policy
 from router.store.base import StateStore
 
-__all__ = ["RunningGateway", "cli_main", "make_store", "start_gateway"]
+__all__ = ["RunningGateway", "cli_main", "listener_ssl_context", "make_store", "start_gateway"]
 
 log = logging.getLogger("kvroute.gateway")
 
@@ -89,7 +90,10 @@ async def start_gateway(
     middlewares: Sequence[object] = (),
     trace_configs: Sequence[object] = (),
 ) -> RunningGateway:
-    """Start the gateway on ``config.host:config.port`` (port 0 = a free port) in this loop."""
+    """Start the gateway on ``config.host:config.port`` (port 0 = a free port) in this loop.
+
+    HTTPS when ``config.tls_cert``/``tls_key`` are set (then ``url`` is ``https://...``)."""
+    ssl_context = listener_ssl_context(config)  # before anything starts: a bad key fails fast
     clock = clock or SystemClock()
     owns_store = store is None
     store = store if store is not None else make_store(config, clock)
@@ -107,7 +111,7 @@ async def start_gateway(
         access_log=logging.getLogger("kvroute.access") if want_access_log else None,
     )
     await runner.setup()
-    site = web.TCPSite(runner, config.host, config.port, reuse_address=True)
+    site = web.TCPSite(runner, config.host, config.port, reuse_address=True, ssl_context=ssl_context)
     try:
         await site.start()
     except OSError:
@@ -115,8 +119,22 @@ async def start_gateway(
         raise
     port = int(runner.addresses[0][1])
     host = config.host if config.host not in ("0.0.0.0", "::", "") else "127.0.0.1"
-    url = f"http://{host}:{port}" if ":" not in host else f"http://[{host}]:{port}"
+    scheme = "https" if ssl_context is not None else "http"
+    url = f"{scheme}://{host}:{port}" if ":" not in host else f"{scheme}://[{host}]:{port}"
     return RunningGateway(url=url, port=port, app=app, runner=runner, store=store, owns_store=owns_store)
+
+
+def listener_ssl_context(config: GatewayConfig) -> ssl.SSLContext | None:
+    """TLS of the listener (``tls_cert`` + ``tls_key``), TLS 1.2 or newer; ``None`` = plain HTTP."""
+    if config.tls_cert is None or config.tls_key is None:
+        return None
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    try:
+        ctx.load_cert_chain(config.tls_cert, config.tls_key)
+    except (OSError, ssl.SSLError) as exc:
+        raise ConfigError(f"tls_cert/tls_key: cannot load the certificate and key: {exc}") from exc
+    return ctx
 
 
 async def shutdown(runner: web.AppRunner, app: web.Application) -> None:
