@@ -12,13 +12,15 @@ Three processes (driver, gateway, replicas) so that two cores are used and the g
 an event loop with the load it is measured under. Wall time is bounded: per policy ``duration`` +
 start-up (a few seconds) + at most ``drain`` seconds for requests still in flight at the end.
 
-Why the defaults (the scenario, :func:`demo_scenario`): replicas use the reference profile
-(Kimi K2.6 on TP4 B200, FP8 KV ≈ 0.85 M tokens, HiCache host tier), so each holds only a few coding
-sessions' context; the sessions are the synthetic "blog-like" workload (≈100k-token median requests,
-~500 output tokens, tool-call and human think times, some thicc sessions); the session count gives
-~4-6 requests in flight per replica. Time runs ``1/time_scale`` times faster than modelled and each
-emulated token stands for ``token_unit`` model tokens, so request bodies stay small enough for one
-laptop while the cache and queueing dynamics are those of the real sizes.
+Why the defaults (the scenario, :class:`DemoScenario`): replicas use the reference profile (Kimi K2.6
+on TP4 B200, FP8 KV = 0.85 M tokens) with the HiCache host tier off, so each replica's HBM holds only a
+handful of coding sessions' context; 110 live sessions (lanes: a finished session is replaced by a fresh
+one) of the synthetic coding-agent workload (~100k-token median context, ~500 output tokens, WEKA-like
+think times: 85 % tool calls of ~3 s median, 15 % human turns of ~30 s, some thicc sessions with
+concurrent sub-agents) give ~4-6 requests in flight per replica, and a total working set close to the
+fleet's KV capacity: a placement that ignores load and working sets leaves some replicas thrashing.
+Time runs 10x faster than modelled and each emulated token stands for 100 model tokens, so request
+bodies stay small enough for one laptop while the cache and queueing dynamics are those of real sizes.
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ class DemoScenario:
 
     replicas: int = 8
     duration_s: float = 60.0  # wall seconds of load per policy
-    sessions: int = 100  # live sessions at any time (lanes); each lane runs fresh sessions back to back
+    sessions: int = 110  # live sessions at any time (lanes); each lane runs fresh sessions back to back
     session_pool_factor: int = 4  # sessions generated per lane
     time_scale: float = 0.1  # wall = modelled x time_scale
     token_unit: int = 100  # model tokens per emulated token
@@ -64,7 +66,12 @@ class DemoScenario:
     tool_think_fraction: float = 0.85
     tool_think_median_s: float = 3.0
     human_think_median_s: float = 30.0
+    # HiCache host tier off: HBM (0.85 M tokens) is the only KV tier, the regime in which routing
+    # decides whether a replica's working set fits (with a 2x host tier reloads are cheap and every
+    # sticky policy keeps its CHR; ``--hicache`` turns it on)
+    host_tier: bool = False
     extra_emulator_args: tuple[str, ...] = ()
+    policy_params: tuple[str, ...] = ()  # KEY=VALUE, passed to kvroute serve --policy-param (after the scaled ones)
 
     def emulator_args(self) -> list[str]:
         return [
@@ -72,6 +79,7 @@ class DemoScenario:
             "--time-scale", str(self.time_scale),
             "--token-unit", str(self.token_unit),
             "--set", f"page_size={self.page_size}",
+            *([] if self.host_tier else ["--host-capacity-tokens", "0"]),
             *self.extra_emulator_args,
         ]
 
@@ -89,6 +97,8 @@ class DemoScenario:
             value = getattr(defaults, f.name)
             if "tokens" in f.name and isinstance(value, int) and not isinstance(value, bool):
                 out += ["--policy-param", f"{f.name}={max(1, value // self.token_unit)}"]
+        for kv in self.policy_params:
+            out += ["--policy-param", kv]
         return out
 
     def load_config(self, url: str, replica_urls: Sequence[str], *, fresh: bool = False) -> LoadConfig:
@@ -295,6 +305,9 @@ def cli_main(argv: list[str]) -> int:
     p.add_argument("--token-unit", type=int, default=d.token_unit, help="model tokens per emulated token")
     p.add_argument("--profile", default=d.profile, help="emulator profile")
     p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--hicache", action="store_true", help="give the replicas their HiCache host tier (2x HBM)")
+    p.add_argument("--policy-param", action="append", default=[], metavar="KEY=VALUE",
+                   help="kvroute policy parameter for every kvroute run (repeatable)")
     p.add_argument("--drain", type=float, default=d.drain_s, help="wall seconds in-flight requests get at the end")
     p.add_argument("--json", type=Path, help="write {policy: DESIGN §7 measures} here")
     p.add_argument("--plots", type=Path, help="write load histogram and TTFT CDF PNGs into this directory")
@@ -308,6 +321,7 @@ def cli_main(argv: list[str]) -> int:
     scenario = demo_scenario(
         replicas=ns.replicas, duration_s=ns.duration, sessions=ns.sessions, time_scale=ns.time_scale,
         token_unit=ns.token_unit, profile=ns.profile, seed=ns.seed, drain_s=ns.drain,
+        policy_params=tuple(ns.policy_param), host_tier=ns.hicache,
     )
     live = sys.stdout.isatty() and not ns.no_live
     print(

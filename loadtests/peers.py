@@ -341,6 +341,7 @@ def bench_peers_main(argv: list[str]) -> int:
     p.add_argument("--token-unit", type=int, default=d.token_unit)
     p.add_argument("--profile", default=d.profile)
     p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--hicache", action="store_true", help="give the replicas their HiCache host tier (2x HBM)")
     p.add_argument("--out", type=Path, default=Path("out/peers"), help="directory for plots")
     p.add_argument("--json", type=Path, help="write the JSON here (default OUT/peers.json)")
     ns = p.parse_args(argv)
@@ -350,7 +351,7 @@ def bench_peers_main(argv: list[str]) -> int:
         p.error(f"unknown targets {unknown}; choose from {sorted(PEERS)}")
     scenario = demo_scenario(
         replicas=ns.replicas, duration_s=ns.duration, sessions=ns.sessions, time_scale=ns.time_scale,
-        token_unit=ns.token_unit, profile=ns.profile, seed=ns.seed,
+        token_unit=ns.token_unit, profile=ns.profile, seed=ns.seed, host_tier=ns.hicache,
     )
     console = Console(stderr=True, width=160)
     doc = asyncio.run(run_peers_bench(targets, scenario, out_dir=ns.out, say=console.print))
