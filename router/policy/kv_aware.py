@@ -54,6 +54,12 @@ def hbm_capacity(replica: ReplicaState, params: PolicyParams) -> int:
     return replica.capacity_tokens or replica.engine.capacity_tokens or params.default_capacity_tokens
 
 
+def total_capacity(replica: ReplicaState, params: PolicyParams) -> int:
+    """HBM + host tier (HiCache): what LRU eviction is measured against."""
+    host = max(replica.host_capacity_tokens, replica.engine.host_capacity_tokens)
+    return hbm_capacity(replica, params) + host
+
+
 def cache_surely_gone(session: SessionState, home: ReplicaState, params: PolicyParams) -> bool:
     """Rule 6: has the home written more than its whole cache (HBM + host) since this session?
 
@@ -63,8 +69,7 @@ def cache_surely_gone(session: SessionState, home: ReplicaState, params: PolicyP
     if session.residency_mark <= 0:
         return False
     written_since = home.tokens_written - session.residency_mark
-    total = hbm_capacity(home, params) + max(home.host_capacity_tokens, home.engine.host_capacity_tokens)
-    return written_since > params.residency_slack * total
+    return written_since > params.residency_slack * total_capacity(home, params)
 
 
 def load_score(replica: ReplicaState, context_tokens: int, params: PolicyParams) -> float:
@@ -219,14 +224,15 @@ class KvAwarePolicy:
 
     def _strained(self, home: ReplicaState, view: _View) -> bool:
         """Rule 5's soft trigger: home persistently busier than the fleet, or thrashing (its
-        sessions' working set exceeds its HBM). Whether a session moves is then a cost/benefit."""
+        sessions' working set exceeds even HBM + host tier). Whether a session moves is then a
+        cost/benefit."""
         p = self.params
         bound = p.reassign_factor * view.mean_in_flight + p.reassign_margin
         busy = home.in_flight >= bound
         # persistence: the engine's own (polled, so older) figures showed the overload too
         eng = home.engine
         persistent = eng.updated_at == 0.0 or eng.queued > 0 or eng.running >= bound
-        thrashing = home.active_context_tokens > p.thrash_factor * hbm_capacity(home, p)
+        thrashing = home.active_context_tokens > p.thrash_factor * total_capacity(home, p)
         return (busy and persistent) or thrashing
 
     def _gain(

@@ -30,17 +30,18 @@ class PolicyParams:
     hard_bound_factor: float = 2.0
     hard_bound_min: int = 8
     """Affinity yields when home in-flight ≥ max(hard_bound_min, hard_bound_factor · mean in-flight)."""
-    reassign_factor: float = 1.4
-    reassign_margin: float = 2.0
+    reassign_factor: float = 1.0
+    reassign_margin: float = 1.5
     """Home is persistently overloaded when in-flight ≥ reassign_factor · mean + reassign_margin and
-    the engine reports a queue (polled, so the overload outlived at least one scrape)."""
-    reassign_min_gain: float = 2.0
-    reassign_tokens_per_gain: int = 50_000
+    the engine's polled figures (queue > 0, or running over the same bound) showed it too."""
+    reassign_min_gain: float = 1.5
+    reassign_tokens_per_gain: int = 25_000
     """A soft reassignment happens only if the best alternative scores at least
     reassign_min_gain + context_tokens / reassign_tokens_per_gain lower than home: cheap sessions
     (small context) move first (rule 5)."""
     thrash_factor: float = 1.0
-    """A home whose active sessions' context exceeds thrash_factor × HBM is thrashing (rule 3)."""
+    """A home whose active sessions' context exceeds thrash_factor × (HBM + host tier) is thrashing:
+    even the host tier cannot hold its working set, so it recomputes (rule 3)."""
 
     # ---- rule 4: scale-up ramp -------------------------------------------------------------------
     fresh_window_s: float = 120.0

@@ -312,7 +312,7 @@ CASES: dict[str, Case] = {
         AffinityBreak.OVERLOAD_SPILL,
     ),
     "soft_overload_moves_cheap_session": Case(
-        # mean 7/3: soft bound 1.4 * 2.33 + 2 = 5.27 < 6 and the engine reports a queue
+        # mean 7/3: soft bound 1.0 * 2.33 + 1.5 = 3.83 < 6 and the engine reports a queue
         snapshot(
             replica(A, in_flight=6, queued=2),
             replica(B),
@@ -339,7 +339,7 @@ CASES: dict[str, Case] = {
         AffinityBreak.OVERLOAD_SPILL,
     ),
     "soft_overload_moves_bigger_session_for_bigger_gain": Case(
-        # needed gain = 2 + 100k / 50k = 4; A scores 8, B 0 (+0.25 for the session it gains)
+        # needed gain = 1.5 + 100k / 25k = 5.5; A scores 8, B 0 (+0.25 for the session it gains)
         snapshot(
             replica(A, in_flight=6, queued=2),
             replica(B),
@@ -353,7 +353,7 @@ CASES: dict[str, Case] = {
         AffinityBreak.OVERLOAD_SPILL,
     ),
     "soft_overload_gain_too_small_for_size": Case(
-        # needed gain = 2 + 150k / 50k = 5; A scores 6, B 1.25 with the session: gain 4.75
+        # needed gain = 1.5 + 150k / 25k = 7.5; A scores 6, B 1.25 with the session: gain 4.75
         snapshot(
             replica(A, in_flight=6, running=6),
             replica(B, in_flight=1),
