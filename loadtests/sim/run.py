@@ -232,6 +232,8 @@ class _Sim:
         self.reqs: dict[str, _Req] = {}
         self.next_rid = 0
         self.next_root = 0
+        self.live_roots = 0
+        self.pending_starts = 0
         self.uid = 0
         self.end = cfg.duration_s if cfg.duration_s is not None else float("inf")
         self.stats: dict[str, Any] = {
@@ -302,6 +304,10 @@ class _Sim:
             self.core.set_status(rep.id, ReplicaStatus.DOWN)
             rep.status = ReplicaStatus.DOWN
 
+    def _busy(self) -> bool:
+        """Sessions still to start or running: periodic tasks keep going only while there are."""
+        return self.pending_starts > 0 or self.live_roots > 0
+
     def _serving(self) -> list[SimReplica]:
         return [
             r
@@ -312,7 +318,7 @@ class _Sim:
     def _sample(self, t: float, _: object) -> None:
         self.measures.sample(t, [r.in_flight for r in self._serving()])
         nt = t + self.cfg.sample_interval_s
-        if nt < self.end:
+        if nt < self.end and self._busy():
             self.loop.at(nt, self._sample)
 
     def _scrape(self, t: float, _: object) -> None:
@@ -320,7 +326,7 @@ class _Sim:
             if not r.removed and not r.dead:
                 self.core.report_engine_load(r.id, r.engine_load(t))
         nt = t + self.cfg.scrape_interval_s
-        if nt < self.end + self.cfg.drain_s:
+        if nt < self.end + self.cfg.drain_s and self._busy():
             self.loop.at(nt, self._scrape)
 
     # ---- sessions ------------------------------------------------------------------------------
@@ -328,6 +334,7 @@ class _Sim:
     def _start_root(self, t: float, index: int) -> None:
         if t >= self.end or index >= len(self.specs):
             return
+        self.live_roots += 1
         spec = self.specs[index]
         self.uid += 1
         root = _Root(spec, index, self.uid)
@@ -383,11 +390,17 @@ class _Sim:
 
     def _root_done(self, t: float, root: _Root) -> None:
         self.stats["sessions_finished"] += 1
-        if self.cfg.lanes > 0:
+        self.live_roots -= 1
+        if self.cfg.lanes > 0 and t < self.end and self.next_root < len(self.specs):
             self.next_root += 1
-            self.loop.at(t, self._start_root_cb, self.next_root - 1)
+            self._schedule_start(t, self.next_root - 1)
+
+    def _schedule_start(self, t: float, index: int) -> None:
+        self.pending_starts += 1
+        self.loop.at(t, self._start_root_cb, index)
 
     def _start_root_cb(self, t: float, index: int) -> None:
+        self.pending_starts -= 1
         self._start_root(t, index)
 
     # ---- requests ------------------------------------------------------------------------------
@@ -613,11 +626,11 @@ class _Sim:
         if cfg.lanes > 0:
             n = min(cfg.lanes, len(self.specs))
             for i in range(n):
-                self.loop.at(cfg.lane_ramp_s * i / max(1, n), self._start_root_cb, i)
+                self._schedule_start(cfg.lane_ramp_s * i / max(1, n), i)
             self.next_root = n
         else:
             for i, s in enumerate(self.specs):
-                self.loop.at(s.start_s, self._start_root_cb, i)
+                self._schedule_start(s.start_s, i)
         for ev in cfg.scale:
             self.loop.at(ev.at_s, self._scale, ev)
         for fe in cfg.failures:

@@ -58,7 +58,7 @@ def test_seed_sketch_uniform_hashing_50_replicas_250_sessions() -> None:
 # ---- a small fleet where placement matters ----------------------------------------------------------
 
 SMALL = SyntheticParams(
-    sessions=160,
+    sessions=200,
     shared_prefix_tokens=4_000,
     task_tokens_median=2_000,
     new_tokens_median=400,
@@ -69,10 +69,12 @@ SMALL = SyntheticParams(
 )
 
 
+# 8 replicas with a small KV pool (200k tokens, no host tier) and 6 sessions each on average:
+# hashing's unlucky replicas hold more sessions than fit and thrash; balanced placement does not.
 _SMALL_CFG = SimConfig(
-    replicas=6,
-    profile=default_profile(256).with_overrides(kv_capacity_tokens=300_000, host_capacity_tokens=0),
-    lanes=60,
+    replicas=8,
+    profile=default_profile(256).with_overrides(kv_capacity_tokens=200_000, host_capacity_tokens=0),
+    lanes=48,
     duration_s=150.0,
     warmup_s=40.0,
     start_mid_session=True,
@@ -94,7 +96,7 @@ def small_runs(small_specs: list[SessionSpec]) -> dict[str, dict[str, object]]:
     return {p: run_sim(small_specs, _small_cfg(p)).measures for p in ("kv_aware", "hash", "least_loaded")}
 
 
-def test_kv_aware_beats_hash_on_dispersion_and_ttft_and_least_loaded_on_chr(
+def test_kv_aware_beats_hash_on_chr_dispersion_ttft_and_least_loaded_on_chr(
     small_runs: dict[str, dict[str, object]],
 ) -> None:
     kv, h, ll = small_runs["kv_aware"], small_runs["hash"], small_runs["least_loaded"]
@@ -104,7 +106,7 @@ def test_kv_aware_beats_hash_on_dispersion_and_ttft_and_least_loaded_on_chr(
         assert m["chr"] <= m["ideal_chr"]  # type: ignore[operator]
     assert kv["dispersion"] < 0.5 * h["dispersion"]  # type: ignore[operator]
     assert kv["ttft_p99_s"] < h["ttft_p99_s"]  # type: ignore[operator]
-    assert kv["chr"] >= h["chr"] - 0.01  # type: ignore[operator]
+    assert kv["chr"] > h["chr"] + 0.02  # type: ignore[operator]
     assert kv["chr"] > ll["chr"] + 0.2  # type: ignore[operator]  # no affinity: cache mostly lost
     assert ll["cold_prefill_tokens"] > 2 * kv["cold_prefill_tokens"]  # type: ignore[operator]
     assert sum(h["affinity_breaks"].values()) > 0  # type: ignore[union-attr]
@@ -118,22 +120,22 @@ def test_determinism_for_a_seed(small_specs: list[SessionSpec], small_runs: dict
 
 
 def test_scale_up_moves_no_kv_aware_session_but_hash_remaps(small_specs: list[SessionSpec]) -> None:
-    ev = (ScaleEvent(80.0, 8),)
-    kv = run_sim(small_specs, _small_cfg("kv_aware", replicas=6, scale=ev))
-    h = run_sim(small_specs, _small_cfg("hash", replicas=6, scale=ev))
-    assert kv.stats["replicas_final"] == 8 and h.stats["replicas_final"] == 8
+    ev = (ScaleEvent(80.0, 10),)
+    kv = run_sim(small_specs, _small_cfg("kv_aware", scale=ev))
+    h = run_sim(small_specs, _small_cfg("hash", scale=ev))
+    assert kv.stats["replicas_final"] == 10 and h.stats["replicas_final"] == 10
     assert kv.measures["sessions_moved_by_scaleup"] == 0
     assert h.measures["sessions_moved_by_scaleup"] > 0  # hash remaps the keys the new replicas win
     assert h.measures["sessions_moved"] == h.measures["sessions_moved_by_scaleup"]
     assert h.measures["affinity_breaks"].get("replica_gone", 0) > 0
     # the new replicas got work under kv_aware too (new sessions)
-    assert len([r for r in kv.records if r.replica in ("r006", "r007")]) > 0
+    assert len([r for r in kv.records if r.replica in ("r008", "r009")]) > 0
 
 
 def test_replica_failure_retries_and_moves_sessions(small_specs: list[SessionSpec]) -> None:
     res = run_sim(small_specs, _small_cfg("kv_aware", failures=(FailureEvent(70.0, 2),)))
     m = res.measures
-    assert res.stats["replicas_final"] == 5
+    assert res.stats["replicas_final"] == 7
     assert m["sessions_moved"] > 0
     assert m["affinity_breaks"].get("replica_gone", 0) > 0
     late = [r for r in res.records if r.t_start > 75.0]
@@ -147,7 +149,45 @@ def test_gateways_with_state_lag_and_scale_down(small_specs: list[SessionSpec]) 
     four = run_sim(small_specs, _small_cfg("kv_aware", gateways=4, state_lag_s=0.1)).measures
     assert four["errors"] == 0 and four["requests"] > 0.8 * one["requests"]  # type: ignore[operator]
     assert four["dispersion"] < 2.0 * one["dispersion"] + 0.2  # type: ignore[operator]
-    down = run_sim(small_specs, _small_cfg("kv_aware", scale=(ScaleEvent(70.0, 4),)))
-    assert down.stats["replicas_final"] == 4
+    down = run_sim(small_specs, _small_cfg("kv_aware", scale=(ScaleEvent(70.0, 6),)))
+    assert down.stats["replicas_final"] == 6
     assert down.measures["errors"] == 0
-    assert all(r.replica not in ("r004", "r005") for r in down.records if r.t_start > 90.0)
+    assert all(r.replica not in ("r006", "r007") for r in down.records if r.t_start > 90.0)
+
+
+def test_parallel_turns_and_branches_run_concurrently() -> None:
+    spec = SessionSpec(
+        "p1",
+        0.0,
+        2048,
+        (Turn(4000, 400, 0.0), Turn(500, 300, 0.5, parallel=3), Turn(500, 200, 0.5)),
+        branches=(
+            SessionSpec("p1/a00", 0.1, 1024, (Turn(2000, 300, 0.0), Turn(300, 100, 0.2)), parent="p1",
+                        spawn_after_turn=0),
+        ),
+    )
+    res = run_sim([spec], SimConfig(replicas=2, policy="kv_aware", sample_interval_s=0.05, seed=1))
+    recs = sorted(res.records, key=lambda r: r.t_start)
+    assert len(recs) == 1 + 3 + 1 + 2 and all(r.ok for r in recs)
+    assert all(r.session_id == "p1" for r in recs)  # branches route with the root id
+    t_par = [r.t_start for r in recs if r.input_tokens == 2048 + 4000 + 400 + 500]
+    assert len(t_par) == 3 and len(set(t_par)) == 1  # the three copies leave together
+    last = recs[-1]
+    assert last.input_tokens == 2048 + 4000 + 400 + 500 + 300 + 500
+    assert last.t_start >= max(r.t_start + r.e2e_s for r in recs if r.t_start == t_par[0]) + 0.5 - 1e-9
+    # the branch (spawned 0.1 s after turn 0) runs while the parent's parallel turn does
+    branch = next(r for r in recs if r.input_tokens == 1024 + 2000)
+    first = next(r for r in recs if r.input_tokens == 2048 + 4000)
+    assert branch.t_start == pytest.approx(first.t_start + first.e2e_s + 0.1)
+    assert branch.t_start < t_par[0] + min(r.e2e_s for r in recs if r.t_start == t_par[0])
+    assert branch.t_start + branch.e2e_s > t_par[0]
+    # later turns hit the prefix the earlier ones left in the cache
+    assert last.cached_tokens > 0.9 * last.ideal_cached_tokens > 0
+
+
+def test_simulator_imports_no_aiohttp() -> None:
+    import subprocess
+    import sys
+
+    code = "import sys, loadtests.sim.cli, loadtests.sim.run; assert 'aiohttp' not in sys.modules"
+    assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
