@@ -446,10 +446,15 @@ class _Sim:
                                prompt_tokens_estimate=req.input_tokens, excluded=req.excluded)
         try:
             decision = gw.policy.route(request, snap, gw.rng)
-            lease = self.core.acquire(decision, request)
-        except (NoReplicaError, KeyError):
+        except NoReplicaError:
             self.stats["no_replica"] += 1
             self._complete(t, req, ok=False, reason=None)
+            return
+        try:
+            lease = self.core.acquire(decision, request)
+        except KeyError:  # a lagging view chose a replica the store already removed: refused
+            req.excluded = req.excluded | {decision.replica_id}
+            self._retry_or_fail(t, req, AffinityBreak.REPLICA_GONE.value)
             return
         gw.sent += 1
         if self.cfg.state_lag_s > 0:
