@@ -404,7 +404,7 @@ class KvAwarePolicy:
             # equal-score replicas only: break with the injected rng (deterministic per seed)
             best_ties = [r for r, s in scored if s == best]
             target = best_ties[rng.randrange(len(best_ties))]
-        return target, tuple((r.id, round(s, 6)) for r, s in scored)
+        return target, tuple((r.id, s) for r, s in scored)
 
     def _fresh(self, replica: ReplicaState, view: _View, snapshot: ClusterSnapshot) -> bool:
         """Joined after the initial fleet and less than ``fresh_window_s`` ago (rule 4)."""
