@@ -384,6 +384,16 @@ CASES: dict[str, Case] = {
         (bind(B, A, Reason.REASSIGNED_OVERLOAD),),
         AffinityBreak.OVERLOAD_SPILL,
     ),
+    "host_tier_holds_working_set_no_thrash": Case(
+        snapshot(
+            replica(A, in_flight=2, active_ctx=2_000_000, sessions=8, host=1_700_000),
+            replica(B, sessions=2),
+            sess=session("s1", A, ctx=10_000),
+        ),
+        request(),
+        A,
+        Reason.AFFINITY,
+    ),
     "draining_home_idle_reassigns": Case(
         snapshot(
             replica(A, status=S.DRAINING),
