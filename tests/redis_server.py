@@ -13,6 +13,7 @@ import os
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import tempfile
 import time
@@ -26,6 +27,7 @@ __all__ = [
     "RedisUnavailable",
     "ci_requires_redis",
     "free_port",
+    "make_self_signed_cert",
     "redis_server_binary",
 ]
 
@@ -49,13 +51,39 @@ def free_port(max_port: int = 65535) -> int:
     raise RedisUnavailable(f"no free port <= {max_port}")
 
 
-def _ping(port: int, timeout_s: float = 0.2) -> bool:
+def _ping(port: int, timeout_s: float = 0.2, tls: bool = False, password: str | None = None) -> bool:
     try:
-        with socket.create_connection(("127.0.0.1", port), timeout=timeout_s) as s:
-            s.sendall(b"PING\r\n")
-            return s.recv(64).startswith(b"+PONG")
+        with socket.create_connection(("127.0.0.1", port), timeout=timeout_s) as raw:
+            s: socket.socket = raw
+            if tls:
+                ctx = ssl.create_default_context()
+                ctx.check_hostname = False
+                ctx.verify_mode = ssl.CERT_NONE
+                s = ctx.wrap_socket(raw, server_hostname="127.0.0.1")
+            s.sendall((f"AUTH {password}\r\nPING\r\n" if password else "PING\r\n").encode())
+            data = b""
+            while b"PONG" not in data and b"-" not in data:
+                chunk = s.recv(256)
+                if not chunk:
+                    break
+                data += chunk
+            return b"+PONG" in data
     except OSError:
         return False
+
+
+def make_self_signed_cert(directory: Path) -> tuple[Path, Path]:
+    """A self-signed certificate for 127.0.0.1 (cert, key), made with the openssl CLI."""
+    openssl = shutil.which("openssl")
+    if openssl is None:
+        raise RedisUnavailable("openssl is not on PATH: cannot make a TLS certificate")
+    cert, key = directory / "cert.pem", directory / "key.pem"
+    subprocess.run(
+        [openssl, "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
+         "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
+        check=True, capture_output=True, timeout=60,
+    )  # fmt: skip
+    return cert, key
 
 
 @dataclass
@@ -65,12 +93,19 @@ class RedisServer:
     port: int = 0
     extra_args: tuple[str, ...] = ()
     workdir: Path | None = None
+    password: str | None = None  # --requirepass
+    tls: bool = False  # TLS only (no plain port), self-signed certificate in the workdir
+    cert: Path | None = None
     _proc: subprocess.Popen[bytes] | None = field(default=None, repr=False)
     _own_dir: bool = field(default=False, repr=False)
+    _key: Path | None = field(default=None, repr=False)
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        auth = f":{self.password}@" if self.password else ""
+        if self.tls:
+            return f"rediss://{auth}127.0.0.1:{self.port}/0?ssl_ca_certs={self.cert}"
+        return f"redis://{auth}127.0.0.1:{self.port}/0"
 
     @property
     def running(self) -> bool:
@@ -101,6 +136,16 @@ class RedisServer:
             "--logfile", str(self.workdir / "redis.log"),
             *self.extra_args,
         ]  # fmt: skip
+        if self.password:
+            cmd += ["--requirepass", self.password]
+        if self.tls:
+            if self.cert is None:
+                self.cert, self._key = make_self_signed_cert(self.workdir)
+            i = cmd.index("--port")
+            cmd[i + 1] = "0"
+            cmd += ["--tls-port", str(self.port), "--tls-cert-file", str(self.cert),
+                    "--tls-key-file", str(self._key), "--tls-ca-cert-file", str(self.cert),
+                    "--tls-auth-clients", "no"]  # fmt: skip
         self._proc = subprocess.Popen(
             cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
         )
@@ -110,7 +155,7 @@ class RedisServer:
                 log = self.workdir / "redis.log"
                 err = log.read_text(errors="replace") if log.exists() else ""
                 raise RedisUnavailable(f"redis-server exited with {self._proc.returncode}: {err[-500:]}")
-            if _ping(self.port):
+            if _ping(self.port, tls=self.tls, password=self.password):
                 return self
             time.sleep(0.02)
         self.kill()

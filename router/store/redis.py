@@ -144,6 +144,7 @@ class RedisStore:
         self._local_inner: dict[str, Lease] = {}
         self._suspects: set[str] = set()  # sessions whose acquire may or may not have landed
         self._spec_cache: dict[str, ReplicaSpec] = {}
+        self._registered: dict[str, tuple[ReplicaSpec, ReplicaStatus]] = {}  # our own registry writes
         self._engine_cache: dict[str, EngineLoad] = {}
         self._last_replicas: tuple[ReplicaState, ...] = ()
         self._sessions: OrderedDict[str, SessionState] = OrderedDict()  # last seen homes (for outages)
@@ -219,15 +220,15 @@ class RedisStore:
     async def _eval(self, name: str, args: list[str | int | float], op: str | None = None) -> Any:
         self.round_trips_total += 1
         async with map_redis_errors(op or name):
-            return await asyncio.wait_for(
-                self._scripts[name](keys=[self.keys.seq], args=[self.keys.base, *args]), self.op_timeout_s
-            )
+            async with asyncio.timeout(self.op_timeout_s):
+                return await self._scripts[name](keys=[self.keys.seq], args=[self.keys.base, *args])
 
     @contextlib.asynccontextmanager
     async def _hot_write(self) -> AsyncIterator[None]:
         if not self._gate.is_set():
             async with map_redis_errors("wait for restore"):
-                await asyncio.wait_for(self._gate.wait(), self.op_timeout_s)
+                async with asyncio.timeout(self.op_timeout_s):
+                    await self._gate.wait()
         self._writes += 1
         self._writes_idle.clear()
         try:
@@ -248,11 +249,18 @@ class RedisStore:
         self._wake.set()
 
     def _build_mirror(self) -> MemoryCore:
+        """Local state to serve from while Redis is away: the replicas of the last snapshot plus
+        those this process registered itself since."""
         core = MemoryCore(self.clock, self.config)
+        seen = set()
         for r in self._last_replicas:
             spec = self._spec_cache.get(r.id) or ReplicaSpec(id=r.id, url=r.url, model=r.model)
             core.upsert_replica(spec, r.status)
             core.report_engine_load(r.id, r.engine)
+            seen.add(r.id)
+        for rid, (spec, status) in self._registered.items():
+            if rid not in seen:
+                core.upsert_replica(spec, status)
         return core
 
     # ---- background: heartbeat, probe, resync ----------------------------------------------------
@@ -260,7 +268,8 @@ class RedisStore:
     async def _keeper(self) -> None:
         backoff = self.retry_min_s
         interval = max(0.05, self.config.lease_ttl_s / 3)
-        while not self._closed:
+        me = asyncio.current_task()
+        while not self._closed and not (me is not None and me.cancelling()):
             try:
                 if self.degraded:
                     try:
@@ -290,13 +299,15 @@ class RedisStore:
     async def _sleep(self, seconds: float) -> None:
         self._wake.clear()
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._wake.wait(), seconds)
+            async with asyncio.timeout(seconds):
+                await self._wake.wait()
 
     async def _restore(self) -> None:
         """Set our in-flight hash and session fields in Redis to exactly our outstanding leases."""
         self._gate.clear()
         try:
-            await asyncio.wait_for(self._writes_idle.wait(), self.op_timeout_s * 4)
+            async with asyncio.timeout(self.op_timeout_s * 4):
+                await self._writes_idle.wait()
             per_rep: dict[str, int] = {}
             per_sess: dict[str, dict[str, int]] = {}
             for lease in self._leases.values():
@@ -323,8 +334,8 @@ class RedisStore:
             self._gate.set()
 
     async def _resync(self) -> None:
-        """Redis is back (or we try): restore counts, replay registry writes, republish bindings."""
-        await self._restore()
+        """Redis is back (or we try): republish what an empty Redis lost, replay registry writes,
+        republish bindings made meanwhile, then restore our exact in-flight counts."""
         await self._republish_if_wiped()
         while self._pending_registry:
             await self._pending_registry[0]()
@@ -345,6 +356,8 @@ class RedisStore:
                 self._degraded_binds.pop(sid, None)
                 if home != rid:
                     log.info("session %s was bound elsewhere meanwhile; %s wins", sid, home)
+        # our in-flight counts last: the sessions they belong to exist again by now
+        await self._restore()
         # a last snapshot refreshes what the mirror would start from next time
         await self._redis_snapshot(None)
         self.degraded = False
@@ -580,8 +593,12 @@ class RedisStore:
             self._need_restore = True
             self._wake.set()
         for eff in decision.effects:
-            if isinstance(eff, BindSession) and eff.session_id in self._sessions:
-                self._sessions.pop(eff.session_id, None)  # home may have changed: relearn at next snapshot
+            if isinstance(eff, BindSession):
+                if eff.session_id == request.session_key:  # the home is where this request went
+                    self._remember(SessionState(eff.session_id, home=lease.replica_id, last_seen=now,
+                                                context_tokens=lease.prev_context_tokens))  # fmt: skip
+                else:
+                    self._sessions.pop(eff.session_id, None)  # relearn at the next snapshot
         return lease
 
     async def release(self, lease: Lease, completion: Completion) -> None:
@@ -643,6 +660,8 @@ class RedisStore:
 
     async def upsert_replica(self, spec: ReplicaSpec, status: ReplicaStatus | None = None) -> None:
         self._spec_cache[spec.id] = spec
+        prev = self._registered.get(spec.id)
+        self._registered[spec.id] = (spec, status or (prev[1] if prev else ReplicaStatus.JOINING))
 
         async def remote() -> None:
             await self._registry("upsert", spec.id, _spec_json(spec), status.value if status else "",
@@ -651,6 +670,8 @@ class RedisStore:
         await self._write_registry(lambda m: m.upsert_replica(spec, status), remote)
 
     async def set_status(self, replica_id: ReplicaId, status: ReplicaStatus) -> None:
+        if replica_id in self._registered:
+            self._registered[replica_id] = (self._registered[replica_id][0], status)
         if not self.degraded:
             self._ensure_started()
             try:
@@ -668,6 +689,8 @@ class RedisStore:
         await self._write_registry(lambda m: m.set_status(replica_id, status), remote)
 
     async def remove_replica(self, replica_id: ReplicaId) -> None:
+        self._registered.pop(replica_id, None)
+
         async def remote() -> None:
             await self._registry("remove", replica_id)
 

@@ -1,0 +1,313 @@
+"""``kvroute bench redis``: what shared state in Redis costs per request.
+
+Store level: the gateway's hot path without HTTP (snapshot -> real policy -> acquire -> release) in a
+closed loop at concurrency 1 and 32, against the memory store and the Redis store. Prints JSON:
+
+- ``round_trips_per_request``: client round trips per request, from Redis's own
+  ``INFO commandstats`` (calls of EVALSHA/EVAL/SCRIPT; heartbeats included), and
+  ``commands_in_scripts_per_request`` (what those scripts ran inside Redis);
+- per concurrency: p50/p99/mean hot-path latency of each store and ``latency_ratio_p50`` /
+  ``latency_ratio_mean`` (Redis / memory), plus requests/s.
+
+Without ``--redis`` it starts a private redis-server on a free port (persistence off) and stops it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from router.clock import SystemClock
+from router.model import Completion, ReplicaSpec, ReplicaStatus, RouteRequest
+from router.policy.registry import make_policy
+from router.store.base import StateStore, StoreConfig
+from router.store.memory import MemoryStore
+
+__all__ = ["cli_main", "run_bench"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+@contextmanager
+def _private_redis() -> Iterator[str]:
+    binary = shutil.which("redis-server")
+    if binary is None:
+        raise SystemExit("kvroute bench redis: redis-server not found; pass --redis URL")
+    port = _free_port()
+    workdir = tempfile.mkdtemp(prefix="kvroute-bench-redis-")
+    proc = subprocess.Popen(
+        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+         "--dir", workdir, "--loglevel", "warning"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=0.2) as c:
+                    c.sendall(b"PING\r\n")
+                    if c.recv(16).startswith(b"+PONG"):
+                        break
+            except OSError:
+                pass
+            if time.monotonic() > deadline or proc.poll() is not None:
+                raise SystemExit("kvroute bench redis: private redis-server did not start")
+            time.sleep(0.02)
+        yield f"redis://127.0.0.1:{port}/0"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+_TOP_LEVEL = ("cmdstat_evalsha", "cmdstat_eval", "cmdstat_evalsha_ro", "cmdstat_eval_ro", "cmdstat_script")
+
+
+async def _command_calls(url: str) -> tuple[int, int]:
+    """(round trips, commands run inside scripts) so far, from ``INFO commandstats``.
+
+    Commands a script runs are counted in commandstats too, so a round trip is a call of
+    EVALSHA / EVAL / SCRIPT (the store sends nothing else); the rest ran inside scripts."""
+    import redis.asyncio as aioredis
+
+    r = aioredis.Redis.from_url(url)
+    try:
+        stats = await r.info("commandstats")
+    finally:
+        await r.aclose()
+    skip = {
+        "cmdstat_info",
+        "cmdstat_config|resetstat",
+        "cmdstat_hello",
+        "cmdstat_ping",
+        "cmdstat_client|setinfo",
+    }
+    trips = inner = 0
+    for k, v in stats.items():
+        if not k.startswith("cmdstat_") or k in skip:
+            continue
+        if k.split("|")[0] in _TOP_LEVEL:
+            trips += int(v["calls"])
+        else:
+            inner += int(v["calls"])
+    return trips, inner
+
+
+async def _loop(
+    store: StateStore, concurrency: int, duration_s: float, replicas: int, seed: int
+) -> dict[str, Any]:
+    policy = make_policy("kv_aware")
+    lat: list[float] = []
+    stop_at = time.perf_counter() + duration_s
+
+    async def worker(w: int) -> None:
+        rng = random.Random(seed * 1000 + w)
+        turn = 0
+        while time.perf_counter() < stop_at:
+            sid = f"w{w}-s{turn % 4}"  # closed-loop sessions: a few known, each turn grows
+            req = RouteRequest(sid, prompt_tokens_estimate=1000 + 100 * turn)
+            t0 = time.perf_counter()
+            snap = await store.snapshot(sid)
+            decision = policy.route(req, snap, rng)
+            lease = await store.acquire(decision, req)
+            await store.release(
+                lease,
+                Completion(ok=True, prompt_tokens=1000 + 100 * turn, cached_tokens=900, completion_tokens=8),
+            )
+            lat.append(time.perf_counter() - t0)
+            turn += 1
+
+    await asyncio.gather(*(worker(w) for w in range(concurrency)))
+    lat.sort()
+    return {
+        "requests": len(lat),
+        "rps": round(len(lat) / duration_s, 1),
+        "p50_ms": round(1000 * lat[len(lat) // 2], 3),
+        "p99_ms": round(1000 * lat[min(len(lat) - 1, int(len(lat) * 0.99))], 3),
+        "mean_ms": round(1000 * statistics.fmean(lat), 3),
+    }
+
+
+async def _register(store: StateStore, n: int) -> None:
+    for i in range(n):
+        rid = f"10.0.0.{i + 1}:8000"
+        await store.upsert_replica(
+            ReplicaSpec(id=rid, url=f"http://{rid}", capacity_tokens=850_000), ReplicaStatus.ACTIVE
+        )
+
+
+async def run_bench(url: str, concurrencies: list[int], duration_s: float, replicas: int) -> dict[str, Any]:
+    from router.store.redis import RedisStore
+
+    out: dict[str, Any] = {"level": "store", "replicas": replicas,
+                           "duration_s_per_case": duration_s, "cases": {}}  # fmt: skip
+    total_req = 0
+    total_calls = 0
+    for c in concurrencies:
+        mem = MemoryStore(SystemClock(), StoreConfig())
+        await _register(mem, replicas)
+        m = await _loop(mem, c, duration_s, replicas, seed=c)
+
+        prefix = f"bench{c}-{int(time.time() * 1000)}"
+        store = RedisStore.from_url(url, f"bench-{c}", StoreConfig(key_prefix=prefix), SystemClock())
+        await _register(store, replicas)
+        await store.start()
+        trips0, inner0 = await _command_calls(url)
+        r = await _loop(store, c, duration_s, replicas, seed=c)
+        trips1, inner1 = await _command_calls(url)
+        calls, inner = trips1 - trips0, inner1 - inner0
+        degraded = store.degraded_total
+        await store.close()
+        total_req += r["requests"]
+        total_calls += calls
+        out["cases"][f"c{c}"] = {
+            "memory": m,
+            "redis": {
+                **r,
+                "round_trips": calls,
+                "round_trips_per_request": round(calls / max(1, r["requests"]), 3),
+                "commands_in_scripts_per_request": round(inner / max(1, r["requests"]), 1),
+                "degraded_total": degraded,
+            },
+            "latency_ratio_p50": round(r["p50_ms"] / max(m["p50_ms"], 1e-9), 2),
+            "latency_ratio_mean": round(r["mean_ms"] / max(m["mean_ms"], 1e-9), 2),
+        }
+    out["round_trips_per_request"] = round(total_calls / max(1, total_req), 3)
+    return out
+
+
+async def _count_requests(url: str, n: int) -> None:
+    """``n`` sequential requests over a few sessions (for an exact round-trip count)."""
+    import aiohttp
+
+    from loadtests.overhead import _body
+
+    body = _body(False)
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as http:
+        for i in range(n):
+            headers = {"Content-Type": "application/json", "Modal-Session-Id": f"count-{i % 8}"}
+            async with http.post(url.rstrip("/") + "/v1/chat/completions", data=body, headers=headers) as r:
+                await r.read()
+                if r.status != 200:
+                    raise RuntimeError(f"gateway answered {r.status} during the round-trip count")
+
+
+async def run_gateway_bench(
+    url: str, concurrencies: list[int], duration_s: float, replicas: int, count_requests: int = 200
+) -> dict[str, Any]:
+    """The same comparison through ``kvroute serve`` (memory vs ``--redis``) in front of emulated
+    replicas answering in ~no modelled time, measured with ``kvroute bench overhead``'s client."""
+    from pathlib import Path
+
+    from loadtests.overhead import measure_cell
+    from loadtests.peers import (
+        _readiness_check,
+        _wait_ready,
+        emulated_fleet,
+        find_binary,
+        start_process,
+        stop_process,
+    )
+
+    out: dict[str, Any] = {"level": "gateway", "replicas": replicas, "duration_s_per_case": duration_s,
+                           "cases": {}}  # fmt: skip
+    with tempfile.TemporaryDirectory(prefix="kvroute-bench-redis-gw-") as tmp:
+        log_dir = Path(tmp)
+        async with emulated_fleet(replicas, ("--time-scale", "0.000001"), log_dir=log_dir) as fleet:
+            binary = find_binary("kvroute") or "kvroute"
+            results: dict[str, dict[str, Any]] = {}
+            for store in ("memory", "redis"):
+                port = _free_port()
+                argv = [binary, "serve", "--host", "127.0.0.1", "--port", str(port), "--policy", "kv_aware"]
+                for u in fleet.urls:
+                    argv += ["--replica", u]
+                if store == "redis":
+                    argv += ["--redis", url]
+                proc = await start_process(f"kvroute-{store}", argv, log_dir=log_dir)
+                gw = f"http://127.0.0.1:{port}"
+                try:
+                    await _wait_ready(proc, _readiness_check(gw, replicas, "kvroute"), 60.0)
+                    cells = {}
+                    for c in concurrencies:
+                        cells[f"c{c}"] = await measure_cell(
+                            gw, concurrency=c, stream=False, fresh=False, duration_s=duration_s
+                        )
+                    if store == "redis":
+                        t0, i0 = await _command_calls(url)
+                        await _count_requests(gw, count_requests)
+                        t1, i1 = await _command_calls(url)
+                        out["round_trips_per_request"] = round((t1 - t0) / count_requests, 3)
+                        out["commands_in_scripts_per_request"] = round((i1 - i0) / count_requests, 1)
+                        out["round_trip_note"] = (
+                            "EVALSHA/EVAL/SCRIPT calls during sequential requests; includes the gateway's "
+                            "lease heartbeat and any registry writes of its health/metrics loops"
+                        )
+                    results[store] = cells
+                finally:
+                    await stop_process(proc)
+            for c in concurrencies:
+                m, r = results["memory"][f"c{c}"], results["redis"][f"c{c}"]
+                out["cases"][f"c{c}"] = {
+                    "memory": m,
+                    "redis": r,
+                    "latency_ratio_p50": round(r["p50_ms"] / m["p50_ms"], 3)
+                    if m["p50_ms"] and r["p50_ms"]
+                    else None,
+                    "latency_ratio_p99": round(r["p99_ms"] / m["p99_ms"], 3)
+                    if m["p99_ms"] and r["p99_ms"]
+                    else None,
+                    "added_p50_ms": round(r["p50_ms"] - m["p50_ms"], 3)
+                    if m["p50_ms"] and r["p50_ms"]
+                    else None,
+                }
+    return out
+
+
+def cli_main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="kvroute bench redis", description=__doc__.split("\n\n")[0])
+    p.add_argument("--redis", metavar="URL", help="use this Redis (default: start a private one)")
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 32])
+    p.add_argument("--duration", type=float, default=3.0, help="seconds per case (bounded: max 60)")
+    p.add_argument("--replicas", type=int, default=8)
+    p.add_argument("--level", choices=["store", "gateway", "both"], default="both",
+                   help="store: hot path in-process; gateway: through kvroute serve (subprocesses)")  # fmt: skip
+    args = p.parse_args(argv)
+    duration = min(max(args.duration, 0.2), 60.0)
+
+    async def go(url: str) -> dict[str, Any]:
+        doc: dict[str, Any] = {"benchmark": "redis"}
+        if args.level in ("store", "both"):
+            doc["store"] = await run_bench(url, args.concurrency, duration, args.replicas)
+        if args.level in ("gateway", "both"):
+            doc["gateway"] = await run_gateway_bench(url, args.concurrency, duration, min(args.replicas, 4))
+        return doc
+
+    if args.redis:
+        result = asyncio.run(go(args.redis))
+    else:
+        with _private_redis() as url:
+            result = asyncio.run(go(url))
+    json.dump(result, sys.stdout, indent=2)
+    print()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(cli_main(sys.argv[1:]))

@@ -1,0 +1,325 @@
+"""What only the Redis store has: key scheme and hash slot, registry TTLs, gateway leases, AUTH and TLS
+URLs, round trips per request (from Redis's own command stats), degraded mode and resync."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+import pytest
+import redis
+import redis.asyncio as aioredis
+from redis.crc import key_slot
+
+from router.clock import VirtualClock
+from router.errors import StoreError
+from router.model import (
+    BindSession,
+    Completion,
+    EngineLoad,
+    Reason,
+    ReplicaSpec,
+    ReplicaStatus,
+    RouteDecision,
+    RouteRequest,
+)
+from router.store.base import StateStore, StoreConfig
+from router.store.factory import make_store
+from router.store.keys import KeySpace, session_field
+from router.store.memory import MemoryStore
+from router.store.redis import RedisStore, make_redis_store
+from tests.redis_server import RedisServer, RedisUnavailable, free_port
+
+A = ReplicaStatus.ACTIVE
+
+
+def bind(sid: str, rid: str, only_if: str | None = None) -> RouteDecision:
+    return RouteDecision(rid, Reason.PLACED_NEW, (BindSession(sid, rid, only_if, Reason.PLACED_NEW),))
+
+
+def spec(rid: str, source: str = "static") -> ReplicaSpec:
+    return ReplicaSpec(id=rid, url=f"http://{rid}", source=source)
+
+
+@pytest.fixture
+async def clock() -> VirtualClock:
+    return VirtualClock(5000.0)
+
+
+@pytest.fixture
+async def stores(redis_url: str, clock: VirtualClock) -> AsyncIterator[list[RedisStore]]:
+    made: list[RedisStore] = []
+    yield made
+    for s in made:
+        await s.close()
+
+
+def new_store(
+    made: list[RedisStore], url: str, clock: VirtualClock, gid: str = "g1", **kw: object
+) -> RedisStore:
+    cfg = kw.pop("config", None) or StoreConfig()
+    s = RedisStore.from_url(url, gid, cfg, clock, epoch_offset_s=0.0, **kw)  # type: ignore[arg-type]
+    made.append(s)
+    return s
+
+
+# ---- keys ----------------------------------------------------------------------------------------
+
+
+def test_key_scheme_is_pure_and_tagged() -> None:
+    k = KeySpace("fleet-a")
+    assert k.base == "{fleet-a}:"
+    assert k.session("abc") == "{fleet-a}:s:abc"
+    assert k.replica("10.0.0.1:8000") == "{fleet-a}:r:10.0.0.1:8000"
+    assert k.gateway_inflight("gw1") == "{fleet-a}:gw:gw1:if"
+    assert session_field("gw1", "r:1") == "f:gw1|r:1"
+    names = [k.seq, k.replicas, k.gateways, k.active("r"), k.active_ctx("r"), k.placements("r"),
+             k.home_index("r"), k.session("s{x}"), k.gateway_inflight("g")]  # fmt: skip
+    assert len({key_slot(n.encode()) for n in names}) == 1
+    for bad in ("", "a{b", "a}b"):
+        with pytest.raises(ValueError):
+            KeySpace(bad)
+
+
+async def test_every_key_written_lives_in_one_slot(redis_url: str, stores: list[RedisStore], clock) -> None:  # type: ignore[no-untyped-def]
+    s = new_store(stores, redis_url, clock, config=StoreConfig(key_prefix="t1"))
+    for i in range(3):
+        await s.upsert_replica(spec(f"r{i}"), A)
+    for i in range(20):
+        lease = await s.acquire(bind(f"sess-{{{i}}}", f"r{i % 3}"), RouteRequest(f"sess-{{{i}}}"))
+        await s.release(lease, Completion(ok=True, prompt_tokens=100, completion_tokens=1))
+    await s.report_engine_load("r0", EngineLoad(running=1, updated_at=clock.now()))
+    r = redis.Redis.from_url(redis_url)
+    keys = list(r.scan_iter("*"))
+    r.close()
+    assert len(keys) >= 35  # 20 sessions + per-replica keys + fleet keys
+    assert all(k.startswith(b"{t1}:") for k in keys)
+    assert {key_slot(k) for k in keys} == {key_slot(b"{t1}:seq")}
+
+
+# ---- registry TTL --------------------------------------------------------------------------------
+
+
+async def test_sidecar_registry_entries_expire_static_ones_do_not(redis_url, stores, clock) -> None:  # type: ignore[no-untyped-def]
+    s = new_store(stores, redis_url, clock, config=StoreConfig(replica_ttl_s=5))
+    await s.upsert_replica(spec("static"), A)
+    await s.upsert_replica(spec("side", source="registry"), A)
+    clock.advance(4)
+    await s.report_engine_load("side", EngineLoad(running=2, updated_at=clock.now()))  # heartbeat: refresh
+    clock.advance(4)
+    assert [r.id for r in await s.replicas()] == ["side", "static"]
+    clock.advance(1.5)
+    assert [r.id for r in await s.replicas()] == ["static"]
+    with pytest.raises(KeyError):
+        await s.set_status("side", A)
+    await s.upsert_replica(spec("side", source="registry"))  # re-registers afresh (JOINING)
+    side = next(r for r in await s.replicas() if r.id == "side")
+    assert side.status is ReplicaStatus.JOINING and side.engine == EngineLoad()
+
+
+# ---- leases --------------------------------------------------------------------------------------
+
+
+async def test_lost_lease_is_restored_exactly(redis_url, stores, clock) -> None:  # type: ignore[no-untyped-def]
+    cfg = StoreConfig(lease_ttl_s=0.6)
+    g1 = new_store(stores, redis_url, clock, "g1", config=cfg)
+    g2 = new_store(stores, redis_url, clock, "g2", config=cfg)
+    await g1.upsert_replica(spec("r0"), A)
+    await g1.start()
+    leases = [await g1.acquire(bind("s", "r0"), RouteRequest("s")) for _ in range(3)]
+    assert (await g2.snapshot("s")).replicas[0].in_flight == 3
+    # g1's lease is wiped (as if it had stalled past its TTL and another gateway collected it)
+    r = aioredis.Redis.from_url(redis_url)
+    await r.zrem("{kvroute}:gw", "g1")
+    await r.delete("{kvroute}:gw:g1:if")
+    snap = await g2.snapshot("s")
+    assert snap.replicas[0].in_flight == 0 and snap.session is not None and snap.session.in_flight == ()
+    deadline = time.monotonic() + 3
+    while (await g2.snapshot("s")).replicas[0].in_flight != 3:  # g1's heartbeat notices and restores
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.05)
+    snap = await g2.snapshot("s")
+    assert snap.session is not None and snap.session.in_flight == (("r0", 3),)
+    for lease in leases:
+        await g1.release(lease, Completion(ok=False))
+    assert (await g2.snapshot("s")).replicas[0].in_flight == 0
+    assert g1.degraded_total == 0
+    await r.aclose()
+
+
+async def test_graceful_close_drops_load_at_once(redis_url, stores, clock) -> None:  # type: ignore[no-untyped-def]
+    g1 = new_store(stores, redis_url, clock, "g1")
+    g2 = new_store(stores, redis_url, clock, "g2")
+    await g1.upsert_replica(spec("r0"), A)
+    await g1.acquire(bind("s", "r0"), RouteRequest("s"))
+    assert (await g2.replicas())[0].in_flight == 1
+    await g1.close()
+    assert (await g2.replicas())[0].in_flight == 0
+
+
+# ---- URLs: AUTH, TLS, factory --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("tls", [False, True], ids=["auth", "auth+tls"])
+async def test_auth_and_tls_urls(tls: bool, clock: VirtualClock) -> None:
+    try:
+        server = RedisServer(password="s3cret-pw", tls=tls).start()
+    except RedisUnavailable as exc:
+        pytest.skip(f"cannot start this Redis: {exc}")
+    try:
+        made: list[RedisStore] = []
+        ok = new_store(made, server.url, clock, op_timeout_s=3.0)  # TLS handshakes on a busy box
+        await ok.upsert_replica(spec("r0"), A)
+        lease = await ok.acquire(bind("s", "r0"), RouteRequest("s"))
+        assert lease.replica_id == "r0"
+        assert ok.degraded_total == 0
+        bad_url = server.url.replace("s3cret-pw", "wrong")
+        bad = new_store(made, bad_url, clock, "g2", op_timeout_s=3.0)
+        snap = await bad.snapshot(None)  # refused by Redis: served locally, never raised
+        assert snap.replicas == () and bad.degraded and bad.last_error is not None
+        assert "auth" in bad.last_error.lower() or "pass" in bad.last_error.lower()
+        for s in made:
+            await s.close()
+    finally:
+        server.cleanup()
+
+
+async def test_factory_chooses_by_config(redis_url: str) -> None:
+    class Cfg:
+        def __init__(self, url: str | None) -> None:
+            self.redis_url = url
+            self.gateway_id = "host|1"
+
+    clock = VirtualClock()
+    assert isinstance(make_store(Cfg(None), clock), MemoryStore)
+    store = make_store(Cfg(redis_url), clock)
+    assert isinstance(store, RedisStore) and store.gateway_id == "host_1"
+    await store.close()
+    with pytest.raises(StoreError):
+        make_redis_store(Cfg(None), clock)
+
+
+# ---- round trips ---------------------------------------------------------------------------------
+
+
+def _top_level_calls(r: redis.Redis) -> dict[str, int]:
+    """Calls of the commands a client can send to run scripts (commands *inside* scripts are counted
+    by commandstats too, under their own names)."""
+    stats = r.info("commandstats")
+    return {k: int(v["calls"]) for k, v in stats.items() if k.split("|")[0] in
+            ("cmdstat_evalsha", "cmdstat_eval", "cmdstat_evalsha_ro", "cmdstat_eval_ro", "cmdstat_script")}  # fmt: skip
+
+
+async def test_three_round_trips_per_request(redis_url, stores, clock) -> None:  # type: ignore[no-untyped-def]
+    s = new_store(stores, redis_url, clock, config=StoreConfig(lease_ttl_s=3600))
+    for i in range(4):
+        await s.upsert_replica(spec(f"r{i}"), A)
+    await s.start()
+    lease = await s.acquire(bind("warm", "r0"), RouteRequest("warm"))  # scripts loaded, lease fresh
+    await s.release(lease, Completion(ok=False))
+    r = redis.Redis.from_url(redis_url)
+    r.config_resetstat()
+    n = 50
+    for i in range(n):
+        sid = f"s{i % 10}"
+        snap = await s.snapshot(sid)
+        d = (
+            bind(sid, f"r{i % 4}", None)
+            if snap.session is None
+            else RouteDecision(snap.session.home or "r0", Reason.AFFINITY)
+        )
+        lease = await s.acquire(d, RouteRequest(sid))
+        await s.release(
+            lease, Completion(ok=True, prompt_tokens=1000, cached_tokens=900, completion_tokens=5)
+        )
+    calls = _top_level_calls(r)
+    r.close()
+    assert calls == {"cmdstat_evalsha": 3 * n}  # snapshot + acquire + release, nothing else
+
+
+# ---- degraded mode -------------------------------------------------------------------------------
+
+
+async def _route_once(store: StateStore, sid: str, rid: str) -> str:
+    snap = await store.snapshot(sid)
+    home = snap.session.home if snap.session else None
+    d = RouteDecision(home, Reason.AFFINITY) if home else bind(sid, rid)
+    lease = await store.acquire(d, RouteRequest(sid))
+    await store.release(lease, Completion(ok=True, prompt_tokens=10, completion_tokens=1))
+    return lease.replica_id
+
+
+async def test_no_redis_at_start_then_it_appears(clock: VirtualClock) -> None:
+    port = free_port()
+    made: list[RedisStore] = []
+    s = new_store(made, f"redis://127.0.0.1:{port}/0", clock, op_timeout_s=0.2, retry_max_s=0.1)
+    await s.upsert_replica(spec("r0"), A)  # queued for Redis, applied to the local mirror
+    await s.upsert_replica(spec("r1"), A)
+    t0 = time.monotonic()
+    assert await _route_once(s, "a", "r1") == "r1"
+    assert await _route_once(s, "a", "r0") == "r1"  # the local binding holds while degraded
+    assert time.monotonic() - t0 < 2.0
+    assert s.degraded and s.degraded_total == 1 and s.fallback_total >= 4
+    server = RedisServer(port=port).start()
+    try:
+        deadline = time.monotonic() + 5
+        while s.degraded:
+            assert time.monotonic() < deadline, s.stats()
+            await asyncio.sleep(0.05)
+        assert s.resync_total == 1
+        other = new_store(made, server.url, clock, "g2")
+        assert [r.id for r in await other.replicas()] == ["r0", "r1"]  # registry writes replayed
+        sess = await other.session("a")
+        assert sess is not None and sess.home == "r1"  # the binding made meanwhile was republished
+        assert (await other.replicas())[1].in_flight == 0
+        for st in made:
+            await st.close()
+    finally:
+        server.cleanup()
+
+
+async def test_slow_redis_degrades_quickly_and_recovers(redis_url, stores, clock) -> None:  # type: ignore[no-untyped-def]
+    s = new_store(stores, redis_url, clock, op_timeout_s=0.15, retry_min_s=0.05, retry_max_s=0.1)
+    await s.upsert_replica(spec("r0"), A)
+    assert await _route_once(s, "x", "r0") == "r0"
+    r = aioredis.Redis.from_url(redis_url)
+    await r.execute_command("CLIENT", "PAUSE", "800", "ALL")  # Redis stalls for 0.8 s
+    t0 = time.monotonic()
+    assert await _route_once(s, "x", "r0") == "r0"  # served from local state, home remembered
+    assert time.monotonic() - t0 < 0.6
+    assert s.degraded and s.degraded_total == 1
+    deadline = time.monotonic() + 5
+    while s.degraded:
+        assert time.monotonic() < deadline, s.stats()
+        await asyncio.sleep(0.05)
+    assert await _route_once(s, "x", "r0") == "r0"
+    snap = await s.snapshot("x")
+    assert snap.replicas[0].in_flight == 0 and snap.session is not None and snap.session.in_flight == ()
+    await r.aclose()
+
+
+async def test_leases_outstanding_across_an_outage_are_counted_exactly(redis_killable, clock) -> None:  # type: ignore[no-untyped-def]
+    made: list[RedisStore] = []
+    s = new_store(made, redis_killable.url, clock, op_timeout_s=0.2, retry_max_s=0.1)
+    await s.upsert_replica(spec("r0"), A)
+    before = [await s.acquire(bind("s", "r0"), RouteRequest("s")) for _ in range(4)]
+    redis_killable.kill()
+    during = await s.acquire(RouteDecision("r0", Reason.AFFINITY), RouteRequest("s"))
+    await s.release(before[0], Completion(ok=False))  # ended while Redis was away
+    assert s.degraded
+    redis_killable.start()
+    deadline = time.monotonic() + 5
+    while s.degraded:
+        assert time.monotonic() < deadline, s.stats()
+        await asyncio.sleep(0.05)
+    other = new_store(made, redis_killable.url, clock, "g2")
+    snap = await other.snapshot("s")
+    # Redis came back empty; the gateway republished the replica, the home and its 3 live leases
+    assert [(r.id, r.in_flight) for r in snap.replicas] == [("r0", 3)]
+    assert snap.session is not None and snap.session.home == "r0" and snap.session.in_flight == (("r0", 3),)
+    for lease in (*before[1:], during):
+        await s.release(lease, Completion(ok=False))
+    assert (await other.replicas())[0].in_flight == 0
+    for st in made:
+        await st.close()
