@@ -143,7 +143,11 @@ class ChainNamer:
 
 
 class IdealCache:
-    """One infinite cache shared by every replica: what ``ideal_chr`` is measured against."""
+    """One infinite cache shared by every replica: what ``ideal_chr`` is measured against.
+
+    Names are chained (one name = one whole prefix) and ``add`` always receives whole prefixes, so
+    along any prompt the seen names form a prefix: a binary search finds the hit length.
+    """
 
     __slots__ = ("_seen", "page")
 
@@ -155,10 +159,15 @@ class IdealCache:
         """Cached tokens an infinite cache would report (same matching rule as the engine)."""
         n = min(len(names), (prompt_tokens - 1) // self.page)
         seen = self._seen
-        i = 0
-        while i < n and names[i] in seen:
-            i += 1
-        return i * self.page
+        lo, hi = 0, n  # invariant: names[:lo] all seen; names[hi:] none seen
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if names[mid] in seen:
+                lo = mid + 1
+            else:
+                hi = mid
+        return lo * self.page
 
-    def add(self, names: Sequence[int]) -> None:
-        self._seen.update(names)
+    def add(self, names: Sequence[int], known: int = 0) -> None:
+        """Add a whole prefix; its first ``known`` names are already in (skipped)."""
+        self._seen.update(names[known:] if known else names)

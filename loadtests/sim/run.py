@@ -585,7 +585,7 @@ class _Sim:
             )
             if lease is not None:
                 break_reason = self._break(req, lease, completion)
-            self.ideal.add(req.full)
+            self.ideal.add(req.full, req.ideal // self.page)
         else:
             completion = Completion(ok=False, started_output=req.t_first is not None)
         self._release(req, completion)
