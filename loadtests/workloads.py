@@ -44,6 +44,7 @@ __all__ = [
     "SessionSpec",
     "SyntheticParams",
     "Turn",
+    "drop_long_requests",
     "expand_runs",
     "iter_requests",
     "read_mooncake",
@@ -357,6 +358,35 @@ def with_arrivals(
             starts.append(round(rng.uniform(0.0, spread_s), 3))
     starts.sort()
     return [replace(s, start_s=t0) for s, t0 in zip(specs, starts)]
+
+
+def drop_long_requests(specs: Sequence[SessionSpec], max_input_tokens: int) -> list[SessionSpec]:
+    """Drop every request whose prompt exceeds ``max_input_tokens`` and keep the rest of its session
+    (AgentX's ``_256k`` corpora do this for a model's context window; calibration §5).
+
+    Kept turns get their exact ``input_tokens`` so later prompts do not shift; a branch spawned by a
+    dropped turn spawns after the last kept turn before it; chains left empty disappear.
+    """
+
+    def one(s: SessionSpec) -> SessionSpec | None:
+        inputs = turn_inputs(s)
+        keep = [k for k, inp in enumerate(inputs) if inp <= max_input_tokens]
+        if not keep:
+            return None
+        turns = tuple(
+            s.turns[k] if s.turns[k].input_tokens else replace(s.turns[k], input_tokens=inputs[k]) for k in keep
+        )
+        branches: list[SessionSpec] = []
+        for b in s.branches:
+            nb = one(b)
+            if nb is None:
+                continue
+            after = max(0, sum(1 for k in keep if k <= b.spawn_after_turn) - 1)
+            branches.append(replace(nb, spawn_after_turn=after))
+        return replace(s, turns=turns, branches=tuple(branches))
+
+    out = [one(s) for s in specs]
+    return [s for s in out if s is not None]
 
 
 # ---- WEKA Claude Code trace --------------------------------------------------------------------

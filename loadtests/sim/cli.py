@@ -28,6 +28,7 @@ from loadtests.workloads import (
     DEFAULT_WEKA_TRACE,
     SessionSpec,
     SyntheticParams,
+    drop_long_requests,
     read_mooncake,
     read_weka,
     synthetic_sessions,
@@ -81,6 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-mid-start", action="store_true", help="initial sessions start at turn 0")
     p.add_argument("--arrival-rate", type=float, help="traces without a clock (weka), lanes 0: sessions/s")
     p.add_argument("--max-think-s", type=float, help="cap on a think time (0: none)")
+    p.add_argument("--max-input-tokens", type=int,
+                   help="drop requests with longer prompts (weka default: the profile's context window; 0: keep all)")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--profile", default="kimi-k2.6-b200-tp4")
     p.add_argument("--page-size", type=int, default=DEFAULT_PAGE_SIZE)
@@ -121,7 +124,7 @@ def _cap_think(specs: list[SessionSpec], cap: float) -> list[SessionSpec]:
     return [cap_one(s) for s in specs]
 
 
-def load_workload(args: argparse.Namespace, lanes: int) -> list[SessionSpec]:
+def load_workload(args: argparse.Namespace, lanes: int, context_window: int = 0) -> list[SessionSpec]:
     rng = random.Random(f"workload:{args.seed}")
     if args.workload == "synthetic":
         n = args.sessions or max(100, 4 * lanes)
@@ -136,6 +139,11 @@ def load_workload(args: argparse.Namespace, lanes: int) -> list[SessionSpec]:
     cap = args.max_think_s if args.max_think_s is not None else _DEFAULTS[args.workload]["max_think_s"]
     if cap and cap > 0:
         specs = _cap_think(specs, cap)
+    limit = args.max_input_tokens
+    if limit is None:
+        limit = context_window if args.workload == "weka" else 0
+    if limit > 0:
+        specs = drop_long_requests(specs, limit)
     return specs
 
 
@@ -184,7 +192,7 @@ def cli_main(argv: list[str]) -> int:
     try:
         profile = get_profile(args.profile).with_overrides(page_size=args.page_size, **dict(args.set))
         params = PolicyParams().with_changes(**{k: float(v) for k, v in args.param})
-        specs = load_workload(args, lanes)
+        specs = load_workload(args, lanes, profile.context_length)
     except (ValueError, OSError) as exc:
         print(f"kvroute sim: {exc}", file=sys.stderr)
         return 2

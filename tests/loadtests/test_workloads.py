@@ -160,3 +160,24 @@ def test_replace_keeps_frozen_semantics() -> None:
     with pytest.raises(AttributeError):
         t.new_tokens = 3  # type: ignore[misc]
     assert replace(t, think_s=1.0).think_s == 1.0
+
+
+def test_drop_long_requests_keeps_the_rest_of_the_session() -> None:
+    from loadtests.workloads import drop_long_requests
+
+    br = SessionSpec("s/a", 0.1, 10, (Turn(50, 5, 0.0), Turn(500, 5, 0.1)), parent="s", spawn_after_turn=1)
+    spec = SessionSpec("s", 0.0, 100, (Turn(100, 10, 0.0), Turn(1000, 10, 1.0), Turn(5, 10, 1.0)), branches=(br,))
+    assert turn_inputs(spec) == (200, 1210, 1225)
+    out = drop_long_requests([spec], 300)
+    assert len(out) == 1
+    s = out[0]
+    assert turn_inputs(s) == (200,)  # turns 1 and 2 exceed 300 tokens
+    assert len(s.branches) == 1 and s.branches[0].spawn_after_turn == 0
+    assert turn_inputs(s.branches[0]) == (60,)
+    assert drop_long_requests([spec], 10) == []
+    weka = read_weka(TRACES / "weka_cc_kvtester_requests.jsonl", limit=80)
+    kept = drop_long_requests(weka, 262_144)
+    assert all(inp <= 262_144 for *_, inp in iter_requests(kept))
+    n_before = sum(1 for _ in iter_requests(weka))
+    n_after = sum(1 for _ in iter_requests(kept))
+    assert 0.8 * n_before < n_after < n_before
