@@ -266,5 +266,153 @@ async def test_redis_killed_under_load_then_back(redis_killable) -> None:  # typ
         await s.close()
 
 
+# ---- through HTTP: 3 `kvroute serve --redis` processes in front of emulated replicas ---------------
+
+
+def _metric(text: str, name: str) -> float | None:
+    for line in text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    return None
+
+
+@pytest.mark.slow
+async def test_three_gateway_processes_share_one_redis_over_http(redis_killable) -> None:  # type: ignore[no-untyped-def]
+    import contextlib
+    import tempfile
+
+    import aiohttp
+
+    from loadtests.overhead import _body
+    from loadtests.peers import (
+        _readiness_check,
+        _wait_ready,
+        emulated_fleet,
+        free_port,
+        start_process,
+        stop_process,
+    )
+
+    url = redis_killable.url
+    body = _body(False)
+    with tempfile.TemporaryDirectory(prefix="kvroute-mgw-") as tmp:
+        log_dir = Path(tmp)
+        async with emulated_fleet(4, ("--time-scale", "0.0005"), log_dir=log_dir) as fleet:
+            gateways = []
+            try:
+                for i in range(3):
+                    port = free_port()
+                    argv = [sys.executable, "-m", "router", "serve", "--host", "127.0.0.1", "--port", str(port),
+                            "--policy", "kv_aware", "--redis", url]  # fmt: skip
+                    for u in fleet.urls:
+                        argv += ["--replica", u]
+                    p = await start_process(f"gw{i}", argv, log_dir=log_dir)
+                    p.url = f"http://127.0.0.1:{port}"
+                    gateways.append(p)
+                for p in gateways:
+                    await _wait_ready(p, _readiness_check(p.url, 4, "kvroute"), 60.0)
+                rng = random.Random(7)
+                async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as http:
+
+                    async def send(gw: str, sid: str) -> tuple[int, str, str]:
+                        headers = {"Content-Type": "application/json", "Modal-Session-Id": sid}
+                        async with http.post(f"{gw}/v1/chat/completions", data=body, headers=headers) as r:
+                            await r.read()
+                            return (
+                                r.status,
+                                r.headers.get("X-Kvroute-Replica", ""),
+                                r.headers.get("X-Kvroute-Reason", ""),
+                            )
+
+                    # 1. 200 new sessions, each sent at once through two different gateways
+                    sids = [f"http-race-{i}" for i in range(200)]
+                    pairs = [rng.sample(gateways, 2) for _ in sids]
+                    results = await asyncio.gather(
+                        *(
+                            asyncio.gather(send(a.url, sid), send(b.url, sid))
+                            for sid, (a, b) in zip(sids, pairs, strict=True)
+                        )
+                    )
+                    admin = RedisStore.from_url(
+                        url, "http-admin", StoreConfig(), SystemClock(), op_timeout_s=5.0
+                    )
+                    replica_ids = {r.id for r in await admin.replicas()}
+                    assert len(replica_ids) == 4
+                    split = 0
+                    for sid, pair in zip(sids, results, strict=True):
+                        assert all(status == 200 for status, _, _ in pair), pair
+                        s = await admin.session(sid)
+                        assert s is not None and s.home in replica_ids
+                        # the policy may split a busy session or move it off an overloaded home at
+                        # once (400 requests land together); otherwise both gateways agree on the home
+                        moved = [rep for _, rep, reason in pair if reason.startswith("reassigned")]
+                        homes = {rep for _, rep, reason in pair if reason in ("placed_new", "affinity")}
+                        split += sum(1 for *_, reason in pair if reason == "thicc_split") + len(moved)
+                        if moved:
+                            assert s.home in moved, f"{sid}: {pair}, home {s.home}"
+                        else:
+                            assert homes <= {s.home}, f"{sid}: {pair}, home {s.home}"
+                    assert split < 100
+
+                    # 2. closed-loop load through random gateways; Redis is killed, then comes back
+                    statuses: list[int] = []
+                    stop = asyncio.Event()
+
+                    async def user(i: int) -> None:
+                        r = random.Random(i)
+                        turn = 0
+                        while not stop.is_set():
+                            sid = f"http-load-{i}" if turn % 4 else f"http-load-{i}-t{turn}"
+                            status, _, _ = await send(r.choice(gateways).url, sid)
+                            statuses.append(status)
+                            turn += 1
+
+                    users = [asyncio.create_task(user(i)) for i in range(8)]
+                    await asyncio.sleep(1.0)
+                    redis_killable.kill()
+                    n_at_kill = len(statuses)
+                    await asyncio.sleep(2.0)
+                    assert len(statuses) > n_at_kill + 20, "gateways stopped serving while Redis was down"
+                    degraded = []
+                    for p in gateways:
+                        async with http.get(f"{p.url}/metrics", headers={"Accept": "text/plain"}) as r:
+                            text = await r.text()
+                        degraded.append((_metric(text, "kvroute_store_degraded"),
+                                         _metric(text, "kvroute_store_degradations_total")))  # fmt: skip
+                    assert all(d == 1.0 and (t or 0) >= 1 for d, t in degraded), degraded
+                    redis_killable.start()
+                    deadline = time.monotonic() + 20
+                    while True:
+                        back = []
+                        for p in gateways:
+                            async with http.get(f"{p.url}/metrics", headers={"Accept": "text/plain"}) as r:
+                                back.append(_metric(await r.text(), "kvroute_store_degraded"))
+                        if back == [0.0, 0.0, 0.0]:
+                            break
+                        assert time.monotonic() < deadline, back
+                        await asyncio.sleep(0.2)
+                    await asyncio.sleep(0.5)
+                    stop.set()
+                    await asyncio.gather(*users)
+                    assert statuses and set(statuses) == {200}, (
+                        f"client errors: {[s for s in statuses if s != 200][:5]}"
+                    )
+                    # Redis came back empty: the gateways republished the fleet and the bindings
+                    assert {r.id for r in await admin.replicas()} == replica_ids
+                    known = [await admin.session(f"http-load-{i}") for i in range(8)]
+                    assert sum(1 for s in known if s is not None and s.home in replica_ids) >= 6
+                    # no phantom load: in flight drains to exactly zero (a gateway releases a lease
+                    # just after the client has read the response, hence the short wait)
+                    deadline = time.monotonic() + 5
+                    while sum(r.in_flight for r in await admin.replicas()) != 0:
+                        assert time.monotonic() < deadline, await admin.replicas()
+                        await asyncio.sleep(0.05)
+                    await admin.close()
+            finally:
+                for p in gateways:
+                    with contextlib.suppress(Exception):
+                        await stop_process(p)
+
+
 if __name__ == "__main__":
     raise SystemExit(_worker_main(sys.argv[1:]))
