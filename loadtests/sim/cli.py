@@ -63,6 +63,16 @@ def _kv(text: str) -> tuple[str, str]:
     return k.strip(), v.strip()
 
 
+def _variant(text: str) -> tuple[str, str, dict[str, float]]:
+    try:
+        label, rest = text.split("=", 1)
+        policy, _, changes = rest.partition(":")
+        kv = dict(_kv(c) for c in changes.split(",") if c.strip())
+        return label.strip(), policy.strip(), {k: float(v) for k, v in kv.items()}
+    except (ValueError, argparse.ArgumentTypeError):
+        raise argparse.ArgumentTypeError(f"expected LABEL=POLICY:K=V,K=V, got {text!r}") from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvroute sim", description=__doc__.split("\n\n")[0] if __doc__ else None)
     p.add_argument("--workload", choices=("synthetic", "weka", "mooncake"), default="synthetic")
@@ -89,6 +99,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--page-size", type=int, default=DEFAULT_PAGE_SIZE)
     p.add_argument("--set", type=_kv, action="append", default=[], metavar="FIELD=V", help="profile override")
     p.add_argument("--param", type=_kv, action="append", default=[], metavar="K=V", help="kv_aware PolicyParams")
+    p.add_argument("--variant", type=_variant, action="append", default=[], metavar="LABEL=POLICY:K=V,K=V",
+                   help="also run POLICY with these PolicyParams changes, reported as LABEL (tuning)")
     p.add_argument("--synthetic", type=_kv, action="append", default=[], metavar="K=V", help="SyntheticParams")
     p.add_argument("--sample-interval-s", type=float, default=1.0)
     p.add_argument("--scrape-interval-s", type=float, default=1.0)
@@ -183,7 +195,7 @@ def cli_main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     d = _DEFAULTS[args.workload]
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
-    unknown = [p for p in policies if p not in POLICIES]
+    unknown = [p for p in policies + [v[1] for v in args.variant] if p not in POLICIES]
     if unknown or not policies:
         parser.error(f"--policies: unknown {unknown}; choose from {', '.join(POLICIES)}")
     if args.replicas < 1 or args.gateways < 1:
@@ -200,12 +212,20 @@ def cli_main(argv: list[str]) -> int:
     warmup = args.warmup if args.warmup is not None else d["warmup_s"]
     scale = tuple(ScaleEvent(at, to) for at, to in args.scale_up + args.scale_down)
     fails = tuple(FailureEvent(at, idx) for at, idx in args.fail)
+    runs: list[tuple[str, str, PolicyParams]] = [(p, p, params) for p in policies]
+    try:
+        runs += [(label, pol, params.with_changes(**ch)) for label, pol, ch in args.variant]
+    except ValueError as exc:
+        print(f"kvroute sim: --variant: {exc}", file=sys.stderr)
+        return 2
+    if len({label for label, _, _ in runs}) != len(runs):
+        parser.error("policy and variant labels must be unique")
     results: list[SimResult] = []
-    for pol in policies:
+    for label, pol, pparams in runs:
         cfg = SimConfig(
             replicas=args.replicas,
             policy=pol,
-            policy_params=params,
+            policy_params=pparams,
             profile=profile,
             gateways=args.gateways,
             state_lag_s=args.state_lag_s,
@@ -220,10 +240,10 @@ def cli_main(argv: list[str]) -> int:
             failures=fails,
             seed=args.seed,
         )
-        res = run_sim(specs, cfg)
+        res = dataclasses.replace(run_sim(specs, cfg), policy=label)
         results.append(res)
         if not args.quiet:
-            print(f"[sim] {pol}: {res.stats['requests_sent']} requests, {res.stats['events']} events, "
+            print(f"[sim] {label}: {res.stats['requests_sent']} requests, {res.stats['events']} events, "
                   f"{res.stats['wall_s']:.1f} s wall", file=sys.stderr)
     out = {r.policy: r.measures for r in results}
     args.json.parent.mkdir(parents=True, exist_ok=True)
@@ -237,7 +257,7 @@ def cli_main(argv: list[str]) -> int:
             "duration_s": duration,
             "warmup_s": warmup,
             "profile": dataclasses.asdict(profile),
-            "policy_params": params.to_dict(),
+            "policy_params": {label: pp.to_dict() for label, _, pp in runs},
             "runs": {
                 r.policy: {"stats": r.stats, "load_histogram": {str(k): v for k, v in r.load_histogram.items()}}
                 for r in results

@@ -36,6 +36,8 @@ def test_cli_synthetic_writes_measures_per_policy(tmp_path: Path) -> None:
             "45:5",
             "--seed",
             "2",
+            "--variant",
+            "kv_t5=kv_aware:thicc_threshold=5,w_sessions=1",
             "--json",
             str(out),
             "--details",
@@ -45,7 +47,7 @@ def test_cli_synthetic_writes_measures_per_policy(tmp_path: Path) -> None:
     )
     assert rc == 0
     data = json.loads(out.read_text())
-    assert list(data) == ["hash", "kv_aware", "round_robin"]
+    assert list(data) == ["hash", "kv_aware", "kv_t5", "round_robin"]
     for m in data.values():
         assert set(m) == set(MEASURE_FIELDS)
         assert m["requests"] > 50 and m["errors"] == 0
@@ -53,6 +55,7 @@ def test_cli_synthetic_writes_measures_per_policy(tmp_path: Path) -> None:
     assert data["kv_aware"]["sessions_moved_by_scaleup"] == 0
     d = json.loads(details.read_text())
     assert d["lanes"] == 24 and d["runs"]["kv_aware"]["stats"]["replicas_final"] == 5
+    assert d["policy_params"]["kv_t5"]["thicc_threshold"] == 5 and d["policy_params"]["kv_aware"]["thicc_threshold"] != 5
     assert sum(d["runs"]["hash"]["load_histogram"].values()) > 0
 
 
@@ -64,6 +67,9 @@ def test_cli_rejects_bad_arguments(tmp_path: Path, capsys: pytest.CaptureFixture
     with pytest.raises(SystemExit):
         cli_main(["--scale-up", "abc", "--json", str(tmp_path / "x.json")])
     assert cli_main(["--synthetic", "bogus=1", "--json", str(tmp_path / "x.json"), "--quiet"]) == 2
+    assert cli_main(["--variant", "v=kv_aware:nope=1", "--json", str(tmp_path / "x.json"), "--quiet"]) == 2
+    with pytest.raises(SystemExit):
+        cli_main(["--variant", "hash=hash:", "--json", str(tmp_path / "x.json")])  # label clash
 
 
 @pytest.mark.slow
