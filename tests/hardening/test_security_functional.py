@@ -16,6 +16,7 @@ process) and ``test_credentials_never_reach_log_records`` below (in process, eve
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import io
 import json
 import logging
@@ -369,34 +370,58 @@ async def test_serve_subprocess_with_tls_flags(
         assert r.status == 200
 
 
-async def test_gateway_with_redis_auth(fake_replicas: Any, serve_proc: list[subprocess.Popen[bytes]]) -> None:
+@pytest.mark.parametrize("tls", [False, True], ids=["auth", "auth+tls"])
+async def test_gateway_with_redis_auth(
+    fake_replicas: Any, serve_proc: list[subprocess.Popen[bytes]], tls_files: tuple[Path, Path], tls: bool
+) -> None:
     binary = shutil.which("redis-server")
     if binary is None:
         pytest.fail("redis-server is not installed")
+    cert, key = tls_files
     port = _free_port()
-    cmd = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-           "--requirepass", "hard3ning-pw"]  # fmt: skip
+    cmd = [binary, "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--requirepass", "hard3ning-pw"]
+    if tls:  # TLS only: no plain port at all
+        cmd += ["--port", "0", "--tls-port", str(port), "--tls-cert-file", str(cert), "--tls-key-file", str(key),
+                "--tls-ca-cert-file", str(cert), "--tls-auth-clients", "no"]  # fmt: skip
+        url = f"rediss://:hard3ning-pw@127.0.0.1:{port}/0?ssl_ca_certs={cert}"
+    else:
+        cmd += ["--port", str(port)]
+        url = f"redis://:hard3ning-pw@127.0.0.1:{port}/0"
     serve_proc.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL))  # noqa: ASYNC220
     await _wait_port(port)
     (rep,) = await fake_replicas(1)
-    url = await _start_serve(serve_proc, "--replica", rep.url, "--redis", f"redis://:hard3ning-pw@127.0.0.1:{port}/0",
-                             "--set", "health.health_interval_s=0.1")  # fmt: skip
+    gw_url = await _start_serve(serve_proc, "--replica", rep.url, "--redis", url,
+                                "--set", "health.health_interval_s=0.1")  # fmt: skip
     async with aiohttp.ClientSession() as s:
         for _ in range(200):
-            async with s.post(url + CHAT, data=BODY, headers={"Modal-Session-Id": "auth-s"}) as r:
+            async with s.post(gw_url + CHAT, data=BODY, headers={"Modal-Session-Id": "auth-s"}) as r:
                 last = await r.read()
                 if r.status == 200:
                     break
             await asyncio.sleep(0.1)
         assert r.status == 200, last
-    # the binding is in Redis (readable with the password); without it Redis refuses
-    r2, w2 = await asyncio.open_connection("127.0.0.1", port)
-    w2.write(b"KEYS *\r\n")
-    assert (await r2.readline()).startswith(b"-NOAUTH")
-    w2.write(b"AUTH hard3ning-pw\r\nKEYS *auth-s*\r\n")
-    assert (await r2.readline()).startswith(b"+OK")
-    assert int((await r2.readline())[1:]) >= 1
-    w2.close()
+    # the binding is in Redis: readable with the password (and over TLS), refused without it
+    from router.clock import SystemClock
+    from router.store.base import StoreConfig
+    from router.store.redis import RedisStore
+
+    store = RedisStore.from_url(url, "reader", StoreConfig(), SystemClock(), op_timeout_s=5.0)
+    try:
+        sess = await store.session("auth-s")
+        assert sess is not None and sess.home == rep.id
+    finally:
+        await store.close()
+    if not tls:
+        r2, w2 = await asyncio.open_connection("127.0.0.1", port)
+        w2.write(b"KEYS *\r\n")
+        assert (await r2.readline()).startswith(b"-NOAUTH")
+        w2.close()
+    else:  # a plaintext client gets nothing from the TLS port
+        r2, w2 = await asyncio.open_connection("127.0.0.1", port)
+        w2.write(b"AUTH hard3ning-pw\r\nPING\r\n")
+        with contextlib.suppress(TimeoutError, ConnectionError):
+            assert b"PONG" not in await asyncio.wait_for(r2.read(100), 2.0)
+        w2.close()
 
 
 async def _wait_port(port: int, timeout_s: float = 10.0) -> None:
