@@ -271,7 +271,7 @@ async def test_redis_killed_under_load_then_back(redis_killable) -> None:  # typ
 
 def _metric(text: str, name: str) -> float | None:
     for line in text.splitlines():
-        if line.startswith(name + " ") or line.startswith(name + "{"):
+        if line.startswith((name + " ", name + "{")):
             return float(line.rsplit(" ", 1)[1])
     return None
 
