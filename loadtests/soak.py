@@ -124,6 +124,13 @@ def rss_kb(pid: int) -> int:
     raise RuntimeError(f"no VmRSS for pid {pid}")
 
 
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process so far (``/proc/<pid>/stat`` fields 14 and 15)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def established_to(port: int) -> int:
     """Established TCP connections on this host whose remote port is ``port`` (the clients of a server)."""
     n = 0
@@ -348,9 +355,12 @@ async def run_soak(
         out["kb_per_connection_all_idle"] = round((rss2 - rss0) / max(1, idle), 2)
         say(f"{kept} idle connections held; running {active} active streams for {duration_s}s")
         act = ActiveStats()
-        t1 = time.monotonic()
+        t1, c1 = time.monotonic(), cpu_s(gw.pid)
         await run_active(port, active, duration_s, act)
+        gw_cpu = cpu_s(gw.pid) - c1
         out["active_phase"] = {**act.summary(), "wall_s": round(time.monotonic() - t1, 1),
+                               "gateway_cpu_s": round(gw_cpu, 2),
+                               "gateway_cpu_ms_per_stream": round(1000 * gw_cpu / max(1, act.completed), 2),
                                "idle_still_open": sum(1 for w in conns.writers if not w.transport.is_closing())}  # fmt: skip
         out["rss_kb"]["after_active"] = rss_kb(gw.pid)
         conns.close()

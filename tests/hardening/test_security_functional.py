@@ -436,3 +436,21 @@ async def _wait_port(port: int, timeout_s: float = 10.0) -> None:
             if loop.time() > deadline:
                 raise AssertionError(f"nothing listens on {port} after {timeout_s}s") from None
             await asyncio.sleep(0.05)
+
+
+async def test_gateway_started_while_redis_is_down_still_serves(
+    fake_replicas: Any, serve_proc: list[subprocess.Popen[bytes]]
+) -> None:
+    """DESIGN §4: an unreachable Redis degrades to local state, also when it is down from the start."""
+    (rep,) = await fake_replicas(1)
+    dead = _free_port()  # nothing listens there
+    gw_url = await _start_serve(serve_proc, "--replica", rep.url, "--redis", f"redis://127.0.0.1:{dead}/0",
+                                "--set", "health.health_interval_s=0.1")  # fmt: skip
+    async with aiohttp.ClientSession() as s:
+        for _ in range(100):
+            async with s.post(gw_url + CHAT, data=BODY, headers={"Modal-Session-Id": "no-redis"}) as r:
+                last = await r.read()
+                if r.status == 200:
+                    break
+            await asyncio.sleep(0.1)
+        assert r.status == 200, last
