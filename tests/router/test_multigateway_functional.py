@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from router.clock import SystemClock
-from router.model import BindSession, Completion, ReplicaSpec, ReplicaStatus, RouteRequest
+from router.model import BindSession, Completion, ReplicaSpec, ReplicaStatus, RouteDecision, RouteRequest
 from router.policy.registry import make_policy
 from router.store.base import StoreConfig
 from router.store.redis import RedisStore
@@ -46,18 +46,31 @@ async def _register(store: RedisStore) -> None:
 # ---- worker process ------------------------------------------------------------------------------
 
 
-async def _worker_race(url: str, gid: str, sids: list[str], start_at: float, seed: int) -> dict[str, object]:
+async def _worker_race(url: str, gid: str, sids: list[str], start_at: int, seed: int) -> dict[str, object]:
     """Place every session concurrently, each with this gateway's own (random) view of the fleet."""
     store = RedisStore.from_url(url, gid, _config(), SystemClock(), op_timeout_s=5.0)
     policy = make_policy("kv_aware")
     rng = random.Random(seed)
     await store.start()
-    await asyncio.sleep(max(0.0, start_at - time.time()))
+    parties = int(start_at)
 
-    async def one(sid: str) -> tuple[str, tuple[str, str, bool, list[str]], bool]:
+    async def barrier(name: str) -> None:
+        await store.client.incr(name)
+        deadline = time.time() + 60
+        while int(await store.client.get(name) or 0) < parties and time.time() < deadline:
+            await asyncio.sleep(0.002)
+
+    # the worst race there is: every gateway decides on every session while it is still unbound,
+    # then all of them try to bind at once
+    await store.snapshot(None)
+    await barrier("test-barrier-decide")
+    decisions = []
+    for sid in sids:
         req = RouteRequest(sid, prompt_tokens_estimate=1000)
-        snap = await store.snapshot(sid)
-        d = policy.route(req, snap, rng)
+        decisions.append((req, policy.route(req, await store.snapshot(sid), rng)))
+    await barrier("test-barrier-bind")
+
+    async def one(req: RouteRequest, d: RouteDecision) -> tuple[str, tuple[str, str, bool, list[str]], bool]:
         lease = await store.acquire(d, req)
         await asyncio.sleep(rng.random() * 0.05)
         await store.release(
@@ -66,12 +79,12 @@ async def _worker_race(url: str, gid: str, sids: list[str], start_at: float, see
         binds = [e for e in d.effects if isinstance(e, BindSession)]
         first = any(e.only_if is None for e in binds)
         return (
-            sid,
+            req.session_key or "",
             (lease.replica_id, lease.reason.value, first, [e.replica_id for e in binds]),
             lease.disagreement,
         )
 
-    res = await asyncio.gather(*(one(s) for s in sids))
+    res = await asyncio.gather(*(one(req, d) for req, d in decisions))
     out = {"served": {s: r for s, r, _ in res}, "disagreements": sum(d for *_, d in res),
            "degraded_total": store.degraded_total, "last_error": store.last_error}  # fmt: skip
     await store.close()
@@ -104,7 +117,7 @@ def _worker_main(argv: list[str]) -> int:
     mode, url, gid = argv[0], argv[1], argv[2]
     if mode == "race":
         sids = argv[3].split(",")
-        out = asyncio.run(_worker_race(url, gid, sids, float(argv[4]), int(argv[5])))
+        out = asyncio.run(_worker_race(url, gid, sids, int(argv[4]), int(argv[5])))
         print(json.dumps(out), flush=True)
     elif mode == "hold":
         asyncio.run(_worker_hold(url, gid, int(argv[3]), int(argv[4])))
@@ -130,7 +143,7 @@ async def test_200_new_sessions_through_3_gateways_each_end_with_one_home(redis_
     admin = RedisStore.from_url(redis_url, "admin", _config(), SystemClock(), op_timeout_s=5.0)
     await _register(admin)
     sids = [f"race-{i}" for i in range(200)]
-    start_at = time.time() + 2.0  # all three processes start placing at the same moment
+    start_at = 3  # processes to wait for at the barrier: all three start placing at the same moment
     procs = [_spawn("race", redis_url, f"gw{i}", ",".join(sids), str(start_at), str(i)) for i in range(3)]
     outs = []
     for p in procs:
@@ -147,8 +160,9 @@ async def test_200_new_sessions_through_3_gateways_each_end_with_one_home(redis_
         moved = [b for _, _, first, binds in served if not first for b in binds]
         assert s.home in first_binds or s.home in moved, f"{sid}: home {s.home}, {served}"
     assert all(o["degraded_total"] == 0 for o in outs)
-    # the race was real: some gateways lost the compare-and-set and were redirected
-    assert sum(int(o["disagreements"]) for o in outs) > 0
+    # every gateway decided on an unbound session: per session one bind won, two lost and were redirected
+    assert all(first for o in outs for _, _, first, _ in o["served"].values())
+    assert sum(int(o["disagreements"]) for o in outs) == 2 * len(sids)
     snap = await admin.snapshot(None)
     assert sum(r.in_flight for r in snap.replicas) == 0
     assert sum(r.sessions_active for r in snap.replicas) == 200
@@ -243,8 +257,9 @@ async def test_redis_killed_under_load_then_back(redis_killable) -> None:  # typ
     await asyncio.sleep(1.5)
     assert errors == []
     assert ops > ops_at_kill + 50, "gateways stopped serving while Redis was down"
-    assert all(s.degraded for s in stores)
-    assert all(s.degraded_total >= 1 and s.fallback_total > 0 for s in stores)
+    stats = [s.stats() for s in stores]
+    assert all(s.degraded for s in stores), stats
+    assert all(s.degraded_total >= 1 and s.fallback_total > 0 for s in stores), stats
     outage_sessions = {sid for sid in served if "new" in sid}
     redis_killable.start()  # same port, empty (persistence is off)
     deadline = time.monotonic() + 10
