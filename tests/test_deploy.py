@@ -348,7 +348,7 @@ def test_grafana_dashboard_queries_only_exported_metrics(rendered: dict[str, lis
         assert p["targets"], p["title"]
         for t in p["targets"]:
             assert t["refId"] and t["datasource"]["uid"] == "${datasource}"
-            names = set(re.findall(r"\bkvroute_[a-z_]+\b", t["expr"]))
+            names = set(re.findall(r"\bkvroute_[a-z0-9_]+\b", t["expr"]))
             assert names, f"{p['title']}: no kvroute_ metric in {t['expr']}"
             missing = names - exported
             assert not missing, f"{p['title']}: not exported by the gateway: {missing}"
