@@ -387,7 +387,7 @@ class KvAwarePolicy:
             cands = _soft_filter(cands, lambda r: r.in_flight < view.hard_bound)
             if binding:
                 if moving:
-                    cands = _soft_filter(cands, lambda r: not self._fresh(r, view, snapshot))
+                    cands = _soft_filter(cands, lambda r: not self._young(r, view, snapshot))
                 cands = _soft_filter(cands, lambda r: r.sessions_active < view.session_cap)
                 cands = _soft_filter(
                     cands,
@@ -405,6 +405,14 @@ class KvAwarePolicy:
             best_ties = [r for r, s in scored if s == best]
             target = best_ties[rng.randrange(len(best_ties))]
         return target, tuple((r.id, s) for r, s in scored)
+
+    def _young(self, replica: ReplicaState, view: _View, snapshot: ClusterSnapshot) -> bool:
+        """Joined after the initial fleet less than ``rehome_delay_s`` ago: takes no re-homed
+        session yet, so a scale-up moves no existing session (rule 4)."""
+        return (
+            replica.joined_at > view.first_join
+            and snapshot.now - replica.joined_at < self.params.rehome_delay_s
+        )
 
     def _fresh(self, replica: ReplicaState, view: _View, snapshot: ClusterSnapshot) -> bool:
         """Joined after the initial fleet and less than ``fresh_window_s`` ago (rule 4)."""

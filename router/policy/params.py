@@ -31,7 +31,7 @@ class PolicyParams:
     hard_bound_min: int = 8
     """Affinity yields when home in-flight ≥ max(hard_bound_min, hard_bound_factor · mean in-flight)."""
     reassign_factor: float = 1.0
-    reassign_margin: float = 1.5
+    reassign_margin: float = 1.0
     """Home is persistently overloaded when in-flight ≥ reassign_factor · mean + reassign_margin and
     the engine's polled figures (queue > 0, or running over the same bound) showed it too."""
     reassign_min_gain: float = 1.5
@@ -46,6 +46,9 @@ class PolicyParams:
     # ---- rule 4: scale-up ramp -------------------------------------------------------------------
     fresh_window_s: float = 120.0
     """A replica that became ACTIVE less than this long ago is *fresh* and ramp-capped."""
+    rehome_delay_s: float = 600.0
+    """A replica that joined after the initial fleet takes no *re-homed* session (reassigned,
+    evicted) for this long: it fills with new sessions only, so a scale-up moves nothing."""
     ramp_cap_factor: float = 1.5
     """A fresh replica takes at most ramp_cap_factor × its fair share of the placements in the
     store's ramp window (``ReplicaState.placed_recent``), and at least one."""

@@ -223,6 +223,41 @@ CASES: dict[str, Case] = {
         Reason.PLACED_NEW,
         (bind(D, None, Reason.PLACED_NEW),),
     ),
+    "young_replica_takes_no_rehomed_session": Case(
+        # D joined 300 s ago: past its ramp window, but within rehome_delay_s (600 s)
+        snapshot(
+            replica(A, status=S.DOWN),
+            replica(B, in_flight=2),
+            replica(D, joined_at=700.0),
+            sess=session("s1", A),
+        ),
+        request(),
+        B,
+        Reason.REASSIGNED_GONE,
+        (bind(B, A, Reason.REASSIGNED_GONE),),
+        AffinityBreak.REPLICA_GONE,
+    ),
+    "young_replica_rehomes_when_nothing_else_can": Case(
+        snapshot(replica(A, status=S.DOWN), replica(B), replica(D, joined_at=700.0), sess=session("s1", A)),
+        request(excluded={B}),
+        D,
+        Reason.REASSIGNED_GONE,
+        (bind(D, A, Reason.REASSIGNED_GONE),),
+        AffinityBreak.REPLICA_GONE,
+    ),
+    "grown_replica_takes_rehomed_sessions": Case(
+        snapshot(
+            replica(A, status=S.DOWN),
+            replica(B, in_flight=2),
+            replica(D, joined_at=300.0),
+            sess=session("s1", A),
+        ),
+        request(),
+        D,
+        Reason.REASSIGNED_GONE,
+        (bind(D, A, Reason.REASSIGNED_GONE),),
+        AffinityBreak.REPLICA_GONE,
+    ),
     # ---- rule 2: thicc sessions
     "thicc_opens_overflow": Case(
         snapshot(
@@ -312,7 +347,7 @@ CASES: dict[str, Case] = {
         AffinityBreak.OVERLOAD_SPILL,
     ),
     "soft_overload_moves_cheap_session": Case(
-        # mean 7/3: soft bound 1.0 * 2.33 + 1.5 = 3.83 < 6 and the engine reports a queue
+        # mean 7/3: soft bound 1.0 * 2.33 + 1.0 = 3.33 < 6 and the engine reports a queue
         snapshot(
             replica(A, in_flight=6, queued=2),
             replica(B),
