@@ -504,9 +504,6 @@ class RedisStore:
             RouteRequest(session_key=None),
         )
         mirror.release(lease, Completion(ok=False))
-        if known.overflow:
-            # overflow is re-set by the next SetOverflow effect; the home is what matters
-            pass
 
     async def acquire(self, decision: RouteDecision, request: RouteRequest) -> Lease:
         self._ensure_started()
