@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import random
 import sys
@@ -38,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from loadtests.live import LiveStats, LoadConfig, LoadResult, run_load
-from loadtests.peers import PeerSpec, emulated_fleet, running_router
+from loadtests.peers import PeerSpec, emulated_fleet, running_redis, running_router
 
 __all__ = ["DemoScenario", "cli_main", "demo_scenario", "run_demo", "run_policy"]
 
@@ -70,6 +71,7 @@ class DemoScenario:
     # decides whether a replica's working set fits (with a 2x host tier reloads are cheap and every
     # sticky policy keeps its CHR; ``--hicache`` turns it on)
     host_tier: bool = False
+    gateways: int = 1  # kvroute gateways; > 1 shares state in a fresh Redis
     extra_emulator_args: tuple[str, ...] = ()
     policy_params: tuple[str, ...] = ()  # KEY=VALUE, passed to kvroute serve --policy-param (after the scaled ones)
 
@@ -177,21 +179,33 @@ async def run_policy(
     live: bool,
     fresh: bool | None = None,
 ) -> LoadResult:
-    """Fresh fleet + fresh router ``spec`` + the load; returns the driver's result."""
-    async with (
-        emulated_fleet(scenario.replicas, scenario.emulator_args(), log_dir=log_dir) as fleet,
-        running_router(
-            spec, fleet.urls, log_dir=log_dir,
-            extra_args=scenario.kvroute_args() if spec.kind == "kvroute" else (),
-        ) as router,
-    ):
-        config = scenario.load_config(
-            router.url, fleet.urls, fresh=spec.fresh_connections if fresh is None else fresh
+    """Fresh fleet + fresh router ``spec`` + the load; returns the driver's result. With
+    ``scenario.gateways`` > 1 (kvroute only) that many gateways share a fresh Redis and the driver
+    spreads requests over them round robin."""
+    async with contextlib.AsyncExitStack() as stack:
+        fleet = await stack.enter_async_context(
+            emulated_fleet(scenario.replicas, scenario.emulator_args(), log_dir=log_dir)
         )
+        extra: list[str] = scenario.kvroute_args() if spec.kind == "kvroute" else []
+        n_gateways = scenario.gateways if spec.kind == "kvroute" else 1
+        if n_gateways > 1:
+            redis = await stack.enter_async_context(running_redis(log_dir=log_dir))
+            extra += ["--redis", redis.url]
+        routers = []
+        for i in range(n_gateways):
+            gw = replace(spec, name=f"{spec.name} gw{i}") if n_gateways > 1 else spec
+            ids = ["--gateway-id", f"gw{i}"] if n_gateways > 1 else []
+            routers.append(
+                await stack.enter_async_context(running_router(gw, fleet.urls, log_dir=log_dir, extra_args=extra + ids))
+            )
+        config = scenario.load_config(
+            routers[0].url, fleet.urls, fresh=spec.fresh_connections if fresh is None else fresh
+        )
+        config = replace(config, extra_urls=tuple(r.url for r in routers[1:]))
         stats = LiveStats()
         result = await _drive(spec, scenario, sessions, config, stats, live=live)
-        if spec.kind == "kvroute":
-            await _gateway_overhead(router.url, result.measures)
+        if spec.kind == "kvroute" and n_gateways == 1:
+            await _gateway_overhead(routers[0].url, result.measures)
         return result
 
 
@@ -309,6 +323,7 @@ def cli_main(argv: list[str]) -> int:
     p.add_argument("--profile", default=d.profile, help="emulator profile")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--hicache", action="store_true", help="give the replicas their HiCache host tier (2x HBM)")
+    p.add_argument("--gateways", type=int, default=1, help="kvroute gateway processes (> 1: shared state in Redis)")
     p.add_argument("--policy-param", action="append", default=[], metavar="KEY=VALUE",
                    help="kvroute policy parameter for every kvroute run (repeatable)")
     p.add_argument("--drain", type=float, default=d.drain_s, help="wall seconds in-flight requests get at the end")
@@ -319,18 +334,19 @@ def cli_main(argv: list[str]) -> int:
     policies = [x.strip() for x in ns.policies.split(",") if x.strip()]
     if not policies:
         p.error("--policies is empty")
-    if ns.replicas < 1 or ns.duration <= 0 or ns.sessions < 1:
-        p.error("--replicas, --duration and --sessions must be positive")
+    if ns.replicas < 1 or ns.duration <= 0 or ns.sessions < 1 or ns.gateways < 1:
+        p.error("--replicas, --duration, --sessions and --gateways must be positive")
     scenario = demo_scenario(
         replicas=ns.replicas, duration_s=ns.duration, sessions=ns.sessions, time_scale=ns.time_scale,
         token_unit=ns.token_unit, profile=ns.profile, seed=ns.seed, drain_s=ns.drain,
-        policy_params=tuple(ns.policy_param), host_tier=ns.hicache,
+        policy_params=tuple(ns.policy_param), host_tier=ns.hicache, gateways=ns.gateways,
     )
     live = sys.stdout.isatty() and not ns.no_live
     print(
         f"kvroute demo: {ns.replicas} emulated replicas ({ns.profile}), {ns.sessions} coding-agent sessions, "
         f"{ns.duration:.0f} s per policy, policies {', '.join(policies)}; time x{1 / ns.time_scale:g}, "
-        f"1 emulated token = {ns.token_unit} model tokens",
+        f"1 emulated token = {ns.token_unit} model tokens"
+        + (f"; {ns.gateways} gateways sharing state in Redis" if ns.gateways > 1 else ""),
         flush=True,
     )
     doc = asyncio.run(run_demo(policies, scenario, live=live, plots=ns.plots))

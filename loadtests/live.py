@@ -63,6 +63,7 @@ class LoadConfig:
     """How to drive one run. Wall-clock knobs end in ``_s`` and are wall seconds unless named ``modelled``."""
 
     url: str  # base URL, e.g. http://127.0.0.1:8000 (the driver posts to {url}/v1/chat/completions)
+    extra_urls: tuple[str, ...] = ()  # more gateways: requests go round robin over (url, *extra_urls)
     replica_urls: tuple[str, ...] = ()  # where to sample per-replica load (the emulated replicas)
     model: str = "default"
     time_scale: float = 1.0  # wall = modelled x time_scale (same knob as the emulator)
@@ -249,7 +250,7 @@ class _Run:
         self.last_replica: dict[str, str] = {}
         self.move_times: list[float] = []  # modelled t of each session home change
         self.issued = 0
-        self._url = config.url.rstrip("/") + "/v1/chat/completions"
+        self._urls = [u.rstrip("/") + "/v1/chat/completions" for u in (config.url, *config.extra_urls)]
 
     def modelled_now(self) -> float:
         return (time.monotonic() - self.t0) / self.c.time_scale
@@ -367,7 +368,8 @@ class _Run:
         status = 0
         error: str | None = None
         try:
-            async with self.http.post(self._url, data=body, headers=headers) as resp:
+            url = self._urls[self.issued % len(self._urls)]
+            async with self.http.post(url, data=body, headers=headers) as resp:
                 status = resp.status
                 replica = next((resp.headers[h] for h in _REPLICA_HEADERS if h in resp.headers), None)
                 reason = resp.headers.get("X-Kvroute-Reason")
@@ -597,6 +599,7 @@ def _measures(
             "warmup_modelled_s": warm_modelled,
             "censored": censored,
             "load_source": "replicas",
+            "gateways": 1 + len(config.extra_urls),
             "fresh_connections": config.fresh_connections,
             "route_reasons": dict(sorted(reasons.items())),  # X-Kvroute-Reason counts (kvroute only)
             "error_kinds": dict(sorted(errors.items())),

@@ -36,6 +36,7 @@ __all__ = [
     "find_binary",
     "free_port",
     "peer_argv",
+    "running_redis",
     "running_router",
     "start_process",
     "stop_process",
@@ -214,6 +215,39 @@ async def running_router(
     p.url = f"http://127.0.0.1:{port}"
     try:
         await _wait_ready(p, _readiness_check(p.url, len(worker_urls), spec.kind), timeout_s)
+        yield p
+    finally:
+        await stop_process(p)
+
+
+@contextlib.asynccontextmanager
+async def running_redis(*, log_dir: Path, timeout_s: float = 20.0) -> AsyncIterator[RunningProcess]:
+    """A private ``redis-server`` on a free port (no persistence), for multi-gateway runs."""
+    binary = find_binary("redis-server")
+    if binary is None:
+        raise FileNotFoundError("redis-server not found (needed for --gateways > 1)")
+    port = free_port()
+    argv = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+            "--dir", str(log_dir)]
+    p = await start_process(f"redis-{port}", argv, log_dir=log_dir)
+    p.url = f"redis://127.0.0.1:{port}/0"
+    deadline = time.monotonic() + timeout_s
+    try:
+        while True:
+            try:
+                reader, writer = await asyncio.open_connection("127.0.0.1", port)
+                writer.write(b"PING\r\n")
+                await writer.drain()
+                pong = await asyncio.wait_for(reader.readline(), timeout=2.0)
+                writer.close()
+                await writer.wait_closed()
+                if pong.startswith(b"+PONG"):
+                    break
+            except OSError:
+                pass
+            if p.proc.returncode is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"redis-server did not start:\n{p.log_tail()}")
+            await asyncio.sleep(0.1)
         yield p
     finally:
         await stop_process(p)

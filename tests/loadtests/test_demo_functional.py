@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -43,3 +45,20 @@ def test_demo_rejects_bad_arguments() -> None:
     proc = subprocess.run([KVROUTE, "demo", "--replicas", "0"], check=False, capture_output=True, text=True, timeout=30)
     assert proc.returncode == 2
     assert "--replicas" in proc.stderr
+
+
+@pytest.mark.slow
+def test_tiny_demo_with_two_gateways_on_redis(tmp_path: Path) -> None:
+    if shutil.which("redis-server") is None and not os.environ.get("CI"):
+        pytest.skip("redis-server not installed")
+    out = tmp_path / "demo.json"
+    proc = subprocess.run(
+        [KVROUTE, "demo", "--replicas", "2", "--duration", "3", "--sessions", "6", "--drain", "2",
+         "--time-scale", "0.05", "--policies", "kv_aware", "--gateways", "2", "--json", str(out)],
+        check=False, capture_output=True, text=True, timeout=90,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    m = json.loads(out.read_text())["kv_aware"]
+    assert m["gateways"] == 2
+    assert m["requests"] > 5 and m["errors"] == 0
+    assert m["chr"] > 0.3

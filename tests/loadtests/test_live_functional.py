@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import itertools
+import sys
+from pathlib import Path
 
 import pytest
 
 from loadtests.live import LoadConfig, run_load
 from loadtests.measures import MEASURE_FIELDS
+from loadtests.peers import emulated_fleet
 from loadtests.workloads import SessionSpec, Turn
 from replica.emulator.profiles import get_profile
 from replica.emulator.runner import running_emulators
@@ -122,3 +125,27 @@ async def test_lanes_keep_a_fixed_number_of_sessions_alive() -> None:
         assert sum(lo <= t < hi for lo, hi in spans.values()) <= 2
     # a lane runs its sessions in order: s2 starts after s0 ended
     assert spans["s2"][0] >= spans["s0"][1]
+
+
+@pytest.mark.slow
+async def test_kvroute_load_cli_against_an_emulated_fleet(tmp_path: Path) -> None:
+    import asyncio
+    import json
+
+    out = tmp_path / "load.json"
+    args = ["--time-scale", "0.02", "--token-unit", str(UNIT), "--set", "page_size=4"]
+    async with emulated_fleet(2, args, log_dir=tmp_path) as fleet:
+        proc = await asyncio.create_subprocess_exec(
+            str(Path(sys.executable).parent / "kvroute"), "load", "--url", fleet.urls[0],
+            "--replica-url", fleet.urls[0], "--replica-url", fleet.urls[1], "--sessions", "4", "--lanes", "4",
+            "--duration", "2", "--time-scale", "0.02", "--token-unit", str(UNIT), "--json", str(out),
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        )
+        stdout, stderr = await asyncio.wait_for(proc.communicate(), timeout=60)
+    assert proc.returncode == 0, stderr.decode()[-2000:]
+    m = json.loads(out.read_text())
+    assert json.loads(stdout) == m
+    assert set(MEASURE_FIELDS) <= set(m)
+    assert m["requests"] > 4 and m["errors"] == 0 and m["chr"] > 0
+    assert m["dispersion"] is not None  # sampled from both replicas (one of them never gets traffic)
+    assert m["p_load_le1"] > 0
