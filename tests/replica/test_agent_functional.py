@@ -556,3 +556,53 @@ async def test_scale_up_8_to_10_moves_no_session_and_new_replicas_fill_within_th
         f"{ {k: round(v, 2) for k, v in mean_if.items()} } (fleet {fleet_mean:.2f})"
     )
     assert all(mean_if.get(r, 0.0) >= 0.3 * fleet_mean for r in new_ids), (mean_if, fleet_mean)
+
+
+async def test_discovery_combines_static_registry_and_admin_sources(
+    procs: Procs, redis_url: str, reader: Any
+) -> None:
+    """One gateway, three replicas from three sources: a static ``--replica``, one registered in Redis
+    by ``kvroute sidecar --redis``, one registered through the admin API by ``kvroute sidecar
+    --gateway``. All become active and take sessions; the admin-registered one drains via its sidecar."""
+    from router.config import load_config
+    from router.gateway.serve import start_gateway
+    from router.observability.surface import operator_surface_from_config
+
+    _, (static_url, registry_url, admin_url) = await start_emulators(procs, 3)
+    cfg = load_config(
+        ["--host", "127.0.0.1", "--port", "0", "--redis", redis_url, "--replica", static_url, "--seed", "1",
+         "--set", "health.health_interval_s=0.2", "--set", f"store.replica_ttl_s={REPLICA_TTL_S}",
+         "--set", "admin_token=sekret"],
+        {},
+    )  # fmt: skip
+    surface = operator_surface_from_config(cfg)
+    gw = await start_gateway(cfg, extra_setup=(surface.setup,))
+    try:
+        await start_sidecar(procs, registry_url, redis_url)
+        admin_sidecar = procs.start(
+            ["sidecar", "--engine-url", admin_url, "--gateway", gw.url, "--admin-token", "sekret",
+             "--listen-host", "127.0.0.1", "--listen-port", "0", "--heartbeat-interval", "0.2",
+             "--health-interval", "0.5", "--drain-grace", "0.3"]
+        )  # fmt: skip
+        assert json.loads(await _readline(admin_sidecar))["event"] == "listening"
+
+        async def three_active() -> bool:
+            reps = await _replicas(reader)
+            return len(reps) == 3 and all(r.status is ReplicaStatus.ACTIVE for r in reps.values())
+
+        await _until(three_active, 30, "three active replicas from three sources")
+        load = Load(gw.url)
+        async with aiohttp.ClientSession() as http:
+            await asyncio.gather(*(load.session(http, f"src-{i}", 2, 0.05) for i in range(12)))
+            served = Counter(t.replica for t in load.turns if t.ok)
+            assert set(served) == {_rid(u) for u in (static_url, registry_url, admin_url)}, served
+            assert all(t.ok for t in load.turns)
+            # the admin-registered replica leaves through its sidecar (admin API drain + delete)
+            admin_sidecar.send_signal(signal.SIGTERM)
+            assert await _wait_exit(admin_sidecar, 20) == 0
+            assert _rid(admin_url) not in await _replicas(reader)
+            load2 = Load(gw.url)
+            await asyncio.gather(*(load2.session(http, f"src-{i}", 1, 0.0) for i in range(12)))
+            assert all(t.ok and t.replica != _rid(admin_url) for t in load2.turns)
+    finally:
+        await asyncio.wait_for(gw.close(), 60)
