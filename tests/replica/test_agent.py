@@ -648,3 +648,47 @@ async def test_redis_entry_expires_when_the_sidecar_dies(
     finally:
         await sidecar_store.close()
         await gateway.close()
+
+
+# ---- the CLI ---------------------------------------------------------------------------------------
+
+
+def _kvroute(*args: str, timeout: float = 60) -> Any:
+    import subprocess
+    import sys
+
+    return subprocess.run(
+        [sys.executable, "-m", "router.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
+def test_cli_config_error_exits_2_naming_the_flag() -> None:
+    res = _kvroute("sidecar", "--engine-url", "http://127.0.0.1:1")
+    assert res.returncode == 2 and "need a registry" in res.stderr
+    res = _kvroute("sidecar", "--gateway", "http://127.0.0.1:1", "--heartbeat-interval", "-1")
+    assert res.returncode == 2 and "--heartbeat-interval" in res.stderr
+
+
+def test_cli_gives_up_on_an_engine_that_never_comes_up() -> None:
+    res = _kvroute(
+        "sidecar",
+        "--engine-url",
+        "http://127.0.0.1:1",
+        "--gateway",
+        "http://127.0.0.1:1",
+        "--listen-host",
+        "127.0.0.1",
+        "--listen-port",
+        "0",
+        "--engine-wait-timeout",
+        "0.5",
+        "--probe-timeout",
+        "0.2",
+    )
+    assert res.returncode == 1, res.stderr
+    assert "not healthy after 0.5s" in res.stderr
+    assert json.loads(res.stdout.splitlines()[0])["event"] == "listening"
