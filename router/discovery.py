@@ -32,6 +32,7 @@ from router.model import ReplicaId, ReplicaState, ReplicaStatus
 from router.store.base import StateStore
 
 if TYPE_CHECKING:
+    from router.gateway.egress import EgressGuard
     from router.gateway.forward import ReplicaClient
 
 __all__ = ["Discovery", "HealthTrack", "health_transition"]
@@ -75,9 +76,11 @@ class Discovery:
         emit: Callable[[Event], None],
         rng: random.Random,
         probe_timeout_s: float = 2.0,
+        egress: EgressGuard | None = None,
     ) -> None:
         self._store = store
         self._client = client
+        self._egress = egress
         self._cfg = cfg
         self._clock = clock
         self._emit = emit
@@ -128,15 +131,20 @@ class Discovery:
 
     async def scrape_once(self) -> None:
         replicas = await self._store.replicas()
+        if self._egress is not None:
+            replicas = [r for r in replicas if await self._egress.allowed(r.url)]
         await asyncio.gather(*(self._scrape_one(r) for r in replicas if r.status is not ReplicaStatus.DOWN))
 
     async def _check_one(self, r: ReplicaState) -> None:
         ok = False
         detail = ""
         try:
-            status, _ = await self._client.fetch(r.id, r.url + self._cfg.health_path, timeout_s=self._probe_s)
-            ok = status == 200
-            detail = f"/health returned {status}"
+            if self._egress is not None and not await self._egress.allowed(r.url):
+                detail = "URL outside the allowed networks: not probed"  # fails like a dead replica
+            else:
+                status, _ = await self._client.fetch(r.id, r.url + self._cfg.health_path, timeout_s=self._probe_s)
+                ok = status == 200
+                detail = f"/health returned {status}"
         except UpstreamError as exc:
             detail = str(exc)
         if not ok:

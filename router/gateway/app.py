@@ -23,6 +23,8 @@ from router.clock import Clock
 from router.config import GatewayConfig
 from router.discovery import Discovery
 from router.events import Emitter, Hook
+from router.gateway.admin import DEFAULT_ALLOWED_NETWORKS
+from router.gateway.egress import EgressGuard
 from router.gateway.forward import AiohttpReplicaClient, ReplicaClient
 from router.gateway.handlers import (
     INFERENCE_ROUTES,
@@ -75,6 +77,7 @@ def make_app(
     rt = GatewayRuntime(
         config=config, store=store, policy=policy, clock=clock, rng=rng, emit=emitter, client=client
     )
+    rt.egress = EgressGuard(config.replicas, config.admin_networks or DEFAULT_ALLOWED_NETWORKS, clock)
     app = web.Application(
         middlewares=[*middlewares, request_id_middleware, error_middleware],  # type: ignore[list-item]
         client_max_size=config.limits.max_body_bytes,
@@ -129,6 +132,7 @@ def make_app(
             emit=emitter,
             rng=random.Random(rng.random()),
             probe_timeout_s=config.timeouts.probe_s,
+            egress=rt.egress,
         )
         rt.discovery = d
         tasks: list[asyncio.Task[None]] = []

@@ -255,12 +255,18 @@ class _Proxy:
         raise exc
 
     async def _replica_url(self, replica_id: str, state: ReplicaState | None) -> str | None:
+        url: str | None = None
         if state is not None:
-            return str(state.url)
-        for r in await self.rt.store.replicas():
-            if r.id == replica_id:
-                return r.url
-        return None
+            url = str(state.url)
+        else:
+            for r in await self.rt.store.replicas():
+                if r.id == replica_id:
+                    url = r.url
+                    break
+        if url is not None and self.rt.egress is not None and not await self.rt.egress.allowed(url):
+            # a registry entry outside the allowed networks (router/gateway/egress.py): never sent to
+            raise UpstreamConnectError(f"replica {replica_id}: its URL is outside the allowed networks")
+        return url
 
     async def _attempt(self, lease: Lease, state: ReplicaState | None, can_retry: bool) -> web.StreamResponse:
         clock = self.rt.clock

@@ -22,6 +22,7 @@ from router.store.base import StateStore
 
 if TYPE_CHECKING:
     from router.discovery import Discovery
+    from router.gateway.egress import EgressGuard
     from router.gateway.forward import ReplicaClient
 
 __all__ = ["CONFIG_KEY", "EMITTER_KEY", "RUNTIME_KEY", "STORE_KEY", "GatewayRuntime"]
@@ -37,6 +38,7 @@ class GatewayRuntime:
     emit: Emitter
     client: ReplicaClient | None = None  # set by the client cleanup_ctx
     discovery: Discovery | None = None
+    egress: EgressGuard | None = None  # replica URLs outside the allowed networks are refused (None = no check)
     draining: bool = False  # shutting down: /ready answers 503
     models_body: dict[str, Any] | None = None
     models_at: float = float("-inf")

@@ -178,8 +178,6 @@ async def test_admin_requires_token_and_checks_networks(fake_replicas: Any) -> N
         await gw.close()
 
 
-@pytest.mark.xfail(strict=True, reason="replicas written to the shared registry (sidecars, Redis) are not "
-                   "checked against admin_networks: the gateway proxies to any registered URL")  # fmt: skip
 async def test_registry_replicas_outside_allowed_networks_get_no_traffic(
     fake_replicas: Any, gateway_factory: Any
 ) -> None:
@@ -197,7 +195,12 @@ async def test_registry_replicas_outside_allowed_networks_get_no_traffic(
             for i in range(20):
                 async with s.post(gw.url + CHAT, data=BODY, headers={"Modal-Session-Id": f"r{i}"}) as r:
                     await r.read()
+                    assert r.status == 200 and r.headers["X-Kvroute-Replica"] == rep.id  # retried on the allowed one
+        await asyncio.sleep(0.3)  # several health rounds: the entry is never probed, and it goes DOWN
         assert evil.connections == 0
+        states = {x.id: x.status for x in await gw.store.replicas()}
+        assert states[spec.id] is ReplicaStatus.DOWN and states[rep.id] is ReplicaStatus.ACTIVE
+        assert gw.runtime.egress is not None and gw.runtime.egress.refused_total > 0
     finally:
         await evil.close()
 
