@@ -174,7 +174,7 @@ class StoreRegistrar:
             for r in await self.store.replicas():
                 if r.id == replica_id:
                     return r.in_flight
-        return 0  # not registered (any more): nothing can be in flight through the gateways
+        return None  # no entry (expired, removed): ask the engine instead
 
     async def deregister(self, replica_id: ReplicaId) -> None:
         async with self._mapped("deregister"):
