@@ -148,6 +148,7 @@ class Load:
         self.phase = Outcomes()
         self.stop = asyncio.Event()
         self.in_flight = 0
+        self.streaming: dict[str, int] = {}  # replica id -> streams that have sent the client bytes
 
     def new_phase(self) -> Outcomes:
         old, self.phase = self.phase, Outcomes()
@@ -182,7 +183,16 @@ class Load:
         ph = self.phase  # a request counts in the phase it started in
         try:
             async with session.post(gw + "/v1/chat/completions", json=body, headers={"Modal-Session-Id": sid}) as r:
-                raw = await r.read()
+                if r.status == 200:
+                    rid = r.headers.get("X-Kvroute-Replica", "")
+                    first = await r.content.readany()
+                    self.streaming[rid] = self.streaming.get(rid, 0) + 1
+                    try:
+                        raw = first + await r.read()
+                    finally:
+                        self.streaming[rid] -= 1
+                else:
+                    raw = await r.read()
                 if r.status != 200:
                     try:
                         err = json.loads(raw)["error"]
@@ -312,11 +322,12 @@ async def _apply(name: str, s: aiohttp.ClientSession, fleet: Fleet, load: Load, 
         await asyncio.sleep(phase_s)
         await _post(s, victim + "/_emulator/faults", method="DELETE")
     elif name == "replica_sigkill":
-        # kill while the victim is streaming (bounded wait), so some requests really are mid-stream
-        deadline = time.monotonic() + 3.0
-        while (running := await _replica_running(s, victim)) == 0 and time.monotonic() < deadline:
-            await asyncio.sleep(0.01)
-        notes["victim_running_at_kill"] = running
+        # kill while clients are mid-stream on the victim (bytes received; bounded wait)
+        vid = victim.removeprefix("http://")
+        deadline = time.monotonic() + 5.0
+        while load.streaming.get(vid, 0) < 2 and time.monotonic() < deadline:
+            await asyncio.sleep(0.002)
+        notes["victim_streams_mid_way_at_kill"] = load.streaming.get(vid, 0)
         fleet.emulators[victim].send_signal(signal.SIGKILL)
         fleet.emulators[victim].wait(10)
         notes["killed"] = victim

@@ -32,6 +32,14 @@ async def test_every_fault_loses_nothing_and_leaves_no_phantom_load() -> None:
     # faults the client can see are seen, and only as clean errors
     assert by["replica_break_midstream"]["error_kinds"].get("sse_error_event", 0) > 0
     assert by["replica_503"]["clean_errors"] <= by["replica_503"]["completed"] // 10  # retried elsewhere
+    # a replica killed while clients were mid-stream on it: those streams end with an SSE error event,
+    # the gateway itself stays up (no transport error reaches a client), the rest is retried
+    kill = by["replica_sigkill"]
+    assert kill["victim_streams_mid_way_at_kill"] >= 1, kill
+    assert set(kill["error_kinds"]) <= {"sse_error_event"}, kill
+    # a killed gateway is seen by its clients only as transport errors, never as a silent loss
+    assert set(by["gateway_sigkill"]["error_kinds"]) <= {"ClientConnectorError", "ClientOSError",
+                                                         "ServerDisconnectedError", "ClientPayloadError"}  # fmt: skip
     assert by["scale_up"]["admin_status"] == 201 and by["drain"]["admin_status"] == 200
     assert out["all_ok"] and out["total_lost"] == 0
 
