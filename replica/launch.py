@@ -402,7 +402,11 @@ def cli_main(argv: list[str]) -> int:
     child_env = {**environ, **dict(command.env)}
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execvpe(command.argv[0], list(command.argv), child_env)  # does not return
+    try:
+        os.execvpe(command.argv[0], list(command.argv), child_env)  # does not return
+    except OSError as exc:
+        print(f"kvroute launch: cannot run {command.argv[0]}: {exc}", file=sys.stderr)
+        return 127
 
 
 if __name__ == "__main__":

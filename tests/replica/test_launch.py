@@ -292,3 +292,14 @@ def test_build_script_is_valid_bash() -> None:
     bash = shutil.which("bash")
     assert bash is not None
     subprocess.run([bash, "-n", str(script)], check=True, timeout=30)
+
+
+def test_cli_reports_a_missing_interpreter() -> None:
+    res = subprocess.run(
+        [*KVROUTE, "launch", "--python", "/nonexistent/python3"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert res.returncode == 127 and "cannot run /nonexistent/python3" in res.stderr
