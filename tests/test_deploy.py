@@ -204,10 +204,20 @@ def test_gateway_configmap_is_accepted_by_the_gateway(
         cfg = load_config(["--config", str(path)], {})
         assert cfg.redis_url == "redis://kvroute-redis:6379/0"
         assert cfg.policy == "kv_aware"
-    # ... and the Deployment runs it with those args
+    # ... and the Deployment runs it with those args and env (the secret's value stands in)
     dep = _one(rendered["overlays/production"], "Deployment", "kvroute-gateway")
     c = _container(dep["spec"]["template"]["spec"], "gateway")
     assert c["args"][:1] == ["serve"] and "/etc/kvroute/gateway.yaml" in c["args"]
+    env = _env(c, {"metadata.name": "kvroute-gateway-7d9f-abcde"})
+    env["KVROUTE_ADMIN_TOKEN"] = "from-the-secret"
+    args = [
+        str(tmp_path / "overlays_production.yaml") if a == "/etc/kvroute/gateway.yaml" else a
+        for a in c["args"][1:]
+    ]
+    cfg = load_config(args, env)
+    assert cfg.gateway_id == "kvroute-gateway-7d9f-abcde" and cfg.port == 8000 and cfg.host == "0.0.0.0"
+    assert cfg.admin_token is not None and cfg.admin_token.get_secret_value() == "from-the-secret"
+    assert cfg.timeouts.shutdown_s < dep["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
 
 
 def test_replica_pod_engine_and_sidecar(rendered: dict[str, list[dict[str, Any]]]) -> None:
