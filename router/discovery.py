@@ -131,9 +131,8 @@ class Discovery:
 
     async def scrape_once(self) -> None:
         replicas = await self._store.replicas()
-        if self._egress is not None:
-            replicas = [r for r in replicas if await self._egress.allowed(r.url)]
-        await asyncio.gather(*(self._scrape_one(r) for r in replicas if r.status is not ReplicaStatus.DOWN))
+        allowed = [r for r in replicas if self._egress is None or await self._egress.allowed(r.url)]
+        await asyncio.gather(*(self._scrape_one(r) for r in allowed if r.status is not ReplicaStatus.DOWN))
 
     async def _check_one(self, r: ReplicaState) -> None:
         ok = False

@@ -49,7 +49,7 @@ class TcpProxy:
     def url_host_port(self) -> str:
         return f"{self.listen_host}:{self.port}"
 
-    async def start(self) -> TcpProxy:
+    async def start(self) -> Self:
         self._server = await asyncio.start_server(self._accept, self.listen_host, self.listen_port)
         return self
 
