@@ -192,7 +192,12 @@ class RedisStore:
         if cluster:
             client = RedisCluster.from_url(plain, **common)
         else:
-            client = aioredis.Redis.from_url(plain, max_connections=256, **common)
+            # a blocking pool: a burst beyond 256 concurrent calls waits (within the op timeout)
+            # instead of failing with "Too many connections"
+            pool = aioredis.BlockingConnectionPool.from_url(
+                plain, max_connections=256, timeout=op_timeout_s, **common
+            )
+            client = aioredis.Redis.from_pool(pool)  # closes the pool with the client
         return cls(client, gateway_id, config, clock, **kwargs)
 
     # ---- time ------------------------------------------------------------------------------------
@@ -280,6 +285,7 @@ class RedisStore:
                         backoff = min(self.retry_max_s, backoff * 2)
                         continue
                     backoff = self.retry_min_s
+                    continue  # a lease released during the resync may already ask for a restore
                 elif self._need_restore:
                     await self._restore()
                 else:
@@ -608,6 +614,7 @@ class RedisStore:
         if self.degraded:
             self.fallback_total += 1  # the restore at resync drops it from Redis's count
             self._need_restore = True
+            self._wake.set()
             return
         has_prompt = completion.prompt_tokens is not None
         args: list[str | int | float] = [
