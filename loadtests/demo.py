@@ -40,6 +40,7 @@ from typing import Any
 
 from loadtests.live import LiveStats, LoadConfig, LoadResult, run_load
 from loadtests.peers import PeerSpec, emulated_fleet, running_redis, running_router
+from loadtests.workloads import SessionSpec
 
 __all__ = ["DemoScenario", "cli_main", "demo_scenario", "run_demo", "run_policy"]
 
@@ -118,7 +119,7 @@ class DemoScenario:
             lanes=self.sessions,
         )
 
-    def workload(self) -> list[Any]:
+    def workload(self) -> list[SessionSpec]:
         from loadtests.workloads import SyntheticParams, synthetic_sessions
 
         modelled = self.duration_s / self.time_scale
@@ -173,7 +174,7 @@ def _render(policy: str, st: LiveStats, duration_s: float) -> Any:
 async def run_policy(
     spec: PeerSpec,
     scenario: DemoScenario,
-    sessions: Sequence[Any],
+    sessions: Sequence[SessionSpec],
     *,
     log_dir: Path,
     live: bool,
@@ -236,7 +237,7 @@ async def _gateway_overhead(url: str, measures: dict[str, Any]) -> None:
 async def _drive(
     spec: PeerSpec,
     scenario: DemoScenario,
-    sessions: Sequence[Any],
+    sessions: Sequence[SessionSpec],
     config: LoadConfig,
     stats: LiveStats,
     *,

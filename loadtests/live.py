@@ -42,6 +42,7 @@ from typing import Any
 import aiohttp
 
 from loadtests.textgen import BYTES_PER_TOKEN, Conversation, emulated_tokens
+from loadtests.workloads import SessionSpec, turn_inputs
 
 __all__ = [
     "DEFAULT_SESSION_HEADERS",
@@ -280,10 +281,10 @@ class _Run:
                 pass
         return not self.stopping.is_set()
 
-    def spawn(self, spec: Any, delay_modelled_s: float) -> None:
+    def spawn(self, spec: SessionSpec, delay_modelled_s: float) -> None:
         self.tasks.append(asyncio.create_task(self.chain(spec, delay_modelled_s)))
 
-    async def lane(self, specs: Sequence[Any]) -> None:
+    async def lane(self, specs: Sequence[SessionSpec]) -> None:
         """Sessions back to back (AgentX ``--concurrency`` semantics): the first at its ``start_s``,
         each next one as soon as the previous session's main chain ends."""
         for i, spec in enumerate(specs):
@@ -291,10 +292,8 @@ class _Run:
                 return
             await self.chain(spec, float(spec.start_s) - self.modelled_now() if i == 0 else 0.0)
 
-    async def chain(self, spec: Any, delay_modelled_s: float) -> None:
+    async def chain(self, spec: SessionSpec, delay_modelled_s: float) -> None:
         """Run one chain (a session or a branch) closed-loop; branches spawn after their parent turn."""
-        from loadtests.workloads import turn_inputs
-
         c = self.c
         if not await self.sleep_modelled(delay_modelled_s):
             return
@@ -335,7 +334,7 @@ class _Run:
                 reqs.append(self.request(body, ctx, side=True, main=False))
             await asyncio.gather(*reqs)
             prev_in, prev_out, prev_prompt = inputs[k], int(turn.output_tokens), conv.prompt_tokens
-            for b in getattr(spec, "branches", ()):
+            for b in spec.branches:
                 if int(b.spawn_after_turn) == k:
                     self.spawn(b, float(b.start_s))
 
@@ -470,7 +469,7 @@ class _Run:
 
 
 async def run_load(
-    sessions: Sequence[Any],
+    sessions: Sequence[SessionSpec],
     config: LoadConfig,
     *,
     stats: LiveStats | None = None,
@@ -641,7 +640,7 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def load_workload(kind: str, trace: Path | None, sessions: int, seed: int) -> list[Any]:
+def load_workload(kind: str, trace: Path | None, sessions: int, seed: int) -> list[SessionSpec]:
     """Sessions for ``kind`` (synthetic from ``SyntheticParams``; traces from ``trace`` or the default)."""
     from loadtests import workloads as w
 
