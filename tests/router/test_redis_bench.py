@@ -1,0 +1,29 @@
+"""``kvroute bench redis`` runs and reports what it promises (short store-level run; no timing asserts)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_bench_redis_store_level_reports_round_trips_and_ratios(redis_url: str) -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "router", "bench", "redis", "--redis", redis_url, "--level", "store",
+         "--duration", "0.3", "--concurrency", "1", "4", "--replicas", "3"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120, check=True,
+    )  # fmt: skip
+    doc = json.loads(out.stdout)
+    store = doc["store"]
+    assert set(store["cases"]) == {"c1", "c4"}
+    for case in store["cases"].values():
+        redis = case["redis"]
+        assert redis["requests"] > 0 and redis["degraded_total"] == 0
+        # snapshot + acquire + release; a heartbeat may add a few over the whole run
+        assert 3.0 <= redis["round_trips_per_request"] < 3.2
+        assert redis["commands_in_scripts_per_request"] > 10
+        assert case["latency_ratio_p50"] > 0 and case["memory"]["requests"] > 0
+    assert 3.0 <= store["round_trips_per_request"] < 3.2
