@@ -217,7 +217,11 @@ class KvAwarePolicy:
             )
             # rule 5: the bigger the context to re-prefill, the bigger the gain a move must bring
             needed = p.reassign_min_gain + sess.context_tokens / p.reassign_tokens_per_gain
-            if decision is not None and (over or self._gain(home, decision, snapshot, ctx) >= needed):
+            if decision is not None and (
+                self._relieves(decision, snapshot, view)
+                if over
+                else self._gain(home, decision, snapshot, ctx) >= needed
+            ):
                 return decision
         effects = self._collapse(sess, keep_only=tuple(o for o in sess.overflow if sess.in_flight_at(o) > 0))
         return RouteDecision(home.id, Reason.AFFINITY, effects, ((home.id, load_score(home, 0, p)),))
@@ -234,6 +238,12 @@ class KvAwarePolicy:
         persistent = eng.updated_at == 0.0 or eng.queued > 0 or eng.running >= bound
         thrashing = home.active_context_tokens > p.thrash_factor * total_capacity(home, p)
         return (busy and persistent) or thrashing
+
+    @staticmethod
+    def _relieves(decision: RouteDecision, snapshot: ClusterSnapshot, view: _View) -> bool:
+        """A move off an over-the-bound home only helps if the target is under the bound."""
+        target = snapshot.replica(decision.replica_id)
+        return target is not None and target.in_flight + 1 < view.hard_bound
 
     def _gain(
         self, home: ReplicaState, decision: RouteDecision, snapshot: ClusterSnapshot, ctx: int

@@ -346,6 +346,16 @@ CASES: dict[str, Case] = {
         (bind(B, A, Reason.REASSIGNED_OVERLOAD),),
         AffinityBreak.OVERLOAD_SPILL,
     ),
+    "overload_idle_stays_when_no_one_is_under_the_bound": Case(
+        # hard bound = max(8, 1.0 * mean 9.33) = 9.33: B and C would be over it with one more
+        snapshot(
+            replica(A, in_flight=10), replica(B, in_flight=9), replica(C, in_flight=9), sess=session("s1", A)
+        ),
+        request(),
+        A,
+        Reason.AFFINITY,
+        params=P.with_changes(hard_bound_factor=1.0),
+    ),
     "soft_overload_moves_cheap_session": Case(
         # mean 7/3: soft bound 1.0 * 2.33 + 1.0 = 3.33 < 6 and the engine reports a queue
         snapshot(
