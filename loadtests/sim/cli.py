@@ -22,6 +22,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from loadtests.sim.prompts import check_page_size
 from loadtests.sim.run import DEFAULT_PAGE_SIZE, FailureEvent, ScaleEvent, SimConfig, SimResult, run_sim
 from loadtests.workloads import (
     DEFAULT_MOONCAKE_TRACE,
@@ -205,6 +206,7 @@ def cli_main(argv: list[str]) -> int:
         profile = get_profile(args.profile).with_overrides(page_size=args.page_size, **dict(args.set))
         params = PolicyParams().with_changes(**{k: float(v) for k, v in args.param})
         specs = load_workload(args, lanes, profile.context_length)
+        check_page_size(specs, profile.page_size)
     except (ValueError, OSError) as exc:
         print(f"kvroute sim: {exc}", file=sys.stderr)
         return 2

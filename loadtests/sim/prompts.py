@@ -23,16 +23,34 @@ taken from the next turn when it continues the same prefix.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from loadtests.workloads import SessionSpec, turn_inputs
 
-__all__ = ["ChainNamer", "IdealCache"]
+__all__ = ["ChainNamer", "IdealCache", "check_page_size"]
 
 _CHAIN_SPAN = 1 << 24  # blocks per chain epoch (2^24 x page tokens: never reached)
 _EPOCH_SPAN = 1 << 12
 _SHARED_BASE = 1 << 62
 _SCOPE_BASE = 1 << 56
+
+
+def _aligned(page_size: int, block_size: int) -> bool:
+    if not block_size:
+        return True
+    if page_size >= block_size:
+        return page_size % block_size == 0
+    return block_size % page_size == 0
+
+
+def check_page_size(specs: Iterable[SessionSpec], page_size: int) -> None:
+    """``ValueError`` unless ``page_size`` is a multiple or a divisor of every trace block size."""
+    if page_size <= 0:
+        raise ValueError("page size must be > 0")
+    sizes = {c.block_size for s in specs for c in s.walk()}
+    bad = sorted(b for b in sizes if not _aligned(page_size, b))
+    if bad:
+        raise ValueError(f"page size {page_size} must be a multiple or a divisor of the trace block size {bad[0]}")
 
 
 def _shared_name(prefix_tokens: int, j: int) -> int:
@@ -45,10 +63,7 @@ class ChainNamer:
     __slots__ = ("_epochs", "_inputs", "_k", "_memo", "_scope_base", "_spec", "_uid", "page")
 
     def __init__(self, spec: SessionSpec, uid: int, scope_uid: int, page_size: int) -> None:
-        if spec.block_size and (
-            (page_size >= spec.block_size and page_size % spec.block_size)
-            or (page_size < spec.block_size and spec.block_size % page_size)
-        ):
+        if not _aligned(page_size, spec.block_size):
             raise ValueError(
                 f"page size {page_size} must be a multiple or a divisor of the trace block size {spec.block_size}"
             )

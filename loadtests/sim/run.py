@@ -38,7 +38,7 @@ from typing import Any
 
 from loadtests.measures import MeasureCollector, RequestRecord
 from loadtests.sim.engine import EventLoop
-from loadtests.sim.prompts import ChainNamer, IdealCache
+from loadtests.sim.prompts import ChainNamer, IdealCache, check_page_size
 from loadtests.sim.replica_model import SimReplica
 from loadtests.workloads import SessionSpec
 from replica.emulator.profiles import Profile, get_profile
@@ -664,5 +664,8 @@ class _Sim:
 
 
 def run_sim(specs: Sequence[SessionSpec], config: SimConfig) -> SimResult:
-    """Simulate ``specs`` on the fleet of ``config`` with ``config.policy``. Deterministic."""
+    """Simulate ``specs`` on the fleet of ``config`` with ``config.policy``. Deterministic.
+
+    ``ValueError`` up front if the cache page does not align with the trace's hash blocks."""
+    check_page_size(specs, config.profile.page_size)
     return _Sim(specs, config).run()

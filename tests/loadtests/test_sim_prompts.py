@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from loadtests.sim.prompts import ChainNamer, IdealCache
+from loadtests.sim.prompts import ChainNamer, IdealCache, check_page_size
 from loadtests.workloads import SessionSpec, Turn, runs_of
 
 
@@ -48,6 +48,10 @@ def test_page_size_must_align_with_trace_blocks() -> None:
     s = SessionSpec("w", 0.0, 0, (Turn(0, 1, 0.0, input_tokens=100, hash_runs=((1, 2),)),), block_size=64)
     with pytest.raises(ValueError):
         ChainNamer(s, 1, 1, 96)
+    with pytest.raises(ValueError, match="block size 64"):
+        check_page_size([s], 96)
+    check_page_size([s], 128)
+    check_page_size([s], 32)
 
 
 def test_ideal_cache_matches_like_the_engine() -> None:
