@@ -148,7 +148,7 @@ class Load:
         self.phase = Outcomes()
         self.stop = asyncio.Event()
         self.in_flight = 0
-        self.streaming: dict[str, int] = {}  # replica id -> streams that have sent the client bytes
+        self.streaming: dict[str, int] = {}  # replica id or gateway URL -> streams that sent the client bytes
 
     def new_phase(self) -> Outcomes:
         old, self.phase = self.phase, Outcomes()
@@ -167,8 +167,9 @@ class Load:
             live = [g for g in self.gateways if g not in self.dead] or self.gateways
             gw = live[i % len(live)]
             history += f" user turn {turn}: " + "code " * rng.randint(20, 60)
+            # every third turn is a long answer, so that kills land mid-stream
             body = {"model": "m", "messages": [{"role": "user", "content": history}], "stream": True,
-                    "max_tokens": 48, "stream_options": {"include_usage": True}}  # fmt: skip
+                    "max_tokens": 48 if turn % 3 else 400, "stream_options": {"include_usage": True}}  # fmt: skip
             self.in_flight += 1
             try:
                 await asyncio.wait_for(self._one(session, gw, sid, body), self.timeout_s)
@@ -187,10 +188,12 @@ class Load:
                     rid = r.headers.get("X-Kvroute-Replica", "")
                     first = await r.content.readany()
                     self.streaming[rid] = self.streaming.get(rid, 0) + 1
+                    self.streaming[gw] = self.streaming.get(gw, 0) + 1
                     try:
                         raw = first + await r.read()
                     finally:
                         self.streaming[rid] -= 1
+                        self.streaming[gw] -= 1
                 else:
                     raw = await r.read()
                 if r.status != 200:
@@ -344,6 +347,10 @@ async def _apply(name: str, s: aiohttp.ClientSession, fleet: Fleet, load: Load, 
         fleet.proxy.latency_s = 0.0
     elif name == "gateway_sigkill":
         dead = gws[-1]
+        deadline = time.monotonic() + 5.0
+        while load.streaming.get(dead, 0) < 2 and time.monotonic() < deadline:
+            await asyncio.sleep(0.002)
+        notes["streams_mid_way_at_kill"] = load.streaming.get(dead, 0)
         fleet.gateways[dead].send_signal(signal.SIGKILL)
         fleet.gateways[dead].wait(10)
         notes["killed"] = dead
@@ -404,9 +411,12 @@ async def run_campaign(
             runner: Awaitable[None] = load.run(s)
             task = asyncio.ensure_future(runner)
             await asyncio.sleep(phase_s)  # warm-up: sessions get homes and caches
-            for name in faults:
+            for k, name in enumerate(faults):
                 say(f"fault {name}")
-                load.new_phase()
+                # A request is counted in the phase object current when it *started*, whenever it ends;
+                # every object of the fault's window goes into its totals, so nothing escapes counting
+                # (the streams in flight when the fault hits belong to ``before``).
+                lead = load.new_phase()  # since the load (re)started: warm-up or the previous restart
                 await asyncio.sleep(phase_s)
                 before = load.new_phase()
                 notes = await _apply(name, s, fleet, load, phase_s)
@@ -416,12 +426,12 @@ async def run_campaign(
                 load.stop.set()
                 phantom = await _phantom(s, fleet, load, settle_timeout_s)
                 late = load.new_phase()  # requests that were in flight when the load paused
-                task_done = task
-                await asyncio.wait_for(task_done, client_timeout_s + 5)
-                load.stop = asyncio.Event()
-                task = asyncio.ensure_future(load.run(s))
+                await asyncio.wait_for(task, client_timeout_s + 5)
+                if k + 1 < len(faults):
+                    load.stop = asyncio.Event()
+                    task = asyncio.ensure_future(load.run(s))
                 tot = Outcomes()
-                for o in (during, after, late):
+                for o in (lead, before, during, after, late):
                     tot.completed += o.completed
                     tot.clean_error += o.clean_error
                     tot.lost += o.lost
@@ -444,7 +454,7 @@ async def run_campaign(
                     **notes,
                 })  # fmt: skip
             load.stop.set()
-            await asyncio.wait_for(task, client_timeout_s + 5)
+            await asyncio.wait_for(task, client_timeout_s + 5)  # done already unless faults was empty
     finally:
         await proxy.close()
         procs.cleanup()

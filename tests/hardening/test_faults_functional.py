@@ -37,7 +37,9 @@ async def test_every_fault_loses_nothing_and_leaves_no_phantom_load() -> None:
     kill = by["replica_sigkill"]
     assert kill["victim_streams_mid_way_at_kill"] >= 1, kill
     assert set(kill["error_kinds"]) <= {"sse_error_event"}, kill
+    assert kill["clean_errors"] <= kill["victim_streams_mid_way_at_kill"], kill  # only streams already under way
     # a killed gateway is seen by its clients only as transport errors, never as a silent loss
+    assert by["gateway_sigkill"]["streams_mid_way_at_kill"] >= 1
     assert set(by["gateway_sigkill"]["error_kinds"]) <= {"ClientConnectorError", "ClientOSError",
                                                          "ServerDisconnectedError", "ClientPayloadError"}  # fmt: skip
     assert by["scale_up"]["admin_status"] == 201 and by["drain"]["admin_status"] == 200
