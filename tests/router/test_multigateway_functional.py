@@ -220,7 +220,7 @@ async def test_inflight_exact_under_load_and_sigkilled_gateway_leaves_no_phantom
 async def test_redis_killed_under_load_then_back(redis_killable) -> None:  # type: ignore[no-untyped-def]
     url = redis_killable.url
     stores = [
-        RedisStore.from_url(url, f"g{i}", _config(), SystemClock(), op_timeout_s=0.2, retry_max_s=0.2)
+        RedisStore.from_url(url, f"g{i}", _config(), SystemClock(), op_timeout_s=0.5, retry_max_s=0.2)
         for i in range(3)
     ]
     await _register(stores[0])

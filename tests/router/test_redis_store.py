@@ -287,7 +287,7 @@ async def test_slow_redis_degrades_quickly_and_recovers(redis_url, stores, clock
     await r.execute_command("CLIENT", "PAUSE", "800", "ALL")  # Redis stalls for 0.8 s
     t0 = time.monotonic()
     assert await _route_once(s, "x", "r0") == "r0"  # served from local state, home remembered
-    assert time.monotonic() - t0 < 0.6
+    assert time.monotonic() - t0 < 0.75  # did not wait out the 0.8 s pause
     assert s.degraded and s.degraded_total == 1
     deadline = time.monotonic() + 5
     while s.degraded:
