@@ -387,6 +387,7 @@ async def run_campaign(
     seed: int = 1,
     client_timeout_s: float = 20.0,
     settle_timeout_s: float = 15.0,
+    chr_tolerance: float = 0.05,
     log: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
     """Run the campaign; see the module docstring. Bounded: about ``(3 * phase_s + settle) * len(faults)``."""
@@ -449,7 +450,7 @@ async def run_campaign(
                     "chr_before": before.chr(),
                     "chr_during": during.chr(),
                     "chr_after": after.chr(),
-                    "chr_recovered": _recovered(before.chr(), after.chr()),
+                    "chr_recovered": _recovered(before.chr(), after.chr(), chr_tolerance),
                     "requests_before": before.completed + before.clean_error + before.lost,
                     **notes,
                 })  # fmt: skip

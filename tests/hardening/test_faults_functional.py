@@ -20,7 +20,8 @@ pytestmark = pytest.mark.slow
 
 
 async def test_every_fault_loses_nothing_and_leaves_no_phantom_load() -> None:
-    out = await run_campaign(ALL_FAULTS, replicas=3, clients=10, phase_s=2.0, time_scale=0.2, seed=3)
+    # short phases: sessions moved off a slow/killed replica are still warming up in the 2 s after
+    out = await run_campaign(ALL_FAULTS, replicas=3, clients=10, phase_s=2.0, time_scale=0.2, seed=3, chr_tolerance=0.1)
     by = {r["fault"]: r for r in out["faults"]}
     assert list(by) == list(ALL_FAULTS)
     for name, r in by.items():
