@@ -73,6 +73,8 @@ class DemoScenario:
     # sticky policy keeps its CHR; ``--hicache`` turns it on)
     host_tier: bool = False
     gateways: int = 1  # kvroute gateways; > 1 shares state in a fresh Redis
+    workload_kind: str = "synthetic"  # or "weka": the real Claude Code sessions (traces/)
+    trace: str | None = None  # WEKA requests file (default: /work/shared/traces/...)
     extra_emulator_args: tuple[str, ...] = ()
     policy_params: tuple[str, ...] = ()  # KEY=VALUE, passed to kvroute serve --policy-param (after the scaled ones)
 
@@ -120,17 +122,28 @@ class DemoScenario:
         )
 
     def workload(self) -> list[SessionSpec]:
-        from loadtests.workloads import SyntheticParams, synthetic_sessions
+        from loadtests import workloads as w
 
         modelled = self.duration_s / self.time_scale
-        params = SyntheticParams(
+        rng = random.Random(self.seed)
+        if self.workload_kind == "weka":
+            # real sessions (sub-agents as branches), spread over the start window; requests longer
+            # than the emulated context window are dropped, the rest of their session kept (AgentX)
+            path = Path(self.trace) if self.trace else w.DEFAULT_WEKA_TRACE
+            specs = w.read_weka(path, limit=self.sessions * self.session_pool_factor)
+            specs = w.drop_long_requests(specs, 250_000)
+            rng.shuffle(specs)
+            return w.with_arrivals(specs, rng, spread_s=modelled * self.start_spread_frac)
+        if self.workload_kind != "synthetic":
+            raise ValueError(f"unknown workload {self.workload_kind!r} (synthetic | weka)")
+        params = w.SyntheticParams(
             sessions=self.sessions * self.session_pool_factor,
             start_spread_s=modelled * self.start_spread_frac,
             tool_think_fraction=self.tool_think_fraction,
             tool_think_median_s=self.tool_think_median_s,
             human_think_median_s=self.human_think_median_s,
         )
-        return synthetic_sessions(params, random.Random(self.seed))
+        return w.synthetic_sessions(params, rng)
 
 
 def demo_scenario(**overrides: Any) -> DemoScenario:
@@ -325,6 +338,8 @@ def cli_main(argv: list[str]) -> int:
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--hicache", action="store_true", help="give the replicas their HiCache host tier (2x HBM)")
     p.add_argument("--gateways", type=int, default=1, help="kvroute gateway processes (> 1: shared state in Redis)")
+    p.add_argument("--workload", choices=["synthetic", "weka"], default="synthetic")
+    p.add_argument("--trace", help="WEKA requests .jsonl (default: the copy in the shared traces)")
     p.add_argument("--policy-param", action="append", default=[], metavar="KEY=VALUE",
                    help="kvroute policy parameter for every kvroute run (repeatable)")
     p.add_argument("--drain", type=float, default=d.drain_s, help="wall seconds in-flight requests get at the end")
@@ -341,6 +356,7 @@ def cli_main(argv: list[str]) -> int:
         replicas=ns.replicas, duration_s=ns.duration, sessions=ns.sessions, time_scale=ns.time_scale,
         token_unit=ns.token_unit, profile=ns.profile, seed=ns.seed, drain_s=ns.drain,
         policy_params=tuple(ns.policy_param), host_tier=ns.hicache, gateways=ns.gateways,
+        workload_kind=ns.workload, trace=ns.trace,
     )
     live = sys.stdout.isatty() and not ns.no_live
     print(

@@ -376,6 +376,8 @@ def bench_peers_main(argv: list[str]) -> int:
     p.add_argument("--profile", default=d.profile)
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--hicache", action="store_true", help="give the replicas their HiCache host tier (2x HBM)")
+    p.add_argument("--workload", choices=["synthetic", "weka"], default="synthetic")
+    p.add_argument("--trace", help="WEKA requests .jsonl (default: the copy in the shared traces)")
     p.add_argument("--out", type=Path, default=Path("out/peers"), help="directory for plots")
     p.add_argument("--json", type=Path, help="write the JSON here (default OUT/peers.json)")
     ns = p.parse_args(argv)
@@ -386,6 +388,7 @@ def bench_peers_main(argv: list[str]) -> int:
     scenario = demo_scenario(
         replicas=ns.replicas, duration_s=ns.duration, sessions=ns.sessions, time_scale=ns.time_scale,
         token_unit=ns.token_unit, profile=ns.profile, seed=ns.seed, host_tier=ns.hicache,
+        workload_kind=ns.workload, trace=ns.trace,
     )
     console = Console(stderr=True, width=160)
     doc = asyncio.run(run_peers_bench(targets, scenario, out_dir=ns.out, say=console.print))

@@ -80,3 +80,21 @@ def test_histogram_quantiles_interpolate_within_buckets() -> None:
     assert p90 == pytest.approx(0.001 + 0.001 * (90 - 50) / (99 - 50))
     assert p999 == pytest.approx(0.002)  # the +Inf bucket reports its lower bound
     assert histogram_quantiles(text, "missing", (0.5,)) == [None]
+
+
+def test_demo_scenario_workloads() -> None:
+    from loadtests.demo import DemoScenario
+    from loadtests.workloads import turn_inputs
+
+    syn = DemoScenario(sessions=3, session_pool_factor=2).workload()
+    assert len(syn) == 6
+    assert syn == DemoScenario(sessions=3, session_pool_factor=2).workload()  # deterministic for a seed
+    weka = DemoScenario(sessions=2, session_pool_factor=2, workload_kind="weka").workload()
+    assert 1 <= len(weka) <= 4
+    window = DemoScenario().duration_s / DemoScenario().time_scale * DemoScenario().start_spread_frac
+    assert all(0 <= s.start_s <= window for s in weka)
+    assert all(x <= 250_000 for s in weka for chain in s.walk() for x in turn_inputs(chain))
+    with pytest.raises(ValueError, match="unknown workload"):
+        DemoScenario(workload_kind="nope").workload()
+    args = DemoScenario(token_unit=100).kvroute_args()
+    assert "default_capacity_tokens=8500" in args  # token parameters scaled to emulated tokens
