@@ -96,5 +96,8 @@ def test_demo_scenario_workloads() -> None:
     assert all(x <= 250_000 for s in weka for chain in s.walk() for x in turn_inputs(chain))
     with pytest.raises(ValueError, match="unknown workload"):
         DemoScenario(workload_kind="nope").workload()
+    from router.policy.params import PolicyParams
+
     args = DemoScenario(token_unit=100).kvroute_args()
-    assert "default_capacity_tokens=8500" in args  # token parameters scaled to emulated tokens
+    # token parameters scaled to emulated tokens
+    assert f"default_capacity_tokens={PolicyParams().default_capacity_tokens // 100}" in args
