@@ -246,7 +246,7 @@ class _Run:
         self.deadline = self.t0 + config.duration_s
         self.outcomes: list[Outcome] = []
         self.stopping = asyncio.Event()
-        self.shared_seen: set[int] = set()
+        self.shared_seen = 0  # emulated tokens of the canonical shared prefix sent so far (max)
         self.tasks: list[asyncio.Task[None]] = []
         self.last_replica: dict[str, str] = {}
         self.move_times: list[float] = []  # modelled t of each session home change
@@ -314,15 +314,14 @@ class _Run:
                 # a new context (first turn, compaction): shared prefix + new text
                 conv = Conversation(key=f"{spec.session_id}~{k}", shared_prefix_tokens=shared_model,
                                     token_unit=c.token_unit)
-                # one infinite cache holds the shared prefix once any session has sent it
-                ideal = shared if shared_model in self.shared_seen else 0
+                # one infinite cache holds as much of the canonical shared prefix as any session sent
+                ideal = min(shared, self.shared_seen)
                 conv.add(max(inputs[k] - shared_model, 1))
             else:
                 ideal = prev_prompt
                 conv.add(prev_out)  # the model's previous reply, then the new input
                 conv.add(max(inputs[k] - prev_in - prev_out, 0))
-            if shared_model > 0:
-                self.shared_seen.add(shared_model)
+            self.shared_seen = max(self.shared_seen, shared)
             out = max(1, emulated_tokens(int(turn.output_tokens), c.token_unit))
             body = json.dumps(self._body(conv.messages, out), separators=(",", ":")).encode()
             main = spec.parent is None

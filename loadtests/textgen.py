@@ -55,13 +55,25 @@ def filler(seed: str, n_bytes: int) -> str:
     return base64.b64encode(raw).translate(_SPACES)[:n_bytes].decode("ascii")
 
 
-@lru_cache(maxsize=16)
+_CHUNK = 4096
+
+
+@lru_cache(maxsize=4096)
+def _canonical_chunk(namespace: str, i: int) -> str:
+    return filler(f"{namespace}/{i}", _CHUNK)
+
+
+@lru_cache(maxsize=64)
 def shared_prefix(n_bytes: int, namespace: str = "kvroute-shared-system-and-tools") -> str:
-    """The system + tools prompt every session shares (cached: it is the same string every time)."""
+    """The system + tools prompt sessions share: the first ``n_bytes`` of ONE canonical text, so a
+    shorter shared prefix is a prefix of a longer one (calibration §5: one canonical shared prefix;
+    sessions whose tool definitions differ in size still share what they have in common)."""
     head = "You are a coding agent. Tools follow.\n"
     if n_bytes <= len(head):
         return head[: max(n_bytes, 0)]
-    return head + filler(namespace, n_bytes - len(head))
+    need = n_bytes - len(head)
+    body = "".join(_canonical_chunk(namespace, i) for i in range((need + _CHUNK - 1) // _CHUNK))
+    return head + body[:need]
 
 
 @dataclass(slots=True)

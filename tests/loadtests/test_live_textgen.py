@@ -63,3 +63,9 @@ def test_bad_unit_is_rejected() -> None:
         emulated_tokens(10, 0)
     with pytest.raises(ValueError, match="token_unit"):
         Conversation(key="k", shared_prefix_tokens=1, token_unit=0)
+
+
+def test_shared_prefixes_of_different_sizes_share_their_common_part() -> None:
+    short, long = shared_prefix(9_000 * BYTES_PER_TOKEN), shared_prefix(20_000 * BYTES_PER_TOKEN)
+    assert len(short) == 36_000 and len(long) == 80_000
+    assert long.startswith(short)
