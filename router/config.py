@@ -210,6 +210,7 @@ class GatewayConfig(BaseSettings):
     seed: int | None = None  # routing RNG seed (tie-breaks); None = from the OS
     tls_cert: str | None = None  # PEM certificate (chain) of the listener: HTTPS when set with tls_key
     tls_key: str | None = None  # PEM private key of the listener
+    warm_handoff: bool = False  # warm the next home of a draining replica's idle sessions (router/handoff.py)
 
     @classmethod
     def settings_customise_sources(
@@ -508,6 +509,12 @@ def build_arg_parser(prog: str = "kvroute serve") -> argparse.ArgumentParser:
     )
     p.add_argument("--otel", action="store_true", default=argparse.SUPPRESS, help="OpenTelemetry tracing on")
     p.add_argument("--otel-endpoint", metavar="URL", help="OTLP/HTTP collector, e.g. http://127.0.0.1:4318")
+    p.add_argument(
+        "--warm-handoff",
+        action="store_true",
+        default=argparse.SUPPRESS,
+        help="while a replica drains, pre-warm its idle sessions' next home (docs/DEPLOY.md)",
+    )
     p.add_argument("--gateway-id")
     p.add_argument("--log-level")
     p.add_argument("--access-log", action="store_true", default=argparse.SUPPRESS)

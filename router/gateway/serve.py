@@ -154,9 +154,12 @@ async def _serve(config: GatewayConfig) -> int:
 
     # operator surface: /admin (token or --admin-insecure), /metrics, tracing (docs/OPERATIONS.md)
     surface = operator_surface_from_config(config)
-    gw = await start_gateway(
-        config, extra_setup=(surface.setup,), trace_configs=surface.tracing.trace_configs()
-    )
+    setups: list[SetupFn] = [surface.setup]
+    if config.warm_handoff:
+        from router.handoff import handoff_setup
+
+        setups.append(handoff_setup())
+    gw = await start_gateway(config, extra_setup=setups, trace_configs=surface.tracing.trace_configs())
     if surface.admin_url is not None:
         print(f"kvroute admin API listening on {surface.admin_url}/admin", file=sys.stderr, flush=True)
     if not surface.admin.enabled:

@@ -187,3 +187,9 @@ def test_other_tools_variables_are_ignored() -> None:
         "KVROUTE_PORT": "9200",
     }
     assert load_config([], env).port == 9200
+
+
+def test_warm_handoff_flag_and_env() -> None:
+    assert load_config([], {}).warm_handoff is False
+    assert load_config(["--warm-handoff"], {}).warm_handoff is True
+    assert load_config([], {"KVROUTE_WARM_HANDOFF": "true"}).warm_handoff is True
