@@ -18,6 +18,15 @@ Rules:
      policy, whose rendezvous tie-break agrees across gateways), probes Redis with backoff, and on
      return restores its in-flight counts exactly, replays registry writes and republishes the
      bindings it made meanwhile with compare-and-set.
+  6. Fast path (``replica_refresh_s > 0``; off by default): 2 round trips per request of a session
+     this gateway has seen (acquire + release), 3 for a session new to it. The replica table is a
+     local copy refreshed by a background task every ``replica_refresh_s`` (others' in-flight,
+     engine load, windows), plus this gateway's own exact in-flight and its own placements and
+     tokens written since the copy was taken; sessions come from a bounded local cache fed by the
+     acquire and release replies. ``acquire`` is optimistic: the script gets the home the decision
+     assumed; if another gateway moved the session meanwhile, the request follows the real home
+     (``disagreement=True``) when it is active, else nothing is applied and ``StaleSession`` (a
+     ``KeyError``: the gateway's retry path re-routes on a refreshed view) is raised.
 """
 
 from __future__ import annotations
@@ -31,7 +40,7 @@ import socket
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from importlib import resources
 from typing import Any, TypeVar
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
@@ -64,13 +73,30 @@ from router.store.base import StoreConfig
 from router.store.keys import KeySpace
 from router.store.memory import PLACEMENT_REASONS, MemoryCore
 
-__all__ = ["RedisStore", "make_redis_store", "map_redis_errors"]
+__all__ = ["RedisStore", "StaleSession", "make_redis_store", "map_redis_errors"]
 
 log = logging.getLogger("kvroute.store.redis")
 
 T = TypeVar("T")
 _SCRIPTS = ("acquire", "release", "snapshot", "sessions", "registry", "lease", "republish")
 _SESSION_CACHE_MAX = 50_000
+
+
+class StaleSession(KeyError):
+    """Fast path: the session's real home differs from the one the decision assumed and is not usable
+    (another gateway moved it meanwhile). Nothing was applied; the local view now holds the real state,
+    so routing again decides on it."""
+
+
+def _merge_inflight(
+    others: tuple[tuple[ReplicaId, int], ...], own: dict[ReplicaId, int] | None
+) -> tuple[tuple[ReplicaId, int], ...]:
+    if not own:
+        return others
+    d = dict(others)
+    for rid, n in own.items():
+        d[rid] = d.get(rid, 0) + n
+    return tuple(sorted((rid, n) for rid, n in d.items() if n > 0))
 
 
 def _load_scripts() -> dict[str, str]:
@@ -123,6 +149,7 @@ class RedisStore:
         op_timeout_s: float = 0.5,
         retry_min_s: float = 0.05,
         retry_max_s: float = 2.0,
+        replica_refresh_s: float = 0.0,
     ) -> None:
         self.client = client
         self.gateway_id = gateway_id or f"{socket.gethostname()[:24]}-{secrets.token_hex(4)}"
@@ -166,6 +193,30 @@ class RedisStore:
         self.resync_total = 0
         self.round_trips_total = 0
         self.last_error: str | None = None
+        # exact in-flight of this gateway (mirrors ``_leases``)
+        self._own_rep: dict[ReplicaId, int] = {}
+        self._own_sess: dict[str, dict[ReplicaId, int]] = {}
+        # fast path (see rule 6)
+        if replica_refresh_s < 0:
+            raise ValueError(f"replica_refresh_s must be >= 0: {replica_refresh_s}")
+        self.replica_refresh_s = replica_refresh_s
+        self._table: tuple[tuple[ReplicaState, ...], int, int] | None = None  # replicas, seq, active
+        self._table_at = 0.0  # event-loop time the table arrived
+        self._table_sent = 0  # refresh generations
+        self._table_applied = 0
+        self._dirty = 0  # bumped by this gateway's registry writes: the table must be re-read
+        self._clean = 0
+        self._seq_local = 0  # our acquires since the table's seq
+        self._deltas: list[dict[ReplicaId, list[int]]] = [{}]  # since a refresh: placed, tw, sessions, ctx
+        self._cache: OrderedDict[str, SessionState] = OrderedDict()  # others' in-flight only
+        self._refresher: asyncio.Task[None] | None = None
+        self.refresh_total = 0
+        self.session_cache_misses = 0
+        self.stale_total = 0
+
+    @property
+    def fast(self) -> bool:
+        return self.replica_refresh_s > 0
 
     # ---- construction ---------------------------------------------------------------------------
 
@@ -214,6 +265,10 @@ class RedisStore:
     def _ensure_started(self) -> None:
         if self._task is None and not self._closed:
             self._task = asyncio.get_running_loop().create_task(self._keeper(), name="kvroute-redis-keeper")
+        if self.fast and self._refresher is None and not self._closed:
+            self._refresher = asyncio.get_running_loop().create_task(
+                self._refresh_loop(), name="kvroute-redis-refresh"
+            )
 
     async def start(self) -> None:
         """Optional: publish the lease now (otherwise the first call does it in the background)."""
@@ -366,6 +421,8 @@ class RedisStore:
         await self._restore()
         # a last snapshot refreshes what the mirror would start from next time
         await self._redis_snapshot(None)
+        self._table = None  # re-read at the next snapshot; sessions may have moved meanwhile
+        self._cache.clear()
         self.degraded = False
         self._mirror = None
         self.resync_total += 1
@@ -476,6 +533,8 @@ class RedisStore:
         self._ensure_started()
         if not self.degraded:
             try:
+                if self.fast:
+                    return await self._fast_snapshot(session_key)
                 return await self._redis_snapshot(session_key)
             except StoreError as exc:
                 self._fail(exc)
@@ -576,11 +635,25 @@ class RedisStore:
                 ]
             elif isinstance(eff, SetOverflow):
                 args += ["O", eff.session_id, len(eff.replicas), *eff.replicas]
+        sid = request.session_key
+        if self.fast:
+            binds_sid = any(isinstance(e, BindSession) and e.session_id == sid for e in decision.effects)
+            cached = self._cache.get(sid) if sid is not None else None
+            args += ["F", "0" if binds_sid else "1", (cached.home or "") if cached is not None else ""]
         async with self._hot_write():
             res = await self._eval("acquire", args)
-            if int(res[0]) == 0:
+            code = int(res[0])
+            if code == 0:
                 raise KeyError(res[1])
-            _, target, disagreement, prev, _seq, lost = res
+            if code == 2 and sid is not None:
+                self.stale_total += 1
+                self._cache_row(sid, res[1])
+                raise StaleSession(sid)
+            target, disagreement, prev, _seq, lost = res[1:6]
+            if self.fast:
+                self._seq_local += 1
+                if sid is not None:
+                    self._cache_row(sid, res[6])
             self._lease_seq += 1
             lease = Lease(
                 lease_id=f"{self.gateway_id}/{self._lease_seq}",
@@ -592,6 +665,9 @@ class RedisStore:
                 prev_context_tokens=int(prev),
             )
             self._leases[lease.lease_id] = lease
+            self._own_count(lease, 1)
+        if self.fast:
+            self._note_binds(decision, lease)
         if int(lost):
             self._need_restore = True
             self._wake.set()
@@ -611,6 +687,7 @@ class RedisStore:
             return
         if self._leases.pop(lease.lease_id, None) is None:
             return  # unknown or already released: load must never go negative
+        self._own_count(lease, -1)
         if self.degraded:
             self.fallback_total += 1  # the restore at resync drops it from Redis's count
             self._need_restore = True
@@ -629,12 +706,179 @@ class RedisStore:
             completion.cached_tokens or 0,
             completion.completion_tokens or 0,
         ]
+        if self.fast:
+            args.append("F")
+            if completion.prompt_tokens is not None:
+                written = max(0, completion.prompt_tokens - (completion.cached_tokens or 0))
+                self._delta(lease.replica_id)[1] += written + (completion.completion_tokens or 0)
         try:
             async with self._hot_write():
-                await self._eval("release", args)
+                res = await self._eval("release", args)
+            if self.fast and lease.session_id is not None and isinstance(res, list):
+                self._cache_row(lease.session_id, res)
         except StoreError as exc:
             self.fallback_total += 1
             self._fail(exc)
+
+    # ---- fast path: local replica table + session cache (rule 6) ---------------------------------
+
+    def _own_count(self, lease: Lease, k: int) -> None:
+        rid = lease.replica_id
+        n = self._own_rep.get(rid, 0) + k
+        if n > 0:
+            self._own_rep[rid] = n
+        else:
+            self._own_rep.pop(rid, None)
+        if lease.session_id is not None:
+            d = self._own_sess.setdefault(lease.session_id, {})
+            m = d.get(rid, 0) + k
+            if m > 0:
+                d[rid] = m
+            else:
+                d.pop(rid, None)
+            if not d:
+                del self._own_sess[lease.session_id]
+
+    def _delta(self, rid: ReplicaId) -> list[int]:
+        bucket = self._deltas[-1]
+        d = bucket.get(rid)
+        if d is None:
+            d = bucket[rid] = [0, 0, 0, 0]
+        return d
+
+    def _note_binds(self, decision: RouteDecision, lease: Lease) -> None:
+        """Our own placements count on our table at once (others' arrive with the next refresh)."""
+        if lease.disagreement:
+            return
+        for eff in decision.effects:
+            if isinstance(eff, BindSession) and eff.replica_id == lease.replica_id:
+                d = self._delta(eff.replica_id)
+                if eff.reason in PLACEMENT_REASONS:
+                    d[0] += 1
+                d[2] += 1
+                d[3] += lease.prev_context_tokens
+
+    def _cache_row(self, sid: str, row: Any) -> None:
+        if isinstance(row, list) and row:
+            s = self._session_state(row)
+            self._cache[sid] = s
+            self._cache.move_to_end(sid)
+            if len(self._cache) > _SESSION_CACHE_MAX:
+                self._cache.popitem(last=False)
+            if s.home is not None:
+                self._remember(s)
+        else:
+            self._cache.pop(sid, None)
+
+    def _with_own(self, s: SessionState) -> SessionState:
+        own = self._own_sess.get(s.session_id)
+        return replace(s, in_flight=_merge_inflight(s.in_flight, own)) if own else s
+
+    def _table_stale(self) -> bool:
+        if self._table is None or self._clean != self._dirty:
+            return True
+        age = asyncio.get_running_loop().time() - self._table_at
+        return age > max(0.5, 10 * self.replica_refresh_s)  # the refresher is starved or failing
+
+    async def _refresh(self, session_key: str | None) -> SessionState | None:
+        """One full snapshot round trip: the replica table without our own in-flight (we add it
+        exactly), plus one session (``None``: none)."""
+        self._table_sent += 1
+        gen, dirty = self._table_sent, self._dirty
+        cut: dict[ReplicaId, list[int]] = {}
+        self._deltas.append(cut)  # deltas recorded from here on may not be in this reply
+        now = self.clock.now()
+        c = self.config
+        seq, rows, srow, active = await self._eval(
+            "snapshot",
+            [self._fleet(now), c.active_window_s, c.ramp_window_s, c.session_ttl_s, session_key or "",
+             self.gateway_id],
+            "refresh",
+        )  # fmt: skip
+        self.refresh_total += 1
+        replicas = tuple(self._replica_state(r) for r in rows)
+        if gen > self._table_applied:
+            self._table_applied = gen
+            self._table = (replicas, int(seq), int(active))
+            self._table_at = asyncio.get_running_loop().time()
+            self._clean = max(self._clean, dirty)
+            self._seq_local = 0
+            self._last_replicas = replicas
+            for i, bucket in enumerate(self._deltas):
+                if bucket is cut:
+                    del self._deltas[:i]
+                    break
+        if session_key is None:
+            return None
+        self._cache_row(session_key, srow)
+        return self._cache.get(session_key)
+
+    def _composed_replicas(self) -> tuple[ReplicaState, ...]:
+        assert self._table is not None
+        out = []
+        for r in self._table[0]:
+            own = self._own_rep.get(r.id, 0)
+            placed = tw = sess = ctx = 0
+            for bucket in self._deltas:
+                d = bucket.get(r.id)
+                if d is not None:
+                    placed, tw, sess, ctx = placed + d[0], tw + d[1], sess + d[2], ctx + d[3]
+            if own or placed or tw or sess or ctx:
+                r = replace(
+                    r,
+                    in_flight=r.in_flight + own,
+                    placed_recent=r.placed_recent + placed,
+                    tokens_written=r.tokens_written + tw,
+                    sessions_active=r.sessions_active + sess,
+                    active_context_tokens=r.active_context_tokens + ctx,
+                )
+            out.append(r)
+        return tuple(out)
+
+    async def _fast_snapshot(self, session_key: str | None) -> ClusterSnapshot:
+        now = self.clock.now()
+        session: SessionState | None = None
+        if self._table_stale():
+            session = await self._refresh(session_key)
+        elif session_key is not None:
+            session = self._cache.get(session_key)
+            if session is not None and session.last_seen < now - self.config.session_ttl_s:
+                session = None  # idle past its TTL: ask Redis (it forgets it, or another gateway kept it)
+            if session is None:
+                self.session_cache_misses += 1
+                row = await self._eval(
+                    "sessions",
+                    ["one", self._fleet(now), self.config.session_ttl_s, session_key, 0, self.gateway_id],
+                    "session",
+                )
+                self._cache_row(session_key, row)
+                session = self._cache.get(session_key)
+            else:
+                self._cache.move_to_end(session_key)
+        assert self._table is not None
+        _, seq, active = self._table
+        return ClusterSnapshot(
+            now=now,
+            replicas=self._composed_replicas(),
+            session=self._with_own(session) if session is not None else None,
+            seq=seq + self._seq_local,
+            sessions_active=active,
+        )
+
+    async def _refresh_loop(self) -> None:
+        me = asyncio.current_task()
+        while not self._closed and not (me is not None and me.cancelling()):
+            await asyncio.sleep(self.replica_refresh_s)
+            if self.degraded:
+                continue
+            try:
+                await self._refresh(None)
+            except StoreError as exc:
+                self._fail(exc)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # a bug must not stop the refresher: log it and go on
+                log.exception("redis replica refresh failed")
 
     # ---- StateStore: registry ---------------------------------------------------------------------
 
@@ -663,6 +907,7 @@ class RedisStore:
         self._pending_registry.append(remote)
 
     async def upsert_replica(self, spec: ReplicaSpec, status: ReplicaStatus | None = None) -> None:
+        self._dirty += 1
         self._spec_cache[spec.id] = spec
         prev = self._registered.get(spec.id)
         self._registered[spec.id] = (spec, status or (prev[1] if prev else ReplicaStatus.JOINING))
@@ -674,6 +919,7 @@ class RedisStore:
         await self._write_registry(lambda m: m.upsert_replica(spec, status), remote)
 
     async def set_status(self, replica_id: ReplicaId, status: ReplicaStatus) -> None:
+        self._dirty += 1
         if replica_id in self._registered:
             self._registered[replica_id] = (self._registered[replica_id][0], status)
         if not self.degraded:
@@ -693,6 +939,7 @@ class RedisStore:
         await self._write_registry(lambda m: m.set_status(replica_id, status), remote)
 
     async def remove_replica(self, replica_id: ReplicaId) -> None:
+        self._dirty += 1
         self._registered.pop(replica_id, None)
 
         async def remote() -> None:
@@ -771,10 +1018,11 @@ class RedisStore:
         if self._closed:
             return
         self._closed = True
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        for task in (self._task, self._refresher):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         if not self.degraded:
             with contextlib.suppress(StoreError):
                 await self._eval("lease", ["bye", self.gateway_id], "bye")
@@ -791,6 +1039,10 @@ class RedisStore:
             "fallback_total": self.fallback_total,
             "resync_total": self.resync_total,
             "round_trips_total": self.round_trips_total,
+            "fast_path": self.fast,
+            "refresh_total": self.refresh_total,
+            "session_cache_misses": self.session_cache_misses,
+            "stale_total": self.stale_total,
             "leases_outstanding": len(self._leases) + len(self._local_leases),
             "last_error": self.last_error,
         }
@@ -804,4 +1056,5 @@ def make_redis_store(config: Any, clock: Clock) -> RedisStore:
     store_settings = getattr(config, "store", None)
     store_config = store_settings.to_store_config() if store_settings is not None else StoreConfig()
     gateway_id = str(getattr(config, "gateway_id", "") or "").replace("|", "_") or None
-    return RedisStore.from_url(url, gateway_id, store_config, clock)
+    refresh = float(getattr(store_settings, "replica_refresh_s", 0.0) or 0.0)
+    return RedisStore.from_url(url, gateway_id, store_config, clock, replica_refresh_s=refresh)

@@ -28,7 +28,7 @@ from router.store.base import StateStore, StoreConfig
 from router.store.factory import make_store
 from router.store.keys import KeySpace, session_field
 from router.store.memory import MemoryStore
-from router.store.redis import RedisStore, make_redis_store
+from router.store.redis import RedisStore, StaleSession, make_redis_store
 from tests.redis_server import RedisServer, RedisUnavailable, free_port
 
 A = ReplicaStatus.ACTIVE
@@ -250,10 +250,18 @@ async def _route_once(store: StateStore, sid: str, rid: str) -> str:
     return lease.replica_id
 
 
-async def test_no_redis_at_start_then_it_appears(clock: VirtualClock) -> None:
+@pytest.mark.parametrize("refresh", [0.0, 0.05], ids=["3rt", "fast"])
+async def test_no_redis_at_start_then_it_appears(clock: VirtualClock, refresh: float) -> None:
     port = free_port()
     made: list[RedisStore] = []
-    s = new_store(made, f"redis://127.0.0.1:{port}/0", clock, op_timeout_s=0.2, retry_max_s=0.1)
+    s = new_store(
+        made,
+        f"redis://127.0.0.1:{port}/0",
+        clock,
+        op_timeout_s=0.2,
+        retry_max_s=0.1,
+        replica_refresh_s=refresh,
+    )
     await s.upsert_replica(spec("r0"), A)  # queued for Redis, applied to the local mirror
     await s.upsert_replica(spec("r1"), A)
     t0 = time.monotonic()
@@ -279,8 +287,17 @@ async def test_no_redis_at_start_then_it_appears(clock: VirtualClock) -> None:
         server.cleanup()
 
 
-async def test_slow_redis_degrades_quickly_and_recovers(redis_url, stores, clock) -> None:  # type: ignore[no-untyped-def]
-    s = new_store(stores, redis_url, clock, op_timeout_s=0.15, retry_min_s=0.05, retry_max_s=0.1)
+@pytest.mark.parametrize("refresh", [0.0, 0.05], ids=["3rt", "fast"])
+async def test_slow_redis_degrades_quickly_and_recovers(redis_url, stores, clock, refresh) -> None:  # type: ignore[no-untyped-def]
+    s = new_store(
+        stores,
+        redis_url,
+        clock,
+        op_timeout_s=0.15,
+        retry_min_s=0.05,
+        retry_max_s=0.1,
+        replica_refresh_s=refresh,
+    )
     await s.upsert_replica(spec("r0"), A)
     assert await _route_once(s, "x", "r0") == "r0"
     r = aioredis.Redis.from_url(redis_url)
@@ -299,9 +316,14 @@ async def test_slow_redis_degrades_quickly_and_recovers(redis_url, stores, clock
     await r.aclose()
 
 
-async def test_leases_outstanding_across_an_outage_are_counted_exactly(redis_killable, clock) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("refresh", [0.0, 0.05], ids=["3rt", "fast"])
+async def test_leases_outstanding_across_an_outage_are_counted_exactly(
+    redis_killable, clock, refresh
+) -> None:  # type: ignore[no-untyped-def]
     made: list[RedisStore] = []
-    s = new_store(made, redis_killable.url, clock, op_timeout_s=0.2, retry_max_s=0.1)
+    s = new_store(
+        made, redis_killable.url, clock, op_timeout_s=0.2, retry_max_s=0.1, replica_refresh_s=refresh
+    )
     await s.upsert_replica(spec("r0"), A)
     before = [await s.acquire(bind("s", "r0"), RouteRequest("s")) for _ in range(4)]
     redis_killable.kill()
@@ -323,3 +345,124 @@ async def test_leases_outstanding_across_an_outage_are_counted_exactly(redis_kil
     assert (await other.replicas())[0].in_flight == 0
     for st in made:
         await st.close()
+
+
+# ---- fast path: local replica table + session cache (replica_refresh_s > 0) ----------------------
+
+
+async def test_two_round_trips_per_request_on_the_fast_path(redis_url, stores, clock) -> None:  # type: ignore[no-untyped-def]
+    s = new_store(stores, redis_url, clock, config=StoreConfig(lease_ttl_s=3600), replica_refresh_s=3600.0)
+    for i in range(4):
+        await s.upsert_replica(spec(f"r{i}"), A)
+    await s.start()
+    for i in range(10):  # this gateway learns the 10 sessions (new: 3 round trips each)
+        await _route_once(s, f"s{i}", f"r{i % 4}")
+    r = redis.Redis.from_url(redis_url)
+    r.config_resetstat()
+    rt0 = s.round_trips_total
+    n = 50
+    for i in range(n):
+        sid = f"s{i % 10}"
+        snap = await s.snapshot(sid)
+        assert snap.session is not None and snap.session.home == f"r{i % 10 % 4}"
+        assert snap.session.context_tokens == (11 if i < 10 else 1005)  # learnt from release replies
+        lease = await s.acquire(RouteDecision(snap.session.home, Reason.AFFINITY), RouteRequest(sid))
+        assert lease.replica_id == snap.session.home and not lease.disagreement
+        await s.release(
+            lease, Completion(ok=True, prompt_tokens=1000, cached_tokens=900, completion_tokens=5)
+        )
+    assert _top_level_calls(r) == {"cmdstat_evalsha": 2 * n}  # acquire + release, nothing else
+    r.config_resetstat()
+    for i in range(5):  # sessions new to this gateway: one more (the session read) each
+        await _route_once(s, f"new{i}", "r0")
+    assert _top_level_calls(r) == {"cmdstat_evalsha": 3 * 5}
+    r.close()
+    assert s.round_trips_total - rt0 == 2 * n + 3 * 5
+    assert s.session_cache_misses == 14 and s.stale_total == 0  # the first came with the table read
+
+
+async def test_fast_path_own_load_is_exact_others_arrive_with_the_refresh(redis_url, stores, clock) -> None:  # type: ignore[no-untyped-def]
+    g1 = new_store(stores, redis_url, clock, "g1", replica_refresh_s=0.05)
+    g2 = new_store(stores, redis_url, clock, "g2")
+    await g1.upsert_replica(spec("r0"), A)
+    await g1.snapshot(None)  # the table is read once
+    mine = [await g1.acquire(bind("a", "r0"), RouteRequest("a")) for _ in range(3)]
+    snap = await g1.snapshot("a")  # no refresh needed: our own load is never stale
+    assert snap.replicas[0].in_flight == 3 and snap.session is not None
+    assert snap.session.in_flight == (("r0", 3),) and snap.session.home == "r0"
+    theirs = [await g2.acquire(RouteDecision("r0", Reason.AFFINITY), RouteRequest("a")) for _ in range(2)]
+
+    async def until(n_rep: int, n_sess: int) -> None:
+        deadline = time.monotonic() + 3
+        while True:
+            snap = await g1.snapshot(None)
+            if snap.replicas[0].in_flight == n_rep:
+                break
+            assert time.monotonic() < deadline, (snap.replicas, g1.stats())
+            await asyncio.sleep(0.02)
+
+    await until(5, 0)
+    for lease in mine:
+        await g1.release(lease, Completion(ok=False))
+    snap = await g1.snapshot("a")
+    assert snap.replicas[0].in_flight == 2  # our releases count at once
+    assert snap.session is not None and snap.session.in_flight == (("r0", 2),)  # from the release reply
+    for lease in theirs:
+        await g2.release(lease, Completion(ok=False))
+    await until(0, 0)
+    assert g1.refresh_total >= 2 and g1.degraded_total == 0
+
+
+async def test_fast_path_follows_a_session_another_gateway_moved(redis_url, stores, clock) -> None:  # type: ignore[no-untyped-def]
+    g1 = new_store(stores, redis_url, clock, "g1", replica_refresh_s=3600.0)
+    g2 = new_store(stores, redis_url, clock, "g2")
+    for rid in ("r0", "r1", "r2"):
+        await g1.upsert_replica(spec(rid), A)
+    assert await _route_once(g1, "s", "r0") == "r0"
+    move = RouteDecision(
+        "r1", Reason.REASSIGNED_OVERLOAD, (BindSession("s", "r1", "r0", Reason.REASSIGNED_OVERLOAD),)
+    )
+    await g2.release(await g2.acquire(move, RouteRequest("s")), Completion(ok=False))
+    snap = await g1.snapshot("s")
+    assert snap.session is not None and snap.session.home == "r0"  # g1's cached view is stale
+    lease = await g1.acquire(RouteDecision("r0", Reason.AFFINITY), RouteRequest("s"))
+    assert lease.replica_id == "r1" and lease.disagreement  # the script followed the real home
+    await g1.release(lease, Completion(ok=True, prompt_tokens=50, completion_tokens=5))
+    assert (await g1.snapshot("s")).session.home == "r1"  # type: ignore[union-attr]
+    # moved again, to a replica that is not active: nothing is applied, the caller re-routes
+    move2 = RouteDecision(
+        "r2", Reason.REASSIGNED_OVERLOAD, (BindSession("s", "r2", "r1", Reason.REASSIGNED_OVERLOAD),)
+    )
+    await g2.release(await g2.acquire(move2, RouteRequest("s")), Completion(ok=False))
+    await g2.set_status("r2", ReplicaStatus.DRAINING)
+    with pytest.raises(StaleSession):
+        await g1.acquire(RouteDecision("r1", Reason.AFFINITY), RouteRequest("s"))
+    snap = await g1.snapshot("s")
+    assert snap.session is not None and snap.session.home == "r2" and snap.session.in_flight == ()
+    assert [(r.id, r.in_flight) for r in await g2.replicas()] == [("r0", 0), ("r1", 0), ("r2", 0)]
+    assert g1.stale_total == 1
+    # a decision that binds the session itself is judged by the compare-and-set, as on the old path
+    back = RouteDecision(
+        "r0", Reason.REASSIGNED_DRAINING, (BindSession("s", "r0", "r2", Reason.REASSIGNED_DRAINING),)
+    )
+    lease = await g1.acquire(back, RouteRequest("s"))
+    assert lease.replica_id == "r0" and not lease.disagreement
+    await g1.release(lease, Completion(ok=False))
+    assert (await g2.session("s")).home == "r0"  # type: ignore[union-attr]
+
+
+async def test_fast_path_sees_its_own_registry_writes_at_once(redis_url, stores, clock) -> None:  # type: ignore[no-untyped-def]
+    g1 = new_store(stores, redis_url, clock, "g1", replica_refresh_s=3600.0)
+    await g1.upsert_replica(spec("r0"), A)
+    assert [(r.id, r.status) for r in await g1.replicas()] == [("r0", A)]
+    await g1.upsert_replica(spec("r1"))
+    await g1.set_status("r0", ReplicaStatus.DOWN)
+    assert [(r.id, r.status) for r in await g1.replicas()] == [
+        ("r0", ReplicaStatus.DOWN),
+        ("r1", ReplicaStatus.JOINING),
+    ]
+    await g1.remove_replica("r0")
+    assert [r.id for r in await g1.replicas()] == ["r1"]
+    rt = g1.round_trips_total
+    await g1.replicas()
+    assert g1.round_trips_total == rt  # a fresh table costs nothing

@@ -46,8 +46,9 @@ local function touch_active(rid, sid, seen, ctx)
 end
 
 -- A session hash split into plain fields and in-flight per replica (live gateways only).
--- Fields of dead gateways are deleted on the way.
-local function session_fields(sk, alive)
+-- Fields of dead gateways are deleted on the way. ``skip`` (optional): a gateway whose counts are
+-- left out of ``per`` (it knows its own exactly) but still count in ``total``.
+local function session_fields(sk, alive, skip)
   local flat = redis.call('HGETALL', sk)
   local fields, per, total, dead = {}, {}, 0, {}
   for i = 1, #flat, 2 do
@@ -58,8 +59,10 @@ local function session_fields(sk, alive)
       local n = tonumber(flat[i + 1])
       if alive[g] then
         if n > 0 then
-          local rid = string.sub(f, bar + 1)
-          per[rid] = (per[rid] or 0) + n
+          if g ~= skip then
+            local rid = string.sub(f, bar + 1)
+            per[rid] = (per[rid] or 0) + n
+          end
           total = total + n
         end
       else
@@ -74,8 +77,8 @@ local function session_fields(sk, alive)
 end
 
 -- A session as returned to Python, or nil if unknown or idle past the TTL with nothing in flight.
-local function session_row(sid, now, ttl, alive)
-  local fields, per, total, exists = session_fields(K('s:' .. sid), alive)
+local function session_row(sid, now, ttl, alive, skip)
+  local fields, per, total, exists = session_fields(K('s:' .. sid), alive, skip)
   if not exists then return nil end
   if tonumber(fields['seen'] or '0') < now - ttl and total == 0 then return nil end
   local pl = {}
@@ -114,11 +117,12 @@ local function replica_row(rid, now, aw, rw, inflight)
           redis.call('ZCARD', ak), redis.call('ZCARD', K('plc:' .. rid)), inflight[rid] or 0}
 end
 
--- Per-replica in-flight summed over live gateways.
-local function inflight_sums(alive)
+-- Per-replica in-flight summed over live gateways (but ``skip``, optional).
+local function inflight_sums(alive, skip)
   local out = {}
   for g, _ in pairs(alive) do
-    local flat = redis.call('HGETALL', K('gw:' .. g .. ':if'))
+    local flat = {}
+    if g ~= skip then flat = redis.call('HGETALL', K('gw:' .. g .. ':if')) end
     for i = 1, #flat, 2 do
       local n = tonumber(flat[i + 1])
       if n > 0 then out[flat[i]] = (out[flat[i]] or 0) + n end

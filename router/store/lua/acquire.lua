@@ -3,10 +3,21 @@
 -- ARGV: base, gid, now (fleet s), session_ttl_s, session_ttl_ms, lease_ms, target, sid ('' = none),
 --       n_effects, then per effect: 'B', sid, replica, only_if ('' = unbound), placed ('1'/'0')
 --                                or 'O', sid, n, replica * n
--- Returns {1, target, disagreement, prev_context, seq, lease_lost} or {0, target} (unknown target).
+--       then, on the fast path only: 'F', check ('1' = the decision does not bind sid itself),
+--       assumed home ('' = none): the home the decision was computed against (from a cached view)
+-- Returns {1, target, disagreement, prev_context, seq, lease_lost[, session row or {}]} or {0, target}
+-- (unknown target) or, on the fast path, {2, fresh session row or {}}: the session's real home
+-- differs from the assumed one and is not usable, so nothing was applied (the caller re-routes).
+-- Session rows on the fast path leave this gateway's own in-flight out (it knows them exactly).
 local gid, NOW = ARGV[2], ARGV[3]
 local now, ttl, ttl_ms, lease_ms = tonumber(NOW), tonumber(ARGV[4]), ARGV[5], tonumber(ARGV[6])
 local target, sid, neff = ARGV[7], ARGV[8], tonumber(ARGV[9])
+
+local e = 10
+for _ = 1, neff do
+  if ARGV[e] == 'B' then e = e + 5 else e = e + 3 + tonumber(ARGV[e + 2]) end
+end
+local fast = ARGV[e] == 'F'
 
 local tms = redis_ms()
 local lost = 0
@@ -45,9 +56,28 @@ local function ensure_session(s)
   return sk
 end
 
+local disagreement = 0
+if fast and ARGV[e + 1] == '1' and sid ~= '' then
+  -- optimistic check: was the decision computed against the session's real home?
+  local sk = K('s:' .. sid)
+  local home = ''
+  if redis.call('EXISTS', sk) == 1 and tonumber(redis.call('HGET', sk, 'seen') or '0') >= now - ttl then
+    home = redis.call('HGET', sk, 'home') or ''
+  end
+  if home ~= '' and home ~= ARGV[e + 2] then
+    if rep_live(home, now) and redis.call('HGET', K('r:' .. home), 'status') == 'active' then
+      target = home  -- another gateway moved or bound it: follow, like a lost compare-and-set
+      disagreement = 1
+      neff = 0  -- the effects were computed against a stale view
+    else
+      alive = alive_gateways(tms)
+      return {2, session_row(sid, now, ttl, alive, gid) or {}}
+    end
+  end
+end
+
 if sid ~= '' then ensure_session(sid) end
 
-local disagreement = 0
 local i = 10
 for _ = 1, neff do
   local kind = ARGV[i]
@@ -107,5 +137,13 @@ if sid ~= '' then
     redis.call('ZADD', K('home:' .. home), NOW, sid)
     if rep_live(home, now) then touch_active(home, sid, NOW, prev) end
   end
+end
+if fast then
+  local row = {}
+  if sid ~= '' then
+    alive = alive or alive_gateways(tms)
+    row = session_row(sid, now, ttl, alive, gid) or {}
+  end
+  return {1, target, disagreement, prev, seq, lost, row}
 end
 return {1, target, disagreement, prev, seq, lost}

@@ -1,6 +1,7 @@
 -- release: the request ended. Decrement this gateway's in-flight; learn tokens written, context size
 -- and the residency mark. One round trip. Never drives a count below zero.
--- ARGV: base, gid, now, session_ttl_ms, replica, sid ('' = none), ok, has_prompt, prompt, cached, completion
+-- ARGV: base, gid, now, session_ttl_ms, replica, sid ('' = none), ok, has_prompt, prompt, cached, completion,
+--       ['F': fast path, return the session's row without this gateway's in-flight, else 1]
 local gid, NOW = ARGV[2], ARGV[3]
 local now, ttl_ms, rid, sid = tonumber(NOW), ARGV[4], ARGV[5], ARGV[6]
 local ok, has_prompt = ARGV[7] == '1', ARGV[8] == '1'
@@ -41,4 +42,7 @@ if home then
   if rep_live(home, now) then touch_active(home, sid, NOW, ctx) end
 end
 redis.call('PEXPIRE', sk, ttl_ms)
+if ARGV[12] == 'F' then
+  return session_row(sid, now, tonumber(ttl_ms) / 1000, alive_gateways(redis_ms()), gid) or 1
+end
 return 1
