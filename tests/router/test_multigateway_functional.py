@@ -46,9 +46,13 @@ async def _register(store: RedisStore) -> None:
 # ---- worker process ------------------------------------------------------------------------------
 
 
-async def _worker_race(url: str, gid: str, sids: list[str], start_at: int, seed: int) -> dict[str, object]:
+async def _worker_race(
+    url: str, gid: str, sids: list[str], start_at: int, seed: int, refresh: float
+) -> dict[str, object]:
     """Place every session concurrently, each with this gateway's own (random) view of the fleet."""
-    store = RedisStore.from_url(url, gid, _config(), SystemClock(), op_timeout_s=5.0)
+    store = RedisStore.from_url(
+        url, gid, _config(), SystemClock(), op_timeout_s=5.0, replica_refresh_s=refresh
+    )
     policy = make_policy("kv_aware")
     rng = random.Random(seed)
     await store.start()
@@ -91,9 +95,11 @@ async def _worker_race(url: str, gid: str, sids: list[str], start_at: int, seed:
     return out
 
 
-async def _worker_hold(url: str, gid: str, n: int, seed: int) -> None:
+async def _worker_hold(url: str, gid: str, n: int, seed: int, refresh: float) -> None:
     """Hold ``n`` leases on random replicas, report them, release on a line from stdin."""
-    store = RedisStore.from_url(url, gid, _config(), SystemClock(), op_timeout_s=5.0)
+    store = RedisStore.from_url(
+        url, gid, _config(), SystemClock(), op_timeout_s=5.0, replica_refresh_s=refresh
+    )
     policy = make_policy("kv_aware")
     rng = random.Random(seed)
     await store.start()
@@ -117,10 +123,10 @@ def _worker_main(argv: list[str]) -> int:
     mode, url, gid = argv[0], argv[1], argv[2]
     if mode == "race":
         sids = argv[3].split(",")
-        out = asyncio.run(_worker_race(url, gid, sids, int(argv[4]), int(argv[5])))
+        out = asyncio.run(_worker_race(url, gid, sids, int(argv[4]), int(argv[5]), float(argv[6])))
         print(json.dumps(out), flush=True)
     elif mode == "hold":
-        asyncio.run(_worker_hold(url, gid, int(argv[3]), int(argv[4])))
+        asyncio.run(_worker_hold(url, gid, int(argv[3]), int(argv[4]), float(argv[5])))
     return 0
 
 
@@ -139,12 +145,18 @@ def _spawn(*args: str) -> subprocess.Popen[str]:
 
 
 @pytest.mark.slow
-async def test_200_new_sessions_through_3_gateways_each_end_with_one_home(redis_url: str) -> None:
+@pytest.mark.parametrize("refresh", [0.0, 0.05], ids=["3rt", "fast"])
+async def test_200_new_sessions_through_3_gateways_each_end_with_one_home(
+    redis_url: str, refresh: float
+) -> None:
     admin = RedisStore.from_url(redis_url, "admin", _config(), SystemClock(), op_timeout_s=5.0)
     await _register(admin)
     sids = [f"race-{i}" for i in range(200)]
     start_at = 3  # processes to wait for at the barrier: all three start placing at the same moment
-    procs = [_spawn("race", redis_url, f"gw{i}", ",".join(sids), str(start_at), str(i)) for i in range(3)]
+    procs = [
+        _spawn("race", redis_url, f"gw{i}", ",".join(sids), str(start_at), str(i), str(refresh))
+        for i in range(3)
+    ]
     outs = []
     for p in procs:
         stdout, _ = p.communicate(timeout=60)
@@ -170,11 +182,16 @@ async def test_200_new_sessions_through_3_gateways_each_end_with_one_home(redis_
 
 
 @pytest.mark.slow
-async def test_inflight_exact_under_load_and_sigkilled_gateway_leaves_no_phantom(redis_url: str) -> None:
+@pytest.mark.parametrize("refresh", [0.0, 0.05], ids=["3rt", "fast"])
+async def test_inflight_exact_under_load_and_sigkilled_gateway_leaves_no_phantom(
+    redis_url: str, refresh: float
+) -> None:
     admin = RedisStore.from_url(redis_url, "admin", _config(), SystemClock(), op_timeout_s=5.0)
     await _register(admin)
     counts = [23, 17, 31]
-    procs = [_spawn("hold", redis_url, f"holder{i}", str(n), str(i)) for i, n in enumerate(counts)]
+    procs = [
+        _spawn("hold", redis_url, f"holder{i}", str(n), str(i), str(refresh)) for i, n in enumerate(counts)
+    ]
     helds: list[dict[str, int]] = []
     for p in procs:
         assert p.stdout is not None
@@ -217,10 +234,19 @@ async def test_inflight_exact_under_load_and_sigkilled_gateway_leaves_no_phantom
 
 
 @pytest.mark.slow
-async def test_redis_killed_under_load_then_back(redis_killable) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("refresh", [0.0, 0.05], ids=["3rt", "fast"])
+async def test_redis_killed_under_load_then_back(redis_killable, refresh) -> None:  # type: ignore[no-untyped-def]
     url = redis_killable.url
     stores = [
-        RedisStore.from_url(url, f"g{i}", _config(), SystemClock(), op_timeout_s=0.5, retry_max_s=0.2)
+        RedisStore.from_url(
+            url,
+            f"g{i}",
+            _config(),
+            SystemClock(),
+            op_timeout_s=0.5,
+            retry_max_s=0.2,
+            replica_refresh_s=refresh,
+        )
         for i in range(3)
     ]
     await _register(stores[0])
