@@ -3,6 +3,13 @@
 ``MemoryCore`` is synchronous (the discrete-event simulator calls it directly, no event loop);
 ``MemoryStore`` is the async ``StateStore`` wrapper the gateway uses. Both read time only from the
 injected clock.
+
+Hot path (``snapshot`` runs once per request): each replica's immutable ``ReplicaState`` is cached
+and rebuilt only after something it shows changed (``_dirty``); the sorted tuple of them is cached
+until any replica changes; the fleet-wide active-session count is kept as a running total; and the
+per-replica pruning pass runs only when the oldest entry it could drop may have expired (a lower
+bound on the oldest timestamp is kept; a clock that goes back disables the shortcut). Results are
+exactly those of rebuilding and pruning everything on every call.
 """
 
 from __future__ import annotations
@@ -30,7 +37,7 @@ from router.model import (
 )
 from router.store.base import StoreConfig
 
-__all__ = ["MemoryCore", "MemoryStore", "PLACEMENT_REASONS"]
+__all__ = ["PLACEMENT_REASONS", "MemoryCore", "MemoryStore"]
 
 # Bind reasons that count as a *placement* for the scale-up ramp cap.
 PLACEMENT_REASONS = frozenset(
@@ -60,6 +67,7 @@ class _Replica:
     # sessions homed here, ordered by last_seen (oldest first): sid -> (last_seen, context_tokens)
     active: OrderedDict[str, tuple[float, int]] = field(default_factory=OrderedDict)
     active_context: int = 0
+    state: ReplicaState | None = None  # cached view; None = rebuild on the next read
 
 
 @dataclass(slots=True)
@@ -84,6 +92,20 @@ class MemoryCore:
         self._seq = 0
         self._lease_ids = itertools.count(1)
         self._leases: dict[str, Lease] = {}
+        # ---- caches of the read path (see the module docstring) ----
+        self._view: tuple[ReplicaState, ...] | None = None  # sorted by id; None = rebuild
+        self._order: tuple[_Replica, ...] | None = None  # replicas sorted by id; None = re-sort
+        self._n_active = 0  # sum of len(rep.active) over the registered replicas
+        # lower bounds of the oldest active entry / placement over all replicas: the per-replica
+        # pruning pass can drop nothing while both are inside their windows
+        self._oldest_active = float("inf")
+        self._oldest_placement = float("inf")
+        self._last_now = float("-inf")
+        self._monotonic = True  # False once the clock went back: then always prune fully
+
+    def _dirty(self, rep: _Replica) -> None:
+        rep.state = None
+        self._view = None
 
     # ---- registry ----------------------------------------------------------------------------
 
@@ -95,8 +117,11 @@ class MemoryCore:
             self._replicas[spec.id] = _Replica(
                 spec=spec, status=st, joined_at=now if st is ReplicaStatus.ACTIVE else 0.0
             )
+            self._order = None
+            self._view = None
             return
         rep.spec = spec
+        self._dirty(rep)
         if status is not None:
             self.set_status(spec.id, status)
 
@@ -107,18 +132,27 @@ class MemoryCore:
         if status is ReplicaStatus.ACTIVE and rep.status is not ReplicaStatus.ACTIVE and rep.joined_at == 0.0:
             rep.joined_at = self.clock.now()
         rep.status = status
+        self._dirty(rep)
 
     def remove_replica(self, replica_id: ReplicaId) -> None:
-        self._replicas.pop(replica_id, None)
+        rep = self._replicas.pop(replica_id, None)
+        if rep is not None:
+            self._n_active -= len(rep.active)
+            self._order = None
+            self._view = None
 
     def report_engine_load(self, replica_id: ReplicaId, load: EngineLoad) -> None:
         rep = self._replicas.get(replica_id)
         if rep is not None:
             rep.engine = load
+            self._dirty(rep)
 
     # ---- views -------------------------------------------------------------------------------
 
     def _prune(self, now: float) -> None:
+        if now < self._last_now:
+            self._monotonic = False
+        self._last_now = now
         horizon = now - self.config.session_ttl_s
         while self._sessions:
             sid, s = next(iter(self._sessions.items()))
@@ -129,31 +163,76 @@ class MemoryCore:
                 self._forget_active(rep, sid)
         active_horizon = now - self.config.active_window_s
         ramp_horizon = now - self.config.ramp_window_s
+        if (
+            self._monotonic
+            and not self._oldest_active < active_horizon
+            and not self._oldest_placement < ramp_horizon
+        ):
+            return  # every entry the pass below could drop is younger than its window
+        oldest_active = oldest_placement = float("inf")
         for rep in self._replicas.values():
+            changed = False
             while rep.active:
                 sid, (seen, ctx) = next(iter(rep.active.items()))
                 if seen >= active_horizon:
+                    oldest_active = min(oldest_active, seen)
                     break
                 rep.active.popitem(last=False)
                 rep.active_context -= ctx
+                self._n_active -= 1
+                changed = True
             while rep.placements and rep.placements[0] < ramp_horizon:
                 rep.placements.popleft()
+                changed = True
+            if rep.placements and rep.placements[0] < oldest_placement:
+                oldest_placement = rep.placements[0]
+            if changed:
+                self._dirty(rep)
+        # ``active`` is ordered by time (entries are re-appended when touched) and so are the
+        # placements, as long as the clock never goes back: the heads are the oldest entries
+        self._oldest_active = oldest_active
+        self._oldest_placement = oldest_placement
 
-    @staticmethod
-    def _forget_active(rep: _Replica, sid: str) -> None:
+    def _forget_active(self, rep: _Replica, sid: str) -> None:
         old = rep.active.pop(sid, None)
         if old is not None:
             rep.active_context -= old[1]
+            self._n_active -= 1
+            self._dirty(rep)
 
-    @staticmethod
-    def _touch_active(rep: _Replica, sid: str, seen: float, ctx: int) -> None:
+    def _touch_active(self, rep: _Replica, sid: str, seen: float, ctx: int) -> None:
         old = rep.active.pop(sid, None)
         if old is not None:
             rep.active_context -= old[1]
+        else:
+            self._n_active += 1
         rep.active[sid] = (seen, ctx)
         rep.active_context += ctx
+        self._oldest_active = min(self._oldest_active, seen)
+        self._dirty(rep)
+
+    def _place(self, rep: _Replica, now: float) -> None:
+        rep.placements.append(now)
+        self._oldest_placement = min(self._oldest_placement, now)
+        self._dirty(rep)
 
     def _replica_state(self, rep: _Replica) -> ReplicaState:
+        st = rep.state
+        if st is None:
+            st = rep.state = self._build_state(rep)
+        return st
+
+    def _replica_view(self) -> tuple[ReplicaState, ...]:
+        view = self._view
+        if view is None:
+            order = self._order
+            if order is None:
+                order = self._order = tuple(self._replicas[k] for k in sorted(self._replicas))
+            view = self._view = tuple(self._replica_state(r) for r in order)
+        return view
+
+    @staticmethod
+    def _build_state(rep: _Replica) -> ReplicaState:
         cap = rep.spec.capacity_tokens or rep.engine.capacity_tokens
         host = rep.spec.host_capacity_tokens or rep.engine.host_capacity_tokens
         return ReplicaState(
@@ -187,7 +266,7 @@ class MemoryCore:
 
     def replicas(self) -> tuple[ReplicaState, ...]:
         self._prune(self.clock.now())
-        return tuple(self._replica_state(self._replicas[k]) for k in sorted(self._replicas))
+        return self._replica_view()
 
     def session(self, session_id: str) -> SessionState | None:
         s = self._sessions.get(session_id)
@@ -203,10 +282,10 @@ class MemoryCore:
         sess = self.session(session_key) if session_key else None
         return ClusterSnapshot(
             now=now,
-            replicas=tuple(self._replica_state(self._replicas[k]) for k in sorted(self._replicas)),
+            replicas=self._replica_view(),
             session=sess,
             seq=self._seq,
-            sessions_active=sum(len(r.active) for r in self._replicas.values()),
+            sessions_active=self._n_active,
         )
 
     # ---- hot path ----------------------------------------------------------------------------
@@ -239,7 +318,7 @@ class MemoryCore:
                 rep = self._replicas.get(eff.replica_id)
                 if rep is not None:
                     if eff.reason in PLACEMENT_REASONS:
-                        rep.placements.append(now)
+                        self._place(rep, now)
                     self._touch_active(rep, eff.session_id, now, s.context_tokens)
             elif isinstance(eff, SetOverflow):
                 s = self._sessions.setdefault(eff.session_id, _Session(last_seen=now))
@@ -248,6 +327,7 @@ class MemoryCore:
         if rep is None:
             raise KeyError(target)
         rep.in_flight += 1
+        self._dirty(rep)
         prev_ctx = 0
         if sess is not None and sid is not None:
             sess.in_flight[target] = sess.in_flight.get(target, 0) + 1
@@ -278,6 +358,7 @@ class MemoryCore:
             if completion.prompt_tokens is not None:
                 new = completion.prompt_tokens - (completion.cached_tokens or 0)
                 rep.tokens_written += max(0, new) + (completion.completion_tokens or 0)
+            self._dirty(rep)
         if lease.session_id is None:
             return
         s = self._sessions.get(lease.session_id)
@@ -342,4 +423,3 @@ class MemoryStore:
 
     async def close(self) -> None:
         return None
-
