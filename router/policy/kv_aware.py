@@ -201,9 +201,19 @@ class KvAwarePolicy:
             return RouteDecision(target.id, Reason.PLACED_EVICTED, effects, scores, AffinityBreak.EVICTED)
 
         over = home.in_flight >= view.hard_bound and not view.panic
-        if sess.in_flight_at(home.id) >= p.thicc_threshold or (over and not idle):
+        est = request.prompt_tokens_estimate
+        # the parent chain's next turn carries the whole session context: its cache is at home
+        extends = bool(p.keep_extending) and 0 < sess.context_tokens <= est
+        thicc = sess.in_flight_at(home.id) >= p.thicc_threshold
+        if (thicc and not extends) or (over and not idle):
             brk = AffinityBreak.OVERLOAD_SPILL if over else AffinityBreak.THICC_SPLIT
             return self._spill(view, request, snapshot, sess, home, rng, Reason.THICC_SPLIT, brk)
+        if p.short_to_overflow and not idle and 0 < est < sess.context_tokens:
+            sticky = self._overflow_with_room(view, snapshot, sess, home)
+            if sticky is not None:  # a sub-agent turn: where the earlier sub-agent turns went
+                return RouteDecision(
+                    sticky.id, Reason.THICC_SPLIT, (), ((sticky.id, load_score(sticky, 0, p)),)
+                )
         if idle and not view.panic and (over or self._strained(home, view)):
             decision = self._try_move(
                 view,
@@ -223,7 +233,10 @@ class KvAwarePolicy:
                 else self._gain(home, decision, snapshot, ctx) >= needed
             ):
                 return decision
-        effects = self._collapse(sess, keep_only=tuple(o for o in sess.overflow if sess.in_flight_at(o) > 0))
+        if p.collapse_idle_only and not idle:
+            effects: tuple[Effect, ...] = ()  # the fan-out is not over: its overflows stay
+        else:
+            effects = self._collapse(sess, keep_only=tuple(o for o in sess.overflow if sess.in_flight_at(o) > 0))
         return RouteDecision(home.id, Reason.AFFINITY, effects, ((home.id, load_score(home, 0, p)),))
 
     def _strained(self, home: ReplicaState, view: _View) -> bool:
@@ -294,6 +307,23 @@ class KvAwarePolicy:
             return self._move(view, request, snapshot, sess, rng, reason, brk, avoid)
         except NoReplicaError:
             return None
+
+    def _overflow_with_room(
+        self, view: _View, snapshot: ClusterSnapshot, sess: SessionState, home: ReplicaState
+    ) -> ReplicaState | None:
+        """The session's first overflow replica that may take one more of its requests."""
+        pool_ids = {r.id for r in view.pool}
+        for oid in sess.overflow:
+            r = snapshot.replica(oid)
+            if (
+                r is not None
+                and r.id in pool_ids
+                and r.id != home.id
+                and sess.in_flight_at(r.id) < self.params.thicc_threshold
+                and (view.panic or r.in_flight < view.hard_bound)
+            ):
+                return r
+        return None
 
     def _spill(
         self,

@@ -23,6 +23,17 @@ class PolicyParams:
     """A session with this many requests in flight at one replica sends the next to an overflow."""
     max_overflow: int = 2
     """At most this many overflow replicas per session (a session spans ≤ 1 + max_overflow)."""
+    keep_extending: int = 1
+    """1: a request whose prompt extends the session's context (``prompt_tokens_estimate`` ≥
+    ``context_tokens``: the parent chain's next turn) stays at home even when the session is thicc
+    there, and the short requests (sub-agents) are the ones spilled. 0: spill whichever comes."""
+    short_to_overflow: int = 0
+    """1: while a session has requests in flight and an overflow replica with room, its short
+    requests (prompt < session context: sub-agent turns) go to that overflow, where the earlier
+    sub-agent turns left their context, instead of alternating between home and overflow."""
+    collapse_idle_only: int = 0
+    """1: overflow replicas are dropped only when the session has nothing in flight (its fan-out is
+    over); 0: whenever a request goes home and an overflow has nothing of the session in flight."""
 
     # ---- rules 1, 3, 5: load bounds --------------------------------------------------------------
     bounded_load_epsilon: float = 0.25
@@ -115,6 +126,7 @@ _POSITIVE_INT = {
     "prefix_blocks",
 }
 _FRACTION = {"panic_threshold"}
+_FLAG = {"keep_extending", "short_to_overflow", "collapse_idle_only"}
 
 
 def _coerce(key: str, want: type, value: Any) -> Any:
@@ -140,6 +152,8 @@ def _validate(key: str, value: Any) -> None:
         raise ValueError(f"{key}: must be finite")
     if key in _POSITIVE_INT and value < 1:
         raise ValueError(f"{key}: must be ≥ 1, got {value!r}")
+    if key in _FLAG and value not in (0, 1):
+        raise ValueError(f"{key}: must be 0 or 1, got {value!r}")
     if key in _FRACTION and not 0.0 <= value <= 1.0:
         raise ValueError(f"{key}: must be within [0, 1], got {value!r}")
     if value < 0:

@@ -323,6 +323,144 @@ CASES: dict[str, Case] = {
         (SetOverflow("s1", (C,)),),
         AffinityBreak.THICC_SPLIT,
     ),
+    # ---- rule 2, which request spills: the one extending the session context stays home
+    "thicc_extending_request_stays_home": Case(
+        snapshot(replica(A, in_flight=3), replica(B), replica(C), sess=session("s1", A, in_flight={A: 3})),
+        request(prompt=52_000),  # session context 50k: the parent chain's next turn
+        A,
+        Reason.AFFINITY,
+    ),
+    "thicc_request_equal_to_context_stays_home": Case(
+        snapshot(replica(A, in_flight=3), replica(B), replica(C), sess=session("s1", A, in_flight={A: 3})),
+        request(prompt=50_000),
+        A,
+        Reason.AFFINITY,
+    ),
+    "thicc_short_request_spills": Case(
+        snapshot(
+            replica(A, in_flight=3), replica(B), replica(C, in_flight=1), sess=session("s1", A, in_flight={A: 3})
+        ),
+        request(prompt=8_000),  # a sub-agent turn
+        B,
+        Reason.THICC_SPLIT,
+        (SetOverflow("s1", (B,)),),
+        AffinityBreak.THICC_SPLIT,
+    ),
+    "thicc_extending_unknown_context_spills": Case(
+        snapshot(
+            replica(A, in_flight=3),
+            replica(B),
+            replica(C, in_flight=1),
+            sess=session("s1", A, in_flight={A: 3}, ctx=0),
+        ),
+        request(prompt=8_000),
+        B,
+        Reason.THICC_SPLIT,
+        (SetOverflow("s1", (B,)),),
+        AffinityBreak.THICC_SPLIT,
+    ),
+    "thicc_extending_spills_when_keep_extending_off": Case(
+        snapshot(
+            replica(A, in_flight=3), replica(B), replica(C, in_flight=1), sess=session("s1", A, in_flight={A: 3})
+        ),
+        request(prompt=52_000),
+        B,
+        Reason.THICC_SPLIT,
+        (SetOverflow("s1", (B,)),),
+        AffinityBreak.THICC_SPLIT,
+        params=P.with_changes(keep_extending=0),
+    ),
+    "thicc_extending_spills_over_hard_bound": Case(
+        # mean in-flight 10/3 -> hard bound 8; home at 9: load safety beats the cache
+        snapshot(
+            replica(A, in_flight=9),
+            replica(B),
+            replica(C, in_flight=1),
+            sess=session("s1", A, in_flight={A: 3}),
+        ),
+        request(prompt=52_000),
+        B,
+        Reason.THICC_SPLIT,
+        (SetOverflow("s1", (B,)),),
+        AffinityBreak.OVERLOAD_SPILL,
+    ),
+    # ---- short_to_overflow (opt-in): sub-agent turns go where earlier sub-agent turns went
+    "short_request_goes_to_sticky_overflow": Case(
+        snapshot(
+            replica(A, in_flight=1),
+            replica(B, in_flight=1),
+            replica(C),
+            sess=session("s1", A, overflow=(B,), in_flight={A: 1, B: 1}),
+        ),
+        request(prompt=8_000),
+        B,
+        Reason.THICC_SPLIT,
+        params=P.with_changes(short_to_overflow=1),
+    ),
+    "short_request_home_when_short_to_overflow_off": Case(
+        snapshot(
+            replica(A, in_flight=1),
+            replica(B, in_flight=1),
+            replica(C),
+            sess=session("s1", A, overflow=(B,), in_flight={A: 1, B: 1}),
+        ),
+        request(prompt=8_000),
+        A,
+        Reason.AFFINITY,
+    ),
+    "short_request_home_when_overflow_full": Case(
+        snapshot(
+            replica(A, in_flight=1),
+            replica(B, in_flight=3),
+            replica(C),
+            sess=session("s1", A, overflow=(B,), in_flight={A: 1, B: 3}),
+        ),
+        request(prompt=8_000),
+        A,
+        Reason.AFFINITY,
+        params=P.with_changes(short_to_overflow=1),
+    ),
+    "extending_request_home_with_short_to_overflow": Case(
+        snapshot(
+            replica(A, in_flight=1),
+            replica(B, in_flight=1),
+            replica(C),
+            sess=session("s1", A, overflow=(B,), in_flight={A: 1, B: 1}),
+        ),
+        request(prompt=60_000),
+        A,
+        Reason.AFFINITY,
+        params=P.with_changes(short_to_overflow=1),
+    ),
+    "short_request_of_idle_session_goes_home_and_collapses": Case(
+        snapshot(replica(A), replica(B), replica(C), sess=session("s1", A, overflow=(B,))),
+        request(prompt=8_000),
+        A,
+        Reason.AFFINITY,
+        (SetOverflow("s1", ()),),
+        params=P.with_changes(short_to_overflow=1),
+    ),
+    # ---- collapse_idle_only (opt-in): overflows stay until the fan-out is over
+    "collapse_idle_only_keeps_overflows_mid_fanout": Case(
+        snapshot(
+            replica(A, in_flight=1),
+            replica(B),
+            replica(C, in_flight=1),
+            sess=session("s1", A, overflow=(B, C), in_flight={A: 1, C: 1}),
+        ),
+        request(),
+        A,
+        Reason.AFFINITY,
+        params=P.with_changes(collapse_idle_only=1),
+    ),
+    "collapse_idle_only_collapses_idle_session": Case(
+        snapshot(replica(A), replica(B), replica(C), sess=session("s1", A, overflow=(B, C))),
+        request(),
+        A,
+        Reason.AFFINITY,
+        (SetOverflow("s1", ()),),
+        params=P.with_changes(collapse_idle_only=1),
+    ),
     "overload_mid_turn_spills": Case(
         # mean in-flight 3 -> hard bound max(8, 6) = 8; A is at 9
         snapshot(

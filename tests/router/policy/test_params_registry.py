@@ -46,6 +46,9 @@ def test_with_changes_returns_a_new_validated_copy() -> None:
         ({"score_quantum": 0}, "score_quantum"),
         ({"residency_slack": 0.0}, "residency_slack"),
         ({"prefix_blocks": 0}, "prefix_blocks"),
+        ({"keep_extending": 2}, "keep_extending"),
+        ({"short_to_overflow": 0.5}, "short_to_overflow"),
+        ({"collapse_idle_only": -1}, "collapse_idle_only"),
     ],
 )
 def test_with_changes_rejects_and_names_the_key(changes: dict[str, object], key: str) -> None:
