@@ -13,6 +13,11 @@ for 8 and 50 replicas, a *known* session (one of ``--sessions`` bound ones, affi
 session (placement). The synchronous core is timed (the async ``MemoryStore`` adds one await that
 never suspends). Each cell reports the mean and p50/p99 of every phase in microseconds.
 
+``--cpu`` runs ``kvroute serve`` (a subprocess, in front of one emulated replica) and reports the
+gateway process's own CPU time per proxied request (``/proc/<pid>/stat``, Linux) for a fixed number
+of requests at c=1 and c=32, JSON and SSE: unlike latency on a shared box, CPU per request barely
+moves when other processes compete for the cores.
+
 ``--overhead`` also runs ``kvroute bench overhead --targets kvroute`` (c=1 and c=32; one emulated
 replica in a subprocess) once and adds its ``added`` block; ``--compare BEFORE AFTER`` prints the
 ratios of two saved overhead documents (noisy machines: compare ratios, never single numbers).
@@ -24,6 +29,7 @@ import argparse
 import asyncio
 import gc
 import json
+import os
 import random
 import sys
 import time
@@ -187,6 +193,69 @@ def run_hotpath(
     }
 
 
+def _proc_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process (Linux ``/proc``)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def _drive(url: str, *, concurrency: int, stream: bool, requests: int) -> int:
+    """Send exactly ``requests`` requests with ``concurrency`` workers; returns the failures."""
+    import aiohttp
+
+    from loadtests.overhead import _body
+
+    body = _body(stream)
+    target = url.rstrip("/") + "/v1/chat/completions"
+    left = requests
+    errors = 0
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http:
+
+        async def worker(i: int) -> None:
+            nonlocal left, errors
+            headers = {"Content-Type": "application/json", "Modal-Session-Id": f"cpu-{i}"}
+            while left > 0:
+                left -= 1
+                async with http.post(target, data=body, headers=headers) as r:
+                    async for _ in r.content.iter_any():
+                        pass
+                    errors += r.status != 200
+
+        await asyncio.wait_for(asyncio.gather(*(worker(i) for i in range(concurrency))), timeout=120)
+    return errors
+
+
+async def run_cpu(
+    *, requests: int = 3000, concurrencies: Sequence[int] = (1, 32), extra_args: Sequence[str] = ()
+) -> dict[str, Any]:
+    """Gateway CPU microseconds per request, live (``kvroute serve`` + one emulated replica)."""
+    import tempfile
+
+    from loadtests.peers import PEERS, emulated_fleet, running_router
+
+    cells: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="kvroute-hotpath-") as tmp:
+        log_dir = Path(tmp)
+        async with emulated_fleet(1, ("--time-scale", "0.000001"), log_dir=log_dir) as fleet:
+            async with running_router(
+                PEERS["kvroute"], fleet.urls, log_dir=log_dir, extra_args=extra_args
+            ) as gw:
+                pid = gw.proc.pid
+                for c in concurrencies:
+                    for stream in (False, True):
+                        await _drive(gw.url, concurrency=c, stream=stream, requests=min(300, requests))
+                        cpu0, t0 = _proc_cpu_s(pid), time.perf_counter()
+                        errors = await _drive(gw.url, concurrency=c, stream=stream, requests=requests)
+                        cpu1, t1 = _proc_cpu_s(pid), time.perf_counter()
+                        cells[f"c{c}_{'stream' if stream else 'json'}"] = {
+                            "requests": requests,
+                            "errors": errors,
+                            "gateway_cpu_us_per_request": round((cpu1 - cpu0) / requests * 1e6, 1),
+                            "req_per_s": round(requests / (t1 - t0), 1),
+                        }
+    return {"bench": "hotpath-cpu", "cells": cells}
+
+
 def compare_overhead(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
     """Ratios after/before of two ``bench overhead`` documents (kvroute rows), per cell."""
     out: dict[str, Any] = {}
@@ -228,6 +297,8 @@ def cli_main(argv: list[str]) -> int:
     p.add_argument("--requests", type=int, default=3000, help="timed requests per cell")
     p.add_argument("--sessions", type=int, default=500, help="known sessions bound before timing")
     p.add_argument("--policy", default="kv_aware")
+    p.add_argument("--cpu", action="store_true", help="also measure live gateway CPU per request")
+    p.add_argument("--cpu-only", action="store_true", help="only the live CPU measurement")
     p.add_argument(
         "--overhead", action="store_true", help="also run `kvroute bench overhead --targets kvroute`"
     )
@@ -246,9 +317,14 @@ def cli_main(argv: list[str]) -> int:
         return 0
     if ns.requests < 1 or ns.sessions < 1:
         p.error("--requests and --sessions must be >= 1")
+    if ns.cpu_only:
+        print(json.dumps(asyncio.run(run_cpu(requests=ns.requests)), indent=2))
+        return 0
     doc = run_hotpath(
         replicas=ns.replicas or (8, 50), requests=ns.requests, sessions=ns.sessions, policy=ns.policy
     )
+    if ns.cpu:
+        doc["cpu"] = asyncio.run(run_cpu(requests=ns.requests))
     if ns.overhead:
         from loadtests.overhead import run_overhead
 
