@@ -17,7 +17,7 @@ import random
 import signal
 import ssl
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from aiohttp import web
@@ -32,7 +32,14 @@ from router.gateway.keys import RUNTIME_KEY, GatewayRuntime
 from router.policy import Policy
 from router.store.base import StateStore
 
-__all__ = ["RunningGateway", "cli_main", "listener_ssl_context", "make_store", "start_gateway"]
+__all__ = [
+    "RunningGateway",
+    "cli_main",
+    "event_loop_factory",
+    "listener_ssl_context",
+    "make_store",
+    "start_gateway",
+]
 
 log = logging.getLogger("kvroute.gateway")
 
@@ -100,8 +107,17 @@ async def start_gateway(
     policy = policy or make_policy_from_config(config)
     rng = rng or random.Random(config.seed)
     app = make_app(
-        config, store, policy, clock=clock, rng=rng, client=client, hooks=hooks,
-        extra_setup=extra_setup, discovery=discovery, middlewares=middlewares, trace_configs=trace_configs,
+        config,
+        store,
+        policy,
+        clock=clock,
+        rng=rng,
+        client=client,
+        hooks=hooks,
+        extra_setup=extra_setup,
+        discovery=discovery,
+        middlewares=middlewares,
+        trace_configs=trace_configs,
     )
     want_access_log = config.access_log if access_log is None else access_log
     runner = web.AppRunner(
@@ -166,8 +182,13 @@ async def _serve(config: GatewayConfig) -> int:
         log.info("admin API disabled: no admin token (--admin-token / KVROUTE_ADMIN_TOKEN)")
     elif surface.admin.insecure and not surface.admin.token:
         log.warning("admin API served WITHOUT authentication (--admin-insecure): local demos only")
-    log.info("kvroute gateway %s listening on %s (policy %s, %d static replicas)",
-             config.gateway_id, gw.url, config.policy, len(config.replicas))
+    log.info(
+        "kvroute gateway %s listening on %s (policy %s, %d static replicas)",
+        config.gateway_id,
+        gw.url,
+        config.policy,
+        len(config.replicas),
+    )
     print(f"kvroute gateway listening on {gw.url}", file=sys.stderr, flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -179,6 +200,18 @@ async def _serve(config: GatewayConfig) -> int:
     finally:
         await gw.close()
     return 0
+
+
+def event_loop_factory(env: Mapping[str, str]) -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """uvloop's loop when it is installed (Linux/macOS dependency; about a third less CPU per
+    proxied request), else ``None`` (asyncio's default). ``KVROUTE_NO_UVLOOP=1`` opts out."""
+    if env.get("KVROUTE_NO_UVLOOP", "") not in ("", "0"):
+        return None
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    return uvloop.new_event_loop
 
 
 def cli_main(argv: list[str]) -> int:
@@ -193,7 +226,8 @@ def cli_main(argv: list[str]) -> int:
 
     configure_logging(config.log_level)
     try:
-        return asyncio.run(_serve(config))
+        with asyncio.Runner(loop_factory=event_loop_factory(os.environ)) as runner:
+            return runner.run(_serve(config))
     except ConfigError as exc:
         print(f"kvroute serve: {exc}", file=sys.stderr)
         return 2
