@@ -28,7 +28,6 @@ import argparse
 import asyncio
 import contextlib
 import json
-import os
 import random
 import signal
 import subprocess
@@ -39,6 +38,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
+
+from loadtests.procs import Procs, read_line
 
 __all__ = ["ALL_FAULTS", "Outcomes", "cli_main", "run_campaign"]
 
@@ -78,39 +79,10 @@ class Outcomes:
 # ---- processes ---------------------------------------------------------------------------------------
 
 
-class Procs:
-    def __init__(self) -> None:
-        self.items: list[subprocess.Popen[bytes]] = []
-
-    def start(self, args: list[str], stderr_pipe: bool = False) -> subprocess.Popen[bytes]:
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "KVROUTE_LOG_LEVEL": "warning",
-               "KVROUTE_ADMIN_TOKEN": ADMIN_TOKEN}  # fmt: skip
-        p = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE if stderr_pipe else subprocess.DEVNULL,
-                             env=env)  # fmt: skip
-        self.items.append(p)
-        return p
-
-    def cleanup(self) -> None:
-        for p in self.items:
-            if p.poll() is None:
-                p.send_signal(signal.SIGKILL)
-        for p in self.items:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                p.wait(10)
-            for s in (p.stdout, p.stderr):
-                if s is not None:
-                    s.close()
-
-
-async def _line(stream: Any, timeout_s: float = 60.0) -> str:
-    line = await asyncio.wait_for(asyncio.to_thread(stream.readline), timeout_s)
-    return bytes(line).decode().strip()
-
-
 async def start_emulator(procs: Procs, time_scale: float) -> tuple[subprocess.Popen[bytes], str]:
     p = procs.start([PY, "-m", "router.cli", "emulate", "--replicas", "1", "--base-port", "0", "--profile", "small-test",
                      "--time-scale", str(time_scale)])  # fmt: skip
-    url = await _line(p.stdout)
+    url = await read_line(p.stdout)
     if not url.startswith("http://"):
         raise RuntimeError(f"emulator did not start: {url!r}")
     return p, url
@@ -126,7 +98,7 @@ async def start_gateway_proc(procs: Procs, replicas: list[str], redis_url: str, 
              "--set", "timeouts.shutdown_s=2", "--set", "store.lease_ttl_s=2"]  # fmt: skip
     p = procs.start(args, stderr_pipe=True)
     while True:
-        line = await _line(p.stderr)
+        line = await read_line(p.stderr)
         if "gateway listening on" in line:
             return p, line.rsplit(" ", 1)[-1]
         if not line and p.poll() is not None:
@@ -395,7 +367,7 @@ async def run_campaign(
     from tests.redis_server import RedisServer
 
     say = log or (lambda _m: None)
-    procs = Procs()
+    procs = Procs({"KVROUTE_ADMIN_TOKEN": ADMIN_TOKEN})
     redis = RedisServer().start()
     proxy = await TcpProxy("127.0.0.1", redis.port).start()
     results: list[dict[str, Any]] = []
@@ -436,8 +408,8 @@ async def run_campaign(
                     tot.completed += o.completed
                     tot.clean_error += o.clean_error
                     tot.lost += o.lost
-                    for k, v in o.errors.items():
-                        tot.errors[k] = tot.errors.get(k, 0) + v
+                    for kind, n in o.errors.items():
+                        tot.errors[kind] = tot.errors.get(kind, 0) + n
                 results.append({
                     "fault": name,
                     "completed": tot.completed,

@@ -41,6 +41,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from loadtests.procs import Procs, read_line
+
 __all__ = ["cli_main", "run_soak"]
 
 PY = sys.executable
@@ -151,39 +153,12 @@ def pct(xs: list[float], q: float) -> float | None:
     return round(s[min(len(s) - 1, int(q * len(s)))] * 1000, 2)
 
 
-@dataclass
-class Procs:
-    items: list[subprocess.Popen[bytes]] = field(default_factory=list)
-
-    def start(self, args: list[str], stderr_pipe: bool = False) -> subprocess.Popen[bytes]:
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "KVROUTE_LOG_LEVEL": "warning"}
-        p = subprocess.Popen(args, stdout=subprocess.PIPE, env=env,
-                             stderr=subprocess.PIPE if stderr_pipe else subprocess.DEVNULL)  # fmt: skip
-        self.items.append(p)
-        return p
-
-    def cleanup(self) -> None:
-        for p in self.items:
-            if p.poll() is None:
-                p.send_signal(signal.SIGKILL)
-        for p in self.items:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                p.wait(10)
-            for s in (p.stdout, p.stderr):
-                if s is not None:
-                    s.close()
-
-
-async def _line(stream: Any, timeout_s: float = 60.0) -> str:
-    return bytes(await asyncio.wait_for(asyncio.to_thread(stream.readline), timeout_s)).decode().strip()
-
-
 async def start_gateway(procs: Procs, upstream: str, max_connections: int) -> tuple[subprocess.Popen[bytes], int]:
     p = procs.start([PY, "-m", "router.cli", "serve", "--port", "0", "--replica", upstream,
                      "--set", f"max_connections={max_connections}", "--set", "health.health_interval_s=1",
                      "--set", "timeouts.first_byte_s=60", "--set", "timeouts.idle_read_s=120"], stderr_pipe=True)  # fmt: skip
     while True:
-        line = await _line(p.stderr)
+        line = await read_line(p.stderr)
         if "gateway listening on" in line:
             return p, int(line.rsplit(":", 1)[-1])
         if not line and p.poll() is not None:
@@ -330,7 +305,7 @@ async def run_soak(
     conns = Conns()
     try:
         up = procs.start([PY, "-m", "loadtests.soak", "--serve-upstream"])
-        upstream = await _line(up.stdout)
+        upstream = await read_line(up.stdout)
         up_port = int(upstream.rsplit(":", 1)[1])
         gw, port = await start_gateway(procs, upstream, max_connections=idle_streams + active + 256)
         await asyncio.sleep(1.5)  # first health round: the upstream is ACTIVE

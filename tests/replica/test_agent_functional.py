@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -29,6 +28,7 @@ from typing import Any
 import aiohttp
 import pytest
 
+from loadtests.procs import Procs as _Procs
 from router.clock import SystemClock
 from router.model import ReplicaState, ReplicaStatus
 from router.store.base import StoreConfig
@@ -43,30 +43,11 @@ REPLICA_TTL_S = 2.0
 # ---- processes -------------------------------------------------------------------------------------
 
 
-class Procs:
-    """Subprocesses this test started; each is stopped (by its own pid) at teardown."""
+class Procs(_Procs):
+    """``kvroute`` subcommands this test started; each is stopped (by its own pid) at teardown."""
 
-    def __init__(self) -> None:
-        self.items: list[subprocess.Popen[bytes]] = []
-
-    def start(self, args: list[str]) -> subprocess.Popen[bytes]:
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "KVROUTE_LOG_LEVEL": "warning"}
-        p = subprocess.Popen(
-            [PY, "-m", "router.cli", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env
-        )
-        self.items.append(p)
-        return p
-
-    def cleanup(self) -> None:
-        for p in self.items:
-            if p.poll() is None:
-                p.send_signal(signal.SIGKILL)
-        for p in self.items:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                p.wait(10)
-            for stream in (p.stdout, p.stderr):
-                if stream is not None:
-                    stream.close()
+    def start(self, args: list[str], stderr_pipe: bool = True) -> subprocess.Popen[bytes]:
+        return super().start([PY, "-m", "router.cli", *args], stderr_pipe=True)
 
 
 @pytest.fixture
