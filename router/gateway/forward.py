@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Iterable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import aiohttp
 from multidict import CIMultiDict
@@ -42,10 +42,12 @@ __all__ = [
     "UpstreamResponse",
     "Usage",
     "UsageSniffer",
+    "filter_headers",
     "filter_request_headers",
     "filter_response_headers",
     "is_connect_failure",
     "map_client_errors",
+    "request_drop_set",
     "usage_from_json",
 ]
 
@@ -77,9 +79,19 @@ def _connection_tokens(headers: Iterable[tuple[str, str]]) -> set[str]:
 
 
 def _filter(headers: Iterable[tuple[str, str]], drop: frozenset[str]) -> list[tuple[str, str]]:
-    items = list(headers)
-    also = _connection_tokens(items)
-    return [(k, v) for k, v in items if k.lower() not in drop and k.lower() not in also]
+    # one pass, one lower() per header: this runs twice per request
+    out: list[tuple[str, str]] = []
+    named: set[str] | None = None
+    for k, v in headers:
+        low = k.lower()
+        if low == "connection":
+            named = named or set()
+            named.update(t.strip().lower() for t in v.split(",") if t.strip())
+        if low not in drop:
+            out.append((k, v))
+    if named:
+        out = [(k, v) for k, v in out if k.lower() not in named]
+    return out
 
 
 def filter_request_headers(headers: Iterable[tuple[str, str]]) -> list[tuple[str, str]]:
@@ -92,26 +104,61 @@ def filter_response_headers(headers: Iterable[tuple[str, str]]) -> list[tuple[st
     return _filter(headers, _RESPONSE_DROP)
 
 
+def request_drop_set(extra: Iterable[str] = ()) -> frozenset[str]:
+    """The (lower-case) names ``filter_request_headers`` drops, plus ``extra`` (lower-case)."""
+    return _REQUEST_DROP | frozenset(extra)
+
+
+def filter_headers(headers: Iterable[tuple[str, str]], drop: frozenset[str]) -> list[tuple[str, str]]:
+    """Drop every header named in ``drop`` (lower-case) or in a ``Connection`` header, one pass
+    (``filter_request_headers`` is ``filter_headers(h, request_drop_set())``)."""
+    return _filter(headers, drop)
+
+
 # ---- errors ---------------------------------------------------------------------------------------
 
 
-@contextmanager
-def map_client_errors(replica_id: str) -> Iterator[None]:
+def _mapped(replica_id: str, exc: BaseException) -> UpstreamError | None:
+    if isinstance(exc, UpstreamError) or not isinstance(exc, Exception):
+        return None  # ours already, or CancelledError / KeyboardInterrupt: never mapped
+    if isinstance(exc, (TimeoutError, aiohttp.ServerTimeoutError)):
+        return UpstreamTimeoutError(f"replica {replica_id}: timed out")
+    if isinstance(exc, aiohttp.ClientPayloadError):
+        return UpstreamBrokenError(f"replica {replica_id}: response broke off: {exc}")
+    if isinstance(exc, aiohttp.ServerDisconnectedError):
+        return UpstreamConnectError(f"replica {replica_id}: server disconnected")
+    if isinstance(exc, aiohttp.ClientConnectorError):
+        return UpstreamConnectError(f"replica {replica_id}: cannot connect: {exc.os_error}")
+    if isinstance(exc, (aiohttp.ClientError, OSError)):
+        return UpstreamConnectError(f"replica {replica_id}: {type(exc).__name__}: {exc}")
+    return None
+
+
+class _ClientErrorMap:
+    """The context manager behind :func:`map_client_errors` (a class: it runs once per chunk)."""
+
+    __slots__ = ("_rid",)
+
+    def __init__(self, replica_id: str) -> None:
+        self._rid = replica_id
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(
+        self, et: type[BaseException] | None, exc: BaseException | None, tb: object
+    ) -> Literal[False]:
+        if exc is None:
+            return False
+        mapped = _mapped(self._rid, exc)
+        if mapped is None:
+            return False
+        raise mapped from exc
+
+
+def map_client_errors(replica_id: str) -> AbstractContextManager[None]:
     """Re-raise aiohttp/socket errors as ``router.errors.Upstream*Error`` (never CancelledError)."""
-    try:
-        yield
-    except UpstreamError:
-        raise
-    except (TimeoutError, aiohttp.ServerTimeoutError) as exc:
-        raise UpstreamTimeoutError(f"replica {replica_id}: timed out") from exc
-    except aiohttp.ClientPayloadError as exc:
-        raise UpstreamBrokenError(f"replica {replica_id}: response broke off: {exc}") from exc
-    except aiohttp.ServerDisconnectedError as exc:
-        raise UpstreamConnectError(f"replica {replica_id}: server disconnected") from exc
-    except aiohttp.ClientConnectorError as exc:
-        raise UpstreamConnectError(f"replica {replica_id}: cannot connect: {exc.os_error}") from exc
-    except (aiohttp.ClientError, OSError) as exc:
-        raise UpstreamConnectError(f"replica {replica_id}: {type(exc).__name__}: {exc}") from exc
+    return _ClientErrorMap(replica_id)
 
 
 def is_connect_failure(exc: BaseException) -> bool:
@@ -195,14 +242,19 @@ class _AiohttpUpstream:
         return self._resp.content_length
 
     async def chunks(self) -> AsyncIterator[bytes]:
-        it = self._resp.content.iter_any().__aiter__()
+        # ``iter_any`` chunking (all that is buffered, at once), but bytes already buffered are
+        # taken without arming a timer: a small response usually arrives with its headers
+        content = self._resp.content
         limit = self._first_s
         while True:
             with map_client_errors(self._rid):
-                async with asyncio.timeout(limit):
-                    try:
-                        chunk = await it.__anext__()
-                    except StopAsyncIteration:
+                chunk = content.read_nowait()
+                if not chunk:
+                    if content.at_eof():
+                        return
+                    async with asyncio.timeout(limit):
+                        chunk = await content.readany()
+                    if not chunk:
                         return
             limit = self._idle_s
             yield chunk
@@ -241,6 +293,9 @@ class AiohttpReplicaClient:
         )
         self._session = aiohttp.ClientSession(
             connector=connector,
+            # a proxy keeps no cookies: a replica's Set-Cookie is relayed to its client, never
+            # stored and replayed to other clients (and no per-request jar filtering)
+            cookie_jar=aiohttp.DummyCookieJar(),
             auto_decompress=False,  # relay Content-Encoding'd bytes as they are
             timeout=aiohttp.ClientTimeout(
                 total=None, connect=None, sock_connect=timeouts.connect_s, sock_read=None
