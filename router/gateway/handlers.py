@@ -23,6 +23,7 @@ Rules:
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import re
@@ -47,9 +48,10 @@ from router.events import AffinityBroken, RequestFinished, RequestRouted, StoreD
 from router.gateway.forward import (
     UpstreamResponse,
     UsageSniffer,
-    filter_request_headers,
+    filter_headers,
     filter_response_headers,
     is_connect_failure,
+    request_drop_set,
 )
 from router.gateway.keys import RUNTIME_KEY, GatewayRuntime
 from router.gateway.middleware import REQUEST_ID_HEADER, REQUEST_ID_KEY, read_body_limited
@@ -84,6 +86,8 @@ log = logging.getLogger("kvroute.gateway")
 INFERENCE_ROUTES = ("/v1/chat/completions", "/v1/completions", "/generate")
 REPLICA_HEADER = "X-Kvroute-Replica"
 REASON_HEADER = "X-Kvroute-Reason"
+# set by the gateway itself: a client's own values are dropped (X-Forwarded-For is extended)
+_FORWARD_DROP = request_drop_set({REQUEST_ID_HEADER.lower(), "x-forwarded-for"})
 _ERROR_BODY_LIMIT = 64 * 1024
 
 
@@ -99,12 +103,17 @@ def session_id_from_headers(headers: Mapping[str, str], cfg: GatewayConfig) -> s
         limit = cfg.limits.max_session_id_len
         if len(value) > limit:
             raise BadRequestError(f"{name}: session id longer than {limit} characters")
-        if not re.match(cfg.limits.session_id_pattern, value):
+        if not _compiled(cfg.limits.session_id_pattern).match(value):
             raise BadRequestError(
                 f"{name}: session id has characters outside {cfg.limits.session_id_pattern}"
             )
         return value
     return None
+
+
+@functools.lru_cache(maxsize=8)
+def _compiled(pattern: str) -> re.Pattern[str]:
+    return re.compile(pattern)
 
 
 def sse_error_event(message: str, code: int = 502, error_type: str = "upstream_error") -> bytes:
@@ -134,6 +143,14 @@ def _routing_key(
     p = _prefix_params(policy)
     key = prefix_key(obj, route, p.prefix_block_chars, p.prefix_blocks)
     return key, (KeySource.PREFIX if key is not None else KeySource.NONE), model
+
+
+class _RelayResponse(web.StreamResponse):
+    """A ``StreamResponse`` whose status line and headers leave with the first body bytes (one
+    ``send`` instead of two per response; what ``web.Response`` does). The gateway commits only
+    once it holds the first upstream chunk (rule 5), so nothing reaches the client any later."""
+
+    _send_headers_immediately = False
 
 
 @dataclass(slots=True)
@@ -306,7 +323,7 @@ class _Proxy:
             finally:
                 self.p.upstream_wait_s += clock.now() - t
             # ---- commit: from here on the client has our status line -----------------------------
-            resp = web.StreamResponse(status=upstream.status)
+            resp = _RelayResponse(status=upstream.status)
             for k, v in filter_response_headers(upstream.headers):
                 resp.headers.add(k, v)
             if self.cfg.decision_headers:
@@ -390,7 +407,11 @@ class _Proxy:
                 started_output=self.p.sent,
             )
             try:
-                await asyncio.shield(self.rt.store.release(lease, completion))
+                store = self.rt.store
+                if getattr(store, "never_suspends", False):
+                    await store.release(lease, completion)  # no await point: nothing can cancel it
+                else:
+                    await asyncio.shield(store.release(lease, completion))
             except StoreError as exc:  # the response is already decided: never fail it for this
                 log.warning("store release failed for %s: %s", lease.replica_id, exc)
                 self.rt.emit(StoreDegraded(at=self.rt.clock.now(), error=str(exc)))
@@ -450,11 +471,10 @@ def _with_excluded(req: RouteRequest, excluded: set[str]) -> RouteRequest:
 def _forward_headers(
     request: web.Request, cfg: GatewayConfig, session_id: str | None, request_id: str
 ) -> list[tuple[str, str]]:
-    hdrs = filter_request_headers(request.headers.items())
-    drop = {REQUEST_ID_HEADER.lower(), "x-forwarded-for"}
+    drop = _FORWARD_DROP
     if cfg.routing_key_header and session_id is not None:
-        drop.add(cfg.routing_key_header.lower())
-    out = [(k, v) for k, v in hdrs if k.lower() not in drop]
+        drop = drop | {cfg.routing_key_header.lower()}
+    out = filter_headers(request.headers.items(), drop)
     if cfg.routing_key_header and session_id is not None:
         out.append((cfg.routing_key_header, session_id))
     prior = request.headers.get("X-Forwarded-For")

@@ -29,7 +29,7 @@ from typing import Any
 from aiohttp import web
 
 from router.errors import KvrouteError, PayloadTooLargeError, UpstreamStatusError
-from router.observability.logging import request_id_scope
+from router.observability.logging import set_request_id
 
 __all__ = [
     "REQUEST_ID_HEADER",
@@ -88,8 +88,11 @@ async def request_id_middleware(request: web.Request, handler: Handler) -> web.S
     given = request.headers.get(REQUEST_ID_HEADER, "")
     rid = given if _SANE_ID.match(given) else uuid.uuid4().hex
     request[REQUEST_ID_KEY] = rid
-    with request_id_scope(rid):  # every log line of this request names it
+    token = set_request_id(rid)  # every log line of this request names it
+    try:
         return await handler(request)
+    finally:
+        token.var.reset(token)
 
 
 async def set_request_id_header(request: web.Request, response: web.StreamResponse) -> None:

@@ -388,6 +388,10 @@ class MemoryCore:
 class MemoryStore:
     """Async ``StateStore`` over a ``MemoryCore`` (one process; nothing to start)."""
 
+    # none of the methods ever suspends: the gateway needs no ``asyncio.shield`` (a task per
+    # request) around ``release`` to protect it from a second cancellation
+    never_suspends = True
+
     def __init__(self, clock: Clock, config: StoreConfig | None = None) -> None:
         self.core = MemoryCore(clock, config)
 
