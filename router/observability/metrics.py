@@ -35,7 +35,7 @@ from router.events import (
     StoreRecovered,
     UpstreamRetry,
 )
-from router.model import ReplicaState, ReplicaStatus
+from router.model import Reason, ReplicaState, ReplicaStatus
 from router.observability.stats import dispersion
 
 __all__ = [
@@ -377,6 +377,7 @@ class GatewayMetrics:
         r.register(self.fleet)
         # labelled children of the per-request series, cached: labels() costs more than inc()
         self._children: dict[tuple[str, ...], Any] = {}
+        self._finished: dict[tuple[str, Reason | None, int], tuple[Any, Any, Any]] = {}
 
     def _child(self, metric: Any, *labels: str) -> Any:
         key = (str(id(metric)), *labels)
@@ -387,11 +388,21 @@ class GatewayMetrics:
 
     def __call__(self, event: Event) -> None:
         if isinstance(event, RequestFinished):
-            reason = event.reason.value if event.reason is not None else "none"
-            self._child(self.requests, event.route, reason, str(event.status)).inc()
+            # one dict lookup for the three labelled children of this (route, reason, status)
+            key = (event.route, event.reason, event.status)
+            kids = self._finished.get(key)
+            if kids is None:
+                reason = event.reason.value if event.reason is not None else "none"
+                kids = self._finished[key] = (
+                    self._child(self.requests, event.route, reason, str(event.status)),
+                    self._child(self.ttft, event.route),
+                    self._child(self.e2e, event.route),
+                )
+            requests, ttft, e2e = kids
+            requests.inc()
             if event.ttft_s is not None:
-                self._child(self.ttft, event.route).observe(event.ttft_s)
-            self._child(self.e2e, event.route).observe(event.e2e_s)
+                ttft.observe(event.ttft_s)
+            e2e.observe(event.e2e_s)
             self.overhead.observe(event.overhead_s)
             if event.client_disconnected:
                 self.client_disconnects.labels(event.route).inc()
@@ -425,6 +436,14 @@ class GatewayMetrics:
         from aiohttp import web
 
         counter = self.http_responses
+        children: dict[tuple[str, str, int | str], Any] = {}  # labels() costs more than inc()
+
+        def count(route: str, method: str, status: int | str) -> None:
+            key = (route, method, status)
+            child = children.get(key)
+            if child is None:
+                child = children[key] = counter.labels(route, method, str(status))
+            child.inc()
 
         @web.middleware
         async def http_metrics(request: web.Request, handler: Any) -> web.StreamResponse:
@@ -433,12 +452,12 @@ class GatewayMetrics:
             try:
                 resp: web.StreamResponse = await handler(request)
             except web.HTTPException as exc:
-                counter.labels(route, request.method, str(exc.status)).inc()
+                count(route, request.method, exc.status)
                 raise
             except BaseException:
-                counter.labels(route, request.method, "error").inc()
+                count(route, request.method, "error")
                 raise
-            counter.labels(route, request.method, str(resp.status)).inc()
+            count(route, request.method, resp.status)
             return resp
 
         return http_metrics
