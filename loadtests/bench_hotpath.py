@@ -236,23 +236,23 @@ async def run_cpu(
     cells: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="kvroute-hotpath-") as tmp:
         log_dir = Path(tmp)
-        async with emulated_fleet(1, ("--time-scale", "0.000001"), log_dir=log_dir) as fleet:
-            async with running_router(
-                PEERS["kvroute"], fleet.urls, log_dir=log_dir, extra_args=extra_args
-            ) as gw:
-                pid = gw.proc.pid
-                for c in concurrencies:
-                    for stream in (False, True):
-                        await _drive(gw.url, concurrency=c, stream=stream, requests=min(300, requests))
-                        cpu0, t0 = _proc_cpu_s(pid), time.perf_counter()
-                        errors = await _drive(gw.url, concurrency=c, stream=stream, requests=requests)
-                        cpu1, t1 = _proc_cpu_s(pid), time.perf_counter()
-                        cells[f"c{c}_{'stream' if stream else 'json'}"] = {
-                            "requests": requests,
-                            "errors": errors,
-                            "gateway_cpu_us_per_request": round((cpu1 - cpu0) / requests * 1e6, 1),
-                            "req_per_s": round(requests / (t1 - t0), 1),
-                        }
+        async with (
+            emulated_fleet(1, ("--time-scale", "0.000001"), log_dir=log_dir) as fleet,
+            running_router(PEERS["kvroute"], fleet.urls, log_dir=log_dir, extra_args=extra_args) as gw,
+        ):
+            pid = gw.proc.pid
+            for c in concurrencies:
+                for stream in (False, True):
+                    await _drive(gw.url, concurrency=c, stream=stream, requests=min(300, requests))
+                    cpu0, t0 = _proc_cpu_s(pid), time.perf_counter()
+                    errors = await _drive(gw.url, concurrency=c, stream=stream, requests=requests)
+                    cpu1, t1 = _proc_cpu_s(pid), time.perf_counter()
+                    cells[f"c{c}_{'stream' if stream else 'json'}"] = {
+                        "requests": requests,
+                        "errors": errors,
+                        "gateway_cpu_us_per_request": round((cpu1 - cpu0) / requests * 1e6, 1),
+                        "req_per_s": round(requests / (t1 - t0), 1),
+                    }
     return {"bench": "hotpath-cpu", "cells": cells}
 
 
