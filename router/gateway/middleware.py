@@ -2,8 +2,9 @@
 
 Rules:
   1. Every response (success, error, stream) carries ``X-Request-Id``: the client's own if it is
-     a sane token (≤ 128 chars of ``[A-Za-z0-9._:-]``), else a fresh uuid4 hex. It is also set in the
-     logging context so every log line of the request names it.
+     a sane token (≤ 128 chars of ``[A-Za-z0-9._:-]``), else a fresh unique id of 32 hex
+     chars (a random per-process prefix + a counter: uuid4 read /dev/urandom on every request).
+     It is also set in the logging context so every log line of the request names it.
   2. ``router.errors`` and aiohttp's HTTP exceptions become OpenAI-style JSON
      (``{"error": {"message", "type", "code"}}``) with the matching status and an
      ``X-Kvroute-Error`` header naming the code. Nothing else is caught here: an unexpected
@@ -20,9 +21,10 @@ Rules:
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
+import os
 import re
-import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -49,6 +51,28 @@ REQUEST_ID_KEY = web.RequestKey("kvroute_request_id", str)
 _SANE_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+class _RequestIds:
+    """Unique request ids, 32 hex chars: 64 random bits per process (new after a fork) + a counter."""
+
+    __slots__ = ("_counter", "_prefix")
+
+    def __init__(self) -> None:
+        self._prefix = ""
+        self._counter = itertools.count()
+        self.reseed()
+
+    def reseed(self) -> None:
+        self._prefix = os.urandom(8).hex()
+        self._counter = itertools.count()
+
+    def next(self) -> str:
+        return f"{self._prefix}{next(self._counter) & 0xFFFF_FFFF_FFFF_FFFF:016x}"
+
+
+_ids = _RequestIds()
+os.register_at_fork(after_in_child=_ids.reseed)
 
 _HTTP_TYPES = {
     400: ("invalid_request_error", "bad_request"),
@@ -86,7 +110,7 @@ def _from_kvroute(exc: KvrouteError) -> web.Response:
 @web.middleware
 async def request_id_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     given = request.headers.get(REQUEST_ID_HEADER, "")
-    rid = given if _SANE_ID.match(given) else uuid.uuid4().hex
+    rid = given if given and _SANE_ID.match(given) else _ids.next()
     request[REQUEST_ID_KEY] = rid
     token = set_request_id(rid)  # every log line of this request names it
     try:

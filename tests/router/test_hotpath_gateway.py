@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import re
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -20,6 +21,7 @@ from router.gateway.forward import (
     filter_request_headers,
     request_drop_set,
 )
+from router.gateway.middleware import _RequestIds
 from router.gateway.serve import event_loop_factory, start_gateway
 from router.model import Completion, Lease
 from router.store.memory import MemoryStore
@@ -168,3 +170,25 @@ def test_uvloop_is_used_unless_opted_out() -> None:
     assert event_loop_factory({}) is uvloop.new_event_loop
     assert event_loop_factory({"KVROUTE_NO_UVLOOP": "1"}) is None
     assert event_loop_factory({"KVROUTE_NO_UVLOOP": "0"}) is uvloop.new_event_loop
+
+
+async def test_fresh_request_ids_are_unique_hex(upstream: _Upstream) -> None:
+    ids = _RequestIds()
+    first = [ids.next() for _ in range(1000)]
+    assert len(set(first)) == 1000 and all(re.fullmatch(r"[0-9a-f]{32}", i) for i in first)
+    ids.reseed()  # what a forked child does
+    assert ids.next()[:16] != first[0][:16]
+    cfg = fast_config([upstream.url])
+    gw = await start_gateway(cfg, clock=SystemClock(), rng=random.Random(1))
+    try:
+        seen = []
+        async with aiohttp.ClientSession() as s:
+            for given in ("", "", "client-id.1"):
+                hdrs = {"X-Request-Id": given} if given else {}
+                async with s.post(gw.url + "/v1/chat/completions", data=b"{}", headers=hdrs) as r:
+                    assert r.status == 200
+                    seen.append(r.headers["X-Request-Id"])
+        assert seen[0] != seen[1] and all(re.fullmatch(r"[0-9a-f]{32}", i) for i in seen[:2])
+        assert seen[2] == "client-id.1"
+    finally:
+        await gw.close()
