@@ -392,6 +392,11 @@ class MemoryStore:
     # request) around ``release`` to protect it from a second cancellation
     never_suspends = True
 
+    def __init_subclass__(cls, **kwargs: object) -> None:
+        super().__init_subclass__(**kwargs)
+        if "never_suspends" not in cls.__dict__:
+            cls.never_suspends = False  # a subclass may await: it must opt in explicitly
+
     def __init__(self, clock: Clock, config: StoreConfig | None = None) -> None:
         self.core = MemoryCore(clock, config)
 

@@ -192,3 +192,14 @@ async def test_fresh_request_ids_are_unique_hex(upstream: _Upstream) -> None:
         assert seen[2] == "client-id.1"
     finally:
         await gw.close()
+
+
+def test_memory_store_subclasses_are_shielded_unless_they_opt_in() -> None:
+    class Plain(MemoryStore):
+        pass
+
+    class OptIn(MemoryStore):
+        never_suspends = True
+
+    assert MemoryStore.never_suspends and OptIn.never_suspends
+    assert not Plain.never_suspends and not _SlowReleaseStore.never_suspends
