@@ -35,11 +35,12 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import secrets
 import socket
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import asdict, replace
 from importlib import resources
 from typing import Any, TypeVar
@@ -52,7 +53,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from router.clock import Clock, SystemClock
-from router.errors import StoreError
+from router.errors import ConfigError, StoreError
 from router.model import (
     BindSession,
     ClusterSnapshot,
@@ -73,7 +74,14 @@ from router.store.base import StoreConfig
 from router.store.keys import KeySpace
 from router.store.memory import PLACEMENT_REASONS, MemoryCore
 
-__all__ = ["RedisStore", "StaleSession", "make_redis_store", "map_redis_errors"]
+__all__ = [
+    "GATEWAY_REPLICA_REFRESH_S",
+    "RedisStore",
+    "StaleSession",
+    "gateway_refresh_s",
+    "make_redis_store",
+    "map_redis_errors",
+]
 
 log = logging.getLogger("kvroute.store.redis")
 
@@ -210,6 +218,7 @@ class RedisStore:
         self._deltas: list[dict[ReplicaId, list[int]]] = [{}]  # since a refresh: placed, tw, sessions, ctx
         self._cache: OrderedDict[str, SessionState] = OrderedDict()  # others' in-flight only
         self._refresher: asyncio.Task[None] | None = None
+        self._refreshing: asyncio.Future[SessionState | None] | None = None
         self.refresh_total = 0
         self.session_cache_misses = 0
         self.stale_total = 0
@@ -650,10 +659,6 @@ class RedisStore:
                 self._cache_row(sid, res[1])
                 raise StaleSession(sid)
             target, disagreement, prev, _seq, lost = res[1:6]
-            if self.fast:
-                self._seq_local += 1
-                if sid is not None:
-                    self._cache_row(sid, res[6])
             self._lease_seq += 1
             lease = Lease(
                 lease_id=f"{self.gateway_id}/{self._lease_seq}",
@@ -667,6 +672,9 @@ class RedisStore:
             self._leases[lease.lease_id] = lease
             self._own_count(lease, 1)
         if self.fast:
+            self._seq_local += 1
+            if sid is not None:
+                self._cache_row(sid, res[6])
             self._note_binds(decision, lease)
         if int(lost):
             self._need_restore = True
@@ -813,6 +821,21 @@ class RedisStore:
         self._cache_row(session_key, srow)
         return self._cache.get(session_key)
 
+    async def _shared_refresh(self) -> None:
+        """Single flight: concurrent snapshots that find the table stale wait for one refresh."""
+        fut = self._refreshing
+        if fut is None:
+            fut = self._refreshing = asyncio.ensure_future(self._refresh(None))
+
+            def done(f: asyncio.Future[SessionState | None]) -> None:
+                if self._refreshing is f:
+                    self._refreshing = None
+                if not f.cancelled():
+                    f.exception()  # retrieved: every waiter gets it, none may be left
+
+            fut.add_done_callback(done)
+        await asyncio.shield(fut)
+
     def _composed_replicas(self) -> tuple[ReplicaState, ...]:
         assert self._table is not None
         out = []
@@ -839,8 +862,8 @@ class RedisStore:
         now = self.clock.now()
         session: SessionState | None = None
         if self._table_stale():
-            session = await self._refresh(session_key)
-        elif session_key is not None:
+            await self._shared_refresh()
+        if session_key is not None:
             session = self._cache.get(session_key)
             if session is not None and session.last_seen < now - self.config.session_ttl_s:
                 session = None  # idle past its TTL: ask Redis (it forgets it, or another gateway kept it)
@@ -1048,7 +1071,30 @@ class RedisStore:
         }
 
 
-def make_redis_store(config: Any, clock: Clock) -> RedisStore:
+GATEWAY_REPLICA_REFRESH_S = 0.0
+"""The gateway's default replica-table refresh period: 0 = the 3-round-trip path. The fast path (e.g.
+``KVROUTE_REDIS_REFRESH_S=0.05``) is opt-in until it passes the Redis-restart-under-HTTP-load test
+every time (docs/REDIS.md, "Fast path")."""
+
+REFRESH_ENV = "KVROUTE_REDIS_REFRESH_S"
+
+
+def gateway_refresh_s(config: Any, environ: Mapping[str, str]) -> float:
+    """``store.replica_refresh_s`` of the config if it has one, else ``$KVROUTE_REDIS_REFRESH_S``,
+    else :data:`GATEWAY_REPLICA_REFRESH_S`."""
+    value = getattr(getattr(config, "store", None), "replica_refresh_s", None)
+    if value is None:
+        raw = environ.get(REFRESH_ENV, "").strip()
+        try:
+            value = float(raw) if raw else GATEWAY_REPLICA_REFRESH_S
+        except ValueError as exc:
+            raise ConfigError(f"{REFRESH_ENV}: not a number: {raw!r}") from exc
+    if not 0 <= float(value) <= 60:
+        raise ConfigError(f"{REFRESH_ENV}: must be within [0, 60] seconds, got {value}")
+    return float(value)
+
+
+def make_redis_store(config: Any, clock: Clock, environ: Mapping[str, str] | None = None) -> RedisStore:
     """Build the gateway's store from a ``GatewayConfig`` (``redis_url``, ``gateway_id``, ``store``)."""
     url = getattr(config, "redis_url", None)
     if not url:
@@ -1056,5 +1102,5 @@ def make_redis_store(config: Any, clock: Clock) -> RedisStore:
     store_settings = getattr(config, "store", None)
     store_config = store_settings.to_store_config() if store_settings is not None else StoreConfig()
     gateway_id = str(getattr(config, "gateway_id", "") or "").replace("|", "_") or None
-    refresh = float(getattr(store_settings, "replica_refresh_s", 0.0) or 0.0)
+    refresh = gateway_refresh_s(config, os.environ if environ is None else environ)
     return RedisStore.from_url(url, gateway_id, store_config, clock, replica_refresh_s=refresh)

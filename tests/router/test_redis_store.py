@@ -378,7 +378,7 @@ async def test_two_round_trips_per_request_on_the_fast_path(redis_url, stores, c
     assert _top_level_calls(r) == {"cmdstat_evalsha": 3 * 5}
     r.close()
     assert s.round_trips_total - rt0 == 2 * n + 3 * 5
-    assert s.session_cache_misses == 14 and s.stale_total == 0  # the first came with the table read
+    assert s.session_cache_misses == 15 and s.stale_total == 0
 
 
 async def test_fast_path_own_load_is_exact_others_arrive_with_the_refresh(redis_url, stores, clock) -> None:  # type: ignore[no-untyped-def]
@@ -466,3 +466,24 @@ async def test_fast_path_sees_its_own_registry_writes_at_once(redis_url, stores,
     rt = g1.round_trips_total
     await g1.replicas()
     assert g1.round_trips_total == rt  # a fresh table costs nothing
+
+
+def test_gateway_refresh_setting_config_then_env_then_default() -> None:
+    from router.errors import ConfigError
+    from router.store.redis import GATEWAY_REPLICA_REFRESH_S, REFRESH_ENV, gateway_refresh_s
+
+    class Settings:
+        replica_refresh_s = 0.2
+
+    class WithField:
+        store = Settings()
+
+    class Without:
+        store = object()
+
+    assert gateway_refresh_s(WithField(), {REFRESH_ENV: "0.7"}) == 0.2  # a config field wins
+    assert gateway_refresh_s(Without(), {REFRESH_ENV: "0.05"}) == 0.05
+    assert gateway_refresh_s(Without(), {}) == GATEWAY_REPLICA_REFRESH_S
+    for bad in ("fast", "-1", "61"):
+        with pytest.raises(ConfigError, match=REFRESH_ENV):
+            gateway_refresh_s(Without(), {REFRESH_ENV: bad})
