@@ -1,13 +1,21 @@
 """``kvroute bench redis``: what shared state in Redis costs per request.
 
 Store level: the gateway's hot path without HTTP (snapshot -> real policy -> acquire -> release) in a
-closed loop at concurrency 1 and 32, against the memory store and the Redis store. Prints JSON:
+closed loop at concurrency 1 and 32, against the memory store, the Redis store on its 3-round-trip path
+(``redis``) and on its fast path (``redis_fast``: local replica table refreshed every ``--refresh`` s,
+session cache; 2 round trips per request of a known session). Prints JSON:
 
 - ``round_trips_per_request``: client round trips per request, from Redis's own
   ``INFO commandstats`` (calls of EVALSHA/EVAL/SCRIPT; heartbeats included), and
   ``commands_in_scripts_per_request`` (what those scripts ran inside Redis);
+- for the fast path also ``refresh_round_trips`` (background table reads) and
+  ``hot_path_round_trips_per_request`` (the rest: acquire, release, session reads of sessions new to
+  the gateway, heartbeats);
 - per concurrency: p50/p99/mean hot-path latency of each store and ``latency_ratio_p50`` /
   ``latency_ratio_mean`` (Redis / memory), plus requests/s.
+
+Gateway level: the same through ``kvroute serve`` (memory, ``--redis``, and ``--redis`` with
+``KVROUTE_REDIS_REFRESH_S``).
 
 Without ``--redis`` it starts a private redis-server on a free port (persistence off) and stops it.
 """
@@ -153,9 +161,46 @@ async def _register(store: StateStore, n: int) -> None:
         )
 
 
-async def run_bench(url: str, concurrencies: list[int], duration_s: float, replicas: int) -> dict[str, Any]:
+async def _redis_case(url: str, c: int, duration_s: float, replicas: int, refresh_s: float) -> dict[str, Any]:
     from router.store.redis import RedisStore
 
+    prefix = f"bench{c}-{refresh_s}-{int(time.time() * 1000)}"
+    store = RedisStore.from_url(
+        url, f"bench-{c}", StoreConfig(key_prefix=prefix), SystemClock(), replica_refresh_s=refresh_s
+    )
+    await _register(store, replicas)
+    await store.start()
+    trips0, inner0 = await _command_calls(url)
+    refresh0 = store.refresh_total
+    r = await _loop(store, c, duration_s, replicas, seed=c)
+    trips1, inner1 = await _command_calls(url)
+    calls, inner = trips1 - trips0, inner1 - inner0
+    refreshes = store.refresh_total - refresh0
+    degraded = store.degraded_total
+    stats = store.stats()
+    await store.close()
+    n = max(1, r["requests"])
+    out = {
+        **r,
+        "round_trips": calls,
+        "round_trips_per_request": round(calls / n, 3),
+        "commands_in_scripts_per_request": round(inner / n, 1),
+        "degraded_total": degraded,
+    }
+    if refresh_s > 0:
+        out |= {
+            "refresh_s": refresh_s,
+            "refresh_round_trips": refreshes,
+            "hot_path_round_trips_per_request": round((calls - refreshes) / n, 3),
+            "session_cache_misses": stats["session_cache_misses"],
+            "stale_total": stats["stale_total"],
+        }
+    return out
+
+
+async def run_bench(
+    url: str, concurrencies: list[int], duration_s: float, replicas: int, refresh_s: float = 0.05
+) -> dict[str, Any]:
     out: dict[str, Any] = {"level": "store", "replicas": replicas,
                            "duration_s_per_case": duration_s, "cases": {}}  # fmt: skip
     total_req = 0
@@ -164,31 +209,21 @@ async def run_bench(url: str, concurrencies: list[int], duration_s: float, repli
         mem = MemoryStore(SystemClock(), StoreConfig())
         await _register(mem, replicas)
         m = await _loop(mem, c, duration_s, replicas, seed=c)
-
-        prefix = f"bench{c}-{int(time.time() * 1000)}"
-        store = RedisStore.from_url(url, f"bench-{c}", StoreConfig(key_prefix=prefix), SystemClock())
-        await _register(store, replicas)
-        await store.start()
-        trips0, inner0 = await _command_calls(url)
-        r = await _loop(store, c, duration_s, replicas, seed=c)
-        trips1, inner1 = await _command_calls(url)
-        calls, inner = trips1 - trips0, inner1 - inner0
-        degraded = store.degraded_total
-        await store.close()
+        r = await _redis_case(url, c, duration_s, replicas, 0.0)
         total_req += r["requests"]
-        total_calls += calls
-        out["cases"][f"c{c}"] = {
+        total_calls += r["round_trips"]
+        case: dict[str, Any] = {
             "memory": m,
-            "redis": {
-                **r,
-                "round_trips": calls,
-                "round_trips_per_request": round(calls / max(1, r["requests"]), 3),
-                "commands_in_scripts_per_request": round(inner / max(1, r["requests"]), 1),
-                "degraded_total": degraded,
-            },
+            "redis": r,
             "latency_ratio_p50": round(r["p50_ms"] / max(m["p50_ms"], 1e-9), 2),
             "latency_ratio_mean": round(r["mean_ms"] / max(m["mean_ms"], 1e-9), 2),
         }
+        if refresh_s > 0:
+            f = await _redis_case(url, c, duration_s, replicas, refresh_s)
+            case["redis_fast"] = f
+            case["fast_latency_ratio_p50"] = round(f["p50_ms"] / max(m["p50_ms"], 1e-9), 2)
+            case["fast_latency_ratio_mean"] = round(f["mean_ms"] / max(m["mean_ms"], 1e-9), 2)
+        out["cases"][f"c{c}"] = case
     out["round_trips_per_request"] = round(total_calls / max(1, total_req), 3)
     return out
 
@@ -210,7 +245,12 @@ async def _count_requests(url: str, n: int) -> None:
 
 
 async def run_gateway_bench(
-    url: str, concurrencies: list[int], duration_s: float, replicas: int, count_requests: int = 200
+    url: str,
+    concurrencies: list[int],
+    duration_s: float,
+    replicas: int,
+    count_requests: int = 200,
+    refresh_s: float = 0.05,
 ) -> dict[str, Any]:
     """The same comparison through ``kvroute serve`` (memory vs ``--redis``) in front of emulated
     replicas answering in ~no modelled time, measured with ``kvroute bench overhead``'s client."""
@@ -233,12 +273,15 @@ async def run_gateway_bench(
         async with emulated_fleet(replicas, ("--time-scale", "0.000001"), log_dir=log_dir) as fleet:
             binary = find_binary("kvroute") or "kvroute"
             results: dict[str, dict[str, Any]] = {}
-            for store in ("memory", "redis"):
+            stores = ("memory", "redis", "redis_fast") if refresh_s > 0 else ("memory", "redis")
+            for store in stores:
                 port = _free_port()
-                argv = [binary, "serve", "--host", "127.0.0.1", "--port", str(port), "--policy", "kv_aware"]
+                refresh = refresh_s if store == "redis_fast" else 0.0
+                argv = ["env", f"KVROUTE_REDIS_REFRESH_S={refresh}", binary, "serve", "--host", "127.0.0.1",
+                        "--port", str(port), "--policy", "kv_aware"]  # fmt: skip
                 for u in fleet.urls:
                     argv += ["--replica", u]
-                if store == "redis":
+                if store != "memory":
                     argv += ["--redis", url]
                 proc = await start_process(f"kvroute-{store}", argv, log_dir=log_dir)
                 gw = f"http://127.0.0.1:{port}"
@@ -249,21 +292,39 @@ async def run_gateway_bench(
                         cells[f"c{c}"] = await measure_cell(
                             gw, concurrency=c, stream=False, fresh=False, duration_s=duration_s
                         )
-                    if store == "redis":
+                    if store != "memory":
                         t0, i0 = await _command_calls(url)
+                        c0 = time.perf_counter()
                         await _count_requests(gw, count_requests)
+                        took = time.perf_counter() - c0
                         t1, i1 = await _command_calls(url)
-                        out["round_trips_per_request"] = round((t1 - t0) / count_requests, 3)
-                        out["commands_in_scripts_per_request"] = round((i1 - i0) / count_requests, 1)
+                        key = "" if store == "redis" else "fast_"
+                        out[f"{key}round_trips_per_request"] = round((t1 - t0) / count_requests, 3)
+                        out[f"{key}commands_in_scripts_per_request"] = round((i1 - i0) / count_requests, 1)
+                        if refresh:
+                            # background table reads at 1/refresh per second, whatever the traffic
+                            out["fast_refresh_round_trips_estimate"] = round(took / refresh)
                         out["round_trip_note"] = (
                             "EVALSHA/EVAL/SCRIPT calls during sequential requests; includes the gateway's "
-                            "lease heartbeat and any registry writes of its health/metrics loops"
+                            "lease heartbeat, any registry writes of its health/metrics loops and, on the "
+                            "fast path, its background table refresh"
                         )
                     results[store] = cells
                 finally:
                     await stop_process(proc)
             for c in concurrencies:
                 m, r = results["memory"][f"c{c}"], results["redis"][f"c{c}"]
+                if "redis_fast" in results:
+                    f = results["redis_fast"][f"c{c}"]
+                    out.setdefault("fast_cases", {})[f"c{c}"] = {
+                        "redis_fast": f,
+                        "latency_ratio_p50": round(f["p50_ms"] / m["p50_ms"], 3)
+                        if m["p50_ms"] and f["p50_ms"]
+                        else None,
+                        "latency_ratio_p99": round(f["p99_ms"] / m["p99_ms"], 3)
+                        if m["p99_ms"] and f["p99_ms"]
+                        else None,
+                    }
                 out["cases"][f"c{c}"] = {
                     "memory": m,
                     "redis": r,
@@ -286,17 +347,22 @@ def cli_main(argv: list[str]) -> int:
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 32])
     p.add_argument("--duration", type=float, default=3.0, help="seconds per case (bounded: max 60)")
     p.add_argument("--replicas", type=int, default=8)
+    p.add_argument("--refresh", type=float, default=0.05,
+                   help="fast path: replica-table refresh period in s (0: skip the fast-path cases)")  # fmt: skip
     p.add_argument("--level", choices=["store", "gateway", "both"], default="both",
                    help="store: hot path in-process; gateway: through kvroute serve (subprocesses)")  # fmt: skip
     args = p.parse_args(argv)
     duration = min(max(args.duration, 0.2), 60.0)
+    refresh = min(max(args.refresh, 0.0), 10.0)
 
     async def go(url: str) -> dict[str, Any]:
         doc: dict[str, Any] = {"benchmark": "redis"}
         if args.level in ("store", "both"):
-            doc["store"] = await run_bench(url, args.concurrency, duration, args.replicas)
+            doc["store"] = await run_bench(url, args.concurrency, duration, args.replicas, refresh)
         if args.level in ("gateway", "both"):
-            doc["gateway"] = await run_gateway_bench(url, args.concurrency, duration, min(args.replicas, 4))
+            doc["gateway"] = await run_gateway_bench(
+                url, args.concurrency, duration, min(args.replicas, 4), refresh_s=refresh
+            )
         return doc
 
     if args.redis:

@@ -1,4 +1,5 @@
-"""``kvroute bench redis`` runs and reports what it promises (short store-level run; no timing asserts)."""
+"""``kvroute bench redis`` runs and reports what it promises (short store-level run; no timing asserts):
+3 round trips per request on the default path, 2 (+ background refresh) on the fast path."""
 
 from __future__ import annotations
 
@@ -27,3 +28,15 @@ def test_bench_redis_store_level_reports_round_trips_and_ratios(redis_url: str) 
         assert redis["commands_in_scripts_per_request"] > 10
         assert case["latency_ratio_p50"] > 0 and case["memory"]["requests"] > 0
     assert 3.0 <= store["round_trips_per_request"] < 3.2
+    for name, case in store["cases"].items():
+        c = int(name[1:])
+        fast = case["redis_fast"]
+        n = fast["requests"]
+        assert n > 0 and fast["degraded_total"] == 0 and fast["stale_total"] == 0
+        assert fast["refresh_round_trips"] >= 1  # the table was read at least once
+        # acquire + release per request; one session read per session new to the gateway (each worker
+        # cycles through 4); the lease heartbeat/publish adds at most a couple
+        hot = fast["round_trips"] - fast["refresh_round_trips"]
+        assert 2 * n <= hot <= 2 * n + 4 * c + 3, fast
+        assert fast["session_cache_misses"] <= 4 * c
+        assert case["fast_latency_ratio_p50"] > 0
