@@ -115,7 +115,7 @@ class RedisServer:
     def pid(self) -> int | None:
         return None if self._proc is None else self._proc.pid
 
-    def start(self, timeout_s: float = 10.0) -> RedisServer:
+    def start(self, timeout_s: float = 10.0) -> Self:
         binary = redis_server_binary()
         if binary is None:
             raise RedisUnavailable("redis-server is not on PATH (apt-get install redis-server)")
@@ -205,7 +205,7 @@ class RedisCluster:
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.nodes[0].port}/0?cluster=1"
 
-    def start(self, timeout_s: float = 30.0) -> RedisCluster:
+    def start(self, timeout_s: float = 30.0) -> Self:
         cli = shutil.which("redis-cli")
         if cli is None or redis_server_binary() is None:
             raise RedisUnavailable("redis-server / redis-cli not on PATH")

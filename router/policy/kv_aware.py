@@ -234,10 +234,10 @@ class KvAwarePolicy:
             ):
                 return decision
         if p.collapse_idle_only and not idle:
-            effects: tuple[Effect, ...] = ()  # the fan-out is not over: its overflows stay
+            kept: tuple[Effect, ...] = ()  # the fan-out is not over: its overflows stay
         else:
-            effects = self._collapse(sess, keep_only=tuple(o for o in sess.overflow if sess.in_flight_at(o) > 0))
-        return RouteDecision(home.id, Reason.AFFINITY, effects, ((home.id, load_score(home, 0, p)),))
+            kept = self._collapse(sess, keep_only=tuple(o for o in sess.overflow if sess.in_flight_at(o) > 0))
+        return RouteDecision(home.id, Reason.AFFINITY, kept, ((home.id, load_score(home, 0, p)),))
 
     def _strained(self, home: ReplicaState, view: _View) -> bool:
         """Rule 5's soft trigger: home persistently busier than the fleet, or thrashing (its
