@@ -30,6 +30,7 @@ import argparse
 import asyncio
 import json
 import math
+import os
 import random
 import sys
 import time
@@ -43,6 +44,7 @@ import aiohttp
 
 from loadtests.textgen import BYTES_PER_TOKEN, Conversation, emulated_tokens
 from loadtests.workloads import SessionSpec, turn_inputs
+from router.eventloop import run as run_on_loop
 
 __all__ = [
     "DEFAULT_SESSION_HEADERS",
@@ -704,4 +706,4 @@ async def _amain(ns: argparse.Namespace) -> int:
 
 def cli_main(argv: list[str]) -> int:
     ns = _parser().parse_args(argv)
-    return asyncio.run(_amain(ns))
+    return run_on_loop(_amain(ns), os.environ)

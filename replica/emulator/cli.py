@@ -13,6 +13,7 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import os
 import signal
 import sys
 from collections.abc import Sequence
@@ -21,6 +22,7 @@ from typing import Any
 from replica.emulator.profiles import PROFILES, Profile, get_profile
 from replica.emulator.runner import Running, running_emulators, start_emulators, stop_emulators
 from replica.emulator.server import EmulatorConfig
+from router.eventloop import run as run_on_loop
 
 __all__ = [
     "Running",
@@ -190,8 +192,8 @@ def cli_main(argv: list[str]) -> int:
         print(f"kvroute emulate: {exc}", file=sys.stderr)
         return 2
     if ns.processes and ns.replicas > 1:
-        return asyncio.run(_serve_processes(ns, argv))
-    return asyncio.run(_serve_in_process(ns, config))
+        return run_on_loop(_serve_processes(ns, argv), os.environ)
+    return run_on_loop(_serve_in_process(ns, config), os.environ)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ import random
 import signal
 import ssl
 import sys
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from aiohttp import web
@@ -25,6 +25,7 @@ from aiohttp import web
 from router.clock import Clock, SystemClock
 from router.config import GatewayConfig, load_config
 from router.errors import ConfigError
+from router.eventloop import event_loop_factory
 from router.events import Hook
 from router.gateway.app import SetupFn, make_app
 from router.gateway.forward import ReplicaClient
@@ -200,18 +201,6 @@ async def _serve(config: GatewayConfig) -> int:
     finally:
         await gw.close()
     return 0
-
-
-def event_loop_factory(env: Mapping[str, str]) -> Callable[[], asyncio.AbstractEventLoop] | None:
-    """uvloop's loop when it is installed (Linux/macOS dependency; about a third less CPU per
-    proxied request), else ``None`` (asyncio's default). ``KVROUTE_NO_UVLOOP=1`` opts out."""
-    if env.get("KVROUTE_NO_UVLOOP", "") not in ("", "0"):
-        return None
-    try:
-        import uvloop
-    except ImportError:
-        return None
-    return uvloop.new_event_loop
 
 
 def cli_main(argv: list[str]) -> int:

@@ -16,13 +16,14 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from router.clock import SystemClock
+from router.eventloop import event_loop_factory
 from router.gateway.forward import (
     filter_headers,
     filter_request_headers,
     request_drop_set,
 )
 from router.gateway.middleware import _RequestIds
-from router.gateway.serve import event_loop_factory, start_gateway
+from router.gateway.serve import start_gateway
 from router.model import Completion, Lease
 from router.store.memory import MemoryStore
 from tests.router.conftest import fast_config, wait_for
