@@ -406,6 +406,13 @@ class RedisStore:
     async def _resync(self) -> None:
         """Redis is back (or we try): republish what an empty Redis lost, replay registry writes,
         republish bindings made meanwhile, then restore our exact in-flight counts."""
+        # Idle pooled connections may lead to a Redis that died: each would fail once, one call at a
+        # time, and every failure is another degrade/resync cycle (with backoff) before the counts
+        # are exact again. Drop them all now.
+        pool = getattr(self.client, "connection_pool", None)
+        if pool is not None and not isinstance(self.client, RedisCluster):
+            with contextlib.suppress(rexc.RedisError, OSError):
+                await pool.disconnect(inuse_connections=False)
         await self._republish_if_wiped()
         while self._pending_registry:
             await self._pending_registry[0]()
