@@ -1078,10 +1078,9 @@ class RedisStore:
         }
 
 
-GATEWAY_REPLICA_REFRESH_S = 0.0
-"""The gateway's default replica-table refresh period: 0 = the 3-round-trip path. The fast path (e.g.
-``KVROUTE_REDIS_REFRESH_S=0.05``) is opt-in until it passes the Redis-restart-under-HTTP-load test
-every time (docs/REDIS.md, "Fast path")."""
+GATEWAY_REPLICA_REFRESH_S = 0.05
+"""The gateway's default replica-table refresh period (the fast path, 2 round trips per request).
+``KVROUTE_REDIS_REFRESH_S=0`` selects the 3-round-trip path."""
 
 REFRESH_ENV = "KVROUTE_REDIS_REFRESH_S"
 
