@@ -2,7 +2,8 @@
 
 Rules:
   1. Every state change is one Lua script (``lua/*.lua``), so it is atomic and costs one round trip:
-     snapshot (1) + acquire (1) + release (1) per request. Never read-then-write from Python.
+     snapshot (1) + acquire (1) + release (1) per request (rule 6: acquire + release). Never
+     read-then-write from Python.
   2. Every key carries the hash tag ``{prefix}`` (``keys.py``): one slot, so the scripts work on a
      single Redis and on Redis Cluster alike.
   3. Times stored in Redis are *fleet* seconds: the injected clock plus a fixed offset to the epoch
@@ -18,7 +19,8 @@ Rules:
      policy, whose rendezvous tie-break agrees across gateways), probes Redis with backoff, and on
      return restores its in-flight counts exactly, replays registry writes and republishes the
      bindings it made meanwhile with compare-and-set.
-  6. Fast path (``replica_refresh_s > 0``; off by default): 2 round trips per request of a session
+  6. Fast path (``replica_refresh_s > 0``: the gateway's default via ``make_redis_store``, off in the
+     constructor): 2 round trips per request of a session
      this gateway has seen (acquire + release), 3 for a session new to it. The replica table is a
      local copy refreshed by a background task every ``replica_refresh_s`` (others' in-flight,
      engine load, windows), plus this gateway's own exact in-flight and its own placements and
