@@ -301,7 +301,7 @@ async def test_slow_redis_degrades_quickly_and_recovers(redis_url, stores, clock
     await s.upsert_replica(spec("r0"), A)
     assert await _route_once(s, "x", "r0") == "r0"
     r = aioredis.Redis.from_url(redis_url)
-    await r.execute_command("CLIENT", "PAUSE", "800", "ALL")  # Redis stalls for 0.8 s
+    await r.execute_command("CLIENT", "PAUSE", "800", "ALL")  # type: ignore[no-untyped-call]  # Redis stalls 0.8 s
     t0 = time.monotonic()
     assert await _route_once(s, "x", "r0") == "r0"  # served from local state, home remembered
     assert time.monotonic() - t0 < 0.75  # did not wait out the 0.8 s pause
@@ -318,8 +318,8 @@ async def test_slow_redis_degrades_quickly_and_recovers(redis_url, stores, clock
 
 @pytest.mark.parametrize("refresh", [0.0, 0.05], ids=["3rt", "fast"])
 async def test_leases_outstanding_across_an_outage_are_counted_exactly(
-    redis_killable, clock, refresh
-) -> None:  # type: ignore[no-untyped-def]
+    redis_killable: RedisServer, clock: VirtualClock, refresh: float
+) -> None:
     made: list[RedisStore] = []
     s = new_store(
         made, redis_killable.url, clock, op_timeout_s=0.2, retry_max_s=0.1, replica_refresh_s=refresh
