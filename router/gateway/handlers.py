@@ -68,6 +68,7 @@ from router.model import (
 from router.policy.breaks import classify_break
 from router.policy.params import PolicyParams
 from router.policy.prefix_key import prefix_key
+from router.store.base import StaleSessionError
 
 __all__ = [
     "INFERENCE_ROUTES",
@@ -89,6 +90,7 @@ REASON_HEADER = "X-Kvroute-Reason"
 # set by the gateway itself: a client's own values are dropped (X-Forwarded-For is extended)
 _FORWARD_DROP = request_drop_set({REQUEST_ID_HEADER.lower(), "x-forwarded-for"})
 _ERROR_BODY_LIMIT = 64 * 1024
+_MAX_STALE_REROUTES = 3  # a session moved by other gateways between our snapshot and acquire
 
 
 def session_id_from_headers(headers: Mapping[str, str], cfg: GatewayConfig) -> str | None:
@@ -203,6 +205,7 @@ class _Proxy:
         excluded: set[str] = set()
         last_error: UpstreamError | None = None
         attempt = 0
+        stale = 0
         while True:
             req = self.req if not excluded else _with_excluded(self.req, excluded)
             snap = await self.rt.store.snapshot(req.session_key)
@@ -214,6 +217,11 @@ class _Proxy:
                 raise
             try:
                 lease = await self.rt.store.acquire(decision, req)
+            except StaleSessionError:  # another gateway moved the session: decide again on fresh state
+                stale += 1
+                if stale > _MAX_STALE_REROUTES:
+                    raise NoReplicaError("the session's home kept changing under this gateway") from None
+                continue
             except KeyError:  # the chosen replica was removed between snapshot and acquire
                 excluded.add(decision.replica_id)
                 continue

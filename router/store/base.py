@@ -27,7 +27,12 @@ from router.model import (
     SessionState,
 )
 
-__all__ = ["StateStore", "StoreConfig"]
+__all__ = ["StaleSessionError", "StateStore", "StoreConfig"]
+
+
+class StaleSessionError(KeyError):
+    """``acquire`` refused a decision made on a stale view of the session (another gateway moved it
+    and its real home cannot take the request). Nothing was applied; route again on a new snapshot."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -72,7 +72,7 @@ from router.model import (
     SessionState,
     SetOverflow,
 )
-from router.store.base import StoreConfig
+from router.store.base import StaleSessionError, StoreConfig
 from router.store.keys import KeySpace
 from router.store.memory import PLACEMENT_REASONS, MemoryCore
 
@@ -92,7 +92,7 @@ _SCRIPTS = ("acquire", "release", "snapshot", "sessions", "registry", "lease", "
 _SESSION_CACHE_MAX = 50_000
 
 
-class StaleSession(KeyError):
+class StaleSession(StaleSessionError):
     """Fast path: the session's real home differs from the one the decision assumed and is not usable
     (another gateway moved it meanwhile). Nothing was applied; the local view now holds the real state,
     so routing again decides on it."""

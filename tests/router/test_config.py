@@ -193,3 +193,12 @@ def test_warm_handoff_flag_and_env() -> None:
     assert load_config([], {}).warm_handoff is False
     assert load_config(["--warm-handoff"], {}).warm_handoff is True
     assert load_config([], {"KVROUTE_WARM_HANDOFF": "true"}).warm_handoff is True
+
+
+def test_store_replica_refresh_is_optional_and_validated() -> None:
+    assert load_config([], {}).store.replica_refresh_s is None  # the Redis store then reads its env/default
+    c = load_config([], {"KVROUTE_STORE__REPLICA_REFRESH_S": "0"})
+    assert c.store.replica_refresh_s == 0.0
+    assert "replica_refresh_s" not in c.store.to_store_config().__slots__
+    with pytest.raises(ConfigError, match="replica_refresh_s"):
+        load_config([], {"KVROUTE_STORE__REPLICA_REFRESH_S": "-1"})

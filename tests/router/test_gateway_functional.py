@@ -596,3 +596,62 @@ async def test_nothing_is_added_to_the_request(fake_replicas: Any, gateway_facto
     seen = a.state.requests[-1]["headers"]
     assert "Content-Type" not in seen and "Accept-Encoding" not in seen and "User-Agent" not in seen
     assert seen["Content-Length"] == str(len(_body("/generate", False)))
+
+
+async def test_session_moved_by_another_gateway_to_a_dead_home_is_rerouted(
+    fake_replicas: Any, redis_url: str
+) -> None:
+    """Fast Redis path: gateway 1 still believes the session lives on X; gateway 2 moved it to Y, and
+    Y went down. Gateway 1's acquire is refused as stale (nothing applied); it must decide again on
+    the fresh state (home Y is gone -> reassign) instead of excluding X, which left nothing but the
+    dead Y and answered 503."""
+    from router.gateway.serve import start_gateway
+    from router.model import BindSession, Completion, RouteDecision, RouteRequest
+    from tests.router.conftest import fast_config
+
+    reps = await fake_replicas(2)
+    health = {"health_interval_s": 30.0, "scrape_interval_s": 30.0}  # statuses stay as the test sets them
+    gws = [
+        await start_gateway(
+            fast_config(
+                [r.url for r in reps],
+                redis_url=redis_url,
+                gateway_id=f"stale{i}",
+                health=health,
+                store={"replica_refresh_s": 0.05, "key_prefix": "stale"},
+            )
+        )
+        for i in range(2)
+    ]
+    try:
+        assert all(getattr(gw.store, "fast", False) for gw in gws)
+        async with aiohttp.ClientSession() as s:
+            status, _, h = await _post(s, gws[0].url + "/generate", _body("/generate", False, "t0"), "moved")
+            assert status == 200
+            x = h["X-Kvroute-Replica"]
+            y = next(r.id for r in reps if r.id != x)
+            await wait_for(lambda: _in_flight_zero(gws[0]))  # its release (and session cache) done
+            # gateway 2 moves the session to Y (compare-and-set on X), then Y goes down
+            lease = await gws[1].store.acquire(
+                RouteDecision(
+                    y, Reason.REASSIGNED_OVERLOAD, (BindSession("moved", y, x, Reason.REASSIGNED_OVERLOAD),)
+                ),
+                RouteRequest("moved"),
+            )
+            assert lease.replica_id == y
+            await gws[1].store.release(
+                lease, Completion(ok=True, prompt_tokens=10, cached_tokens=0, completion_tokens=1)
+            )
+            await gws[1].store.set_status(y, ReplicaStatus.DOWN)
+            await asyncio.sleep(0.2)  # gateway 1's replica table sees Y down; its session cache still says X
+            status, body, h = await _post(
+                s, gws[0].url + "/generate", _body("/generate", False, "t1"), "moved"
+            )
+            assert status == 200, body
+            assert h["X-Kvroute-Replica"] == x
+            assert gws[0].store.stats()["stale_total"] == 1  # the stale decision was refused once
+        sess = await gws[1].store.session("moved")
+        assert sess is not None and sess.home == x
+    finally:
+        for gw in gws:
+            await gw.close()
