@@ -74,7 +74,7 @@ class DemoScenario:
     host_tier: bool = False
     gateways: int = 1  # kvroute gateways; > 1 shares state in a fresh Redis
     workload_kind: str = "synthetic"  # or "weka": the real Claude Code sessions (traces/)
-    trace: str | None = None  # WEKA requests file (default: /work/shared/traces/...)
+    trace: str | None = None  # WEKA requests file (default: loadtests.workloads.DEFAULT_WEKA_TRACE)
     extra_emulator_args: tuple[str, ...] = ()
     policy_params: tuple[str, ...] = ()  # KEY=VALUE, passed to kvroute serve --policy-param (after the scaled ones)
 

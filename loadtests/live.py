@@ -649,9 +649,9 @@ def load_workload(kind: str, trace: Path | None, sessions: int, seed: int) -> li
         params = w.SyntheticParams(sessions=sessions)
         return list(w.synthetic_sessions(params, random.Random(seed)))
     if kind == "weka":
-        path = trace or Path("/work/shared/traces/weka_cc_kvtester_requests.jsonl")
+        path = trace or w.DEFAULT_WEKA_TRACE
         return list(w.read_weka(path, limit=sessions))
-    path = trace or Path("/work/shared/traces/mooncake_conversation_trace.jsonl")
+    path = trace or w.DEFAULT_MOONCAKE_TRACE
     return list(w.read_mooncake(path))[:sessions]
 
 

@@ -31,9 +31,10 @@ from __future__ import annotations
 import csv
 import json
 import math
+import os
 import random
 from collections import Counter, defaultdict
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -51,13 +52,24 @@ __all__ = [
     "read_weka",
     "runs_of",
     "synthetic_sessions",
+    "traces_dir",
     "turn_inputs",
     "with_arrivals",
     "workload_stats",
 ]
 
-DEFAULT_WEKA_TRACE = Path("/work/shared/traces/weka_cc_kvtester_requests.jsonl")
-DEFAULT_MOONCAKE_TRACE = Path("/work/shared/traces/mooncake_conversation_trace.jsonl")
+def traces_dir(environ: Mapping[str, str] | None = None) -> Path:
+    """Where the public traces live: ``$KVROUTE_TRACES``, else ``shared/traces`` beside the checkout
+    (the project's layout), else ``/work/shared/traces``. They are read in place, never copied."""
+    env = os.environ if environ is None else environ
+    if env.get("KVROUTE_TRACES"):
+        return Path(env["KVROUTE_TRACES"])
+    beside = Path(__file__).resolve().parents[2] / "shared" / "traces"
+    return beside if beside.is_dir() else Path("/work/shared/traces")
+
+
+DEFAULT_WEKA_TRACE = traces_dir() / "weka_cc_kvtester_requests.jsonl"
+DEFAULT_MOONCAKE_TRACE = traces_dir() / "mooncake_conversation_trace.jsonl"
 
 HashRuns = tuple[tuple[int, int], ...]
 

@@ -16,12 +16,13 @@ from loadtests.workloads import (
     read_weka,
     runs_of,
     synthetic_sessions,
+    traces_dir,
     turn_inputs,
     with_arrivals,
     workload_stats,
 )
 
-TRACES = Path("/work/shared/traces")
+TRACES = traces_dir()
 
 
 def test_turn_inputs_follow_the_convention() -> None:
@@ -181,3 +182,9 @@ def test_drop_long_requests_keeps_the_rest_of_the_session() -> None:
     n_before = sum(1 for _ in iter_requests(weka))
     n_after = sum(1 for _ in iter_requests(kept))
     assert 0.8 * n_before < n_after < n_before
+
+
+def test_traces_dir_prefers_env_then_the_shared_folder_beside_the_checkout(tmp_path: Path) -> None:
+    assert traces_dir({"KVROUTE_TRACES": str(tmp_path)}) == tmp_path
+    found = traces_dir({})
+    assert (found / "weka_cc_kvtester_requests.jsonl").is_file()
