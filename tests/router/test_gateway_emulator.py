@@ -98,10 +98,46 @@ async def test_relay_matches_direct_modulo_ids(
         st2, want, h2 = await _post(s, direct.url + route, body, None)
     assert st1 == st2 == 200
     assert h1["Content-Type"] == h2["Content-Type"]
-    assert _normalise(got) == _normalise(want)
     assert h1["X-Emulator-Replica"] == via.name  # the replica's own headers pass through
-    if stream:
-        assert got.endswith(b"data: [DONE]\n\n") and got.count(b"data: ") >= 2
+    if not stream:
+        assert _normalise(got) == _normalise(want)
+        return
+    # Chunk boundaries follow the emulator's decode steps as its event loop wakes up, which differ
+    # between two runs on a loaded machine (a late wake-up sends two steps in one chunk), so the
+    # streams are compared as SSE: well-formed events, the same generated text, and the same final
+    # event (finish / usage / meta_info) modulo ids and timestamps. Byte-for-byte relay of a fixed
+    # chunk sequence is pinned by test_gateway_functional.py's scripted replica.
+    got_events, want_events = _sse_events(got), _sse_events(want)
+    assert got.endswith(b"data: [DONE]\n\n") and got_events
+    assert _final(got_events[-1]) == _final(want_events[-1])
+    assert _sse_text(route, got_events) == _sse_text(route, want_events)
+
+
+def _final(event: bytes) -> Any:
+    """The last event without what depends on time or chunking (SGLang stamps the send time on the
+    first chunk only, so a one-chunk stream carries it on its last event too)."""
+    doc = json.loads(_normalise(event).replace(b":X", b':"X"'))
+    if isinstance(doc.get("meta_info"), dict):
+        doc["meta_info"].pop("response_sent_to_client_ts", None)
+    return doc
+
+
+def _sse_events(raw: bytes) -> list[bytes]:
+    events = [e for e in raw.split(b"\n\n") if e]
+    assert events and events[-1] == b"data: [DONE]" and all(e.startswith(b"data: ") for e in events)
+    return [e[len(b"data: ") :] for e in events[:-1]]
+
+
+def _sse_text(route: str, events: list[bytes]) -> str:
+    docs = [json.loads(e) for e in events]
+    if route == "/generate":  # cumulative text: the last event has it all
+        return str(docs[-1]["text"])
+    out = []
+    for d in docs:
+        for c in d.get("choices") or []:
+            piece = c.get("text") if route == "/v1/completions" else (c.get("delta") or {}).get("content")
+            out.append(piece or "")
+    return "".join(out)
 
 
 async def test_cached_tokens_learned_across_turns(emulators: Any, gateway_factory: Any) -> None:
