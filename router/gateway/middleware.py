@@ -12,8 +12,9 @@ Rules:
   3. Body size: a declared ``Content-Length`` over the limit is refused with 413 before a byte of
      the body is read; a chunked body is counted while read and refused as soon as it crosses it.
   4. Header size is enforced by aiohttp's parser (``max_field_size``/``max_line_size``/
-     ``max_headers`` from ``limits``); it answers 400 and closes the connection (aiohttp renders
-     that one as text/plain: the parser fails before any middleware runs).
+     ``max_headers`` from ``limits``); it answers 400 and closes the connection. The parser fails
+     before any middleware runs, so the runner's request handler renders that answer as the same
+     JSON error (``serve._JsonErrorsRequestHandler``).
   5. No secrets in logs: ``router.observability.logging`` redacts credentials; this module never
      logs header values.
 """

@@ -19,8 +19,11 @@ import ssl
 import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from http import HTTPStatus
 
 from aiohttp import web
+from aiohttp.web_protocol import RequestHandler
+from aiohttp.web_request import BaseRequest
 
 from router.clock import Clock, SystemClock
 from router.config import GatewayConfig, load_config
@@ -121,7 +124,7 @@ async def start_gateway(
         trace_configs=trace_configs,
     )
     want_access_log = config.access_log if access_log is None else access_log
-    runner = web.AppRunner(
+    runner = _JsonErrorsAppRunner(
         app,
         handler_cancellation=True,
         shutdown_timeout=config.timeouts.shutdown_s,
@@ -139,6 +142,48 @@ async def start_gateway(
     scheme = "https" if ssl_context is not None else "http"
     url = f"{scheme}://{host}:{port}" if ":" not in host else f"{scheme}://[{host}]:{port}"
     return RunningGateway(url=url, port=port, app=app, runner=runner, store=store, owns_store=owns_store)
+
+
+class _JsonErrorsRequestHandler(RequestHandler):
+    """aiohttp answers requests its HTTP parser rejects (a bad request line, a header over the size
+    limit, bytes that are not HTTP) itself, before any middleware runs, with a plain-text body. Clients
+    of an OpenAI-compatible API expect JSON errors everywhere: same status, OpenAI-style body."""
+
+    def handle_error(
+        self,
+        request: BaseRequest,
+        status: int = 500,
+        exc: BaseException | None = None,
+        message: str | None = None,
+    ) -> web.StreamResponse:
+        plain = super().handle_error(request, status, exc, message)  # logs; refuses if bytes were sent
+        status = plain.status
+        reason = HTTPStatus(status).phrase if status in HTTPStatus._value2member_map_ else "Error"
+        text = message if status < 500 and message else reason
+        body = {
+            "error": {
+                "message": text,
+                "type": "invalid_request_error" if status < 500 else "internal_error",
+                "code": "bad_http_request" if status < 500 else "internal_error",
+            }
+        }
+        resp = web.json_response(body, status=status)
+        resp.force_close()
+        return resp
+
+
+class _JsonErrorsServer(web.Server):
+    def __call__(self) -> RequestHandler:
+        return _JsonErrorsRequestHandler(self, loop=self._loop, **self._kwargs)
+
+
+class _JsonErrorsAppRunner(web.AppRunner):
+    """``web.AppRunner`` whose connections answer HTTP parse errors with JSON (see above)."""
+
+    async def _make_server(self) -> web.Server:
+        server = await super()._make_server()
+        server.__class__ = _JsonErrorsServer  # same state, one overridden factory method
+        return server
 
 
 def listener_ssl_context(config: GatewayConfig) -> ssl.SSLContext | None:

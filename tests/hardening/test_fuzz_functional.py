@@ -5,9 +5,9 @@ thread; every example is a raw HTTP/1.1 request written to a fresh TCP connectio
 the gateway never answers 5xx and never drops the connection without an answer; every 4xx produced
 by the gateway's handlers is OpenAI-style JSON (``{"error": {"message", "type", "code"}}``).
 
-The one documented exception: requests aiohttp's HTTP parser itself refuses (malformed request line,
-header over ``limits.max_field_size``, bad bytes in a header) get aiohttp's own ``400`` in text/plain
-before any middleware runs (router/gateway/middleware.py rule 4). They are still a clean 4xx.
+Requests aiohttp's HTTP parser itself refuses (malformed request line, header over
+``limits.max_field_size``, bad bytes in a header) never reach a middleware; the gateway's runner
+answers them with the same JSON error shape (router/gateway/serve.py ``_JsonErrorsRequestHandler``).
 
 The admin API's fuzzing against its OpenAPI spec is tests/router/test_admin_schema.py (schemathesis).
 """
@@ -120,8 +120,8 @@ def check(status: int, headers: dict[str, str], body: bytes, raw: bytes) -> None
     elif status >= 400 and headers.get("content-type", "").startswith("application/json"):
         err = json.loads(body)["error"]
         assert isinstance(err["message"], str) and err["type"] and "code" in err, body
-    elif status >= 400:
-        assert status == 400 and headers.get("content-type", "").startswith("text/plain"), (status, headers)
+    else:
+        assert status < 400, (status, headers, body[:300])  # every error is JSON
 
 
 def request(method: str, path: str, headers: list[tuple[bytes, bytes]], body: bytes) -> bytes:
@@ -233,3 +233,18 @@ def test_gateway_still_serves_after_fuzzing(live: Live) -> None:
     assert json.loads(got)["choices"]
     if sum(SEEN.values()) >= 300:  # the whole module ran: examples were served, refused and routed-around
         assert SEEN[200] > 0 and SEEN[400] > 0 and (SEEN[404] + SEEN[405]) > 0, SEEN
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"GARBAGE\r\n\r\n",  # not HTTP
+        b"GET /health HTTP/1.1\r\nHost: x\r\nBad\x01Header: y\r\n\r\n",  # bad bytes in a header name
+        b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 70_000 + b"\r\n\r\n",  # header over the limit
+    ],
+)
+def test_requests_the_http_parser_refuses_get_json_errors(live: Live, raw: bytes) -> None:
+    status, headers, body = send(live.port, raw)
+    assert status == 400 and headers.get("content-type", "").startswith("application/json"), (headers, body)
+    err = json.loads(body)["error"]
+    assert err["type"] == "invalid_request_error" and err["code"] == "bad_http_request" and err["message"]
