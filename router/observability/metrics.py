@@ -114,6 +114,65 @@ def _store_figures(store: Any) -> _StoreFigures:
     )
 
 
+_PER_REPLICA_GAUGES: tuple[tuple[str, str, Callable[[ReplicaState], float]], ...] = (
+    (
+        "kvroute_replica_in_flight_requests",
+        "Requests in flight on the replica, counted by all gateways",
+        lambda r: r.in_flight,
+    ),
+    (
+        "kvroute_replica_kv_utilization_ratio",
+        "KV cache utilisation reported by the engine (0..1)",
+        lambda r: r.engine.kv_util,
+    ),
+    (
+        "kvroute_replica_sessions_active",
+        "Sessions homed on the replica and active in the window",
+        lambda r: r.sessions_active,
+    ),
+    (
+        "kvroute_replica_active_context_tokens",
+        "Context tokens of the replica's active sessions",
+        lambda r: r.active_context_tokens,
+    ),
+    (
+        "kvroute_replica_capacity_tokens",
+        "KV capacity in HBM used by the policy (tokens)",
+        lambda r: r.capacity_tokens,
+    ),
+    # engine gauges re-exported (scraped from the replica's /metrics; a little stale)
+    ("kvroute_engine_running_requests", "sglang:num_running_reqs of the replica", lambda r: r.engine.running),
+    ("kvroute_engine_queued_requests", "sglang:num_queue_reqs of the replica", lambda r: r.engine.queued),
+    ("kvroute_engine_kv_utilization_ratio", "sglang:token_usage of the replica", lambda r: r.engine.kv_util),
+    (
+        "kvroute_engine_max_total_tokens",
+        "sglang:max_total_num_tokens of the replica",
+        lambda r: r.engine.capacity_tokens,
+    ),
+    (
+        "kvroute_engine_cache_hit_ratio",
+        "sglang:cache_hit_rate of the replica",
+        lambda r: r.engine.cache_hit_rate,
+    ),
+    (
+        "kvroute_engine_host_used_tokens",
+        "sglang:hicache_host_used_tokens of the replica",
+        lambda r: r.engine.host_used_tokens,
+    ),
+    (
+        "kvroute_engine_host_total_tokens",
+        "sglang:hicache_host_total_tokens of the replica",
+        lambda r: r.engine.host_capacity_tokens,
+    ),
+    (
+        "kvroute_engine_gen_throughput_tokens_per_second",
+        "sglang:gen_throughput of the replica",
+        lambda r: r.engine.gen_throughput,
+    ),
+)
+"""(name, help, value) of the per-replica gauges, labelled ``replica``."""
+
+
 class FleetCollector(Collector):
     """Scrape-time gauges from the last replica list handed to :meth:`update`."""
 
@@ -147,72 +206,8 @@ class FleetCollector(Collector):
             for st in ReplicaStatus:
                 status.add_metric([r.id, st.value], 1.0 if r.status is st else 0.0)
         yield status
-        yield gauge(
-            "kvroute_replica_in_flight_requests",
-            "Requests in flight on the replica, counted by all gateways",
-            lambda r: r.in_flight,
-        )
-        yield gauge(
-            "kvroute_replica_kv_utilization_ratio",
-            "KV cache utilisation reported by the engine (0..1)",
-            lambda r: r.engine.kv_util,
-        )
-        yield gauge(
-            "kvroute_replica_sessions_active",
-            "Sessions homed on the replica and active in the window",
-            lambda r: r.sessions_active,
-        )
-        yield gauge(
-            "kvroute_replica_active_context_tokens",
-            "Context tokens of the replica's active sessions",
-            lambda r: r.active_context_tokens,
-        )
-        yield gauge(
-            "kvroute_replica_capacity_tokens",
-            "KV capacity in HBM used by the policy (tokens)",
-            lambda r: r.capacity_tokens,
-        )
-        # engine gauges re-exported (scraped from the replica's /metrics; a little stale)
-        yield gauge(
-            "kvroute_engine_running_requests",
-            "sglang:num_running_reqs of the replica",
-            lambda r: r.engine.running,
-        )
-        yield gauge(
-            "kvroute_engine_queued_requests",
-            "sglang:num_queue_reqs of the replica",
-            lambda r: r.engine.queued,
-        )
-        yield gauge(
-            "kvroute_engine_kv_utilization_ratio",
-            "sglang:token_usage of the replica",
-            lambda r: r.engine.kv_util,
-        )
-        yield gauge(
-            "kvroute_engine_max_total_tokens",
-            "sglang:max_total_num_tokens of the replica",
-            lambda r: r.engine.capacity_tokens,
-        )
-        yield gauge(
-            "kvroute_engine_cache_hit_ratio",
-            "sglang:cache_hit_rate of the replica",
-            lambda r: r.engine.cache_hit_rate,
-        )
-        yield gauge(
-            "kvroute_engine_host_used_tokens",
-            "sglang:hicache_host_used_tokens of the replica",
-            lambda r: r.engine.host_used_tokens,
-        )
-        yield gauge(
-            "kvroute_engine_host_total_tokens",
-            "sglang:hicache_host_total_tokens of the replica",
-            lambda r: r.engine.host_capacity_tokens,
-        )
-        yield gauge(
-            "kvroute_engine_gen_throughput_tokens_per_second",
-            "sglang:gen_throughput of the replica",
-            lambda r: r.engine.gen_throughput,
-        )
+        for name, doc, value in _PER_REPLICA_GAUGES:
+            yield gauge(name, doc, value)
         age = GaugeMetricFamily(
             "kvroute_engine_scrape_age_seconds", "Seconds since the engine was last scraped", labels=lab
         )
