@@ -11,13 +11,12 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.redis_server import RedisCluster, RedisServer, RedisUnavailable, ci_requires_redis
+from tests.ci import missing
+from tests.redis_server import RedisCluster, RedisServer, RedisUnavailable
 
 
 def _unavailable(reason: str) -> None:
-    if ci_requires_redis():
-        pytest.fail(f"Redis is required under CI: {reason}", pytrace=False)
-    pytest.skip(f"no local Redis: {reason}")
+    missing(f"no local Redis: {reason}")
 
 
 def _flushall(port: int) -> None:
@@ -66,11 +65,11 @@ def redis_killable() -> Iterator[RedisServer]:
 
 @pytest.fixture(scope="session")
 def redis_cluster_session() -> Iterator[RedisCluster]:
-    """A local 3-master Redis Cluster; skipped (also under CI) with the reason if it cannot start."""
+    """A local 3-master Redis Cluster (a failure under CI if it cannot start, else a skip)."""
     try:
         cluster = RedisCluster(size=3).start()
     except RedisUnavailable as exc:
-        pytest.skip(f"local Redis Cluster could not be started: {exc}")
+        missing(f"a local Redis Cluster could not be started: {exc}")
         raise
     try:
         yield cluster

@@ -9,7 +9,6 @@ Rules:
 
 from __future__ import annotations
 
-import os
 import shutil
 import signal
 import socket
@@ -25,7 +24,6 @@ __all__ = [
     "RedisCluster",
     "RedisServer",
     "RedisUnavailable",
-    "ci_requires_redis",
     "free_port",
     "make_self_signed_cert",
     "redis_server_binary",
@@ -262,7 +260,3 @@ class RedisCluster:
 
     def __exit__(self, *exc: object) -> None:
         self.cleanup()
-
-
-def ci_requires_redis() -> bool:
-    return os.environ.get("CI", "").lower() in {"1", "true", "yes"}

@@ -6,7 +6,6 @@ under CI and a skip elsewhere.
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 import sys
@@ -14,15 +13,15 @@ from pathlib import Path
 
 import pytest
 
+from tests.ci import missing
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _tool(name: str) -> str:
     path = shutil.which(name, path=str(Path(sys.executable).parent)) or shutil.which(name)
     if path is None:
-        if os.environ.get("CI"):
-            pytest.fail(f"{name} is not installed (pip install -e '.[dev]')")
-        pytest.skip(f"{name} is not installed")
+        missing(f"{name} is not installed (pip install -e '.[dev]')")
     return path
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from loadtests.peers import find_binary
+from tests.ci import missing
 
 KVROUTE = str(Path(sys.executable).parent / "kvroute")
 
@@ -48,7 +49,7 @@ def test_tiny_overhead_run(tmp_path: Path) -> None:
 @pytest.mark.peers
 def test_tiny_peers_run(tmp_path: Path) -> None:
     if find_binary("smg") is None:
-        pytest.skip("smg (sglang-router) not installed: pip install 'kvroute[peers]'")
+        missing("smg (sglang-router) not installed: pip install 'kvroute[peers]'")
     proc = subprocess.run(
         [KVROUTE, "bench", "peers", "--targets", "kvroute,sglang-manual", "--replicas", "2", "--duration", "3",
          "--sessions", "6", "--time-scale", "0.05", "--out", str(tmp_path)],

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -12,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from loadtests.measures import MEASURE_FIELDS
+from tests.ci import missing
 
 KVROUTE = str(Path(sys.executable).parent / "kvroute")
 
@@ -49,8 +49,8 @@ def test_demo_rejects_bad_arguments() -> None:
 
 @pytest.mark.slow
 def test_tiny_demo_with_two_gateways_on_redis(tmp_path: Path) -> None:
-    if shutil.which("redis-server") is None and not os.environ.get("CI"):
-        pytest.skip("redis-server not installed")
+    if shutil.which("redis-server") is None:
+        missing("redis-server not installed")
     out = tmp_path / "demo.json"
     proc = subprocess.run(
         [KVROUTE, "demo", "--replicas", "2", "--duration", "3", "--sessions", "6", "--drain", "2",

@@ -19,6 +19,7 @@ import aiohttp
 import pytest
 
 from replica.emulator.runner import Running, running_emulators
+from tests.ci import missing
 from tests.replica.conftest import small_config
 
 pytestmark = [pytest.mark.peers, pytest.mark.slow]
@@ -49,7 +50,7 @@ async def peer_router(kind: str, reps: list[Running], tmp_path: Path) -> AsyncIt
     name, args, _ = PEERS[kind]
     binary = _binary(name)
     if binary is None:
-        pytest.skip(f"{name} is not on PATH (pip install 'kvroute[peers]')")
+        missing(f"{name} is not on PATH (pip install 'kvroute[peers]')")
     port, prom = _free_port(), _free_port()
     log_path = tmp_path / f"{kind}.log"
     log = log_path.open("wb")

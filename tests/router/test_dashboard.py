@@ -31,6 +31,7 @@ from router.model import (
 from router.observability.surface import make_operator_surface
 from router.policy.params import PolicyParams
 from router.store.memory import MemoryStore
+from tests.ci import missing
 
 CHROMIUM = os.environ.get("KVROUTE_CHROMIUM", "/usr/bin/chromium")
 TOKEN = "dash-token"
@@ -41,10 +42,7 @@ pytestmark = pytest.mark.slow
 
 def _need_browser() -> None:
     if not (Path(CHROMIUM).exists() or shutil.which(CHROMIUM)):
-        msg = f"chromium not found at {CHROMIUM} (apt-get install -y chromium)"
-        if os.environ.get("CI"):
-            pytest.fail(msg, pytrace=False)
-        pytest.skip(msg)
+        missing(f"chromium not found at {CHROMIUM} (apt-get install -y chromium)")
 
 
 async def _server() -> tuple[TestServer, MemoryStore, Any]:

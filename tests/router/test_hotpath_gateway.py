@@ -167,7 +167,7 @@ def test_one_pass_filter_equals_two_passes(headers: list[tuple[str, str]]) -> No
 
 
 def test_uvloop_is_used_unless_opted_out() -> None:
-    uvloop = pytest.importorskip("uvloop")
+    import uvloop  # a dependency on Linux
     assert event_loop_factory({}) is uvloop.new_event_loop
     assert event_loop_factory({"KVROUTE_NO_UVLOOP": "1"}) is None
     assert event_loop_factory({"KVROUTE_NO_UVLOOP": "0"}) is uvloop.new_event_loop
