@@ -43,7 +43,8 @@ async def test_cached_tokens_grow_across_turns_and_measures_are_complete() -> No
         sessions = [_session("alpha", 0.0, 5), _session("beta", 20.0, 4, parallel_at=2)]
         cfg = LoadConfig(
             url=url, replica_urls=(url,), time_scale=0.01, token_unit=UNIT, duration_s=20.0,
-            sample_interval_s=0.02, drain_s=5.0,
+            # the run lasts ~0.25 s of wall time and a request ~5 ms: sample often enough to see one
+            sample_interval_s=0.002, drain_s=5.0,
         )
         result = await run_load(sessions, cfg)
     m = result.measures
