@@ -57,6 +57,7 @@ __all__ = [
     "LimitsConfig",
     "StoreSettings",
     "TimeoutsConfig",
+    "UpstreamConfig",
     "build_arg_parser",
     "load_config",
     "replica_id_from_url",
@@ -118,6 +119,16 @@ class HealthConfig(BaseModel):
     eject_on_connect_errors: int = Field(1, ge=0)  # passive: consecutive connect errors -> DOWN (0: off)
     health_path: str = "/health"
     metrics_path: str = "/metrics"
+
+
+class UpstreamConfig(BaseModel):
+    """The HTTP client the gateway talks to replicas with."""
+
+    model_config = _FROZEN
+
+    # raw: keep-alive pool on asyncio protocols + httptools (router/gateway/upstream_raw.py), https
+    # replicas and probes through aiohttp; aiohttp: everything through aiohttp's ClientSession
+    client: Literal["raw", "aiohttp"] = "raw"
 
 
 _STORE_DEFAULTS = StoreConfig()
@@ -194,6 +205,7 @@ class GatewayConfig(BaseSettings):
     max_retries: int = Field(2, ge=0, le=10)  # extra attempts after a failure before the first byte
     max_connections: int = Field(1024, ge=1)  # upstream connection pool, all replicas
     max_connections_per_replica: int = Field(0, ge=0)  # 0 = no per-replica cap
+    upstream: UpstreamConfig = Field(default_factory=UpstreamConfig)
     models_cache_s: float = Field(5.0, ge=0)  # GET /v1/models is merged from replicas and cached
     store: StoreSettings = Field(default_factory=StoreSettings)  # type: ignore[arg-type]
     redis_url: str | None = None
@@ -499,6 +511,11 @@ def build_arg_parser(prog: str = "kvroute serve") -> argparse.ArgumentParser:
         help="do not add X-Kvroute-Replica / X-Kvroute-Reason to responses",
     )
     p.add_argument("--max-retries", type=int)
+    p.add_argument(
+        "--upstream-client",
+        choices=("raw", "aiohttp"),
+        help="HTTP client towards replicas: raw (httptools pool, default) or aiohttp",
+    )
     p.add_argument("--redis", "--redis-url", dest="redis_url", metavar="URL", help="shared state in Redis")
     p.add_argument(
         "--admin-token", metavar="TOKEN", help="bearer token of the /admin API (or KVROUTE_ADMIN_TOKEN)"
@@ -563,6 +580,8 @@ def _cli_values(argv: Sequence[str]) -> tuple[dict[str, Any], str | None]:
         if not sep:
             raise ConfigError(f"--set {item!r}: expected KEY=VALUE")
         _set_path(out, key, yaml.safe_load(raw) if raw else "", f"--set {key}")
+    if "upstream_client" in ns:
+        _set_path(out, "upstream.client", ns.pop("upstream_client"), "--upstream-client")
     out.update(ns)
     return out, config_path
 

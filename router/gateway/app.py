@@ -36,6 +36,7 @@ from router.gateway.handlers import (
 )
 from router.gateway.keys import CONFIG_KEY, EMITTER_KEY, RUNTIME_KEY, STORE_KEY, GatewayRuntime
 from router.gateway.middleware import error_middleware, request_id_middleware, set_request_id_header
+from router.gateway.upstream_raw import RawReplicaClient
 from router.policy import Policy
 from router.store.base import StateStore
 
@@ -68,8 +69,10 @@ def make_app(
 ) -> web.Application:
     """The gateway application.
 
-    ``client``: an upstream client to use (tests); by default an ``AiohttpReplicaClient`` is
-    created at start-up and closed at cleanup. ``discovery=False`` runs no polling loops (replica
+    ``client``: an upstream client to use (tests); by default one is created at start-up and
+    closed at cleanup: ``RawReplicaClient`` (``upstream.client: raw``, the default; https replicas
+    and probes through its aiohttp fallback) or ``AiohttpReplicaClient`` (``upstream.client:
+    aiohttp``, and whenever ``trace_configs`` are given: client spans are aiohttp trace hooks). ``discovery=False`` runs no polling loops (replica
     states are then whatever the store says). ``middlewares`` run outside ours (tracing);
     ``trace_configs`` go to the upstream ``ClientSession``.
     """
@@ -103,15 +106,28 @@ def make_app(
     async def client_ctx(app: web.Application) -> AsyncIterator[None]:
         own = rt.client is None
         if own:
-            rt.client = AiohttpReplicaClient(
+            aio = AiohttpReplicaClient(
                 config.timeouts,
                 max_connections=config.max_connections,
                 max_connections_per_replica=config.max_connections_per_replica,
                 trace_configs=trace_configs,  # type: ignore[arg-type]
             )
+            # tracing's client spans and traceparent injection are aiohttp trace hooks: with
+            # trace configs every request goes through aiohttp
+            if config.upstream.client == "raw" and not trace_configs:
+                rt.client = RawReplicaClient(
+                    config.timeouts,
+                    max_connections=config.max_connections,
+                    max_connections_per_replica=config.max_connections_per_replica,
+                    fallback=aio,
+                )
+            else:
+                rt.client = aio
         yield
         if own and rt.client is not None:
             await rt.client.close()
+            if rt.client is not aio:
+                await aio.close()
 
     async def registry_ctx(app: web.Application) -> AsyncIterator[None]:
         start = getattr(store, "start", None)  # the Redis store publishes its gateway lease

@@ -38,6 +38,7 @@ from router.errors import (
 __all__ = [
     "HOP_BY_HOP",
     "AiohttpReplicaClient",
+    "ConnectFailure",
     "ReplicaClient",
     "UpstreamResponse",
     "Usage",
@@ -118,6 +119,13 @@ def filter_headers(headers: Iterable[tuple[str, str]], drop: frozenset[str]) -> 
 # ---- errors ---------------------------------------------------------------------------------------
 
 
+class ConnectFailure(ConnectionError):
+    """The cause of an ``UpstreamConnectError`` raised because no new connection to the replica could
+    be made (refused, unreachable, connect timeout) by a client other than aiohttp
+    (``upstream_raw.py``): :func:`is_connect_failure` is true for it, as for aiohttp's
+    ``ClientConnectorError``."""
+
+
 def _mapped(replica_id: str, exc: BaseException) -> UpstreamError | None:
     if isinstance(exc, UpstreamError) or not isinstance(exc, Exception):
         return None  # ours already, or CancelledError / KeyboardInterrupt: never mapped
@@ -165,7 +173,9 @@ def is_connect_failure(exc: BaseException) -> bool:
     """The replica could not be reached at all (refused, unreachable, connect timeout) - as opposed
     to a reused keep-alive connection the server closed at the wrong moment, which says nothing
     about the replica's health. Only the former counts towards passive ejection."""
-    return isinstance(exc, UpstreamConnectError) and isinstance(exc.__cause__, aiohttp.ClientConnectorError)
+    return isinstance(exc, UpstreamConnectError) and isinstance(
+        exc.__cause__, (aiohttp.ClientConnectorError, ConnectFailure)
+    )
 
 
 # ---- the seam ---------------------------------------------------------------------------------------
