@@ -35,7 +35,7 @@ from router.gateway.handlers import (
     handle_ready,
 )
 from router.gateway.keys import CONFIG_KEY, EMITTER_KEY, RUNTIME_KEY, STORE_KEY, GatewayRuntime
-from router.gateway.middleware import error_middleware, request_id_middleware, set_request_id_header
+from router.gateway.middleware import GatewayMiddleware
 from router.gateway.upstream_raw import RawReplicaClient
 from router.policy import Policy
 from router.store.base import StateStore
@@ -81,8 +81,9 @@ def make_app(
         config=config, store=store, policy=policy, clock=clock, rng=rng, emit=emitter, client=client
     )
     rt.egress = EgressGuard(config.replicas, config.admin_networks or DEFAULT_ALLOWED_NETWORKS, clock)
+    gateway_mw = GatewayMiddleware()
     app = web.Application(
-        middlewares=[*middlewares, request_id_middleware, error_middleware],  # type: ignore[list-item]
+        middlewares=[*middlewares, gateway_mw],  # type: ignore[list-item]
         client_max_size=config.limits.max_body_bytes,
         handler_args={
             "max_line_size": config.limits.max_line_size,
@@ -94,7 +95,6 @@ def make_app(
     app[STORE_KEY] = store
     app[EMITTER_KEY] = emitter
     app[RUNTIME_KEY] = rt
-    app.on_response_prepare.append(set_request_id_header)
 
     for path in INFERENCE_ROUTES:
         app.router.add_post(path, handle_inference)
@@ -169,4 +169,19 @@ def make_app(
     app.cleanup_ctx.extend([client_ctx, registry_ctx, discovery_ctx])
     for fn in extra_setup:
         fn(app)
+    _fold_observers(app, gateway_mw)
     return app
+
+
+def _fold_observers(app: web.Application, gateway_mw: GatewayMiddleware) -> None:
+    """Middlewares that only observe responses (they carry ``response_observer``, like the metrics
+    one) run inside the gateway middleware instead of as layers of their own: same counts (they
+    see the status after error mapping, as an outer layer did), one coroutine less per request."""
+    kept: list[object] = []
+    for mw in app.middlewares:
+        observer = getattr(mw, "response_observer", None)
+        if observer is not None:
+            gateway_mw.add_observer(observer)
+        else:
+            kept.append(mw)
+    app.middlewares[:] = kept  # type: ignore[assignment]

@@ -337,6 +337,8 @@ class _Proxy:
             if self.cfg.decision_headers:
                 resp.headers[REPLICA_HEADER] = lease.replica_id
                 resp.headers[REASON_HEADER] = str(lease.reason)
+            if REQUEST_ID_HEADER not in resp.headers:  # headers leave with the first chunk: set it now
+                resp.headers[REQUEST_ID_HEADER] = self.request_id
             if upstream.content_length is not None and not sniffer.is_sse:
                 resp.content_length = upstream.content_length
             self.p.status = upstream.status

@@ -1,10 +1,14 @@
-"""Cross-cutting HTTP concerns of the gateway: request ids, error mapping, body limits.
+"""Cross-cutting HTTP concerns of the gateway: request ids, error mapping, body limits, response
+counting - in one middleware layer (:func:`make_gateway_middleware`): each aiohttp middleware layer
+costs a coroutine and a handler wrapper per request, and these concerns run on every request.
 
 Rules:
   1. Every response (success, error, stream) carries ``X-Request-Id``: the client's own if it is
      a sane token (≤ 128 chars of ``[A-Za-z0-9._:-]``), else a fresh unique id of 32 hex
      chars (a random per-process prefix + a counter: uuid4 read /dev/urandom on every request).
-     It is also set in the logging context so every log line of the request names it.
+     It is also set in the logging context so every log line of the request names it. The
+     middleware adds it to every response a handler returns unsent; a handler that streams (sends
+     its headers itself) adds it before it does (``handlers.py``).
   2. ``router.errors`` and aiohttp's HTTP exceptions become OpenAI-style JSON
      (``{"error": {"message", "type", "code"}}``) with the matching status and an
      ``X-Kvroute-Error`` header naming the code. Nothing else is caught here: an unexpected
@@ -26,7 +30,7 @@ import itertools
 import logging
 import os
 import re
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from aiohttp import web
@@ -37,9 +41,12 @@ from router.observability.logging import set_request_id
 __all__ = [
     "REQUEST_ID_HEADER",
     "REQUEST_ID_KEY",
+    "GatewayMiddleware",
+    "ResponseObserver",
     "error_middleware",
     "error_payload",
     "error_response",
+    "make_gateway_middleware",
     "read_body_limited",
     "request_id_middleware",
     "set_request_id_header",
@@ -52,6 +59,8 @@ REQUEST_ID_KEY = web.RequestKey("kvroute_request_id", str)
 _SANE_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+ResponseObserver = Callable[[web.Request, "int | str"], None]
+"""Called once per request with its final status (``"error"``: an exception escaped)."""
 
 
 class _RequestIds:
@@ -127,6 +136,18 @@ async def set_request_id_header(request: web.Request, response: web.StreamRespon
         response.headers[REQUEST_ID_HEADER] = rid
 
 
+def _from_http(request: web.Request, exc: web.HTTPException) -> web.Response:
+    etype, code = _HTTP_TYPES.get(
+        exc.status,
+        ("invalid_request_error" if exc.status < 500 else "server_error", f"http_{exc.status}"),
+    )
+    message = exc.reason if exc.status != 404 else f"unknown route: {request.method} {request.path}"
+    if exc.status == 405:
+        message = f"method {request.method} not allowed on {request.path}"
+    extra = {"Allow": exc.headers["Allow"]} if "Allow" in exc.headers else None
+    return error_response(exc.status, message, etype, code, extra)
+
+
 @web.middleware
 async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     try:
@@ -138,15 +159,59 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     except web.HTTPException as exc:
         if exc.status < 400:
             raise  # redirects and the like are not errors
-        etype, code = _HTTP_TYPES.get(
-            exc.status,
-            ("invalid_request_error" if exc.status < 500 else "server_error", f"http_{exc.status}"),
-        )
-        message = exc.reason if exc.status != 404 else f"unknown route: {request.method} {request.path}"
-        if exc.status == 405:
-            message = f"method {request.method} not allowed on {request.path}"
-        extra = {"Allow": exc.headers["Allow"]} if "Allow" in exc.headers else None
-        return error_response(exc.status, message, etype, code, extra)
+        return _from_http(request, exc)
+
+
+class GatewayMiddleware:
+    """Request id + error mapping + response observers as one aiohttp middleware (module rules 1-2).
+
+    ``observers`` (e.g. the HTTP response counter of ``router.observability.metrics``) are called
+    with the request and its final status after errors were mapped; ``make_app`` folds such
+    observer middlewares into this one instead of running them as layers of their own."""
+
+    __middleware_version__ = 1  # what @web.middleware marks: new-style (request, handler)
+
+    def __init__(self, observers: Sequence[ResponseObserver] = ()) -> None:
+        self.observers: tuple[ResponseObserver, ...] = tuple(observers)
+
+    def add_observer(self, observer: ResponseObserver) -> None:
+        self.observers = (*self.observers, observer)
+
+    def _observe(self, request: web.Request, status: int | str) -> None:
+        for obs in self.observers:
+            obs(request, status)
+
+    async def __call__(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        given = request.headers.get(REQUEST_ID_HEADER, "")
+        rid = given if given and _SANE_ID.match(given) else _ids.next()
+        request[REQUEST_ID_KEY] = rid
+        token = set_request_id(rid)  # every log line of this request names it
+        try:
+            try:
+                resp = await handler(request)
+            except KvrouteError as exc:
+                if exc.status >= 500:
+                    log.warning("%s %s -> %s: %s", request.method, request.path, exc.code, exc)
+                resp = _from_kvroute(exc)
+            except web.HTTPException as exc:
+                if exc.status < 400:
+                    self._observe(request, exc.status)
+                    raise  # redirects and the like are not errors
+                resp = _from_http(request, exc)
+            except BaseException:
+                self._observe(request, "error")
+                raise
+            if not resp.prepared and REQUEST_ID_HEADER not in resp.headers:
+                resp.headers[REQUEST_ID_HEADER] = rid
+            if self.observers:
+                self._observe(request, resp.status)
+            return resp
+        finally:
+            token.var.reset(token)
+
+
+def make_gateway_middleware(observers: Sequence[ResponseObserver] = ()) -> GatewayMiddleware:
+    return GatewayMiddleware(observers)
 
 
 async def read_body_limited(request: web.Request, limit: int) -> bytes:

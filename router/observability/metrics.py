@@ -426,35 +426,47 @@ class GatewayMetrics:
         elif isinstance(event, StoreRecovered):
             pass
 
-    def http_middleware(self) -> Any:
-        """aiohttp middleware counting every response (route = the matched resource, never the raw path)."""
-        from aiohttp import web
-
+    def response_observer(self) -> Callable[[Any, int | str], None]:
+        """``(request, status)`` -> count one HTTP response (route = the matched resource, never the
+        raw path); what :meth:`http_middleware` runs, for a middleware that already wraps every
+        request (``router.gateway.middleware.GatewayMiddleware``)."""
         counter = self.http_responses
         children: dict[tuple[str, str, int | str], Any] = {}  # labels() costs more than inc()
 
-        def count(route: str, method: str, status: int | str) -> None:
-            key = (route, method, status)
+        def observe(request: Any, status: int | str) -> None:
+            resource = request.match_info.route.resource
+            route = resource.canonical if resource is not None else "unmatched"
+            key = (route, request.method, status)
             child = children.get(key)
             if child is None:
-                child = children[key] = counter.labels(route, method, str(status))
+                child = children[key] = counter.labels(route, request.method, str(status))
             child.inc()
+
+        return observe
+
+    def http_middleware(self) -> Any:
+        """aiohttp middleware counting every response (route = the matched resource, never the raw path).
+
+        It carries its counting function as ``response_observer``: the gateway's ``make_app`` folds
+        it into its own middleware rather than running one more layer per request."""
+        from aiohttp import web
+
+        observe = self.response_observer()
 
         @web.middleware
         async def http_metrics(request: web.Request, handler: Any) -> web.StreamResponse:
-            resource = request.match_info.route.resource
-            route = resource.canonical if resource is not None else "unmatched"
             try:
                 resp: web.StreamResponse = await handler(request)
             except web.HTTPException as exc:
-                count(route, request.method, exc.status)
+                observe(request, exc.status)
                 raise
             except BaseException:
-                count(route, request.method, "error")
+                observe(request, "error")
                 raise
-            count(route, request.method, resp.status)
+            observe(request, resp.status)
             return resp
 
+        http_metrics.response_observer = observe  # type: ignore[attr-defined]
         return http_metrics
 
     def render(self, replicas: Iterable[ReplicaState], now: float, store: Any = None) -> bytes:
