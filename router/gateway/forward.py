@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
 import aiohttp
+import orjson
 from multidict import CIMultiDict
 
 from router.config import TimeoutsConfig
@@ -197,6 +198,11 @@ class UpstreamResponse(Protocol):
         """Body chunks as they arrive; raises ``UpstreamError`` subclasses (idle timeout, break)."""
         ...
 
+    def at_eof(self) -> bool:
+        """``chunks()`` has handed out the whole body (the next one ends the iteration): the caller
+        may send the chunk it holds together with the end of its own response."""
+        ...
+
     async def read(self, limit: int) -> bytes:
         """Up to ``limit`` bytes of the body (error bodies); the rest is discarded."""
         ...
@@ -278,6 +284,9 @@ class _AiohttpUpstream:
         except UpstreamError:
             pass  # an error body that breaks off is still an error: keep what we have
         return bytes(out)
+
+    def at_eof(self) -> bool:
+        return self._resp.content.at_eof()
 
     def release(self) -> None:
         self._resp.release()
@@ -490,13 +499,19 @@ class UsageSniffer:
         if self._mode == "json":
             if self._overflow or not self._buf:
                 return None
-            try:
-                return usage_from_json(json.loads(self._buf))
-            except (ValueError, UnicodeDecodeError):
-                return None
+            return usage_from_json(_loads(self._buf))
         if self._last is None:
             return None
+        return usage_from_json(_loads(self._last[5:].strip()))
+
+
+def _loads(raw: bytes | bytearray) -> Any:
+    """orjson (several times faster than json on whole response bodies), json for what orjson
+    refuses (integers over 64 bits, NaN); ``None`` if neither parses it."""
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError:
         try:
-            return usage_from_json(json.loads(self._last[5:].strip()))
+            return json.loads(raw)
         except (ValueError, UnicodeDecodeError):
             return None

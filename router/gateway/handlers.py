@@ -31,6 +31,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import orjson
 from aiohttp import web
 
 from router.config import GatewayConfig
@@ -136,9 +137,12 @@ def _routing_key(
     if session_id is not None:
         return session_id, KeySource.HEADER, None
     try:
-        obj = json.loads(body)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise BadRequestError(f"request body is not valid JSON: {exc}") from None
+        obj = orjson.loads(body)  # several times faster than json; refuses a few things json takes
+    except orjson.JSONDecodeError:
+        try:
+            obj = json.loads(body)  # integers over 64 bits, NaN: what json accepted stays accepted
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise BadRequestError(f"request body is not valid JSON: {exc}") from None
     if not isinstance(obj, dict):
         raise BadRequestError("request body must be a JSON object")
     model = obj.get("model") if isinstance(obj.get("model"), str) else None
@@ -346,34 +350,37 @@ class _Proxy:
             last_tail = b""
             try:
                 t = clock.now()
-                await resp.prepare(self.request)
+                await resp.prepare(self.request)  # headers leave with the first body bytes
                 self.p.sent = True
-                if first:
-                    sniffer.feed(first)
-                    await resp.write(first)
-                    last_tail = first[-2:]
-                self.p.write_wait_s += clock.now() - t
-                self.p.ttft_s = clock.now() - self.p.t0
-                while True:
+                chunk = first
+                last = b""  # the body's final piece: sent with the end of the response, one write
+                while chunk is not None:
+                    if chunk:
+                        sniffer.feed(chunk)
+                        if upstream.at_eof():
+                            last = chunk
+                            break
+                        await resp.write(chunk)
+                        last_tail = (last_tail + chunk)[-2:]
+                    self.p.write_wait_s += clock.now() - t
+                    if self.p.ttft_s is None:
+                        self.p.ttft_s = clock.now() - self.p.t0
                     t = clock.now()
                     try:
                         chunk = await anext(chunks, None)
                     finally:
                         self.p.upstream_wait_s += clock.now() - t
-                    if chunk is None:
-                        break
-                    sniffer.feed(chunk)
                     t = clock.now()
-                    await resp.write(chunk)
-                    self.p.write_wait_s += clock.now() - t
-                    last_tail = (last_tail + chunk)[-2:]
                 done = True
                 upstream.release()
-                # everything is relayed: learn now, so a client that hangs up during the last
+                # everything is read: learn now, so a client that hangs up during the last
                 # flush does not erase what this turn taught us
                 self.p.ok = 200 <= upstream.status < 300
                 completion = self._completion(sniffer, ok=self.p.ok)
-                await resp.write_eof()
+                await resp.write_eof(last)
+                self.p.write_wait_s += clock.now() - t
+                if self.p.ttft_s is None:
+                    self.p.ttft_s = clock.now() - self.p.t0
                 return resp
             except UpstreamError as exc:
                 # after the first byte: never retried (rule 4)

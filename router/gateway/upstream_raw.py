@@ -371,6 +371,10 @@ class _RawUpstream:
                 return data
             await conn.wait_body(self._first_s if self._first else self._idle_s)
 
+    def at_eof(self) -> bool:
+        c = self._conn
+        return c._state == _DONE and not c._chunks
+
     async def read(self, limit: int) -> bytes:
         out = bytearray()
         try:
