@@ -18,6 +18,9 @@ gateway process's own CPU time per proxied request (``/proc/<pid>/stat``, Linux)
 of requests at c=1 and c=32, JSON and SSE: unlike latency on a shared box, CPU per request barely
 moves when other processes compete for the cores.
 
+``--cpu-clients`` runs the ``--cpu`` measurement once per upstream client (``--upstream-client raw``
+and ``aiohttp``, two gateways in turn in front of the same replica) and reports aiohttp/raw ratios.
+
 ``--overhead`` also runs ``kvroute bench overhead --targets kvroute`` (c=1 and c=32; one emulated
 replica in a subprocess) once and adds its ``added`` block; ``--compare BEFORE AFTER`` prints the
 ratios of two saved overhead documents (noisy machines: compare ratios, never single numbers).
@@ -53,7 +56,7 @@ from router.observability.surface import StatsHook
 from router.policy.registry import make_policy
 from router.store.memory import MemoryCore
 
-__all__ = ["PHASES", "cli_main", "compare_overhead", "run_cell", "run_hotpath"]
+__all__ = ["PHASES", "cli_main", "compare_overhead", "run_cell", "run_cpu_clients", "run_hotpath"]
 
 PHASES = ("snapshot", "route", "acquire", "events", "release")
 
@@ -256,6 +259,33 @@ async def run_cpu(
     return {"bench": "hotpath-cpu", "cells": cells}
 
 
+async def run_cpu_clients(
+    *, requests: int = 3000, concurrencies: Sequence[int] = (1, 32), extra_args: Sequence[str] = ()
+) -> dict[str, Any]:
+    """``run_cpu`` with ``--upstream-client raw`` then ``aiohttp``; ratios aiohttp / raw per cell."""
+    docs = {
+        client: await run_cpu(
+            requests=requests,
+            concurrencies=concurrencies,
+            extra_args=[*extra_args, "--upstream-client", client],
+        )
+        for client in ("raw", "aiohttp")
+    }
+    ratios = {
+        cell: round(
+            docs["aiohttp"]["cells"][cell]["gateway_cpu_us_per_request"]
+            / max(1e-9, docs["raw"]["cells"][cell]["gateway_cpu_us_per_request"]),
+            3,
+        )
+        for cell in docs["raw"]["cells"]
+    }
+    return {
+        "bench": "hotpath-cpu-clients",
+        "clients": {k: v["cells"] for k, v in docs.items()},
+        "cpu_aiohttp_over_raw": ratios,
+    }
+
+
 def compare_overhead(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
     """Ratios after/before of two ``bench overhead`` documents (kvroute rows), per cell."""
     out: dict[str, Any] = {}
@@ -300,6 +330,18 @@ def cli_main(argv: list[str]) -> int:
     p.add_argument("--cpu", action="store_true", help="also measure live gateway CPU per request")
     p.add_argument("--cpu-only", action="store_true", help="only the live CPU measurement")
     p.add_argument(
+        "--cpu-clients",
+        action="store_true",
+        help="only the live CPU measurement, once per upstream client (raw, aiohttp), with ratios",
+    )
+    p.add_argument(
+        "--gateway-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="extra `kvroute serve` argument for --cpu/--cpu-only (repeatable), e.g. --gateway-arg=--no-decision-headers",
+    )
+    p.add_argument(
         "--overhead", action="store_true", help="also run `kvroute bench overhead --targets kvroute`"
     )
     p.add_argument("--duration", type=float, default=2.0, help="--overhead: seconds per cell")
@@ -318,13 +360,20 @@ def cli_main(argv: list[str]) -> int:
     if ns.requests < 1 or ns.sessions < 1:
         p.error("--requests and --sessions must be >= 1")
     if ns.cpu_only:
-        print(json.dumps(asyncio.run(run_cpu(requests=ns.requests)), indent=2))
+        print(json.dumps(asyncio.run(run_cpu(requests=ns.requests, extra_args=ns.gateway_arg)), indent=2))
+        return 0
+    if ns.cpu_clients:
+        print(
+            json.dumps(
+                asyncio.run(run_cpu_clients(requests=ns.requests, extra_args=ns.gateway_arg)), indent=2
+            )
+        )
         return 0
     doc = run_hotpath(
         replicas=ns.replicas or (8, 50), requests=ns.requests, sessions=ns.sessions, policy=ns.policy
     )
     if ns.cpu:
-        doc["cpu"] = asyncio.run(run_cpu(requests=ns.requests))
+        doc["cpu"] = asyncio.run(run_cpu(requests=ns.requests, extra_args=ns.gateway_arg))
     if ns.overhead:
         from loadtests.overhead import run_overhead
 
