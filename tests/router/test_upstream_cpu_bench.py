@@ -14,6 +14,6 @@ async def test_cpu_clients_runs_both_clients() -> None:
     assert set(doc["clients"]) == {"raw", "aiohttp"}
     for cells in doc["clients"].values():
         assert set(cells) == {"c1_json", "c1_stream"}
-        assert all(c["errors"] == 0 and c["requests"] == 20 for c in cells.values())
+        assert all(c["errors"] == 0 and c["requests"] == 40 for c in cells.values())
         assert all(c["gateway_cpu_us_per_request"] >= 0 for c in cells.values())
     assert set(doc["cpu_aiohttp_over_raw"]) == {"c1_json", "c1_stream"}
