@@ -485,12 +485,17 @@ def _with_excluded(req: RouteRequest, excluded: set[str]) -> RouteRequest:
     )
 
 
+@functools.lru_cache(maxsize=8)
+def _drop_with(header: str) -> frozenset[str]:
+    return _FORWARD_DROP | {header.lower()}  # once per configured header, not per request
+
+
 def _forward_headers(
     request: web.Request, cfg: GatewayConfig, session_id: str | None, request_id: str
 ) -> list[tuple[str, str]]:
     drop = _FORWARD_DROP
     if cfg.routing_key_header and session_id is not None:
-        drop = drop | {cfg.routing_key_header.lower()}
+        drop = _drop_with(cfg.routing_key_header)
     out = filter_headers(request.headers.items(), drop)
     if cfg.routing_key_header and session_id is not None:
         out.append((cfg.routing_key_header, session_id))
