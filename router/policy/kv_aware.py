@@ -43,7 +43,7 @@ from router.model import (
 from router.policy.hashing import hrw_weight
 from router.policy.params import PolicyParams
 
-__all__ = ["KV_AWARE", "KvAwarePolicy", "cache_surely_gone", "load_score"]
+__all__ = ["KV_AWARE", "KvAwarePolicy", "cache_surely_gone", "load_score", "move_cost_tokens"]
 
 KV_AWARE = "kv_aware"
 
@@ -70,6 +70,32 @@ def cache_surely_gone(session: SessionState, home: ReplicaState, params: PolicyP
         return False
     written_since = home.tokens_written - session.residency_mark
     return written_since > params.residency_slack * total_capacity(home, params)
+
+
+def move_cost_tokens(
+    session: SessionState, home: ReplicaState, target: ReplicaState | None, params: PolicyParams
+) -> float:
+    """Rule 5's price of moving an idle session from ``home`` to ``target``, in tokens.
+
+    What the move throws away is the part of the context still cached at home: all of it just after
+    the session wrote there, nothing once home has written its whole cache (HBM + host) since (LRU,
+    linear in between; an unknown mark counts as fully resident). Re-prefilling it at a target whose
+    KV cannot also hold it evicts other sessions' contexts, which they re-prefill in turn: the part
+    that does not fit counts twice. With a host tier the target has room and nothing is doubled;
+    without one (or on a full fleet) moves cost up to twice as much, so fewer happen.
+    """
+    ctx = session.context_tokens
+    if ctx <= 0:
+        return 0.0
+    resident = 1.0
+    if session.residency_mark > 0:
+        written = home.tokens_written - session.residency_mark
+        resident -= min(1.0, max(0.0, written / (params.residency_slack * total_capacity(home, params))))
+    displaced = 0.0
+    if target is not None:
+        over = target.active_context_tokens + ctx - total_capacity(target, params)
+        displaced = min(1.0, max(0.0, over / ctx))
+    return ctx * resident * (1.0 + displaced)
 
 
 def load_score(replica: ReplicaState, context_tokens: int, params: PolicyParams) -> float:
@@ -225,12 +251,15 @@ class KvAwarePolicy:
                 AffinityBreak.OVERLOAD_SPILL,
                 avoid=frozenset({old_home}),
             )
-            # rule 5: the bigger the context to re-prefill, the bigger the gain a move must bring
-            needed = p.reassign_min_gain + sess.context_tokens / p.reassign_tokens_per_gain
+            # rule 5: the more a move re-prefills (and evicts at the target), the bigger the gain
+            # it must bring
             if decision is not None and (
                 self._relieves(decision, snapshot, view)
                 if over
-                else self._gain(home, decision, snapshot, ctx) >= needed
+                else self._gain(home, decision, snapshot, ctx)
+                >= p.reassign_min_gain
+                + move_cost_tokens(sess, home, snapshot.replica(decision.replica_id), p)
+                / p.reassign_tokens_per_gain
             ):
                 return decision
         if p.collapse_idle_only and not idle:

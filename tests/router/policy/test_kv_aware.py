@@ -547,6 +547,47 @@ CASES: dict[str, Case] = {
         A,
         Reason.AFFINITY,
     ),
+    "soft_overload_mostly_evicted_context_is_cheap": Case(
+        # like soft_overload_gain_too_small_for_size (gain 4.75), but home wrote 75 % of its cache
+        # since: 37.5k of the 150k are still resident, needed = 1.5 + 37.5k / 25k = 3.0
+        snapshot(
+            replica(A, in_flight=6, running=6, written=737_500),
+            replica(B, in_flight=1),
+            replica(C, in_flight=2),
+            sess=session("s1", A, ctx=150_000, mark=100_000),
+        ),
+        request(),
+        B,
+        Reason.REASSIGNED_OVERLOAD,
+        (bind(B, A, Reason.REASSIGNED_OVERLOAD),),
+        AffinityBreak.OVERLOAD_SPILL,
+    ),
+    "soft_overload_target_with_room_moves": Case(
+        # needed = 1.5 + 60k / 25k = 3.9; B scores 1 with the session (760k of 850k: no
+        # working-set penalty), gain 6 - 1 - 0.25 = 4.75
+        snapshot(
+            replica(A, in_flight=6, running=6),
+            replica(B, in_flight=1, active_ctx=700_000),
+            sess=session("s1", A, ctx=60_000),
+        ),
+        request(),
+        B,
+        Reason.REASSIGNED_OVERLOAD,
+        (bind(B, A, Reason.REASSIGNED_OVERLOAD),),
+        AffinityBreak.OVERLOAD_SPILL,
+    ),
+    "soft_overload_full_target_doubles_the_price": Case(
+        # B's KV would overflow by 50k of the 60k: they evict other sessions, so they count twice:
+        # needed = 1.5 + 110k / 25k = 5.9 > gain 6 - 1.635 - 0.25 = 4.1
+        snapshot(
+            replica(A, in_flight=6, running=6),
+            replica(B, in_flight=1, active_ctx=840_000),
+            sess=session("s1", A, ctx=60_000),
+        ),
+        request(),
+        A,
+        Reason.AFFINITY,
+    ),
     "soft_overload_not_persistent_stays": Case(
         snapshot(
             replica(A, in_flight=6), replica(B), replica(C, in_flight=1), sess=session("s1", A, ctx=10_000)
