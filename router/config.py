@@ -127,7 +127,7 @@ class UpstreamConfig(BaseModel):
     model_config = _FROZEN
 
     # raw: keep-alive pool on asyncio protocols + httptools (router/gateway/upstream_raw.py), https
-    # replicas and probes through aiohttp; aiohttp: everything through aiohttp's ClientSession
+    # replicas through aiohttp; aiohttp: everything through aiohttp's ClientSession
     client: Literal["raw", "aiohttp"] = "raw"
 
 

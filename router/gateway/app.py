@@ -71,7 +71,7 @@ def make_app(
 
     ``client``: an upstream client to use (tests); by default one is created at start-up and
     closed at cleanup: ``RawReplicaClient`` (``upstream.client: raw``, the default; https replicas
-    and probes through its aiohttp fallback) or ``AiohttpReplicaClient`` (``upstream.client:
+    through its aiohttp fallback) or ``AiohttpReplicaClient`` (``upstream.client:
     aiohttp``, and whenever ``trace_configs`` are given: client spans are aiohttp trace hooks). ``discovery=False`` runs no polling loops (replica
     states are then whatever the store says). ``middlewares`` run outside ours (tracing);
     ``trace_configs`` go to the upstream ``ClientSession``.

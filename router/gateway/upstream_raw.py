@@ -30,8 +30,9 @@ Rules:
   6. Timeouts: ``connect_s`` per new connection, ``first_byte_s`` from ``send`` to the status line
      (connect and pool wait included) and, for what is left of it, to the first body chunk;
      ``idle_read_s`` between later chunks.
-  7. Plain ``http://`` only. ``https://`` replicas and the small ``fetch`` probes go to the wrapped
-     ``AiohttpReplicaClient`` (TLS, compressed probe bodies and redirects are its job).
+  7. Plain ``http://`` only: ``https://`` replicas go to the wrapped ``AiohttpReplicaClient`` (TLS is
+     its job). The small ``fetch`` probes (health, metrics, models) to ``http://`` replicas share
+     the pool, so ``max_connections`` bounds every connection to the replicas.
 """
 
 from __future__ import annotations
@@ -145,9 +146,11 @@ class _Connection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         if self._state not in (_HEAD, _BODY):
-            # bytes nobody asked for (or after the end of the response): the connection is unusable
-            self._fail(UpstreamBrokenError("replica sent bytes outside a response"))
-            self.close()
+            # bytes after the end of the response or while pooled: the response read is intact,
+            # but the connection is out of step with the server and never reused
+            self.keep_alive = False
+            if self._state == _IDLE:
+                self.close()
             return
         self._got_bytes = True
         try:
@@ -311,10 +314,15 @@ class _Connection(asyncio.Protocol):
             self.close()
 
     def close(self) -> None:
+        state = self._state
         if self.transport is not None and not self.transport.is_closing():
             self.transport.close()
-        if self._state != _CLOSED:
+        if state != _CLOSED:
             self._state = _CLOSED
+            if state == _HEAD:  # closed under a waiting request (client shut down): wake it
+                self._fail(UpstreamConnectError(f"replica {self.key[0]}:{self.key[1]}: connection closed"))
+            elif state == _BODY:
+                self._fail(UpstreamBrokenError(f"replica {self.key[0]}:{self.key[1]}: connection closed"))
             self._pool._closed(self)
 
     @property
@@ -399,7 +407,7 @@ class _RawUpstream:
 class RawReplicaClient:
     """``ReplicaClient`` on a pool of ``httptools`` connections (create inside a running loop).
 
-    ``fallback`` serves ``https://`` replicas and ``fetch``; by default an ``AiohttpReplicaClient``
+    ``fallback`` serves ``https://`` replicas; by default an ``AiohttpReplicaClient``
     with the same timeouts and limits is made (and closed with this client)."""
 
     def __init__(
@@ -521,20 +529,16 @@ class RawReplicaClient:
 
     # ---- ReplicaClient -----------------------------------------------------------------------------
 
-    async def send(
-        self, replica_id: str, method: str, url: str, headers: Sequence[tuple[str, str]], body: bytes
-    ) -> UpstreamResponse:
-        if not url.startswith("http://"):
-            return await self.fallback.send(replica_id, method, url, headers, body)
+    async def _exchange(
+        self, url: str, method: str, headers: Sequence[tuple[str, str]], body: bytes, deadline: float
+    ) -> _Connection:
+        """Send one request on a pooled connection; returns it once the status line and headers
+        arrived (by ``deadline``, loop time)."""
         cut = url.find("/", 7)
         base, path = (url, "/") if cut < 0 else (url[:cut], url[cut:])
         origin = self._origins.get(base)
         if origin is None:
             origin = self._origins[base] = _origin(base)
-        t = self._timeouts
-        loop = self._loop
-        started = loop.time()
-        deadline = started + t.first_byte_s
         head = "".join([f"{k}: {v}\r\n" for k, v in headers])
         raw_head = b"".join(
             (
@@ -551,14 +555,45 @@ class RawReplicaClient:
             # an error, a timeout, or cancelled (the client left): the engine sees the connection drop
             conn.close()
             raise
+        return conn
+
+    async def send(
+        self, replica_id: str, method: str, url: str, headers: Sequence[tuple[str, str]], body: bytes
+    ) -> UpstreamResponse:
+        if not url.startswith("http://"):
+            return await self.fallback.send(replica_id, method, url, headers, body)
+        t = self._timeouts
+        deadline = self._loop.time() + t.first_byte_s
+        conn = await self._exchange(url, method, headers, body, deadline)
         # as with aiohttp: the first chunk gets what is left of first_byte_s (at least connect_s)
-        left = max(t.connect_s, deadline - loop.time())
+        left = max(t.connect_s, deadline - self._loop.time())
         return _RawUpstream(conn, t.idle_read_s, left)
 
     async def fetch(
         self, replica_id: str, url: str, *, accept: str | None = None, timeout_s: float | None = None
     ) -> tuple[int, bytes]:
-        return await self.fallback.fetch(replica_id, url, accept=accept, timeout_s=timeout_s)
+        """Probes ride the same bounded pool as requests (``max_connections`` counts every
+        connection to the replicas); ``https://`` goes to the fallback."""
+        if not url.startswith("http://"):
+            return await self.fallback.fetch(replica_id, url, accept=accept, timeout_s=timeout_s)
+        limit = timeout_s or self._timeouts.probe_s
+        deadline = self._loop.time() + limit
+        conn = await self._exchange(url, "GET", [("Accept", accept)] if accept else [], b"", deadline)
+        resp = _RawUpstream(conn, limit, limit)
+        try:
+            async with asyncio.timeout_at(deadline):
+                body = b"".join([chunk async for chunk in resp])
+        except TimeoutError:
+            resp.abort()
+            raise UpstreamTimeoutError(f"replica {replica_id}: probe timed out") from None
+        except BaseException:
+            resp.abort()
+            raise
+        resp.release()
+        encoding = next((v for k, v in resp.headers if k.lower() == "content-encoding"), "identity")
+        if encoding not in ("identity", ""):
+            body = b""  # probes never ask for compression; refuse to guess
+        return resp.status, body
 
     async def close(self) -> None:
         self._closed_client = True

@@ -105,7 +105,15 @@ def _app(script: Script) -> web.Application:
             raise
         return resp
 
+    async def probe(request: web.Request) -> web.Response:
+        _record(script, request, await request.read())
+        await asyncio.sleep(script.delay_s)
+        if request.query.get("gz"):
+            return web.Response(body=b"\x1f\x8b...", headers={"Content-Encoding": "gzip"})
+        return web.Response(body=b"ok " + request.headers.get("Accept", "-").encode())
+
     app = web.Application()
+    app.router.add_get("/probe", probe)
     for name, h in (("echo", echo), ("cl", cl), ("chunked", chunked), ("sse", sse), ("close", close)):
         app.router.add_post(f"/{name}", h)
     app.router.add_post("/cut", cut)
@@ -331,7 +339,7 @@ async def test_against_the_emulator(emulator: str, client: RawReplicaClient) -> 
     raw = await _body(resp)
     events = [e for e in raw.decode().split("\n\n") if e]
     assert events[-1] == "data: [DONE]" and len(events) >= 3
-    status, metrics = await client.fetch("r", emulator + "/metrics")  # probes: aiohttp fallback
+    status, metrics = await client.fetch("r", emulator + "/metrics")  # probes share the pool
     assert status == 200 and b"sglang:" in metrics
     assert client.connections_opened == 1
 
@@ -357,3 +365,32 @@ def test_under_uvloop(tmp_path: Any) -> None:
 
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as r:
         assert r.run(scenario()) == (_PAYLOAD, b"uv", 1)
+
+
+async def test_closing_the_client_wakes_a_waiting_reader(server: tuple[str, Script]) -> None:
+    url, script = server
+    client = RawReplicaClient(TimeoutsConfig(idle_read_s=30.0))
+    script.release.clear()
+    resp = await client.send("r", "POST", url + "/sse", [], b"")
+    chunks = resp.chunks().__aiter__()
+    await anext(chunks)
+    reader = asyncio.create_task(anext(chunks))  # waits for an event that never comes
+    await asyncio.sleep(0.05)
+    await client.close()
+    with pytest.raises(UpstreamBrokenError):
+        await asyncio.wait_for(reader, 2)  # at once, not after idle_read_s
+    script.release.set()
+
+
+async def test_fetch_shares_the_pool_and_maps_errors(
+    server: tuple[str, Script], client: RawReplicaClient
+) -> None:
+    url, script = server
+    assert await client.fetch("r", url + "/probe", accept="text/plain") == (200, b"ok text/plain")
+    assert await client.fetch("r", url + "/probe?gz=1") == (200, b"")  # compressed: refused, not guessed
+    resp = await client.send("r", "POST", url + "/echo", [], b"x")
+    assert await _body(resp) == b"x"
+    assert client.connections_opened == 1  # probes and requests on the same keep-alive connection
+    script.delay_s = 1.0
+    with pytest.raises(UpstreamTimeoutError):
+        await client.fetch("r", url + "/probe", timeout_s=0.2)
