@@ -466,6 +466,17 @@ class UsageSniffer:
             return
         if self._mode != "sse":
             return
+        if not self._buf and not self._overflow and chunk.endswith(b"\n"):
+            # the usual case: whole lines (events arrive whole). A raw newline cannot occur inside a
+            # JSON string, so "\ndata:" is exactly a line start: count in C, split only the chunk
+            # that holds a usage candidate (one per stream)
+            n = chunk.count(b"\ndata:") + chunk.startswith(b"data:")
+            self.events += n
+            if n and b'"prompt_tokens"' in chunk:
+                for line in chunk.split(b"\n"):
+                    if line.startswith(b"data:"):
+                        self._candidate(line)
+            return
         start = 0
         while True:
             nl = chunk.find(b"\n", start)
@@ -492,6 +503,9 @@ class UsageSniffer:
         if not line.startswith(b"data:"):
             return
         self.events += 1
+        self._candidate(line)
+
+    def _candidate(self, line: bytes) -> None:
         if b'"prompt_tokens"' in line and (b'"usage"' in line or b'"meta_info"' in line):
             self._last = line
 
