@@ -520,7 +520,11 @@ async def test_scale_up_8_to_10_moves_no_session_and_new_replicas_fill_within_th
     by_scaleup = {sid for sid, t in first_move.items() if t.reason != "reassigned_overload"}
     by_overload = set(first_move) - by_scaleup
     assert not by_scaleup, [first_move[sid] for sid in by_scaleup][:3]
-    assert len(by_overload) <= max(1, len(spanning) // 10), by_overload
+    # rule-5 moves never go to the replicas that just joined (rehome_delay_s), and they stay rare:
+    # here the small emulated caches turn over within seconds, so a session idle on a busy home has
+    # mostly been evicted and is cheap to move (rule 5 prices the still-resident part)
+    assert not [t for t in first_move.values() if t.replica in new_ids], first_move
+    assert len(by_overload) <= max(2, len(spanning) // 5), by_overload
     # the new replicas take new sessions, each of them some, and not more than a flood
     first_turns = [t for t in turns if t.turn == 0 and t.started > active_at]
     placed = Counter(t.replica for t in first_turns)
