@@ -49,6 +49,7 @@ __all__ = [
     "filter_response_headers",
     "is_connect_failure",
     "map_client_errors",
+    "read_limited",
     "request_drop_set",
     "usage_from_json",
 ]
@@ -182,6 +183,19 @@ def is_connect_failure(exc: BaseException) -> bool:
 # ---- the seam ---------------------------------------------------------------------------------------
 
 
+async def read_limited(chunks: AsyncIterator[bytes], limit: int) -> bytes:
+    """At most ``limit`` bytes of a body, draining the rest (so the connection can be reused).
+    An error body that breaks off is still an error: what arrived is kept."""
+    out = bytearray()
+    try:
+        async for chunk in chunks:
+            if len(out) < limit:
+                out += chunk[: limit - len(out)]
+    except UpstreamError:
+        pass
+    return bytes(out)
+
+
 class UpstreamResponse(Protocol):
     status: int
 
@@ -276,14 +290,7 @@ class _AiohttpUpstream:
             yield chunk
 
     async def read(self, limit: int) -> bytes:
-        out = bytearray()
-        try:
-            async for chunk in self.chunks():
-                if len(out) < limit:
-                    out += chunk[: limit - len(out)]
-        except UpstreamError:
-            pass  # an error body that breaks off is still an error: keep what we have
-        return bytes(out)
+        return await read_limited(self.chunks(), limit)
 
     def at_eof(self) -> bool:
         return self._resp.content.at_eof()

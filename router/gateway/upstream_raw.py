@@ -51,7 +51,7 @@ from router.errors import (
     UpstreamError,
     UpstreamTimeoutError,
 )
-from router.gateway.forward import AiohttpReplicaClient, ConnectFailure, UpstreamResponse
+from router.gateway.forward import AiohttpReplicaClient, ConnectFailure, UpstreamResponse, read_limited
 
 __all__ = ["KEEPALIVE_S", "READ_BUFFER_BYTES", "RawReplicaClient"]
 
@@ -384,14 +384,7 @@ class _RawUpstream:
         return c._state == _DONE and not c._chunks
 
     async def read(self, limit: int) -> bytes:
-        out = bytearray()
-        try:
-            async for chunk in self:
-                if len(out) < limit:
-                    out += chunk[: limit - len(out)]
-        except UpstreamError:
-            pass  # an error body that breaks off is still an error: keep what we have
-        return bytes(out)
+        return await read_limited(self, limit)
 
     def release(self) -> None:
         if not self._finished:

@@ -251,15 +251,10 @@ class KvAwarePolicy:
                 AffinityBreak.OVERLOAD_SPILL,
                 avoid=frozenset({old_home}),
             )
-            # rule 5: the more a move re-prefills (and evicts at the target), the bigger the gain
-            # it must bring
             if decision is not None and (
                 self._relieves(decision, snapshot, view)
                 if over
-                else self._gain(home, decision, snapshot, ctx)
-                >= p.reassign_min_gain
-                + move_cost_tokens(sess, home, snapshot.replica(decision.replica_id), p)
-                / p.reassign_tokens_per_gain
+                else self._pays(sess, home, snapshot.replica(decision.replica_id), ctx)
             ):
                 return decision
         if p.collapse_idle_only and not idle:
@@ -287,15 +282,15 @@ class KvAwarePolicy:
         target = snapshot.replica(decision.replica_id)
         return target is not None and target.in_flight + 1 < view.hard_bound
 
-    def _gain(
-        self, home: ReplicaState, decision: RouteDecision, snapshot: ClusterSnapshot, ctx: int
-    ) -> float:
-        target = snapshot.replica(decision.replica_id)
+    def _pays(self, sess: SessionState, home: ReplicaState, target: ReplicaState | None, ctx: int) -> bool:
+        """Rule 5's cost/benefit: the more a move re-prefills (and evicts at the target), the
+        bigger the gain in expected delay it must bring."""
         if target is None:
-            return 0.0
+            return False
         p = self.params
         # home's score already carries this session; the alternative's with it added
-        return load_score(home, 0, p) - load_score(target, ctx, p) - p.w_sessions
+        gain = load_score(home, 0, p) - load_score(target, ctx, p) - p.w_sessions
+        return gain >= p.reassign_min_gain + move_cost_tokens(sess, home, target, p) / p.reassign_tokens_per_gain
 
     # ---- moves, spills, placement ---------------------------------------------------------------
 
@@ -341,16 +336,8 @@ class KvAwarePolicy:
         self, view: _View, snapshot: ClusterSnapshot, sess: SessionState, home: ReplicaState
     ) -> ReplicaState | None:
         """The session's first overflow replica that may take one more of its requests."""
-        pool_ids = {r.id for r in view.pool}
-        for oid in sess.overflow:
-            r = snapshot.replica(oid)
-            if (
-                r is not None
-                and r.id in pool_ids
-                and r.id != home.id
-                and sess.in_flight_at(r.id) < self.params.thicc_threshold
-                and (view.panic or r.in_flight < view.hard_bound)
-            ):
+        for r in _usable_overflows(view, snapshot, sess, home):
+            if sess.in_flight_at(r.id) < self.params.thicc_threshold:
                 return r
         return None
 
@@ -367,17 +354,7 @@ class KvAwarePolicy:
     ) -> RouteDecision:
         """Rule 2: send this request to a sticky overflow replica; grow the set only when needed."""
         p = self.params
-        pool_ids = {r.id for r in view.pool}
-        keep: list[ReplicaState] = []
-        for oid in sess.overflow:
-            r = snapshot.replica(oid)
-            if (
-                r is not None
-                and r.id in pool_ids
-                and r.id != home.id
-                and (view.panic or r.in_flight < view.hard_bound)
-            ):
-                keep.append(r)
+        keep = _usable_overflows(view, snapshot, sess, home)
         target: ReplicaState | None = None
         fresh_pick = False
         scores: tuple[tuple[ReplicaId, float], ...] = ()
@@ -517,6 +494,25 @@ class KvAwarePolicy:
             ramp_share=share,
             first_join=first,
         )
+
+
+def _usable_overflows(
+    view: _View, snapshot: ClusterSnapshot, sess: SessionState, home: ReplicaState
+) -> list[ReplicaState]:
+    """The session's overflow replicas that may still serve it: in the pool, not home, and under
+    the hard bound (unless in panic), in the session's order."""
+    pool_ids = {r.id for r in view.pool}
+    out: list[ReplicaState] = []
+    for oid in sess.overflow:
+        r = snapshot.replica(oid)
+        if (
+            r is not None
+            and r.id in pool_ids
+            and r.id != home.id
+            and (view.panic or r.in_flight < view.hard_bound)
+        ):
+            out.append(r)
+    return out
 
 
 def _soft_filter(cands: Sequence[ReplicaState], keep: Callable[[ReplicaState], bool]) -> list[ReplicaState]:
