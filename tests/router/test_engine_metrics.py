@@ -106,3 +106,14 @@ def test_garbage_raises_our_error() -> None:
 
 def test_scrape_values_subset() -> None:
     assert scrape_values(SAMPLE, ["num_running_reqs"]) == {"num_running_reqs": 12.0}
+
+
+def test_unwanted_families_do_not_reach_the_parser_but_garbage_still_fails() -> None:
+    histogram = "".join(
+        f'sglang:time_to_first_token_seconds_bucket{{le="{le}",model_name="m"}} 3.0\n' for le in (0.1, 1, "+Inf")
+    )
+    text = "# HELP anything at all\n" + histogram + "  sglang:num_running_reqs 7\n"
+    assert parse_engine_metrics(text).running == 7
+    for garbage in ("<html><body>502 Bad Gateway</body></html>\n", histogram + "{} 1\n"):
+        with pytest.raises(MetricsParseError):
+            parse_engine_metrics(garbage)
