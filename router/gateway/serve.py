@@ -6,11 +6,14 @@ Rules:
      what lets a client's disconnect abort the upstream request at once.
   3. SIGTERM / SIGINT: ``/ready`` turns 503, the listening socket closes, in-flight requests get
      ``timeouts.shutdown_s`` to finish, then the rest is cancelled (their load is released).
+  4. Once listening, the start-up heap is frozen out of the cyclic GC (``gc.freeze``): a full
+     collection then walks only what serving allocated, not ~56k start-up objects (19 ms to walk).
 """
 
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import os
 import random
@@ -222,6 +225,9 @@ async def _serve(config: GatewayConfig) -> int:
 
         setups.append(handoff_setup())
     gw = await start_gateway(config, extra_setup=setups, trace_configs=surface.tracing.trace_configs())
+    # rule 4: what start-up allocated (modules, config, app) lives as long as the process
+    gc.collect()
+    gc.freeze()
     if surface.admin_url is not None:
         print(f"kvroute admin API listening on {surface.admin_url}/admin", file=sys.stderr, flush=True)
     if not surface.admin.enabled:
