@@ -373,11 +373,11 @@ class _Proxy:
                     t = clock.now()
                 done = True
                 upstream.release()
-                # everything is read: learn now, so a client that hangs up during the last
-                # flush does not erase what this turn taught us
                 self.p.ok = 200 <= upstream.status < 300
-                completion = self._completion(sniffer, ok=self.p.ok)
                 await resp.write_eof(last)
+                # learnt once the client has its last byte: usage parsing is off the latency path
+                # (a client that hangs up during this last write still counts as not ok, below)
+                completion = self._completion(sniffer, ok=self.p.ok)
                 self.p.write_wait_s += clock.now() - t
                 if self.p.ttft_s is None:
                     self.p.ttft_s = clock.now() - self.p.t0
