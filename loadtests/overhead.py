@@ -13,6 +13,11 @@ Everything (client, router, replica) shares one machine: read the figures as wha
 as a router's capacity. sglang-router delays SSE on reused keep-alive connections by ~40 ms
 (``reference/peers.md`` §3.8), so streaming cells are run twice: keep-alive and a fresh connection per
 request; both are reported.
+
+Target ``python-floor`` (``loadtests/floor_proxy.py``, in the default list) is not a router: a bare
+uvloop + httptools proxy with kvroute's raw upstream client and no logic. Its added latency is what any
+Python gateway pays here before doing any work; each router's ``added_over_python_floor_p50_ms`` is the
+rest.
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ from loadtests.peers import PEERS, PeerSpec, emulated_fleet, find_binary, runnin
 
 __all__ = ["OVERHEAD_TARGETS", "cli_main", "measure_cell", "run_overhead"]
 
-OVERHEAD_TARGETS: tuple[str, ...] = ("kvroute", "sglang-manual", "vllm-consistent_hash")
+OVERHEAD_TARGETS: tuple[str, ...] = ("kvroute", "python-floor", "sglang-manual", "vllm-consistent_hash")
 
 _BODY = {
     "model": "default",
@@ -168,6 +173,7 @@ async def run_overhead(
 def _summarise(results: dict[str, dict[str, Any]], skipped: dict[str, str], duration_s: float) -> dict[str, Any]:
     direct = results.get("direct", {})
     sglang = next((v for k, v in results.items() if k.startswith("sglang-router")), None)
+    floor = results.get(PEERS["python-floor"].name)
     added: dict[str, dict[str, Any]] = {}
     for name, cells in results.items():
         if name == "direct":
@@ -184,6 +190,9 @@ def _summarise(results: dict[str, dict[str, Any]], skipped: dict[str, str], dura
             }
             if sglang is not None and key in sglang:
                 entry["throughput_ratio_vs_sglang_router"] = _ratio(cell["req_per_s"], sglang[key]["req_per_s"])
+            if floor is not None and key in floor and cells is not floor:
+                # what this router adds on top of the bare Python proxy of the same run
+                entry["added_over_python_floor_p50_ms"] = _diff(cell["p50_ms"], floor[key]["p50_ms"])
             added[name][key] = entry
     return {
         "bench": "overhead",
@@ -208,7 +217,7 @@ def print_table(doc: dict[str, Any]) -> None:
     from rich.table import Table
 
     table = Table(title="router overhead (vs direct to one emulated replica)")
-    for col in ("target", "cell", "req/s", "p50 ms", "p99 ms", "+p50 ms", "+p99 ms", "thr/direct"):
+    for col in ("target", "cell", "req/s", "p50 ms", "p99 ms", "+p50 ms", "+p99 ms", "thr/direct", "+p50 over floor"):
         table.add_column(col, justify="right" if col not in ("target", "cell") else "left")
     for name, cells in doc["cells"].items():
         for key, cell in cells.items():
@@ -222,6 +231,7 @@ def print_table(doc: dict[str, Any]) -> None:
                 _fmt(a.get("added_p50_ms")),
                 _fmt(a.get("added_p99_ms")),
                 _fmt(a.get("throughput_ratio_vs_direct")),
+                _fmt(a.get("added_over_python_floor_p50_ms")),
             )
     Console(stderr=True, width=160).print(table)
 

@@ -48,9 +48,9 @@ class PeerSpec:
     """One router configuration to benchmark."""
 
     name: str  # label in tables, e.g. "sglang-router cache_aware"
-    kind: str  # "kvroute" | "sglang" | "vllm"
+    kind: str  # "kvroute" | "sglang" | "vllm" | "floor"
     policy: str
-    binary: str  # console script name ("kvroute", "smg", "vllm-router")
+    binary: str  # console script name ("kvroute", "smg", "vllm-router"; "python" for the floor)
     fresh_connections: bool = False  # drive it with a new TCP connection per request
     note: str = ""
 
@@ -74,6 +74,11 @@ PEERS: dict[str, PeerSpec] = {
     "vllm-sticky_least_loaded": PeerSpec(
         "vllm-router sticky_least_loaded", "vllm", "sticky_least_loaded", "vllm-router",
         note="sticky on x-session-id, new sessions to the least loaded",
+    ),
+    # not a router: the floor of any Python proxy here (loadtests/floor_proxy.py), for `bench overhead`
+    "python-floor": PeerSpec(
+        "python floor (no routing)", "floor", "none", "python",
+        note="uvloop + httptools server + kvroute's raw upstream client, one replica, no logic",
     ),
 }
 
@@ -102,6 +107,8 @@ def peer_argv(
         for u in worker_urls:
             argv += ["--replica", u]
         return argv + list(extra)
+    if spec.kind == "floor":
+        return [binary, "-m", "loadtests.floor_proxy", "--port", str(port), "--replica", worker_urls[0], *extra]
     prom = str(free_port())
     if spec.kind == "sglang":
         argv = [
@@ -184,7 +191,7 @@ async def _wait_ready(
 
 def _readiness_check(url: str, n_workers: int, kind: str) -> Callable[[aiohttp.ClientSession], Awaitable[bool]]:
     async def check(http: aiohttp.ClientSession) -> bool:
-        if kind == "kvroute":
+        if kind in ("kvroute", "floor"):
             async with http.get(f"{url}/ready") as r:
                 return r.status == 200
         async with http.get(f"{url}/readiness") as r:
@@ -367,7 +374,8 @@ def bench_peers_main(argv: list[str]) -> int:
         prog="kvroute bench peers",
         description="kvroute and the peer routers one after another on the identical workload and fleet",
     )
-    p.add_argument("--targets", default=",".join(BENCH_TARGETS), help=f"comma list from {sorted(PEERS)}")
+    routers = sorted(k for k, spec in PEERS.items() if spec.kind != "floor")  # the floor is one replica
+    p.add_argument("--targets", default=",".join(BENCH_TARGETS), help=f"comma list from {routers}")
     p.add_argument("--replicas", type=int, default=d.replicas)
     p.add_argument("--duration", type=float, default=d.duration_s, help="wall seconds of load per router")
     p.add_argument("--sessions", type=int, default=d.sessions)
@@ -382,9 +390,9 @@ def bench_peers_main(argv: list[str]) -> int:
     p.add_argument("--json", type=Path, help="write the JSON here (default OUT/peers.json)")
     ns = p.parse_args(argv)
     targets = [t for t in ns.targets.split(",") if t]
-    unknown = [t for t in targets if t not in PEERS]
+    unknown = [t for t in targets if t not in routers]
     if unknown:
-        p.error(f"unknown targets {unknown}; choose from {sorted(PEERS)}")
+        p.error(f"unknown targets {unknown}; choose from {routers}")
     scenario = demo_scenario(
         replicas=ns.replicas, duration_s=ns.duration, sessions=ns.sessions, time_scale=ns.time_scale,
         token_unit=ns.token_unit, profile=ns.profile, seed=ns.seed, host_tier=ns.hicache,

@@ -27,15 +27,16 @@ def test_tiny_overhead_run(tmp_path: Path) -> None:
     out = tmp_path / "overhead.json"
     proc = subprocess.run(
         [KVROUTE, "bench", "overhead", "--duration", "0.4", "--concurrency", "1", "--concurrency", "4",
-         "--targets", "kvroute", "--json", str(out)],
+         "--targets", "kvroute,python-floor", "--json", str(out)],
         check=False, capture_output=True, text=True, timeout=120,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     doc = json.loads(out.read_text())
     assert doc["bench"] == "overhead"
-    assert set(doc["cells"]) == {"direct", "kvroute kv_aware"}
+    floor = "python floor (no routing)"
+    assert set(doc["cells"]) == {"direct", "kvroute kv_aware", floor}
     keys = {"c1_json", "c1_stream", "c1_stream_fresh", "c4_json", "c4_stream", "c4_stream_fresh"}
-    for name in ("direct", "kvroute kv_aware"):
+    for name in ("direct", "kvroute kv_aware", floor):
         assert set(doc["cells"][name]) == keys
         for cell in doc["cells"][name].values():
             assert cell["requests"] > 0 and cell["errors"] == 0
@@ -43,6 +44,16 @@ def test_tiny_overhead_run(tmp_path: Path) -> None:
     added = doc["added"]["kvroute kv_aware"]["c1_json"]
     assert set(added) >= {"added_p50_ms", "added_p99_ms", "throughput_ratio_vs_direct"}
     assert 0 < added["throughput_ratio_vs_direct"] < 5
+    assert isinstance(added["added_over_python_floor_p50_ms"], float)
+    assert "added_over_python_floor_p50_ms" not in doc["added"][floor]["c1_json"]
+
+
+def test_peers_bench_refuses_the_floor_proxy() -> None:
+    bad = subprocess.run(
+        [KVROUTE, "bench", "peers", "--targets", "kvroute,python-floor"],
+        check=False, capture_output=True, text=True, timeout=30,
+    )
+    assert bad.returncode == 2 and "unknown targets ['python-floor']" in bad.stderr
 
 
 @pytest.mark.slow
