@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 import re
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Container, Iterable
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -55,7 +55,7 @@ class MetricsParseError(ValueError):
 _SAMPLE_NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*(?=[{ \t])")
 
 
-def _wanted_lines(text: str, want: Iterable[str]) -> str:
+def _wanted_lines(text: str, want: Container[str]) -> str:
     """The sample lines of wanted families (rule 5); raises on a line that is not one at all."""
     keep: list[str] = []
     for raw in text.splitlines():
