@@ -22,9 +22,10 @@ import socket
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 
@@ -359,6 +360,70 @@ async def run_peers_bench(
     return {"bench": "peers", "results": results, "skipped": skipped, "plots": plots}
 
 
+# measures compared seed by seed: (key, label, higher is better)
+_PAIRED: tuple[tuple[str, str, bool], ...] = (
+    ("chr", "CHR", True),
+    ("ttft_p50_s", "TTFT p50 (s)", False),
+    ("ttft_p99_s", "TTFT p99 (s)", False),
+    ("dispersion", "dispersion", False),
+    ("p_load_ge12", "P(load>=12)", False),
+    ("requests", "requests", True),
+)
+
+
+def summarise_seeds(per_seed: Mapping[int, Mapping[str, Mapping[str, Any]]]) -> dict[str, Any]:
+    """Across seeds: each router's mean / min / max per measure, and for every other router how many
+    seeds kvroute did better on (paired: same seed, same workload), per measure."""
+    routers: list[str] = []
+    for results in per_seed.values():
+        routers += [r for r in results if r not in routers]
+    stats: dict[str, dict[str, dict[str, float]]] = {}
+    for r in routers:
+        stats[r] = {}
+        for key, _, _ in _PAIRED:
+            xs = [float(res[r][key]) for res in per_seed.values() if r in res and res[r].get(key) is not None]
+            if xs:
+                stats[r][key] = {"mean": sum(xs) / len(xs), "min": min(xs), "max": max(xs), "n": len(xs)}
+    ours = next((r for r in routers if r.startswith("kvroute")), None)
+    wins: dict[str, dict[str, str]] = {}
+    if ours is not None:
+        for r in routers:
+            if r == ours:
+                continue
+            wins[r] = {}
+            for key, _, higher in _PAIRED:
+                pairs = [
+                    (float(res[ours][key]), float(res[r][key]))
+                    for res in per_seed.values()
+                    if ours in res and r in res and res[ours].get(key) is not None and res[r].get(key) is not None
+                ]
+                better = sum(1 for a, b in pairs if (a > b if higher else a < b))
+                wins[r][key] = f"{better}/{len(pairs)}"
+    return {"seeds": sorted(per_seed), "stats": stats, "kvroute": ours, "kvroute_better_on_seeds": wins}
+
+
+def seeds_table(summary: Mapping[str, Any]) -> Any:
+    """A rich ``Table``: mean [min-max] per router and measure, and kvroute's paired wins."""
+    from rich.table import Table
+
+    stats: Mapping[str, Mapping[str, Mapping[str, float]]] = summary["stats"]
+    wins: Mapping[str, Mapping[str, str]] = summary["kvroute_better_on_seeds"]
+    table = Table(title=f"mean [min-max] over seeds {summary['seeds']}; 'kvroute better': seeds won, paired")
+    table.add_column("measure")
+    for r in stats:
+        table.add_column(r, justify="right")
+    for r in wins:
+        table.add_column(f"kvroute better than {r}", justify="right")
+    for key, label, _ in _PAIRED:
+        fmt = "{:.0f}" if key == "requests" else "{:.4f}" if key == "p_load_ge12" else "{:.3f}"
+        cells = []
+        for r in stats:
+            st = stats[r].get(key)
+            cells.append("-" if st is None else f"{fmt.format(st['mean'])} [{fmt.format(st['min'])}-{fmt.format(st['max'])}]")
+        table.add_row(label, *cells, *(wins[r].get(key, "-") for r in wins))
+    return table
+
+
 def bench_peers_main(argv: list[str]) -> int:
     import argparse
     import json
@@ -383,6 +448,11 @@ def bench_peers_main(argv: list[str]) -> int:
     p.add_argument("--token-unit", type=int, default=d.token_unit)
     p.add_argument("--profile", default=d.profile)
     p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument(
+        "--seeds",
+        help="comma list: one run per seed (the routers' order alternates from seed to seed), "
+        "OUT/seed-S/ per seed, and a mean [min-max] table with kvroute's paired wins",
+    )
     p.add_argument("--hicache", action="store_true", help="give the replicas their HiCache host tier (2x HBM)")
     p.add_argument("--workload", choices=["synthetic", "weka"], default="synthetic")
     p.add_argument("--trace", help="WEKA requests .jsonl (default: the copy in the shared traces)")
@@ -393,6 +463,14 @@ def bench_peers_main(argv: list[str]) -> int:
     unknown = [t for t in targets if t not in routers]
     if unknown:
         p.error(f"unknown targets {unknown}; choose from {routers}")
+    if ns.seeds is not None:
+        try:
+            seeds = [int(x) for x in ns.seeds.split(",") if x.strip()]
+        except ValueError:
+            p.error(f"--seeds: a comma list of integers, not {ns.seeds!r}")
+        if not seeds or len(set(seeds)) != len(seeds):
+            p.error("--seeds: give at least one seed, each once")
+        return _bench_peers_seeds(ns, targets, seeds)
     scenario = demo_scenario(
         replicas=ns.replicas, duration_s=ns.duration, sessions=ns.sessions, time_scale=ns.time_scale,
         token_unit=ns.token_unit, profile=ns.profile, seed=ns.seed, host_tier=ns.hicache,
@@ -410,4 +488,46 @@ def bench_peers_main(argv: list[str]) -> int:
     path.write_text(json.dumps(doc, indent=2) + "\n")
     console.print(f"wrote {path} and plots in {ns.out}")
     print(json.dumps(doc, indent=2))
+    return 0
+
+
+def _bench_peers_seeds(ns: Any, targets: Sequence[str], seeds: Sequence[int]) -> int:
+    """``bench peers --seeds``: the single-seed bench once per seed, then the summary."""
+    import json
+    from dataclasses import asdict
+
+    from rich.console import Console
+
+    from loadtests.demo import demo_scenario
+    from loadtests.report import comparison_table
+
+    console = Console(stderr=True, width=200)
+    per_seed: dict[int, dict[str, Any]] = {}
+    docs: dict[str, Any] = {}
+    for i, seed in enumerate(seeds):
+        scenario = demo_scenario(
+            replicas=ns.replicas, duration_s=ns.duration, sessions=ns.sessions, time_scale=ns.time_scale,
+            token_unit=ns.token_unit, profile=ns.profile, seed=seed, host_tier=ns.hicache,
+            workload_kind=ns.workload, trace=ns.trace,
+        )
+        order = list(targets) if i % 2 == 0 else list(reversed(targets))  # drift falls on every router alike
+        console.print(f"seed {seed} ({i + 1}/{len(seeds)}): {', '.join(order)}")
+        out = ns.out / f"seed-{seed}"
+        doc = asyncio.run(run_peers_bench(order, scenario, out_dir=out, say=console.print))
+        doc["scenario"] = asdict(scenario)
+        (out / "peers.json").write_text(json.dumps(doc, indent=2) + "\n")
+        results = doc["results"]
+        assert isinstance(results, dict)
+        if results:
+            console.print(comparison_table(results, title=f"seed {seed}"))
+        per_seed[seed] = results
+        docs[str(seed)] = doc
+    summary = summarise_seeds(per_seed)
+    console.print(seeds_table(summary))
+    path = ns.json or ns.out / "peers.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    full = {"bench": "peers", "seeds": list(seeds), "summary": summary, "per_seed": docs}
+    path.write_text(json.dumps(full, indent=2) + "\n")
+    console.print(f"wrote {path} (per seed: {ns.out}/seed-S/)")
+    print(json.dumps({"bench": "peers", "seeds": list(seeds), "summary": summary}, indent=2))
     return 0

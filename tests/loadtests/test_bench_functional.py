@@ -72,3 +72,45 @@ def test_tiny_peers_run(tmp_path: Path) -> None:
     for m in doc["results"].values():
         assert m["requests"] > 5 and m["errors"] == 0 and m["chr"] > 0
     assert (tmp_path / "peers_load.png").exists() and (tmp_path / "peers_ttft_cdf.png").exists()
+
+
+def test_summarise_seeds_pairs_by_seed() -> None:
+    from loadtests.peers import summarise_seeds
+
+    per_seed = {
+        7: {"kvroute kv_aware": {"chr": 0.90, "ttft_p99_s": 10.0}, "vllm": {"chr": 0.92, "ttft_p99_s": 12.0}},
+        8: {"kvroute kv_aware": {"chr": 0.95, "ttft_p99_s": 14.0}, "vllm": {"chr": 0.91, "ttft_p99_s": 13.0}},
+        9: {"kvroute kv_aware": {"chr": 0.93, "ttft_p99_s": 9.0}},  # vllm failed to start on seed 9
+    }
+    s = summarise_seeds(per_seed)
+    assert s["seeds"] == [7, 8, 9] and s["kvroute"] == "kvroute kv_aware"
+    ours = s["stats"]["kvroute kv_aware"]["chr"]
+    assert ours["n"] == 3 and ours["min"] == 0.90 and ours["max"] == 0.95 and abs(ours["mean"] - (0.90 + 0.95 + 0.93) / 3) < 1e-9
+    assert s["stats"]["vllm"]["ttft_p99_s"]["n"] == 2
+    # only seeds where both ran are paired; higher CHR and lower TTFT p99 are better
+    assert s["kvroute_better_on_seeds"]["vllm"]["chr"] == "1/2"
+    assert s["kvroute_better_on_seeds"]["vllm"]["ttft_p99_s"] == "1/2"
+    assert s["kvroute_better_on_seeds"]["vllm"]["dispersion"] == "0/0"
+
+
+@pytest.mark.slow
+def test_peers_bench_over_seeds(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [KVROUTE, "bench", "peers", "--targets", "kvroute,kvroute-hash", "--seeds", "3,4", "--replicas", "2",
+         "--duration", "3", "--sessions", "6", "--time-scale", "0.05", "--out", str(tmp_path)],
+        check=False, capture_output=True, text=True, timeout=180,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads((tmp_path / "peers.json").read_text())
+    assert doc["seeds"] == [3, 4] and set(doc["per_seed"]) == {"3", "4"}
+    for seed in ("3", "4"):
+        assert (tmp_path / f"seed-{seed}" / "peers.json").exists()
+        assert (tmp_path / f"seed-{seed}" / "peers_load.png").exists()
+        for m in doc["per_seed"][seed]["results"].values():
+            assert m["requests"] > 5 and m["errors"] == 0
+    stats = doc["summary"]["stats"]
+    assert set(stats) == {"kvroute kv_aware", "kvroute hash"} and stats["kvroute kv_aware"]["chr"]["n"] == 2
+    assert doc["summary"]["kvroute_better_on_seeds"]["kvroute hash"]["chr"].endswith("/2")
+    bad = subprocess.run([KVROUTE, "bench", "peers", "--seeds", "3,x"], check=False, capture_output=True,
+                         text=True, timeout=30)
+    assert bad.returncode == 2 and "--seeds" in bad.stderr
