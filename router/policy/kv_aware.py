@@ -81,8 +81,10 @@ def move_cost_tokens(
     the session wrote there, nothing once home has written its whole cache (HBM + host) since (LRU,
     linear in between; an unknown mark counts as fully resident). Re-prefilling it at a target whose
     KV cannot also hold it evicts other sessions' contexts, which they re-prefill in turn: the part
-    that does not fit counts twice. With a host tier the target has room and nothing is doubled;
-    without one (or on a full fleet) moves cost up to twice as much, so fewer happen.
+    beyond ``move_headroom`` of the target's cache counts twice. The homed working set is not all
+    the cache holds (overflow sub-agents, the growth of each session's next turn, the LRU's own
+    slack), so the headroom is below 1. With a host tier the target has room and nothing is
+    doubled; without one (or on a full fleet) moves cost up to twice as much, so fewer happen.
     """
     ctx = session.context_tokens
     if ctx <= 0:
@@ -93,7 +95,8 @@ def move_cost_tokens(
         resident -= min(1.0, max(0.0, written / (params.residency_slack * total_capacity(home, params))))
     displaced = 0.0
     if target is not None:
-        over = target.active_context_tokens + ctx - total_capacity(target, params)
+        room = params.move_headroom * total_capacity(target, params)
+        over = target.active_context_tokens + ctx - room
         displaced = min(1.0, max(0.0, over / ctx))
     return ctx * resident * (1.0 + displaced)
 
@@ -290,7 +293,9 @@ class KvAwarePolicy:
         p = self.params
         # home's score already carries this session; the alternative's with it added
         gain = load_score(home, 0, p) - load_score(target, ctx, p) - p.w_sessions
-        return gain >= p.reassign_min_gain + move_cost_tokens(sess, home, target, p) / p.reassign_tokens_per_gain
+        return (
+            gain >= p.reassign_min_gain + move_cost_tokens(sess, home, target, p) / p.reassign_tokens_per_gain
+        )
 
     # ---- moves, spills, placement ---------------------------------------------------------------
 

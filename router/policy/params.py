@@ -50,6 +50,10 @@ class PolicyParams:
     """A soft reassignment happens only if the best alternative scores at least
     reassign_min_gain + context_tokens / reassign_tokens_per_gain lower than home: cheap sessions
     (small context) move first (rule 5)."""
+    move_headroom: float = 0.6
+    """A move displaces the target's other sessions for the part of (its homed working set + the
+    moved context) beyond this fraction of its cache (HBM + host); that part counts twice in the
+    move's price (rule 5)."""
     thrash_factor: float = 1.0
     """A home whose active sessions' context exceeds thrash_factor × (HBM + host tier) is thrashing:
     even the host tier cannot hold its working set, so it recomputes (rule 3)."""
@@ -160,6 +164,8 @@ def _validate(key: str, value: Any) -> None:
         raise ValueError(f"{key}: must be ≥ 0, got {value!r}")
     if key == "hard_bound_factor" and value < 1.0:
         raise ValueError(f"{key}: must be ≥ 1, got {value!r}")
+    if key == "move_headroom" and not 0.0 < value <= 1.0:
+        raise ValueError(f"{key}: must be within (0, 1], got {value!r}")
     if key == "residency_slack" and value <= 0.0:
         raise ValueError(f"{key}: must be > 0, got {value!r}")
     if key == "score_quantum" and value <= 0.0:

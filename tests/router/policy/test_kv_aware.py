@@ -338,7 +338,10 @@ CASES: dict[str, Case] = {
     ),
     "thicc_short_request_spills": Case(
         snapshot(
-            replica(A, in_flight=3), replica(B), replica(C, in_flight=1), sess=session("s1", A, in_flight={A: 3})
+            replica(A, in_flight=3),
+            replica(B),
+            replica(C, in_flight=1),
+            sess=session("s1", A, in_flight={A: 3}),
         ),
         request(prompt=8_000),  # a sub-agent turn
         B,
@@ -361,7 +364,10 @@ CASES: dict[str, Case] = {
     ),
     "thicc_extending_spills_when_keep_extending_off": Case(
         snapshot(
-            replica(A, in_flight=3), replica(B), replica(C, in_flight=1), sess=session("s1", A, in_flight={A: 3})
+            replica(A, in_flight=3),
+            replica(B),
+            replica(C, in_flight=1),
+            sess=session("s1", A, in_flight={A: 3}),
         ),
         request(prompt=52_000),
         B,
@@ -563,8 +569,34 @@ CASES: dict[str, Case] = {
         AffinityBreak.OVERLOAD_SPILL,
     ),
     "soft_overload_target_with_room_moves": Case(
-        # needed = 1.5 + 60k / 25k = 3.9; B scores 1 with the session (760k of 850k: no
-        # working-set penalty), gain 6 - 1 - 0.25 = 4.75
+        # needed = 1.5 + 60k / 25k = 3.9; B scores 1 with the session (460k of 850k: under the
+        # 0.6 move headroom, 510k, and no working-set penalty), gain 6 - 1 - 0.25 = 4.75
+        snapshot(
+            replica(A, in_flight=6, running=6),
+            replica(B, in_flight=1, active_ctx=400_000),
+            sess=session("s1", A, ctx=60_000),
+        ),
+        request(),
+        B,
+        Reason.REASSIGNED_OVERLOAD,
+        (bind(B, A, Reason.REASSIGNED_OVERLOAD),),
+        AffinityBreak.OVERLOAD_SPILL,
+    ),
+    "soft_overload_target_past_headroom_doubles_the_price": Case(
+        # B would hold 760k of 850k: 250k past the 0.6 headroom (510k), so all 60k count twice:
+        # needed = 1.5 + 120k / 25k = 6.3 > gain 6 - 1 - 0.25 = 4.75
+        snapshot(
+            replica(A, in_flight=6, running=6),
+            replica(B, in_flight=1, active_ctx=700_000),
+            sess=session("s1", A, ctx=60_000),
+        ),
+        request(),
+        A,
+        Reason.AFFINITY,
+    ),
+    "soft_overload_target_under_full_headroom_moves": Case(
+        # the same with move_headroom 1.0 (before round 4): 760k fits in 850k, nothing doubled,
+        # needed 3.9 <= gain 4.75
         snapshot(
             replica(A, in_flight=6, running=6),
             replica(B, in_flight=1, active_ctx=700_000),
@@ -575,10 +607,11 @@ CASES: dict[str, Case] = {
         Reason.REASSIGNED_OVERLOAD,
         (bind(B, A, Reason.REASSIGNED_OVERLOAD),),
         AffinityBreak.OVERLOAD_SPILL,
+        params=P.with_changes(move_headroom=1.0),
     ),
     "soft_overload_full_target_doubles_the_price": Case(
-        # B's KV would overflow by 50k of the 60k: they evict other sessions, so they count twice:
-        # needed = 1.5 + 110k / 25k = 5.9 > gain 6 - 1.635 - 0.25 = 4.1
+        # B's KV would hold 900k, past the 510k headroom by more than the 60k: they evict other
+        # sessions, so they count twice: needed = 1.5 + 120k / 25k = 6.3 > gain 6 - 1.635 - 0.25 = 4.1
         snapshot(
             replica(A, in_flight=6, running=6),
             replica(B, in_flight=1, active_ctx=840_000),

@@ -45,6 +45,8 @@ def test_with_changes_returns_a_new_validated_copy() -> None:
         ({"w_queue": float("inf")}, "w_queue"),
         ({"score_quantum": 0}, "score_quantum"),
         ({"residency_slack": 0.0}, "residency_slack"),
+        ({"move_headroom": 0.0}, "move_headroom"),
+        ({"move_headroom": 1.5}, "move_headroom"),
         ({"prefix_blocks": 0}, "prefix_blocks"),
         ({"keep_extending": 2}, "keep_extending"),
         ({"short_to_overflow": 0.5}, "short_to_overflow"),
