@@ -91,7 +91,8 @@ class DemoScenario:
     def kvroute_args(self) -> list[str]:
         """Gateway flags for this scenario. The gateway learns token counts from the replicas, which
         report *emulated* tokens, so the policy's absolute token parameters are divided by
-        ``token_unit`` to keep their meaning."""
+        ``token_unit`` to keep their meaning; its durations (``*_s``) run on the wall clock while
+        the fleet runs ``time_scale`` times faster, so they are multiplied by ``time_scale``."""
         import dataclasses
 
         from router.policy.params import PolicyParams
@@ -102,9 +103,26 @@ class DemoScenario:
             value = getattr(defaults, f.name)
             if "tokens" in f.name and isinstance(value, int) and not isinstance(value, bool):
                 out += ["--policy-param", f"{f.name}={max(1, value // self.token_unit)}"]
+            elif f.name.endswith("_s") and isinstance(value, float):
+                out += ["--policy-param", f"{f.name}={value * self.time_scale:g}"]
         for kv in self.policy_params:
             out += ["--policy-param", kv]
         return out
+
+    def kvroute_env(self) -> dict[str, str]:
+        """The gateway's own windows in modelled time (``KVROUTE_*`` settings, docs/CONFIG.md): which
+        sessions count as active on their home and the ramp cap's window, and how often replicas
+        are scraped — a 1 s scrape against a fleet running 10x fast is 10 s stale. Safety TTLs
+        (leases, sessions, replicas) and timeouts stay wall-clock."""
+        from router.store.base import StoreConfig
+
+        store = StoreConfig()
+        ts = self.time_scale
+        return {
+            "KVROUTE_STORE__ACTIVE_WINDOW_S": f"{store.active_window_s * ts:g}",
+            "KVROUTE_STORE__RAMP_WINDOW_S": f"{store.ramp_window_s * ts:g}",
+            "KVROUTE_HEALTH__SCRAPE_INTERVAL_S": f"{max(0.05, 1.0 * ts):g}",
+        }
 
     def load_config(self, url: str, replica_urls: Sequence[str], *, fresh: bool = False) -> LoadConfig:
         return LoadConfig(
@@ -201,6 +219,7 @@ async def run_policy(
             emulated_fleet(scenario.replicas, scenario.emulator_args(), log_dir=log_dir)
         )
         extra: list[str] = scenario.kvroute_args() if spec.kind == "kvroute" else []
+        env = scenario.kvroute_env() if spec.kind == "kvroute" else None
         n_gateways = scenario.gateways if spec.kind == "kvroute" else 1
         if n_gateways > 1:
             redis = await stack.enter_async_context(running_redis(log_dir=log_dir))
@@ -210,7 +229,9 @@ async def run_policy(
             gw = replace(spec, name=f"{spec.name} gw{i}") if n_gateways > 1 else spec
             ids = ["--gateway-id", f"gw{i}"] if n_gateways > 1 else []
             routers.append(
-                await stack.enter_async_context(running_router(gw, fleet.urls, log_dir=log_dir, extra_args=extra + ids))
+                await stack.enter_async_context(
+                    running_router(gw, fleet.urls, log_dir=log_dir, extra_args=extra + ids, env=env)
+                )
             )
         config = scenario.load_config(
             routers[0].url, fleet.urls, fresh=spec.fresh_connections if fresh is None else fresh

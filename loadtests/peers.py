@@ -144,12 +144,21 @@ class RunningProcess:
             return ""
 
 
-async def start_process(name: str, argv: Sequence[str], *, log_dir: Path, pipe_stdout: bool = False) -> RunningProcess:
+async def start_process(
+    name: str,
+    argv: Sequence[str],
+    *,
+    log_dir: Path,
+    pipe_stdout: bool = False,
+    env: Mapping[str, str] | None = None,
+) -> RunningProcess:
+    """``argv`` in its own process group, output to ``log_dir``; ``env`` is added to ours."""
     log_path = log_dir / f"{name.replace(' ', '_').replace('/', '_')}.log"
     log = log_path.open("wb")
     try:
         proc = await asyncio.create_subprocess_exec(
             *argv,
+            env=None if env is None else {**os.environ, **env},
             stdout=asyncio.subprocess.PIPE if pipe_stdout else log,
             stderr=log,
             stdin=asyncio.subprocess.DEVNULL,
@@ -212,14 +221,16 @@ async def running_router(
     log_dir: Path,
     timeout_s: float = 60.0,
     extra_args: Sequence[str] = (),
+    env: Mapping[str, str] | None = None,
 ) -> AsyncIterator[RunningProcess]:
-    """Run ``spec`` in front of ``worker_urls`` until the block exits. Raises FileNotFoundError if
-    its binary is missing (callers skip the peer with a message)."""
+    """Run ``spec`` in front of ``worker_urls`` until the block exits (``env``: added to ours).
+    Raises FileNotFoundError if its binary is missing (callers skip the peer with a message)."""
     binary = find_binary(spec.binary)
     if binary is None:
         raise FileNotFoundError(f"{spec.binary} not found (pip install 'kvroute[peers]')")
     port = free_port()
-    p = await start_process(spec.name, peer_argv(spec, binary, port, worker_urls, extra_args), log_dir=log_dir)
+    argv = peer_argv(spec, binary, port, worker_urls, extra_args)
+    p = await start_process(spec.name, argv, log_dir=log_dir, env=env)
     p.url = f"http://127.0.0.1:{port}"
     try:
         await _wait_ready(p, _readiness_check(p.url, len(worker_urls), spec.kind), timeout_s)

@@ -101,3 +101,15 @@ def test_demo_scenario_workloads() -> None:
     args = DemoScenario(token_unit=100).kvroute_args()
     # token parameters scaled to emulated tokens
     assert f"default_capacity_tokens={PolicyParams().default_capacity_tokens // 100}" in args
+    # durations scaled to the fleet's clock: at time_scale 0.1, 120 modelled s are 12 wall s
+    fast = DemoScenario(time_scale=0.1)
+    assert f"fresh_window_s={PolicyParams().fresh_window_s * 0.1:g}" in fast.kvroute_args()
+    env = fast.kvroute_env()
+    assert env["KVROUTE_STORE__ACTIVE_WINDOW_S"] == "6" and env["KVROUTE_STORE__RAMP_WINDOW_S"] == "1"
+    assert env["KVROUTE_HEALTH__SCRAPE_INTERVAL_S"] == "0.1"
+    # and the gateway takes them: the same settings through kvroute's own config loader
+    from router.config import load_config
+
+    cfg = load_config(["--port", "0", *fast.kvroute_args()], env)
+    assert cfg.store.active_window_s == 6.0 and cfg.health.scrape_interval_s == 0.1
+    assert cfg.policy_params_obj().fresh_window_s == 12.0
