@@ -455,14 +455,21 @@ def cli_main(argv: list[str]) -> int:
     p.add_argument("--time-scale", type=float, default=0.05)
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--output", metavar="PATH", help="also write the JSON here")
+    p.add_argument(
+        "--chr-tolerance",
+        type=float,
+        default=0.05,
+        help="CHR after a fault may be this much below CHR before it and still count as recovered "
+        "(short phases hold few requests: widen it for smoke runs)",
+    )
     a = p.parse_args(argv)
     faults = tuple(f.strip() for f in a.faults.split(",") if f.strip())
     bad = [f for f in faults if f not in ALL_FAULTS]
-    if bad or a.replicas < 2 or a.clients < 1 or a.phase_s <= 0:
+    if bad or a.replicas < 2 or a.clients < 1 or a.phase_s <= 0 or not 0 <= a.chr_tolerance <= 1:
         print(f"kvroute bench faults: bad arguments (unknown faults {bad}; need replicas >= 2)", file=sys.stderr)
         return 2
     out = asyncio.run(run_campaign(faults, replicas=a.replicas, clients=a.clients, phase_s=a.phase_s,
-                                   time_scale=a.time_scale, seed=a.seed,
+                                   time_scale=a.time_scale, seed=a.seed, chr_tolerance=a.chr_tolerance,
                                    log=lambda m: print(m, file=sys.stderr, flush=True)))  # fmt: skip
     text = json.dumps(out, indent=2)
     print(text)
