@@ -114,14 +114,16 @@ class DemoScenario:
         sessions count as active on their home and the ramp cap's window, and how often replicas
         are scraped — a 1 s scrape against a fleet running 10x fast is 10 s stale. Safety TTLs
         (leases, sessions, replicas) and timeouts stay wall-clock."""
+        from router.config import HealthConfig
         from router.store.base import StoreConfig
 
         store = StoreConfig()
+        scrape_s = HealthConfig.model_fields["scrape_interval_s"].default
         ts = self.time_scale
         return {
             "KVROUTE_STORE__ACTIVE_WINDOW_S": f"{store.active_window_s * ts:g}",
             "KVROUTE_STORE__RAMP_WINDOW_S": f"{store.ramp_window_s * ts:g}",
-            "KVROUTE_HEALTH__SCRAPE_INTERVAL_S": f"{max(0.05, 1.0 * ts):g}",
+            "KVROUTE_HEALTH__SCRAPE_INTERVAL_S": f"{max(0.05, scrape_s * ts):g}",
         }
 
     def load_config(self, url: str, replica_urls: Sequence[str], *, fresh: bool = False) -> LoadConfig:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 from collections.abc import Sequence
+from typing import cast
 
 import httptools
 
@@ -42,8 +43,8 @@ class _FloorProtocol(asyncio.Protocol):
         self.body: list[bytes] = []
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport) or hasattr(transport, "write")
-        self.transport = transport  # type: ignore[assignment]
+        # uvloop's transports are not asyncio.Transport subclasses, only alike
+        self.transport = cast(asyncio.Transport, transport)
 
     def data_received(self, data: bytes) -> None:
         try:

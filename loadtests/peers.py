@@ -442,7 +442,7 @@ def bench_peers_main(argv: list[str]) -> int:
 
     from rich.console import Console
 
-    from loadtests.demo import DemoScenario, demo_scenario
+    from loadtests.demo import DemoScenario
     from loadtests.report import comparison_table
 
     d = DemoScenario()
@@ -482,11 +482,7 @@ def bench_peers_main(argv: list[str]) -> int:
         if not seeds or len(set(seeds)) != len(seeds):
             p.error("--seeds: give at least one seed, each once")
         return _bench_peers_seeds(ns, targets, seeds)
-    scenario = demo_scenario(
-        replicas=ns.replicas, duration_s=ns.duration, sessions=ns.sessions, time_scale=ns.time_scale,
-        token_unit=ns.token_unit, profile=ns.profile, seed=ns.seed, host_tier=ns.hicache,
-        workload_kind=ns.workload, trace=ns.trace,
-    )
+    scenario = _scenario(ns, ns.seed)
     console = Console(stderr=True, width=160)
     doc = asyncio.run(run_peers_bench(targets, scenario, out_dir=ns.out, say=console.print))
     doc["scenario"] = asdict(scenario)
@@ -502,6 +498,17 @@ def bench_peers_main(argv: list[str]) -> int:
     return 0
 
 
+def _scenario(ns: Any, seed: int) -> Any:
+    """The demo scenario that ``bench peers``' flags describe, with ``seed``."""
+    from loadtests.demo import demo_scenario
+
+    return demo_scenario(
+        replicas=ns.replicas, duration_s=ns.duration, sessions=ns.sessions, time_scale=ns.time_scale,
+        token_unit=ns.token_unit, profile=ns.profile, seed=seed, host_tier=ns.hicache,
+        workload_kind=ns.workload, trace=ns.trace,
+    )
+
+
 def _bench_peers_seeds(ns: Any, targets: Sequence[str], seeds: Sequence[int]) -> int:
     """``bench peers --seeds``: the single-seed bench once per seed, then the summary."""
     import json
@@ -509,18 +516,13 @@ def _bench_peers_seeds(ns: Any, targets: Sequence[str], seeds: Sequence[int]) ->
 
     from rich.console import Console
 
-    from loadtests.demo import demo_scenario
     from loadtests.report import comparison_table
 
     console = Console(stderr=True, width=200)
     per_seed: dict[int, dict[str, Any]] = {}
     docs: dict[str, Any] = {}
     for i, seed in enumerate(seeds):
-        scenario = demo_scenario(
-            replicas=ns.replicas, duration_s=ns.duration, sessions=ns.sessions, time_scale=ns.time_scale,
-            token_unit=ns.token_unit, profile=ns.profile, seed=seed, host_tier=ns.hicache,
-            workload_kind=ns.workload, trace=ns.trace,
-        )
+        scenario = _scenario(ns, seed)
         order = list(targets) if i % 2 == 0 else list(reversed(targets))  # drift falls on every router alike
         console.print(f"seed {seed} ({i + 1}/{len(seeds)}): {', '.join(order)}")
         out = ns.out / f"seed-{seed}"
