@@ -257,7 +257,7 @@ class KvAwarePolicy:
             if decision is not None and (
                 self._relieves(decision, snapshot, view)
                 if over
-                else self._pays(sess, home, snapshot.replica(decision.replica_id), ctx)
+                else self._pays(sess, home, snapshot.replica(decision.replica_id), ctx, view)
             ):
                 return decision
         if p.collapse_idle_only and not idle:
@@ -285,7 +285,9 @@ class KvAwarePolicy:
         target = snapshot.replica(decision.replica_id)
         return target is not None and target.in_flight + 1 < view.hard_bound
 
-    def _pays(self, sess: SessionState, home: ReplicaState, target: ReplicaState | None, ctx: int) -> bool:
+    def _pays(
+        self, sess: SessionState, home: ReplicaState, target: ReplicaState | None, ctx: int, view: _View
+    ) -> bool:
         """Rule 5's cost/benefit: the more a move re-prefills (and evicts at the target), the
         bigger the gain in expected delay it must bring."""
         if target is None:
@@ -293,9 +295,10 @@ class KvAwarePolicy:
         p = self.params
         # home's score already carries this session; the alternative's with it added
         gain = load_score(home, 0, p) - load_score(target, ctx, p) - p.w_sessions
-        return (
-            gain >= p.reassign_min_gain + move_cost_tokens(sess, home, target, p) / p.reassign_tokens_per_gain
-        )
+        per_gain = p.reassign_tokens_per_gain
+        if p.reassign_load_ref > 0:
+            per_gain *= min(1.0, view.mean_in_flight / p.reassign_load_ref)
+        return gain >= p.reassign_min_gain + move_cost_tokens(sess, home, target, p) / max(per_gain, 1.0)
 
     # ---- moves, spills, placement ---------------------------------------------------------------
 

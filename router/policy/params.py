@@ -48,8 +48,12 @@ class PolicyParams:
     reassign_min_gain: float = 1.5
     reassign_tokens_per_gain: int = 25_000
     """A soft reassignment happens only if the best alternative scores at least
-    reassign_min_gain + context_tokens / reassign_tokens_per_gain lower than home: cheap sessions
+    reassign_min_gain + move cost / reassign_tokens_per_gain lower than home: cheap sessions
     (small context) move first (rule 5)."""
+    reassign_load_ref: float = 4.0
+    """Below this mean in-flight per ACTIVE replica a unit of gain buys proportionally less
+    re-prefill: tokens_per_gain × min(1, mean / reassign_load_ref). A light fleet's imbalance is
+    short-lived and cheap in delay while a move's cold prefill costs the same (round 6). 0 = off."""
     move_headroom: float = 0.6
     """A move displaces the target's other sessions for the part of (its homed working set + the
     moved context) beyond this fraction of its cache (HBM + host); that part counts twice in the

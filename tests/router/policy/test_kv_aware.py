@@ -528,7 +528,35 @@ CASES: dict[str, Case] = {
         AffinityBreak.OVERLOAD_SPILL,
     ),
     "soft_overload_moves_bigger_session_for_bigger_gain": Case(
-        # needed gain = 1.5 + 100k / 25k = 5.5; A scores 8, B 0 (+0.25 for the session it gains)
+        # needed gain = 1.5 + 100k / 25k = 5.5; A scores 8, B 0 (+0.25 for the session it gains);
+        # mean in flight 4 = reassign_load_ref: the full 25k tokens per unit of gain
+        snapshot(
+            replica(A, in_flight=6, queued=2),
+            replica(B),
+            replica(C, in_flight=6),
+            sess=session("s1", A, ctx=100_000),
+        ),
+        request(),
+        B,
+        Reason.REASSIGNED_OVERLOAD,
+        (bind(B, A, Reason.REASSIGNED_OVERLOAD),),
+        AffinityBreak.OVERLOAD_SPILL,
+    ),
+    "soft_overload_light_fleet_prices_the_move_higher": Case(
+        # the same home and target in a light fleet (mean 7/3): a unit of gain buys 25k × 7/12 =
+        # 14.6k tokens, so the 100k session needs 1.5 + 6.86 = 8.36 > its gain of 7.75: it stays
+        snapshot(
+            replica(A, in_flight=6, queued=2),
+            replica(B),
+            replica(C, in_flight=1),
+            sess=session("s1", A, ctx=100_000),
+        ),
+        request(),
+        A,
+        Reason.AFFINITY,
+    ),
+    "soft_overload_light_fleet_scaling_off": Case(
+        # reassign_load_ref = 0: the light fleet prices moves like a busy one (need 5.5): it moves
         snapshot(
             replica(A, in_flight=6, queued=2),
             replica(B),
@@ -540,6 +568,7 @@ CASES: dict[str, Case] = {
         Reason.REASSIGNED_OVERLOAD,
         (bind(B, A, Reason.REASSIGNED_OVERLOAD),),
         AffinityBreak.OVERLOAD_SPILL,
+        params=PolicyParams(reassign_load_ref=0),
     ),
     "soft_overload_gain_too_small_for_size": Case(
         # needed gain = 1.5 + 150k / 25k = 7.5; A scores 6, B 1.25 with the session: gain 4.75
