@@ -467,6 +467,13 @@ def bench_peers_main(argv: list[str]) -> int:
     p.add_argument("--hicache", action="store_true", help="give the replicas their HiCache host tier (2x HBM)")
     p.add_argument("--workload", choices=["synthetic", "weka"], default="synthetic")
     p.add_argument("--trace", help="WEKA requests .jsonl (default: the copy in the shared traces)")
+    p.add_argument(
+        "--policy-param",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a kvroute policy parameter (repeatable, passed to kvroute serve), e.g. reassign_load_ref=0",
+    )
     p.add_argument("--out", type=Path, default=Path("out/peers"), help="directory for plots")
     p.add_argument("--json", type=Path, help="write the JSON here (default OUT/peers.json)")
     ns = p.parse_args(argv)
@@ -505,7 +512,7 @@ def _scenario(ns: Any, seed: int) -> Any:
     return demo_scenario(
         replicas=ns.replicas, duration_s=ns.duration, sessions=ns.sessions, time_scale=ns.time_scale,
         token_unit=ns.token_unit, profile=ns.profile, seed=seed, host_tier=ns.hicache,
-        workload_kind=ns.workload, trace=ns.trace,
+        workload_kind=ns.workload, trace=ns.trace, policy_params=tuple(ns.policy_param),
     )
 
 
