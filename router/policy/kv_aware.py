@@ -295,7 +295,7 @@ class KvAwarePolicy:
         p = self.params
         # home's score already carries this session; the alternative's with it added
         gain = load_score(home, 0, p) - load_score(target, ctx, p) - p.w_sessions
-        per_gain = p.reassign_tokens_per_gain
+        per_gain = float(p.reassign_tokens_per_gain)
         if p.reassign_load_ref > 0:
             per_gain *= min(1.0, view.mean_in_flight / p.reassign_load_ref)
         return gain >= p.reassign_min_gain + move_cost_tokens(sess, home, target, p) / max(per_gain, 1.0)
