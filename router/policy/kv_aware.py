@@ -254,10 +254,12 @@ class KvAwarePolicy:
                 AffinityBreak.OVERLOAD_SPILL,
                 avoid=frozenset({old_home}),
             )
-            if decision is not None and (
-                self._relieves(decision, snapshot, view)
-                if over
-                else self._pays(sess, home, snapshot.replica(decision.replica_id), ctx, view)
+            # over the hard bound the target must also be under it; either way the move must pay
+            # for the cache it throws away (round 6: a burst on home is not worth a big re-prefill)
+            if (
+                decision is not None
+                and (not over or self._relieves(decision, snapshot, view))
+                and self._pays(sess, home, snapshot.replica(decision.replica_id), ctx, view)
             ):
                 return decision
         if p.collapse_idle_only and not idle:

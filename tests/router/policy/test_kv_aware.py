@@ -483,12 +483,24 @@ CASES: dict[str, Case] = {
     ),
     # ---- rule 5: reassignment at turn start
     "overload_idle_reassigns": Case(
+        # home over the hard bound (8); the 50k session's move needs 1.5 + 50k / 20.8k = 3.9 < 8.75
         snapshot(replica(A, in_flight=9), replica(B), replica(C, in_flight=1), sess=session("s1", A)),
         request(),
         B,
         Reason.REASSIGNED_OVERLOAD,
         (bind(B, A, Reason.REASSIGNED_OVERLOAD),),
         AffinityBreak.OVERLOAD_SPILL,
+    ),
+    "overload_idle_big_warm_session_stays": Case(
+        # the same hot home (hard bound 8, A at 9), but a move must still pay for its re-prefill:
+        # gain 9 - 0 - 0.25 = 8.75; a unit of gain buys 25k × (mean 3.33 / 4) = 20.8k tokens, so
+        # 200k resident tokens need 1.5 + 9.6 = 11.1: it stays and the burst at home drains
+        snapshot(
+            replica(A, in_flight=9), replica(B), replica(C, in_flight=1), sess=session("s1", A, ctx=200_000)
+        ),
+        request(),
+        A,
+        Reason.AFFINITY,
     ),
     "overload_idle_stays_when_no_one_is_under_the_bound": Case(
         # hard bound = max(8, 1.0 * mean 9.33) = 9.33: B and C would be over it with one more
