@@ -279,7 +279,16 @@ class KvAwarePolicy:
         eng = home.engine
         persistent = eng.updated_at == 0.0 or eng.queued > 0 or eng.running >= bound
         thrashing = home.active_context_tokens > p.thrash_factor * total_capacity(home, p)
-        return (busy and persistent) or thrashing
+        return ((busy and persistent) or thrashing) and not self._saturated(view)
+
+    def _saturated(self, view: _View) -> bool:
+        """Most engines in the pool have requests waiting: nowhere has idle capacity, and a move's
+        cold prefill would only add work (round 6)."""
+        frac = self.params.saturation_fraction
+        if frac <= 0.0:
+            return False
+        waiting = sum(1 for r in view.pool if r.engine.queued > 0)
+        return waiting >= frac * len(view.pool)
 
     @staticmethod
     def _relieves(decision: RouteDecision, snapshot: ClusterSnapshot, view: _View) -> bool:

@@ -54,6 +54,10 @@ class PolicyParams:
     """Below this mean in-flight per ACTIVE replica a unit of gain buys proportionally less
     re-prefill: tokens_per_gain × min(1, mean / reassign_load_ref). A light fleet's imbalance is
     short-lived and cheap in delay while a move's cold prefill costs the same (round 6). 0 = off."""
+    saturation_fraction: float = 0.75
+    """The fleet is saturated while at least this fraction of the pool's engines report requests
+    waiting (polled queue > 0): there is no idle capacity to move work to and a move's cold prefill
+    only adds work, so soft moves stop (over-bound moves still may, if they pay). 0 = off."""
     move_headroom: float = 0.6
     """A move displaces the target's other sessions for the part of (its homed working set + the
     moved context) beyond this fraction of its cache (HBM + host); that part counts twice in the
@@ -133,7 +137,7 @@ _POSITIVE_INT = {
     "prefix_block_chars",
     "prefix_blocks",
 }
-_FRACTION = {"panic_threshold"}
+_FRACTION = {"panic_threshold", "saturation_fraction"}
 _FLAG = {"keep_extending", "short_to_overflow", "collapse_idle_only"}
 
 

@@ -491,6 +491,20 @@ CASES: dict[str, Case] = {
         (bind(B, A, Reason.REASSIGNED_OVERLOAD),),
         AffinityBreak.OVERLOAD_SPILL,
     ),
+    "overload_idle_reassigns_in_a_saturated_fleet": Case(
+        # every engine queues, but home is over the hard bound: saturation stops soft moves only
+        snapshot(
+            replica(A, in_flight=9, queued=1),
+            replica(B, queued=1),
+            replica(C, in_flight=1, queued=1),
+            sess=session("s1", A),
+        ),
+        request(),
+        B,
+        Reason.REASSIGNED_OVERLOAD,
+        (bind(B, A, Reason.REASSIGNED_OVERLOAD),),
+        AffinityBreak.OVERLOAD_SPILL,
+    ),
     "overload_idle_big_warm_session_stays": Case(
         # the same hot home (hard bound 8, A at 9), but a move must still pay for its re-prefill:
         # gain 9 - 0 - 0.25 = 8.75; a unit of gain buys 25k × (mean 3.33 / 4) = 20.8k tokens, so
@@ -553,6 +567,34 @@ CASES: dict[str, Case] = {
         Reason.REASSIGNED_OVERLOAD,
         (bind(B, A, Reason.REASSIGNED_OVERLOAD),),
         AffinityBreak.OVERLOAD_SPILL,
+    ),
+    "soft_overload_stops_when_the_fleet_is_saturated": Case(
+        # as above, but every engine reports a queue (3 of 3 >= saturation_fraction 0.75): no idle
+        # capacity anywhere, a move would only add a cold prefill; the gain (8 - 1 - 0.25) would pay
+        snapshot(
+            replica(A, in_flight=6, queued=2),
+            replica(B, queued=1),
+            replica(C, in_flight=6, queued=1),
+            sess=session("s1", A, ctx=100_000),
+        ),
+        request(),
+        A,
+        Reason.AFFINITY,
+    ),
+    "soft_overload_saturation_test_off": Case(
+        # saturation_fraction = 0: the same saturated fleet moves the session (gain 6.75 >= 5.5)
+        snapshot(
+            replica(A, in_flight=6, queued=2),
+            replica(B, queued=1),
+            replica(C, in_flight=6, queued=1),
+            sess=session("s1", A, ctx=100_000),
+        ),
+        request(),
+        B,
+        Reason.REASSIGNED_OVERLOAD,
+        (bind(B, A, Reason.REASSIGNED_OVERLOAD),),
+        AffinityBreak.OVERLOAD_SPILL,
+        params=PolicyParams(saturation_fraction=0),
     ),
     "soft_overload_light_fleet_prices_the_move_higher": Case(
         # the same home and target in a light fleet (mean 7/3): a unit of gain buys 25k × 7/12 =
