@@ -44,6 +44,26 @@ def bind(rid: str, only_if: str | None, reason: Reason, sid: str = "s1") -> Bind
     return BindSession(sid, rid, only_if=only_if, reason=reason)
 
 
+# ---- shared by the rule-5 cases of round 6 (docs/POLICY.md) ------------------------------------------
+# a 100k-token session on A (6 in flight, queue 2) in a light fleet (mean 7/3) ...
+_LIGHT_FLEET = snapshot(
+    replica(A, in_flight=6, queued=2), replica(B), replica(C, in_flight=1), sess=session("s1", A, ctx=100_000)
+)
+# ... and in a saturated one: every engine reports a queue (mean 4)
+_SATURATED_FLEET = snapshot(
+    replica(A, in_flight=6, queued=2),
+    replica(B, queued=1),
+    replica(C, in_flight=6, queued=1),
+    sess=session("s1", A, ctx=100_000),
+)
+# the expected decision when s1 moves from A to B at its turn start
+_MOVED_TO_B = (
+    B,
+    Reason.REASSIGNED_OVERLOAD,
+    (bind(B, A, Reason.REASSIGNED_OVERLOAD),),
+    AffinityBreak.OVERLOAD_SPILL,
+)
+
 CASES: dict[str, Case] = {
     # ---- rule 1: affinity
     "affinity_home_busier_than_others": Case(
@@ -571,57 +591,31 @@ CASES: dict[str, Case] = {
     "soft_overload_stops_when_the_fleet_is_saturated": Case(
         # as above, but every engine reports a queue (3 of 3 >= saturation_fraction 0.75): no idle
         # capacity anywhere, a move would only add a cold prefill; the gain (8 - 1 - 0.25) would pay
-        snapshot(
-            replica(A, in_flight=6, queued=2),
-            replica(B, queued=1),
-            replica(C, in_flight=6, queued=1),
-            sess=session("s1", A, ctx=100_000),
-        ),
+        _SATURATED_FLEET,
         request(),
         A,
         Reason.AFFINITY,
     ),
     "soft_overload_saturation_test_off": Case(
         # saturation_fraction = 0: the same saturated fleet moves the session (gain 6.75 >= 5.5)
-        snapshot(
-            replica(A, in_flight=6, queued=2),
-            replica(B, queued=1),
-            replica(C, in_flight=6, queued=1),
-            sess=session("s1", A, ctx=100_000),
-        ),
+        _SATURATED_FLEET,
         request(),
-        B,
-        Reason.REASSIGNED_OVERLOAD,
-        (bind(B, A, Reason.REASSIGNED_OVERLOAD),),
-        AffinityBreak.OVERLOAD_SPILL,
+        *_MOVED_TO_B,
         params=PolicyParams(saturation_fraction=0),
     ),
     "soft_overload_light_fleet_prices_the_move_higher": Case(
         # the same home and target in a light fleet (mean 7/3): a unit of gain buys 25k × 7/12 =
         # 14.6k tokens, so the 100k session needs 1.5 + 6.86 = 8.36 > its gain of 7.75: it stays
-        snapshot(
-            replica(A, in_flight=6, queued=2),
-            replica(B),
-            replica(C, in_flight=1),
-            sess=session("s1", A, ctx=100_000),
-        ),
+        _LIGHT_FLEET,
         request(),
         A,
         Reason.AFFINITY,
     ),
     "soft_overload_light_fleet_scaling_off": Case(
         # reassign_load_ref = 0: the light fleet prices moves like a busy one (need 5.5): it moves
-        snapshot(
-            replica(A, in_flight=6, queued=2),
-            replica(B),
-            replica(C, in_flight=1),
-            sess=session("s1", A, ctx=100_000),
-        ),
+        _LIGHT_FLEET,
         request(),
-        B,
-        Reason.REASSIGNED_OVERLOAD,
-        (bind(B, A, Reason.REASSIGNED_OVERLOAD),),
-        AffinityBreak.OVERLOAD_SPILL,
+        *_MOVED_TO_B,
         params=PolicyParams(reassign_load_ref=0),
     ),
     "soft_overload_gain_too_small_for_size": Case(
