@@ -243,7 +243,7 @@ class KvAwarePolicy:
                 return RouteDecision(
                     sticky.id, Reason.THICC_SPLIT, (), ((sticky.id, load_score(sticky, 0, p)),)
                 )
-        if idle and not view.panic and (over or self._strained(home, view)):
+        if idle and p.load_moves and not view.panic and (over or self._strained(home, view)):
             decision = self._try_move(
                 view,
                 request,

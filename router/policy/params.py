@@ -36,6 +36,11 @@ class PolicyParams:
     over); 0: whenever a request goes home and an overflow has nothing of the session in flight."""
 
     # ---- rules 1, 3, 5: load bounds --------------------------------------------------------------
+    load_moves: int = 1
+    """1: rule 5 may move an idle session off a busy home (keeps per-replica load sub-Poisson).
+    0: a warm session never moves for load, only when its home is gone, draining or has evicted
+    it; fewer cold prefills, so a better TTFT p99 and hit rate on large or overloaded fleets at the
+    cost of dispersion (docs/POLICY.md round 7)."""
     bounded_load_epsilon: float = 0.25
     """No replica takes a new session while it holds ≥ ceil((1+ε)·mean) active sessions."""
     hard_bound_factor: float = 2.0
@@ -138,7 +143,7 @@ _POSITIVE_INT = {
     "prefix_blocks",
 }
 _FRACTION = {"panic_threshold", "saturation_fraction"}
-_FLAG = {"keep_extending", "short_to_overflow", "collapse_idle_only"}
+_FLAG = {"keep_extending", "short_to_overflow", "collapse_idle_only", "load_moves"}
 
 
 def _coerce(key: str, want: type, value: Any) -> Any:

@@ -603,6 +603,35 @@ CASES: dict[str, Case] = {
         *_MOVED_TO_B,
         params=PolicyParams(saturation_fraction=0),
     ),
+    "load_moves_off_the_hot_home_keeps_its_session": Case(
+        # load_moves = 0 (round 7): the over-bound home of "overload_idle_reassigns" keeps the idle
+        # session; only a gone, draining or evicting home moves it
+        snapshot(replica(A, in_flight=9), replica(B), replica(C, in_flight=1), sess=session("s1", A)),
+        request(),
+        A,
+        Reason.AFFINITY,
+        params=PolicyParams(load_moves=0),
+    ),
+    "load_moves_off_the_busy_home_keeps_its_session": Case(
+        # and the soft move of "soft_overload_light_fleet_scaling_off" does not happen either
+        _LIGHT_FLEET,
+        request(),
+        A,
+        Reason.AFFINITY,
+        params=PolicyParams(reassign_load_ref=0, load_moves=0),
+    ),
+    "load_moves_off_a_gone_home_still_moves": Case(
+        # failure moves are not load moves: a DOWN home's session is re-placed
+        snapshot(
+            replica(A, status=ReplicaStatus.DOWN), replica(B), replica(C, in_flight=1), sess=session("s1", A)
+        ),
+        request(),
+        B,
+        Reason.REASSIGNED_GONE,
+        (bind(B, A, Reason.REASSIGNED_GONE),),
+        AffinityBreak.REPLICA_GONE,
+        params=PolicyParams(load_moves=0),
+    ),
     "soft_overload_light_fleet_prices_the_move_higher": Case(
         # the same home and target in a light fleet (mean 7/3): a unit of gain buys 25k × 7/12 =
         # 14.6k tokens, so the 100k session needs 1.5 + 6.86 = 8.36 > its gain of 7.75: it stays
