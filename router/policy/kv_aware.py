@@ -243,7 +243,7 @@ class KvAwarePolicy:
                 return RouteDecision(
                     sticky.id, Reason.THICC_SPLIT, (), ((sticky.id, load_score(sticky, 0, p)),)
                 )
-        if idle and p.load_moves and not view.panic and (over or self._strained(home, view)):
+        if idle and not view.panic and self._load_move_wanted(home, view, over):
             decision = self._try_move(
                 view,
                 request,
@@ -267,6 +267,14 @@ class KvAwarePolicy:
         else:
             kept = self._collapse(sess, keep_only=tuple(o for o in sess.overflow if sess.in_flight_at(o) > 0))
         return RouteDecision(home.id, Reason.AFFINITY, kept, ((home.id, load_score(home, 0, p)),))
+
+    def _load_move_wanted(self, home: ReplicaState, view: _View, over: bool) -> bool:
+        """Rule 5's trigger at the operator's ``load_moves`` level: 2 over the hard bound or strained,
+        1 over the hard bound only, 0 never (round 7)."""
+        level = self.params.load_moves
+        if level >= 2:
+            return over or self._strained(home, view)
+        return level == 1 and over
 
     def _strained(self, home: ReplicaState, view: _View) -> bool:
         """Rule 5's soft trigger: home persistently busier than the fleet, or thrashing (its

@@ -36,11 +36,12 @@ class PolicyParams:
     over); 0: whenever a request goes home and an overflow has nothing of the session in flight."""
 
     # ---- rules 1, 3, 5: load bounds --------------------------------------------------------------
-    load_moves: int = 1
-    """1: rule 5 may move an idle session off a busy home (keeps per-replica load sub-Poisson).
-    0: a warm session never moves for load, only when its home is gone, draining or has evicted
-    it; fewer cold prefills, so a better TTFT p99 and hit rate on large or overloaded fleets at the
-    cost of dispersion (docs/POLICY.md round 7)."""
+    load_moves: int = 2
+    """Which idle sessions rule 5 may move off their home for load (failure, drain and eviction moves
+    happen at every level). 2: off a busy home (mean + 1) or one over the hard bound, which keeps
+    per-replica load sub-Poisson; 1: only off a home over the hard bound; 0: never. Each load move is
+    a cold prefill: lower levels give a better hit rate and TTFT p99 on large or overloaded fleets at
+    the cost of dispersion (docs/POLICY.md round 7)."""
     bounded_load_epsilon: float = 0.25
     """No replica takes a new session while it holds ≥ ceil((1+ε)·mean) active sessions."""
     hard_bound_factor: float = 2.0
@@ -143,7 +144,7 @@ _POSITIVE_INT = {
     "prefix_blocks",
 }
 _FRACTION = {"panic_threshold", "saturation_fraction"}
-_FLAG = {"keep_extending", "short_to_overflow", "collapse_idle_only", "load_moves"}
+_FLAG = {"keep_extending", "short_to_overflow", "collapse_idle_only"}
 
 
 def _coerce(key: str, want: type, value: Any) -> Any:
@@ -171,6 +172,8 @@ def _validate(key: str, value: Any) -> None:
         raise ValueError(f"{key}: must be ≥ 1, got {value!r}")
     if key in _FLAG and value not in (0, 1):
         raise ValueError(f"{key}: must be 0 or 1, got {value!r}")
+    if key == "load_moves" and value not in (0, 1, 2):
+        raise ValueError(f"{key}: must be 0, 1 or 2, got {value!r}")
     if key in _FRACTION and not 0.0 <= value <= 1.0:
         raise ValueError(f"{key}: must be within [0, 1], got {value!r}")
     if value < 0:

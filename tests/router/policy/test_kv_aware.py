@@ -620,6 +620,24 @@ CASES: dict[str, Case] = {
         Reason.AFFINITY,
         params=PolicyParams(reassign_load_ref=0, load_moves=0),
     ),
+    "load_moves_1_leaves_the_hot_home": Case(
+        # load_moves = 1: a home over the hard bound still loses the idle session ...
+        snapshot(replica(A, in_flight=9), replica(B), replica(C, in_flight=1), sess=session("s1", A)),
+        request(),
+        B,
+        Reason.REASSIGNED_OVERLOAD,
+        (bind(B, A, Reason.REASSIGNED_OVERLOAD),),
+        AffinityBreak.OVERLOAD_SPILL,
+        params=PolicyParams(load_moves=1),
+    ),
+    "load_moves_1_keeps_it_on_a_busy_home": Case(
+        # ... but a home merely busy (6 against mean + 1 = 3.3, under the hard bound 8) keeps it
+        _LIGHT_FLEET,
+        request(),
+        A,
+        Reason.AFFINITY,
+        params=PolicyParams(reassign_load_ref=0, load_moves=1),
+    ),
     "load_moves_off_a_gone_home_still_moves": Case(
         # failure moves are not load moves: a DOWN home's session is re-placed
         snapshot(

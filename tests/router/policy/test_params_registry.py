@@ -51,6 +51,8 @@ def test_with_changes_returns_a_new_validated_copy() -> None:
         ({"keep_extending": 2}, "keep_extending"),
         ({"short_to_overflow": 0.5}, "short_to_overflow"),
         ({"collapse_idle_only": -1}, "collapse_idle_only"),
+        ({"load_moves": 3}, "load_moves"),
+        ({"load_moves": -1}, "load_moves"),
     ],
 )
 def test_with_changes_rejects_and_names_the_key(changes: dict[str, object], key: str) -> None:
