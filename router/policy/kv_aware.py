@@ -127,6 +127,7 @@ class _View:
     mean_in_flight: float  # over ACTIVE replicas
     hard_bound: float
     session_cap: int
+    mean_sessions: float  # active sessions per ACTIVE replica
     ramp_share: int
     first_join: float
 
@@ -270,8 +271,11 @@ class KvAwarePolicy:
 
     def _load_move_wanted(self, home: ReplicaState, view: _View, over: bool) -> bool:
         """Rule 5's trigger at the operator's ``load_moves`` level: 2 over the hard bound or strained,
-        1 over the hard bound only, 0 never (round 7)."""
-        level = self.params.load_moves
+        1 over the hard bound only, 0 never; and never while the fleet is crowded (round 7)."""
+        p = self.params
+        level = p.load_moves
+        if 0 < p.load_moves_max_sessions < view.mean_sessions:
+            return False  # a crowded fleet: no load moves at all
         if level >= 2:
             return over or self._strained(home, view)
         return level == 1 and over
@@ -518,6 +522,7 @@ class KvAwarePolicy:
             mean_in_flight=mean,
             hard_bound=hard,
             session_cap=cap,
+            mean_sessions=sessions / n,
             ramp_share=share,
             first_join=first,
         )

@@ -42,6 +42,12 @@ class PolicyParams:
     per-replica load sub-Poisson; 1: only off a home over the hard bound; 0: never. Each load move is
     a cold prefill: lower levels give a better hit rate and TTFT p99 on large or overloaded fleets at
     the cost of dispersion (docs/POLICY.md round 7)."""
+    load_moves_max_sessions: float = 12.0
+    """Load moves stop (as at ``load_moves`` 0) while the fleet holds more than this many active
+    sessions per ACTIVE replica on average. Each session is then a small share of its home's load,
+    whose excess over the mean comes from many independent bursts and fades within a few turns,
+    while a move still costs a whole cold prefill (round 7: the WEKA replays at 16-25 sessions per
+    replica). 0 = no limit."""
     bounded_load_epsilon: float = 0.25
     """No replica takes a new session while it holds ≥ ceil((1+ε)·mean) active sessions."""
     hard_bound_factor: float = 2.0

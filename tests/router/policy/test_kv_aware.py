@@ -650,6 +650,42 @@ CASES: dict[str, Case] = {
         AffinityBreak.REPLICA_GONE,
         params=PolicyParams(load_moves=0),
     ),
+    "crowded_fleet_keeps_the_session_on_its_hot_home": Case(
+        # the hot home of "overload_idle_reassigns" in a crowded fleet: 39 active sessions on 3
+        # replicas = 13 per replica > load_moves_max_sessions 12, so no load move (round 7)
+        snapshot(
+            replica(A, in_flight=9, sessions=13),
+            replica(B, sessions=13),
+            replica(C, in_flight=1, sessions=13),
+            sess=session("s1", A),
+        ),
+        request(),
+        A,
+        Reason.AFFINITY,
+    ),
+    "crowded_fleet_limit_at_exactly_12_still_moves": Case(
+        # 36 sessions on 3 replicas = 12 per replica: not above the limit, the session leaves
+        snapshot(
+            replica(A, in_flight=9, sessions=12),
+            replica(B, sessions=12),
+            replica(C, in_flight=1, sessions=12),
+            sess=session("s1", A),
+        ),
+        request(),
+        *_MOVED_TO_B,
+    ),
+    "crowded_fleet_limit_off": Case(
+        # load_moves_max_sessions = 0: the crowded fleet moves it like any other
+        snapshot(
+            replica(A, in_flight=9, sessions=13),
+            replica(B, sessions=13),
+            replica(C, in_flight=1, sessions=13),
+            sess=session("s1", A),
+        ),
+        request(),
+        *_MOVED_TO_B,
+        params=PolicyParams(load_moves_max_sessions=0),
+    ),
     "soft_overload_light_fleet_prices_the_move_higher": Case(
         # the same home and target in a light fleet (mean 7/3): a unit of gain buys 25k × 7/12 =
         # 14.6k tokens, so the 100k session needs 1.5 + 6.86 = 8.36 > its gain of 7.75: it stays
