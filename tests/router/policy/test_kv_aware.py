@@ -56,6 +56,19 @@ _SATURATED_FLEET = snapshot(
     replica(C, in_flight=6, queued=1),
     sess=session("s1", A, ctx=100_000),
 )
+
+
+# a home over the hard bound (A at 9 in flight, bound 8) with the 50k session s1 idle on it, in a fleet
+# of `sessions` active sessions per replica (round 7's crowding limit is 12)
+def _hot_home(sessions: int = 0) -> ClusterSnapshot:
+    return snapshot(
+        replica(A, in_flight=9, sessions=sessions),
+        replica(B, sessions=sessions),
+        replica(C, in_flight=1, sessions=sessions),
+        sess=session("s1", A),
+    )
+
+
 # the expected decision when s1 moves from A to B at its turn start
 _MOVED_TO_B = (
     B,
@@ -504,7 +517,7 @@ CASES: dict[str, Case] = {
     # ---- rule 5: reassignment at turn start
     "overload_idle_reassigns": Case(
         # home over the hard bound (8); the 50k session's move needs 1.5 + 50k / 20.8k = 3.9 < 8.75
-        snapshot(replica(A, in_flight=9), replica(B), replica(C, in_flight=1), sess=session("s1", A)),
+        _hot_home(),
         request(),
         B,
         Reason.REASSIGNED_OVERLOAD,
@@ -606,7 +619,7 @@ CASES: dict[str, Case] = {
     "load_moves_off_the_hot_home_keeps_its_session": Case(
         # load_moves = 0 (round 7): the over-bound home of "overload_idle_reassigns" keeps the idle
         # session; only a gone, draining or evicting home moves it
-        snapshot(replica(A, in_flight=9), replica(B), replica(C, in_flight=1), sess=session("s1", A)),
+        _hot_home(),
         request(),
         A,
         Reason.AFFINITY,
@@ -622,12 +635,9 @@ CASES: dict[str, Case] = {
     ),
     "load_moves_1_leaves_the_hot_home": Case(
         # load_moves = 1: a home over the hard bound still loses the idle session ...
-        snapshot(replica(A, in_flight=9), replica(B), replica(C, in_flight=1), sess=session("s1", A)),
+        _hot_home(),
         request(),
-        B,
-        Reason.REASSIGNED_OVERLOAD,
-        (bind(B, A, Reason.REASSIGNED_OVERLOAD),),
-        AffinityBreak.OVERLOAD_SPILL,
+        *_MOVED_TO_B,
         params=PolicyParams(load_moves=1),
     ),
     "load_moves_1_keeps_it_on_a_busy_home": Case(
@@ -653,35 +663,20 @@ CASES: dict[str, Case] = {
     "crowded_fleet_keeps_the_session_on_its_hot_home": Case(
         # the hot home of "overload_idle_reassigns" in a crowded fleet: 39 active sessions on 3
         # replicas = 13 per replica > load_moves_max_sessions 12, so no load move (round 7)
-        snapshot(
-            replica(A, in_flight=9, sessions=13),
-            replica(B, sessions=13),
-            replica(C, in_flight=1, sessions=13),
-            sess=session("s1", A),
-        ),
+        _hot_home(sessions=13),
         request(),
         A,
         Reason.AFFINITY,
     ),
     "crowded_fleet_limit_at_exactly_12_still_moves": Case(
         # 36 sessions on 3 replicas = 12 per replica: not above the limit, the session leaves
-        snapshot(
-            replica(A, in_flight=9, sessions=12),
-            replica(B, sessions=12),
-            replica(C, in_flight=1, sessions=12),
-            sess=session("s1", A),
-        ),
+        _hot_home(sessions=12),
         request(),
         *_MOVED_TO_B,
     ),
     "crowded_fleet_limit_off": Case(
         # load_moves_max_sessions = 0: the crowded fleet moves it like any other
-        snapshot(
-            replica(A, in_flight=9, sessions=13),
-            replica(B, sessions=13),
-            replica(C, in_flight=1, sessions=13),
-            sess=session("s1", A),
-        ),
+        _hot_home(sessions=13),
         request(),
         *_MOVED_TO_B,
         params=PolicyParams(load_moves_max_sessions=0),
