@@ -273,12 +273,11 @@ class KvAwarePolicy:
         """Rule 5's trigger at the operator's ``load_moves`` level: 2 over the hard bound or strained,
         1 over the hard bound only, 0 never; and never while the fleet is crowded (round 7)."""
         p = self.params
-        level = p.load_moves
         if 0 < p.load_moves_max_sessions < view.mean_sessions:
             return False  # a crowded fleet: no load moves at all
-        if level >= 2:
+        if p.load_moves >= 2:
             return over or self._strained(home, view)
-        return level == 1 and over
+        return p.load_moves == 1 and over
 
     def _strained(self, home: ReplicaState, view: _View) -> bool:
         """Rule 5's soft trigger: home persistently busier than the fleet, or thrashing (its

@@ -519,10 +519,7 @@ CASES: dict[str, Case] = {
         # home over the hard bound (8); the 50k session's move needs 1.5 + 50k / 20.8k = 3.9 < 8.75
         _hot_home(),
         request(),
-        B,
-        Reason.REASSIGNED_OVERLOAD,
-        (bind(B, A, Reason.REASSIGNED_OVERLOAD),),
-        AffinityBreak.OVERLOAD_SPILL,
+        *_MOVED_TO_B,
     ),
     "overload_idle_reassigns_in_a_saturated_fleet": Case(
         # every engine queues, but home is over the hard bound: saturation stops soft moves only
@@ -533,10 +530,7 @@ CASES: dict[str, Case] = {
             sess=session("s1", A),
         ),
         request(),
-        B,
-        Reason.REASSIGNED_OVERLOAD,
-        (bind(B, A, Reason.REASSIGNED_OVERLOAD),),
-        AffinityBreak.OVERLOAD_SPILL,
+        *_MOVED_TO_B,
     ),
     "overload_idle_big_warm_session_stays": Case(
         # the same hot home (hard bound 8, A at 9), but a move must still pay for its re-prefill:
@@ -568,10 +562,7 @@ CASES: dict[str, Case] = {
             sess=session("s1", A, ctx=10_000),
         ),
         request(),
-        B,
-        Reason.REASSIGNED_OVERLOAD,
-        (bind(B, A, Reason.REASSIGNED_OVERLOAD),),
-        AffinityBreak.OVERLOAD_SPILL,
+        *_MOVED_TO_B,
     ),
     "soft_overload_persistent_by_engine_running": Case(
         snapshot(
@@ -581,10 +572,7 @@ CASES: dict[str, Case] = {
             sess=session("s1", A, ctx=10_000),
         ),
         request(),
-        B,
-        Reason.REASSIGNED_OVERLOAD,
-        (bind(B, A, Reason.REASSIGNED_OVERLOAD),),
-        AffinityBreak.OVERLOAD_SPILL,
+        *_MOVED_TO_B,
     ),
     "soft_overload_moves_bigger_session_for_bigger_gain": Case(
         # needed gain = 1.5 + 100k / 25k = 5.5; A scores 8, B 0 (+0.25 for the session it gains);
@@ -596,10 +584,7 @@ CASES: dict[str, Case] = {
             sess=session("s1", A, ctx=100_000),
         ),
         request(),
-        B,
-        Reason.REASSIGNED_OVERLOAD,
-        (bind(B, A, Reason.REASSIGNED_OVERLOAD),),
-        AffinityBreak.OVERLOAD_SPILL,
+        *_MOVED_TO_B,
     ),
     "soft_overload_stops_when_the_fleet_is_saturated": Case(
         # as above, but every engine reports a queue (3 of 3 >= saturation_fraction 0.75): no idle
@@ -718,10 +703,7 @@ CASES: dict[str, Case] = {
             sess=session("s1", A, ctx=150_000, mark=100_000),
         ),
         request(),
-        B,
-        Reason.REASSIGNED_OVERLOAD,
-        (bind(B, A, Reason.REASSIGNED_OVERLOAD),),
-        AffinityBreak.OVERLOAD_SPILL,
+        *_MOVED_TO_B,
     ),
     "soft_overload_target_with_room_moves": Case(
         # needed = 1.5 + 60k / 25k = 3.9; B scores 1 with the session (460k of 850k: under the
@@ -732,10 +714,7 @@ CASES: dict[str, Case] = {
             sess=session("s1", A, ctx=60_000),
         ),
         request(),
-        B,
-        Reason.REASSIGNED_OVERLOAD,
-        (bind(B, A, Reason.REASSIGNED_OVERLOAD),),
-        AffinityBreak.OVERLOAD_SPILL,
+        *_MOVED_TO_B,
     ),
     "soft_overload_target_past_headroom_doubles_the_price": Case(
         # B would hold 760k of 850k: 250k past the 0.6 headroom (510k), so all 60k count twice:
@@ -758,10 +737,7 @@ CASES: dict[str, Case] = {
             sess=session("s1", A, ctx=60_000),
         ),
         request(),
-        B,
-        Reason.REASSIGNED_OVERLOAD,
-        (bind(B, A, Reason.REASSIGNED_OVERLOAD),),
-        AffinityBreak.OVERLOAD_SPILL,
+        *_MOVED_TO_B,
         params=P.with_changes(move_headroom=1.0),
     ),
     "soft_overload_full_target_doubles_the_price": Case(
@@ -791,10 +767,7 @@ CASES: dict[str, Case] = {
             sess=session("s1", A, ctx=10_000),
         ),
         request(),
-        B,
-        Reason.REASSIGNED_OVERLOAD,
-        (bind(B, A, Reason.REASSIGNED_OVERLOAD),),
-        AffinityBreak.OVERLOAD_SPILL,
+        *_MOVED_TO_B,
     ),
     "host_tier_holds_working_set_no_thrash": Case(
         snapshot(
