@@ -218,7 +218,7 @@ class RedisCluster:
                     extra_args=(
                         "--cluster-enabled", "yes",
                         "--cluster-config-file", str(d / "nodes.conf"),
-                        "--cluster-node-timeout", "2000",
+                        "--cluster-node-timeout", "15000",  # no test fails a node: a starved CI box must not either
                     ),
                 )  # fmt: skip
                 self.nodes.append(node.start())
@@ -231,21 +231,23 @@ class RedisCluster:
             )
             if res.returncode != 0:
                 raise RedisUnavailable(f"redis-cli --cluster create failed: {res.stdout[-500:]!r}")
+            # Every node decides cluster_state on its own, after gossip: a client may reach any of
+            # them, so wait until all agree (waiting on one node let a CI run meet CLUSTERDOWN).
             deadline = time.monotonic() + timeout_s
             while time.monotonic() < deadline:
-                info = subprocess.run(
-                    [cli, "-p", str(self.nodes[0].port), "cluster", "info"],
-                    capture_output=True,
-                    timeout=5,
-                    check=False,
-                ).stdout
-                if b"cluster_state:ok" in info:
+                if all(self._node_ready(cli, n.port) for n in self.nodes):
                     return self
                 time.sleep(0.1)
-            raise RedisUnavailable("cluster did not reach cluster_state:ok")
+            raise RedisUnavailable("cluster did not reach cluster_state:ok on every node")
         except BaseException:
             self.cleanup()
             raise
+
+    def _node_ready(self, cli: str, port: int) -> bool:
+        info = subprocess.run(
+            [cli, "-p", str(port), "cluster", "info"], capture_output=True, timeout=5, check=False
+        ).stdout
+        return b"cluster_state:ok" in info and f"cluster_known_nodes:{self.size}".encode() in info
 
     def cleanup(self) -> None:
         for n in self.nodes:
