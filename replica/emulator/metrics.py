@@ -14,11 +14,13 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.exposition import generate_latest
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString as _untyped_go_float
 
 from replica.emulator.timemodel import EngineLoad
 
 __all__ = ["CONTENT_TYPE", "E2E_BUCKETS", "TTFT_BUCKETS", "Histogram", "ReplicaMetrics"]
 
+_go_float: Callable[[float], str] = _untyped_go_float  # the library's own value formatting
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 TTFT_BUCKETS: tuple[float, ...] = (
     0.1, 0.2, 0.4, 0.6, 0.8, 1.0, 2.0, 4.0, 6.0, 8.0, 10.0, 20.0, 40.0, 60.0, 80.0, 100.0, 200.0, 400.0,
@@ -51,6 +53,29 @@ class Histogram:
         return out
 
 
+class _Families(Collector):
+    """Already collected families, for one ``generate_latest`` call."""
+
+    def __init__(self, families: list[Metric]) -> None:
+        self._families = families
+
+    def collect(self) -> Iterator[Metric]:
+        return iter(self._families)
+
+
+def _layout(text: str, n_samples: int) -> list[tuple[str, bool]]:
+    """The exposition as pieces: comment lines whole, sample lines up to their value."""
+    pieces: list[tuple[str, bool]] = []
+    for line in text.splitlines(keepends=True):
+        if line.startswith("#"):
+            pieces.append((line, False))
+        else:
+            pieces.append((line[: line.rindex(" ") + 1], True))
+    if sum(1 for _, is_sample in pieces if is_sample) != n_samples:  # pragma: no cover - no timestamps here
+        raise RuntimeError("exposition layout does not match the collected samples")
+    return pieces
+
+
 class ReplicaMetrics(Collector):
     """Counters the HTTP shell bumps, plus gauges pulled from ``load_fn`` at scrape time."""
 
@@ -68,9 +93,28 @@ class ReplicaMetrics(Collector):
         self.http_active: dict[tuple[str, str], int] = {}
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(self)
+        self._layout_key: tuple[tuple[object, ...], ...] | None = None
+        self._layout: list[tuple[str, bool]] = []
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        """``generate_latest(self.registry)``, byte for byte, in a third of the time.
+
+        The emulator serves every replica of a fleet from one event loop, and a gateway scraping 8
+        replicas every 0.1 s (a 1 s scrape at the bench's time scale 0.1) made prometheus_client's
+        per-sample label escaping (~1.9 ms a scrape) a third of that loop, delaying every replica's
+        tokens. The exposition's layout (families, sample names and labels) only changes when a new
+        label set appears, so the library renders it once and each scrape fills in the values."""
+        families = list(self.collect())
+        values = [s.value for f in families for s in f.samples]
+        key = tuple((s.name, *s.labels.values()) for f in families for s in f.samples)
+        if key != self._layout_key:
+            self._layout = _layout(generate_latest(_Families(families)).decode(), len(values))
+            self._layout_key = key
+        out: list[str] = []
+        vi = iter(values)
+        for piece, is_sample in self._layout:
+            out.append(f"{piece}{_go_float(next(vi))}\n" if is_sample else piece)
+        return "".join(out).encode()
 
     def collect(self) -> Iterator[Metric]:
         m = self.model_name
