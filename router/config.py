@@ -113,7 +113,10 @@ class HealthConfig(BaseModel):
 
     scrape_interval_s: float = Field(1.0, gt=0)
     health_interval_s: float = Field(1.0, gt=0)
-    jitter: float = Field(0.1, ge=0, lt=1)  # each sleep is interval * (1 ± jitter)
+    jitter: float = Field(0.1, ge=0, lt=1)  # each round's period is interval * (1 ± jitter)
+    # a health or scrape round starts its replicas' probes evenly over this fraction of its interval,
+    # so their answers do not land on the event loop together (0: all at once)
+    spread: float = Field(0.8, ge=0, le=0.95)
     unhealthy_threshold: int = Field(3, ge=1)  # consecutive failed checks: ACTIVE -> DOWN
     healthy_threshold: int = Field(2, ge=1)  # consecutive good checks: DOWN -> ACTIVE
     eject_on_connect_errors: int = Field(1, ge=0)  # passive: consecutive connect errors -> DOWN (0: off)

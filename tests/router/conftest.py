@@ -49,6 +49,9 @@ class FakeReplicaState:
     active: int = 0
     completed: int = 0
     seen_tokens: dict[str, int] = field(default_factory=dict)  # routing key -> prompt tokens cached
+    metrics_delay_s: float = 0.0  # before answering /metrics
+    scraped_at: list[float] = field(default_factory=list)  # loop time of each /metrics request
+    checked_at: list[float] = field(default_factory=list)  # ... and of each /health request
 
 
 class FakeReplica:
@@ -291,9 +294,13 @@ class FakeReplica:
         return resp
 
     async def _health(self, request: web.Request) -> web.Response:
+        self.state.checked_at.append(asyncio.get_running_loop().time())
         return web.Response(status=self.state.health_status)
 
     async def _metrics(self, request: web.Request) -> web.Response:
+        self.state.scraped_at.append(asyncio.get_running_loop().time())
+        if self.state.metrics_delay_s:
+            await asyncio.sleep(self.state.metrics_delay_s)
         labels = f'engine_type="unified",model_name="{MODEL}",tp_rank="0"'
         text = (
             "# TYPE sglang:num_running_reqs gauge\n"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import itertools
 import random
 from typing import Any
 
@@ -111,3 +113,54 @@ async def test_rounds_against_real_replicas(fake_replicas: Any) -> None:
         assert "127.0.0.1:9" not in {r.id for r in await store.replicas()}
     finally:
         await client.close()
+
+
+def _discovery(store: MemoryStore, client: AiohttpReplicaClient, cfg: HealthConfig) -> Discovery:
+    return Discovery(store, client, cfg, clock=SystemClock(), emit=EventLog(), rng=random.Random(1))
+
+
+async def test_rounds_start_replicas_evenly_over_the_spread(fake_replicas: Any) -> None:
+    """Rule 5: answers of a round reach the event loop one at a time, each replica at its own phase."""
+    reps = await fake_replicas(4)
+    store = MemoryStore(SystemClock())
+    for r in reps:
+        await store.upsert_replica(ReplicaSpec(id=r.id, url=r.url))
+    order = [r.id for r in await store.replicas()]
+    by_id = {r.id: r for r in reps}
+    client = AiohttpReplicaClient(TimeoutsConfig(probe_s=1.0))
+    d = _discovery(store, client, HealthConfig())
+    try:
+        await d.scrape_once(spread_s=0.4)
+        starts = [by_id[rid].state.scraped_at[0] for rid in order]
+        gaps = [b - a for a, b in itertools.pairwise(starts)]
+        assert all(0.07 <= g <= 0.2 for g in gaps), gaps  # i/n of 0.4 s apart, in the store's order
+        assert d.scrapes_ok == 4
+        await d.scrape_once()  # start-up: all at once
+        starts = [by_id[rid].state.scraped_at[1] for rid in order]
+        assert max(starts) - min(starts) < 0.06, starts
+        await d.check_health_once(spread_s=0.4)
+        checks = [by_id[rid].state.checked_at[0] for rid in order]
+        assert all(0.07 <= b - a <= 0.2 for a, b in itertools.pairwise(checks)), checks
+    finally:
+        await client.close()
+
+
+async def test_rounds_start_a_period_apart_however_long_they_take(fake_replicas: Any) -> None:
+    """Rule 5: the next round starts one interval after the last one started, not after it ended."""
+    (slow,) = await fake_replicas(1)
+    slow.state.metrics_delay_s = 0.15
+    store = MemoryStore(SystemClock())
+    await store.upsert_replica(ReplicaSpec(id=slow.id, url=slow.url))
+    client = AiohttpReplicaClient(TimeoutsConfig(probe_s=1.0))
+    d = _discovery(store, client, HealthConfig(scrape_interval_s=0.2, jitter=0.0, spread=0.0))
+    task = asyncio.create_task(d.run_scrape())
+    try:
+        await asyncio.sleep(1.3)
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await client.close()
+    starts = slow.state.scraped_at
+    gaps = [b - a for a, b in itertools.pairwise(starts)]
+    assert len(starts) >= 5, starts  # an interval after each round ended would give 3 (0.35 s apart)
+    assert all(0.15 <= g <= 0.3 for g in gaps), gaps
