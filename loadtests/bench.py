@@ -1,4 +1,4 @@
-"""``kvroute bench <peers|overhead|emulator|redis|faults|soak>``: one entry for the benchmarks.
+"""``kvroute bench <peers|overhead|emulator|redis|faults|soak|probes>``: one entry for the benchmarks.
 
 Each benchmark prints JSON (and a table on stderr); modules are imported lazily so that
 ``kvroute bench overhead`` does not import matplotlib and ``bench emulator`` imports no router.
@@ -18,6 +18,7 @@ BENCHES: dict[str, tuple[str, str, str]] = {
     "redis": ("loadtests.bench_redis", "cli_main", "Redis round trips per request, Redis vs memory store"),
     "faults": ("loadtests.faults", "cli_main", "fault campaign under load: completed / clean errors / lost"),
     "soak": ("loadtests.soak", "cli_main", "connection scale: idle + active streams against one gateway"),
+    "probes": ("loadtests.bench_probes", "cli_main", "what probing many replicas costs relayed requests"),
 }
 
 

@@ -14,6 +14,10 @@ as a router's capacity. sglang-router delays SSE on reused keep-alive connection
 (``reference/peers.md`` §3.8), so streaming cells are run twice: keep-alive and a fresh connection per
 request; both are reported.
 
+``--fleet N`` puts N emulated replicas (one process) behind every router, so what a router does per
+replica in the background shows in its latency (kvroute scrapes every replica's ``/metrics``);
+"direct" and the floor talk to the first.
+
 Target ``python-floor`` (``loadtests/floor_proxy.py``, in the default list) is not a router: a bare
 uvloop + httptools proxy with kvroute's raw upstream client and no logic. Its added latency is what any
 Python gateway pays here before doing any work; each router's ``added_over_python_floor_p50_ms`` is the
@@ -103,6 +107,7 @@ async def measure_cell(
         await asyncio.gather(*(worker(i) for i in range(concurrency)))
     p50 = percentile(lat, 50)
     p99 = percentile(lat, 99)
+    p999 = percentile(lat, 99.9)
     return {
         "concurrency": concurrency,
         "stream": stream,
@@ -112,6 +117,8 @@ async def measure_cell(
         "req_per_s": len(lat) / duration_s,
         "p50_ms": None if p50 is None else p50 * 1e3,
         "p99_ms": None if p99 is None else p99 * 1e3,
+        "p999_ms": None if p999 is None else p999 * 1e3,
+        "max_ms": max(lat) * 1e3 if lat else None,
     }
 
 
@@ -132,17 +139,22 @@ async def run_overhead(
     concurrencies: Sequence[int] = (1, 32),
     duration_s: float = 2.5,
     emulator_args: Sequence[str] = ("--time-scale", "0.000001"),
+    fleet: int = 1,
     log: Any = None,
 ) -> dict[str, Any]:
-    """Measure every target on one emulated replica; return the JSON document."""
+    """Measure every target on one emulated replica; return the JSON document.
+
+    ``fleet`` > 1: the emulator serves that many replicas (one process) and every router gets all
+    of them, so what a router does per replica in the background (kvroute scrapes each one's
+    ``/metrics``) shows in its latency; "direct" talks to the first."""
     say = log or (lambda msg: print(msg, file=sys.stderr))
     cells = _cells(concurrencies)
     results: dict[str, dict[str, Any]] = {}
     skipped: dict[str, str] = {}
     with tempfile.TemporaryDirectory(prefix="kvroute-overhead-") as tmp:
         log_dir = Path(tmp)
-        async with emulated_fleet(1, emulator_args, log_dir=log_dir) as fleet:
-            replica = fleet.urls[0]
+        async with emulated_fleet(fleet, emulator_args, log_dir=log_dir) as replicas:
+            replica = replicas.urls[0]
 
             async def run_cells(name: str, url: str) -> None:
                 results[name] = {}
@@ -165,9 +177,11 @@ async def run_overhead(
                     say(f"skip {spec.name}: {skipped[spec.name]}")
                     continue
                 say(spec.name)
-                async with running_router(spec, [replica], log_dir=log_dir) as router:
+                async with running_router(spec, replicas.urls, log_dir=log_dir) as router:
                     await run_cells(spec.name, router.url)
-    return _summarise(results, skipped, duration_s)
+    doc = _summarise(results, skipped, duration_s)
+    doc["fleet"] = fleet
+    return doc
 
 
 def _summarise(results: dict[str, dict[str, Any]], skipped: dict[str, str], duration_s: float) -> dict[str, Any]:
@@ -247,14 +261,24 @@ def cli_main(argv: list[str]) -> int:
     p.add_argument(
         "--targets", default=",".join(OVERHEAD_TARGETS), help=f"comma list from {sorted(PEERS)}"
     )
+    p.add_argument(
+        "--fleet",
+        type=int,
+        default=1,
+        help="replicas behind each router (one emulator process); direct talks to the first",
+    )
     p.add_argument("--json", type=Path, help="write the JSON here (also printed to stdout)")
     ns = p.parse_args(argv)
+    if ns.fleet < 1:
+        p.error("--fleet: at least 1")
     targets = [t for t in ns.targets.split(",") if t]
     unknown = [t for t in targets if t not in PEERS]
     if unknown:
         p.error(f"unknown targets {unknown}; choose from {sorted(PEERS)}")
     doc = asyncio.run(
-        run_overhead(targets=targets, concurrencies=ns.concurrency or (1, 32), duration_s=ns.duration)
+        run_overhead(
+            targets=targets, concurrencies=ns.concurrency or (1, 32), duration_s=ns.duration, fleet=ns.fleet
+        )
     )
     print_table(doc)
     text = json.dumps(doc, indent=2)

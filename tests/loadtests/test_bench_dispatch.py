@@ -15,7 +15,7 @@ def test_every_benchmark_resolves(name: str) -> None:
     assert callable(getattr(importlib.import_module(module_name), func))
 
 
-@pytest.mark.parametrize("name", ["faults", "soak", "overhead", "redis"])
+@pytest.mark.parametrize("name", ["faults", "soak", "overhead", "redis", "probes"])
 def test_help_of_each_benchmark_exits_zero(name: str, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exc:
         cli_main([name, "--help"])

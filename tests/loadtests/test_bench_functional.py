@@ -27,12 +27,12 @@ def test_tiny_overhead_run(tmp_path: Path) -> None:
     out = tmp_path / "overhead.json"
     proc = subprocess.run(
         [KVROUTE, "bench", "overhead", "--duration", "0.4", "--concurrency", "1", "--concurrency", "4",
-         "--targets", "kvroute,python-floor", "--json", str(out)],
+         "--targets", "kvroute,python-floor", "--fleet", "2", "--json", str(out)],
         check=False, capture_output=True, text=True, timeout=120,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     doc = json.loads(out.read_text())
-    assert doc["bench"] == "overhead"
+    assert doc["bench"] == "overhead" and doc["fleet"] == 2
     floor = "python floor (no routing)"
     assert set(doc["cells"]) == {"direct", "kvroute kv_aware", floor}
     keys = {"c1_json", "c1_stream", "c1_stream_fresh", "c4_json", "c4_stream", "c4_stream_fresh"}
@@ -46,6 +46,26 @@ def test_tiny_overhead_run(tmp_path: Path) -> None:
     assert 0 < added["throughput_ratio_vs_direct"] < 5
     assert isinstance(added["added_over_python_floor_p50_ms"], float)
     assert "added_over_python_floor_p50_ms" not in doc["added"][floor]["c1_json"]
+
+
+@pytest.mark.slow
+def test_tiny_probes_run(tmp_path: Path) -> None:
+    out = tmp_path / "probes.json"
+    proc = subprocess.run(
+        [KVROUTE, "bench", "probes", "--replicas", "3", "--spreads", "0,0.8", "--repeat", "1",
+         "--duration", "0.5", "--json", str(out)],
+        check=False, capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert doc["bench"] == "probes" and doc["replicas"] == 3
+    assert [r["spread"] for r in doc["runs"]] == [0.0, 0.8]
+    for run in doc["runs"]:
+        assert run["requests"] > 0 and run["errors"] == 0
+        assert 0 < run["p50_ms"] <= run["p99_ms"] <= run["p999_ms"] <= run["max_ms"]
+    bad = subprocess.run([KVROUTE, "bench", "probes", "--spreads", "0,2"], check=False, capture_output=True,
+                         text=True, timeout=30)
+    assert bad.returncode == 2 and "--spreads within [0, 0.95]" in bad.stderr
 
 
 def test_peers_bench_refuses_the_floor_proxy() -> None:

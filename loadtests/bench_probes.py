@@ -1,0 +1,143 @@
+"""``kvroute bench probes``: what discovery's background probes cost the requests a gateway relays.
+
+A gateway health-checks and scrapes every replica each interval (``health.*``, docs/CONFIG.md). With
+many replicas, answers that arrive together are handled back to back on the gateway's one event
+loop (~0.1 ms a ``/health``, ~0.5 ms a parsed ``/metrics``), and every request being relayed waits.
+The emulator cannot show this: it serves all its replicas from one loop, which spaces their answers
+out by itself. So this bench puts ``--replicas`` *static* replicas in one subprocess
+(``python -m loadtests.bench_probes --serve``: canned ``/health``, a canned emulator exposition on
+``/metrics``, a canned chat completion; each answer costs them next to nothing), then, for each value
+of ``health.spread`` in ``--spreads`` (alternating, ``--repeat`` times), starts ``kvroute serve`` in
+front of all of them and measures c=1 latency for ``--duration`` seconds. Prints a table on stderr
+and JSON on stdout (p50 / p99 / p99.9 / max, ms).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from loadtests.overhead import measure_cell
+from loadtests.peers import PEERS, free_port, running_router, start_process, stop_process
+
+__all__ = ["cli_main", "run_probes_bench"]
+
+_CHAT = {
+    "id": "static",
+    "object": "chat.completion",
+    "created": 1,
+    "model": "default",
+    "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "length"}],
+    "usage": {"prompt_tokens": 40, "completion_tokens": 16, "total_tokens": 56},
+}
+
+
+async def _serve_static(ports: Sequence[int]) -> None:
+    """The static replicas (``--serve``): one aiohttp app per port, all on this process's loop."""
+    from aiohttp import web
+
+    from replica.emulator.metrics import ReplicaMetrics
+    from replica.emulator.timemodel import EngineLoad
+
+    load = EngineLoad(
+        running=2, queued=0, used_tokens=400_000, capacity_tokens=850_000, token_usage=0.47,
+        evictable_tokens=300_000, host_used_tokens=0, host_total_tokens=0, cache_hit_rate=0.9,
+        gen_throughput=500.0, spec_accept_length=2.0, waiting_tokens=0, decode_sum_seq_lens=200_000,
+    )  # fmt: skip
+    exposition = ReplicaMetrics("default", lambda: load, hicache=False).render()
+    chat = json.dumps(_CHAT).encode()
+
+    async def health(_: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    async def metrics(_: web.Request) -> web.Response:
+        return web.Response(body=exposition, content_type="text/plain")
+
+    async def completions(request: web.Request) -> web.Response:
+        await request.read()
+        return web.Response(body=chat, content_type="application/json")
+
+    async def models(_: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": "default", "object": "model"}]})
+
+    for port in ports:
+        app = web.Application()
+        app.router.add_get("/health", health)
+        app.router.add_get("/metrics", metrics)
+        app.router.add_get("/v1/models", models)
+        app.router.add_post("/v1/chat/completions", completions)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+    print("ready", flush=True)
+    await asyncio.Event().wait()
+
+
+async def run_probes_bench(
+    *, replicas: int, spreads: Sequence[float], repeat: int, duration_s: float, log: Any = None
+) -> dict[str, Any]:
+    say = log or (lambda msg: print(msg, file=sys.stderr))
+    ports = [free_port() for _ in range(replicas)]
+    urls = [f"http://127.0.0.1:{p}" for p in ports]
+    runs: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="kvroute-probes-") as tmp:
+        log_dir = Path(tmp)
+        argv = [sys.executable, "-m", "loadtests.bench_probes", "--serve", *map(str, ports)]
+        static = await start_process("static-replicas", argv, log_dir=log_dir, pipe_stdout=True)
+        try:
+            assert static.proc.stdout is not None
+            line = await asyncio.wait_for(static.proc.stdout.readline(), timeout=30)
+            if line.strip() != b"ready":
+                raise RuntimeError(f"static replicas did not start:\n{static.log_tail()}")
+            for r in range(repeat):
+                for spread in spreads:
+                    env = {"KVROUTE_HEALTH__SPREAD": str(spread)}
+                    async with running_router(PEERS["kvroute"], urls, log_dir=log_dir, env=env) as gw:
+                        cell = await measure_cell(
+                            gw.url, concurrency=1, stream=False, fresh=False, duration_s=duration_s, warmup_s=1.0
+                        )
+                    runs.append({"spread": spread, "run": r + 1, **cell})
+                    say(
+                        f"  spread {spread:<4} run {r + 1}: {cell['requests']} requests, p50 {cell['p50_ms']:.2f} "
+                        f"p99 {cell['p99_ms']:.2f} p99.9 {cell['p999_ms']:.2f} max {cell['max_ms']:.2f} ms"
+                    )
+        finally:
+            await stop_process(static)
+    return {"bench": "probes", "replicas": replicas, "duration_s": duration_s, "runs": runs}
+
+
+def cli_main(argv: list[str]) -> int:
+    if argv[:1] == ["--serve"]:
+        asyncio.run(_serve_static([int(p) for p in argv[1:]]))
+        return 0
+    p = argparse.ArgumentParser(prog="kvroute bench probes", description=__doc__.split("\n\n")[0])
+    p.add_argument("--replicas", type=int, default=50)
+    p.add_argument("--spreads", default="0,0.8", help="comma list of health.spread values")
+    p.add_argument("--repeat", type=int, default=2, help="runs per spread value (alternating)")
+    p.add_argument("--duration", type=float, default=20.0, help="seconds of c=1 load per run")
+    p.add_argument("--json", type=Path, help="also write the JSON here")
+    ns = p.parse_args(argv)
+    try:
+        spreads = [float(x) for x in ns.spreads.split(",") if x.strip()]
+    except ValueError:
+        p.error(f"--spreads: a comma list of numbers, not {ns.spreads!r}")
+    if ns.replicas < 1 or ns.repeat < 1 or not spreads or any(not 0 <= s <= 0.95 for s in spreads):
+        p.error("--replicas and --repeat at least 1, --spreads within [0, 0.95]")
+    doc = asyncio.run(
+        run_probes_bench(replicas=ns.replicas, spreads=spreads, repeat=ns.repeat, duration_s=ns.duration)
+    )
+    text = json.dumps(doc, indent=2)
+    if ns.json:
+        ns.json.write_text(text + "\n")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(cli_main(sys.argv[1:]))
