@@ -5,7 +5,7 @@ many replicas, answers that arrive together are handled back to back on the gate
 loop (~0.1 ms a ``/health``, ~0.5 ms a parsed ``/metrics``), and every request being relayed waits.
 The emulator cannot show this: it serves all its replicas from one loop, which spaces their answers
 out by itself. So this bench puts ``--replicas`` *static* replicas in one subprocess
-(``python -m loadtests.bench_probes --serve``: canned ``/health``, a canned emulator exposition on
+(``python -m loadtests.bench_probes --serve N``: canned ``/health``, a canned emulator exposition on
 ``/metrics``, a canned chat completion; each answer costs them next to nothing), then, for each value
 of ``health.spread`` in ``--spreads`` (alternating, ``--repeat`` times), starts ``kvroute serve`` in
 front of all of them and measures c=1 latency for ``--duration`` seconds. Prints a table on stderr
@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from loadtests.overhead import measure_cell
-from loadtests.peers import PEERS, free_port, running_router, start_process, stop_process
+from loadtests.peers import PEERS, read_urls, running_router, start_process, stop_process
 
 __all__ = ["cli_main", "run_probes_bench"]
 
@@ -38,8 +38,11 @@ _CHAT = {
 }
 
 
-async def _serve_static(ports: Sequence[int]) -> None:
-    """The static replicas (``--serve``): one aiohttp app per port, all on this process's loop."""
+async def _serve_static(n: int) -> None:
+    """The static replicas (``--serve N``): N aiohttp apps on free ports, all on this process's loop;
+    prints each one's URL once it listens (``peers.read_urls``)."""
+    import socket
+
     from aiohttp import web
 
     from replica.emulator.metrics import ReplicaMetrics
@@ -66,7 +69,7 @@ async def _serve_static(ports: Sequence[int]) -> None:
     async def models(_: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{"id": "default", "object": "model"}]})
 
-    for port in ports:
+    for _ in range(n):
         app = web.Application()
         app.router.add_get("/health", health)
         app.router.add_get("/metrics", metrics)
@@ -74,8 +77,10 @@ async def _serve_static(ports: Sequence[int]) -> None:
         app.router.add_post("/v1/chat/completions", completions)
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", port).start()
-    print("ready", flush=True)
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.bind(("127.0.0.1", 0))
+        await web.SockSite(runner, sock).start()
+        print(f"http://127.0.0.1:{sock.getsockname()[1]}", flush=True)
     await asyncio.Event().wait()
 
 
@@ -83,18 +88,14 @@ async def run_probes_bench(
     *, replicas: int, spreads: Sequence[float], repeat: int, duration_s: float, log: Any = None
 ) -> dict[str, Any]:
     say = log or (lambda msg: print(msg, file=sys.stderr))
-    ports = [free_port() for _ in range(replicas)]
-    urls = [f"http://127.0.0.1:{p}" for p in ports]
     runs: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="kvroute-probes-") as tmp:
         log_dir = Path(tmp)
-        argv = [sys.executable, "-m", "loadtests.bench_probes", "--serve", *map(str, ports)]
+        argv = [sys.executable, "-m", "loadtests.bench_probes", "--serve", str(replicas)]
         static = await start_process("static-replicas", argv, log_dir=log_dir, pipe_stdout=True)
         try:
-            assert static.proc.stdout is not None
-            line = await asyncio.wait_for(static.proc.stdout.readline(), timeout=30)
-            if line.strip() != b"ready":
-                raise RuntimeError(f"static replicas did not start:\n{static.log_tail()}")
+            await read_urls(static, replicas, timeout_s=30)
+            urls = static.urls
             for r in range(repeat):
                 for spread in spreads:
                     env = {"KVROUTE_HEALTH__SPREAD": str(spread)}
@@ -114,7 +115,7 @@ async def run_probes_bench(
 
 def cli_main(argv: list[str]) -> int:
     if argv[:1] == ["--serve"]:
-        asyncio.run(_serve_static([int(p) for p in argv[1:]]))
+        asyncio.run(_serve_static(int(argv[1])))
         return 0
     p = argparse.ArgumentParser(prog="kvroute bench probes", description=__doc__.split("\n\n")[0])
     p.add_argument("--replicas", type=int, default=50)

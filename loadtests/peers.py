@@ -37,6 +37,7 @@ __all__ = [
     "find_binary",
     "free_port",
     "peer_argv",
+    "read_urls",
     "running_redis",
     "running_router",
     "start_process",
@@ -272,6 +273,20 @@ async def running_redis(*, log_dir: Path, timeout_s: float = 20.0) -> AsyncItera
         await stop_process(p)
 
 
+async def read_urls(p: RunningProcess, n: int, timeout_s: float) -> None:
+    """Fill ``p.urls`` from the ``http...`` lines a child started with ``pipe_stdout`` prints, one
+    per server, once each listens (``kvroute emulate``, ``bench probes``' static replicas)."""
+    assert p.proc.stdout is not None
+    while len(p.urls) < n:
+        line = await asyncio.wait_for(p.proc.stdout.readline(), timeout=timeout_s)
+        if not line:
+            raise RuntimeError(f"{p.name} exited ({p.proc.returncode}):\n{p.log_tail()}")
+        text = line.decode().strip()
+        if text.startswith("http"):
+            p.urls.append(text)
+    p.url = p.urls[0]
+
+
 @contextlib.asynccontextmanager
 async def emulated_fleet(
     n: int, emulator_args: Sequence[str] = (), *, log_dir: Path | None = None, timeout_s: float = 60.0
@@ -285,16 +300,7 @@ async def emulated_fleet(
     argv = [binary, "emulate", "--replicas", str(n), "--host", "127.0.0.1", "--base-port", "0", *emulator_args]
     p = await start_process("emulators", argv, log_dir=log_dir, pipe_stdout=True)
     try:
-        # it prints one URL per line once every replica listens
-        assert p.proc.stdout is not None
-        while len(p.urls) < n:
-            line = await asyncio.wait_for(p.proc.stdout.readline(), timeout=timeout_s)
-            if not line:
-                raise RuntimeError(f"kvroute emulate exited ({p.proc.returncode}):\n{p.log_tail()}")
-            text = line.decode().strip()
-            if text.startswith("http"):
-                p.urls.append(text)
-        p.url = p.urls[0]
+        await read_urls(p, n, timeout_s)
     except BaseException:
         await stop_process(p)
         if own_dir is not None:
