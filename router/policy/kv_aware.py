@@ -289,7 +289,12 @@ class KvAwarePolicy:
         # persistence: the engine's own (polled, so older) figures showed the overload too
         eng = home.engine
         persistent = eng.updated_at == 0.0 or eng.queued > 0 or eng.running >= bound
-        thrashing = home.active_context_tokens > p.thrash_factor * total_capacity(home, p)
+        cap = total_capacity(home, p)
+        thrashing = home.active_context_tokens > p.thrash_factor * cap
+        if busy and p.light_move_pressure > 0 and view.mean_in_flight < p.reassign_load_ref:
+            # the lighter the fleet, the fuller home's cache must be (rounds 9-10)
+            lightness = 1.0 - view.mean_in_flight / p.reassign_load_ref
+            busy = home.active_context_tokens > p.light_move_pressure * lightness * cap
         return ((busy and persistent) or thrashing) and not self._saturated(view)
 
     def _saturated(self, view: _View) -> bool:

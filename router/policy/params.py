@@ -66,6 +66,12 @@ class PolicyParams:
     """Below this mean in-flight per ACTIVE replica a unit of gain buys proportionally less
     re-prefill: tokens_per_gain × min(1, mean / reassign_load_ref). A light fleet's imbalance is
     short-lived and cheap in delay while a move's cold prefill costs the same (round 6). 0 = off."""
+    light_move_pressure: float = 1.5
+    """Below ``reassign_load_ref`` mean in-flight, a soft move off a busy home (not one over the
+    hard bound) also needs home's active working set above light_move_pressure × (1 − mean /
+    reassign_load_ref) of its cache (HBM + host). A light fleet's hot spot whose sessions' caches
+    fit is home prefilling one long request with cache hits queued behind it; it clears within
+    seconds, while the move re-prefills the whole context (rounds 9-10). 0 = off."""
     saturation_fraction: float = 0.75
     """The fleet is saturated while at least this fraction of the pool's engines report requests
     waiting (polled queue > 0): there is no idle capacity to move work to and a move's cold prefill

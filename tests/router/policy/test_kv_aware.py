@@ -44,14 +44,19 @@ def bind(rid: str, only_if: str | None, reason: Reason, sid: str = "s1") -> Bind
     return BindSession(sid, rid, only_if=only_if, reason=reason)
 
 
+# the working set of a home with 6 requests in flight: 600k of its 850k. Enough cache pressure for a
+# soft move in these light fleets (light_move_pressure 1.5 × (1 − mean / 4) × 850k is at most
+# 531.25k here), so the rule-5 cases below test the price of a move, not that pressure test
+BUSY_WS = 600_000
+
 # ---- shared by the rule-5 cases of round 6 (docs/POLICY.md) ------------------------------------------
 # a 100k-token session on A (6 in flight, queue 2) in a light fleet (mean 7/3) ...
 _LIGHT_FLEET = snapshot(
-    replica(A, in_flight=6, queued=2), replica(B), replica(C, in_flight=1), sess=session("s1", A, ctx=100_000)
+    replica(A, in_flight=6, active_ctx=BUSY_WS, queued=2), replica(B), replica(C, in_flight=1), sess=session("s1", A, ctx=100_000)
 )
 # ... and in a saturated one: every engine reports a queue (mean 4)
 _SATURATED_FLEET = snapshot(
-    replica(A, in_flight=6, queued=2),
+    replica(A, in_flight=6, active_ctx=BUSY_WS, queued=2),
     replica(B, queued=1),
     replica(C, in_flight=6, queued=1),
     sess=session("s1", A, ctx=100_000),
@@ -129,7 +134,7 @@ CASES: dict[str, Case] = {
     ),
     "affinity_big_session_not_moved_by_soft_overload": Case(
         snapshot(
-            replica(A, in_flight=6, queued=2),
+            replica(A, in_flight=6, active_ctx=BUSY_WS, queued=2),
             replica(B),
             replica(C, in_flight=1),
             sess=session("s1", A, ctx=400_000),
@@ -556,7 +561,7 @@ CASES: dict[str, Case] = {
     "soft_overload_moves_cheap_session": Case(
         # mean 7/3: soft bound 1.0 * 2.33 + 1.0 = 3.33 < 6 and the engine reports a queue
         snapshot(
-            replica(A, in_flight=6, queued=2),
+            replica(A, in_flight=6, active_ctx=BUSY_WS, queued=2),
             replica(B),
             replica(C, in_flight=1),
             sess=session("s1", A, ctx=10_000),
@@ -566,7 +571,7 @@ CASES: dict[str, Case] = {
     ),
     "soft_overload_persistent_by_engine_running": Case(
         snapshot(
-            replica(A, in_flight=6, running=6),
+            replica(A, in_flight=6, active_ctx=BUSY_WS, running=6),
             replica(B),
             replica(C, in_flight=1),
             sess=session("s1", A, ctx=10_000),
@@ -578,7 +583,7 @@ CASES: dict[str, Case] = {
         # needed gain = 1.5 + 100k / 25k = 5.5; A scores 8, B 0 (+0.25 for the session it gains);
         # mean in flight 4 = reassign_load_ref: the full 25k tokens per unit of gain
         snapshot(
-            replica(A, in_flight=6, queued=2),
+            replica(A, in_flight=6, active_ctx=BUSY_WS, queued=2),
             replica(B),
             replica(C, in_flight=6),
             sess=session("s1", A, ctx=100_000),
@@ -684,7 +689,7 @@ CASES: dict[str, Case] = {
     "soft_overload_gain_too_small_for_size": Case(
         # needed gain = 1.5 + 150k / 25k = 7.5; A scores 6, B 1.25 with the session: gain 4.75
         snapshot(
-            replica(A, in_flight=6, running=6),
+            replica(A, in_flight=6, active_ctx=BUSY_WS, running=6),
             replica(B, in_flight=1),
             replica(C, in_flight=1),
             sess=session("s1", A, ctx=150_000),
@@ -697,7 +702,7 @@ CASES: dict[str, Case] = {
         # like soft_overload_gain_too_small_for_size (gain 4.75), but home wrote 75 % of its cache
         # since: 37.5k of the 150k are still resident, needed = 1.5 + 37.5k / 25k = 3.0
         snapshot(
-            replica(A, in_flight=6, running=6, written=737_500),
+            replica(A, in_flight=6, active_ctx=BUSY_WS, running=6, written=737_500),
             replica(B, in_flight=1),
             replica(C, in_flight=2),
             sess=session("s1", A, ctx=150_000, mark=100_000),
@@ -709,7 +714,7 @@ CASES: dict[str, Case] = {
         # needed = 1.5 + 60k / 25k = 3.9; B scores 1 with the session (460k of 850k: under the
         # 0.6 move headroom, 510k, and no working-set penalty), gain 6 - 1 - 0.25 = 4.75
         snapshot(
-            replica(A, in_flight=6, running=6),
+            replica(A, in_flight=6, active_ctx=BUSY_WS, running=6),
             replica(B, in_flight=1, active_ctx=400_000),
             sess=session("s1", A, ctx=60_000),
         ),
@@ -720,7 +725,7 @@ CASES: dict[str, Case] = {
         # B would hold 760k of 850k: 250k past the 0.6 headroom (510k), so all 60k count twice:
         # needed = 1.5 + 120k / 25k = 6.3 > gain 6 - 1 - 0.25 = 4.75
         snapshot(
-            replica(A, in_flight=6, running=6),
+            replica(A, in_flight=6, active_ctx=BUSY_WS, running=6),
             replica(B, in_flight=1, active_ctx=700_000),
             sess=session("s1", A, ctx=60_000),
         ),
@@ -732,7 +737,7 @@ CASES: dict[str, Case] = {
         # the same with move_headroom 1.0 (before round 4): 760k fits in 850k, nothing doubled,
         # needed 3.9 <= gain 4.75
         snapshot(
-            replica(A, in_flight=6, running=6),
+            replica(A, in_flight=6, active_ctx=BUSY_WS, running=6),
             replica(B, in_flight=1, active_ctx=700_000),
             sess=session("s1", A, ctx=60_000),
         ),
@@ -744,7 +749,7 @@ CASES: dict[str, Case] = {
         # B's KV would hold 900k, past the 510k headroom by more than the 60k: they evict other
         # sessions, so they count twice: needed = 1.5 + 120k / 25k = 6.3 > gain 6 - 1.635 - 0.25 = 4.1
         snapshot(
-            replica(A, in_flight=6, running=6),
+            replica(A, in_flight=6, active_ctx=BUSY_WS, running=6),
             replica(B, in_flight=1, active_ctx=840_000),
             sess=session("s1", A, ctx=60_000),
         ),
@@ -752,9 +757,66 @@ CASES: dict[str, Case] = {
         A,
         Reason.AFFINITY,
     ),
+    "light_fleet_soft_move_needs_cache_pressure": Case(
+        # soft_overload_moves_cheap_session's fleet (mean 7/3), but home's sessions fill only 500k
+        # of its 850k: a soft move needs > 1.5 × (1 − 7/12) × 850k = 531.25k: it stays
+        snapshot(
+            replica(A, in_flight=6, queued=2, active_ctx=500_000),
+            replica(B),
+            replica(C, in_flight=1),
+            sess=session("s1", A, ctx=10_000),
+        ),
+        request(),
+        A,
+        Reason.AFFINITY,
+    ),
+    "light_fleet_pressure_counts_the_host_tier": Case(
+        # 600k would be pressure on 850k of HBM, not with an 850k host tier: needs > 1.0625M
+        snapshot(
+            replica(A, in_flight=6, queued=2, active_ctx=BUSY_WS, host=850_000),
+            replica(B),
+            replica(C, in_flight=1),
+            sess=session("s1", A, ctx=10_000),
+        ),
+        request(),
+        A,
+        Reason.AFFINITY,
+    ),
+    "light_fleet_pressure_test_off": Case(
+        # light_move_pressure = 0: the 500k home of light_fleet_soft_move_needs_cache_pressure
+        # loses the session as before round 10
+        snapshot(
+            replica(A, in_flight=6, queued=2, active_ctx=500_000),
+            replica(B),
+            replica(C, in_flight=1),
+            sess=session("s1", A, ctx=10_000),
+        ),
+        request(),
+        *_MOVED_TO_B,
+        params=PolicyParams(light_move_pressure=0),
+    ),
+    "light_fleet_pressure_fades_at_the_reference_load": Case(
+        # at mean 4 in flight (= reassign_load_ref) no pressure is needed: the empty-cache home of
+        # soft_overload_moves_bigger_session_for_bigger_gain still loses its 100k session
+        snapshot(
+            replica(A, in_flight=6, queued=2),
+            replica(B),
+            replica(C, in_flight=6),
+            sess=session("s1", A, ctx=100_000),
+        ),
+        request(),
+        *_MOVED_TO_B,
+    ),
+    "light_fleet_over_the_hard_bound_needs_no_pressure": Case(
+        # the pressure test is for soft moves: the empty-cache home of overload_idle_reassigns,
+        # over the hard bound in a light fleet (mean 10/3), still loses the idle session
+        _hot_home(),
+        request(),
+        *_MOVED_TO_B,
+    ),
     "soft_overload_not_persistent_stays": Case(
         snapshot(
-            replica(A, in_flight=6), replica(B), replica(C, in_flight=1), sess=session("s1", A, ctx=10_000)
+            replica(A, in_flight=6, active_ctx=BUSY_WS), replica(B), replica(C, in_flight=1), sess=session("s1", A, ctx=10_000)
         ),
         request(),
         A,
