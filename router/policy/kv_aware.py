@@ -280,9 +280,9 @@ class KvAwarePolicy:
         return p.load_moves == 1 and over
 
     def _strained(self, home: ReplicaState, view: _View) -> bool:
-        """Rule 5's soft trigger: home persistently busier than the fleet, or thrashing (its
-        sessions' working set exceeds even HBM + host tier). Whether a session moves is then a
-        cost/benefit."""
+        """Rule 5's soft trigger: home persistently busier than the fleet (in a light fleet, also
+        short of cache: ``light_move_pressure``), or thrashing (its sessions' working set exceeds
+        even HBM + host tier). Whether a session moves is then a cost/benefit."""
         p = self.params
         bound = p.reassign_factor * view.mean_in_flight + p.reassign_margin
         busy = home.in_flight >= bound
