@@ -7,7 +7,9 @@ Each subcommand module exposes ``cli_main(argv: list[str]) -> int`` and is impor
 from __future__ import annotations
 
 import importlib
+import signal
 import sys
+from types import FrameType
 
 __all__ = ["SUBCOMMANDS", "main"]
 
@@ -21,6 +23,14 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "sidecar": ("replica.agent", "replica sidecar: register, heartbeat, drain"),
     "launch": ("replica.launch", "launch a real SGLang replica from a deployment profile"),
 }
+
+# commands that start fleets of child processes (each in its own session) and stop them in
+# ``finally``: SIGTERM must unwind to those blocks, not end the process and orphan the fleet
+_STARTS_FLEETS = frozenset({"bench", "demo"})
+
+
+def _exit_on_sigterm(signum: int, frame: FrameType | None) -> None:
+    raise SystemExit(128 + signum)
 
 
 def _usage() -> str:
@@ -45,6 +55,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kvroute: unknown command {cmd!r}\n\n{_usage()}", file=sys.stderr)
         return 2
     module = importlib.import_module(SUBCOMMANDS[cmd][0])
+    if cmd in _STARTS_FLEETS:
+        signal.signal(signal.SIGTERM, _exit_on_sigterm)
     rc: int = module.cli_main(args[1:])
     return rc
 

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -137,3 +140,57 @@ def test_peers_bench_over_seeds(tmp_path: Path) -> None:
     bad = subprocess.run([KVROUTE, "bench", "peers", "--seeds", "3,x"], check=False, capture_output=True,
                          text=True, timeout=30)
     assert bad.returncode == 2 and "--seeds" in bad.stderr
+
+
+def _children(pid: int) -> set[int]:
+    """Pids whose parent is ``pid`` (from /proc; the bench starts each child in its own session)."""
+    out = set()
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                stat = (d / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                out.add(int(d.name))
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+@pytest.mark.slow
+def test_sigterm_stops_the_fleet_it_started() -> None:
+    """SIGTERM to a running bench unwinds its ``finally`` blocks: the emulated fleet it started in
+    its own session goes too, rather than being orphaned."""
+    proc = subprocess.Popen(
+        [KVROUTE, "bench", "overhead", "--duration", "30", "--concurrency", "1", "--targets", "kvroute"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    kids: set[int] = set()
+    try:
+        deadline = time.monotonic() + 60
+        while not kids and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.2)
+            kids = _children(proc.pid)
+        assert kids, "the bench started no child process"
+        time.sleep(1.0)  # the fleet is up and the direct cells are running
+        proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(timeout=30)
+        assert rc != 0  # interrupted, not a finished bench
+        deadline = time.monotonic() + 15
+        while any(_alive(k) for k in kids) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not [k for k in kids if _alive(k)], "the bench's fleet outlived it"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+        for k in kids:
+            if _alive(k):
+                os.killpg(k, signal.SIGKILL)
