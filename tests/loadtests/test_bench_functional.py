@@ -142,26 +142,26 @@ def test_peers_bench_over_seeds(tmp_path: Path) -> None:
     assert bad.returncode == 2 and "--seeds" in bad.stderr
 
 
+def _stat(pid: int) -> list[str] | None:
+    """The fields of /proc/<pid>/stat after the command name (state, ppid, ...), None if gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
 def _children(pid: int) -> set[int]:
-    """Pids whose parent is ``pid`` (from /proc; the bench starts each child in its own session)."""
-    out = set()
+    """Pids whose parent is ``pid`` (the bench starts each child in its own session)."""
+    kids = set()
     for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                stat = (d / "stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                out.add(int(d.name))
-    return out
+        if d.name.isdigit() and (fields := _stat(int(d.name))) is not None and int(fields[1]) == pid:
+            kids.add(int(d.name))
+    return kids
 
 
 def _alive(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+    fields = _stat(pid)
+    return fields is not None and fields[0] != "Z"
 
 
 @pytest.mark.slow

@@ -63,6 +63,12 @@ _SATURATED_FLEET = snapshot(
 )
 
 
+# a 10k-token session s1 idle on A (6 in flight; `home` sets A's engine and cache figures) in a light
+# fleet (mean 7/3): the shape of rule 5's soft-move cases and of its light-fleet pressure test
+def _busy_home(**home: int) -> ClusterSnapshot:
+    return snapshot(replica(A, in_flight=6, **home), replica(B), replica(C, in_flight=1), sess=session("s1", A, ctx=10_000))
+
+
 # a home over the hard bound (A at 9 in flight, bound 8) with the 50k session s1 idle on it, in a fleet
 # of `sessions` active sessions per replica (round 7's crowding limit is 12)
 def _hot_home(sessions: int = 0) -> ClusterSnapshot:
@@ -560,22 +566,12 @@ CASES: dict[str, Case] = {
     ),
     "soft_overload_moves_cheap_session": Case(
         # mean 7/3: soft bound 1.0 * 2.33 + 1.0 = 3.33 < 6 and the engine reports a queue
-        snapshot(
-            replica(A, in_flight=6, active_ctx=BUSY_WS, queued=2),
-            replica(B),
-            replica(C, in_flight=1),
-            sess=session("s1", A, ctx=10_000),
-        ),
+        _busy_home(active_ctx=BUSY_WS, queued=2),
         request(),
         *_MOVED_TO_B,
     ),
     "soft_overload_persistent_by_engine_running": Case(
-        snapshot(
-            replica(A, in_flight=6, active_ctx=BUSY_WS, running=6),
-            replica(B),
-            replica(C, in_flight=1),
-            sess=session("s1", A, ctx=10_000),
-        ),
+        _busy_home(active_ctx=BUSY_WS, running=6),
         request(),
         *_MOVED_TO_B,
     ),
@@ -760,24 +756,14 @@ CASES: dict[str, Case] = {
     "light_fleet_soft_move_needs_cache_pressure": Case(
         # soft_overload_moves_cheap_session's fleet (mean 7/3), but home's sessions fill only 500k
         # of its 850k: a soft move needs > 1.5 × (1 − 7/12) × 850k = 531.25k: it stays
-        snapshot(
-            replica(A, in_flight=6, queued=2, active_ctx=500_000),
-            replica(B),
-            replica(C, in_flight=1),
-            sess=session("s1", A, ctx=10_000),
-        ),
+        _busy_home(queued=2, active_ctx=500_000),
         request(),
         A,
         Reason.AFFINITY,
     ),
     "light_fleet_pressure_counts_the_host_tier": Case(
         # 600k would be pressure on 850k of HBM, not with an 850k host tier: needs > 1.0625M
-        snapshot(
-            replica(A, in_flight=6, queued=2, active_ctx=BUSY_WS, host=850_000),
-            replica(B),
-            replica(C, in_flight=1),
-            sess=session("s1", A, ctx=10_000),
-        ),
+        _busy_home(queued=2, active_ctx=BUSY_WS, host=850_000),
         request(),
         A,
         Reason.AFFINITY,
@@ -785,12 +771,7 @@ CASES: dict[str, Case] = {
     "light_fleet_pressure_test_off": Case(
         # light_move_pressure = 0: the 500k home of light_fleet_soft_move_needs_cache_pressure
         # loses the session as before round 10
-        snapshot(
-            replica(A, in_flight=6, queued=2, active_ctx=500_000),
-            replica(B),
-            replica(C, in_flight=1),
-            sess=session("s1", A, ctx=10_000),
-        ),
+        _busy_home(queued=2, active_ctx=500_000),
         request(),
         *_MOVED_TO_B,
         params=PolicyParams(light_move_pressure=0),
@@ -815,9 +796,7 @@ CASES: dict[str, Case] = {
         *_MOVED_TO_B,
     ),
     "soft_overload_not_persistent_stays": Case(
-        snapshot(
-            replica(A, in_flight=6, active_ctx=BUSY_WS), replica(B), replica(C, in_flight=1), sess=session("s1", A, ctx=10_000)
-        ),
+        _busy_home(active_ctx=BUSY_WS),
         request(),
         A,
         Reason.AFFINITY,
