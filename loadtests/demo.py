@@ -139,6 +139,7 @@ class DemoScenario:
             fresh_connections=fresh,
             max_think_modelled_s=self.max_think_modelled_s,
             lanes=self.sessions,
+            page_size=self.page_size,
         )
 
     def workload(self) -> list[SessionSpec]:

@@ -17,9 +17,10 @@ Theory of operation:
     and both peer routers see it.
   * Per-replica load is sampled every ``sample_interval_s`` (wall) FROM THE REPLICAS (``/_emulator/state``,
     else ``/metrics``: running + queued), never from the router under test.
-  * Ideal cached tokens come from the workload: one infinite cache holds every prompt sent so far, so a
-    request's ideal hit is its conversation's previous prompt (or the shared prefix on a first turn once
-    any session sent it).
+  * Ideal cached tokens: one infinite prefix cache holds every prompt whose turn finished, tokenized and
+    paged as the emulator does (``loadtests.ideal``; the page size from the first replica's
+    ``/get_server_info``, else ``page_size``). A continuation's ideal is what its previous prompt
+    shares with it in whole pages, a first turn's the shared system prefix once any turn sent it.
   * The run stops issuing requests at ``duration_s`` (wall) or ``max_requests``; in-flight requests get
     ``drain_s`` to finish, the rest are cancelled and counted as ``censored`` (not errors).
 """
@@ -42,7 +43,8 @@ from typing import Any
 
 import aiohttp
 
-from loadtests.textgen import BYTES_PER_TOKEN, Conversation, emulated_tokens
+from loadtests.ideal import InfiniteCache
+from loadtests.textgen import Conversation, emulated_tokens
 from loadtests.workloads import SessionSpec, turn_inputs
 from router.eventloop import run as run_on_loop
 
@@ -83,6 +85,9 @@ class LoadConfig:
     request_timeout_s: float = 600.0
     stream: bool = True
     break_tolerance: float = 0.95  # cached < tolerance x ideal counts as an affinity break
+    # emulated tokens per cache page of the replicas, for the ideal; None: the first replica's
+    # /get_server_info says (1 if it does not answer)
+    page_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.time_scale <= 0:
@@ -95,6 +100,8 @@ class LoadConfig:
             raise ValueError(f"lanes must be >= 1, got {self.lanes}")
         if self.sample_interval_s <= 0:
             raise ValueError(f"sample_interval_s must be > 0, got {self.sample_interval_s}")
+        if self.page_size is not None and self.page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {self.page_size}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -231,6 +238,19 @@ class LoadSampler:
         return tuple(u.split("://", 1)[-1] for u in self._urls)
 
 
+async def _replica_page_size(session: aiohttp.ClientSession, replica_urls: Sequence[str]) -> int:
+    """The KV page size the first replica reports (SGLang's ``/get_server_info``); 1 if it does not."""
+    if not replica_urls:
+        return 1
+    try:
+        async with session.get(f"{replica_urls[0].rstrip('/')}/get_server_info") as resp:
+            info = await resp.json() if resp.status == 200 else {}
+    except (aiohttp.ClientError, TimeoutError, ValueError):
+        return 1
+    size = info.get("page_size") if isinstance(info, dict) else None
+    return size if isinstance(size, int) and size >= 1 else 1
+
+
 # ---- the driver ------------------------------------------------------------------------------------
 
 
@@ -240,6 +260,7 @@ class _Run:
         config: LoadConfig,
         session: aiohttp.ClientSession,
         stats: LiveStats,
+        page_size: int,
     ) -> None:
         self.c = config
         self.http = session
@@ -248,7 +269,7 @@ class _Run:
         self.deadline = self.t0 + config.duration_s
         self.outcomes: list[Outcome] = []
         self.stopping = asyncio.Event()
-        self.shared_seen = 0  # emulated tokens of the canonical shared prefix sent so far (max)
+        self.ideal = InfiniteCache(page_size)
         self.tasks: list[asyncio.Task[None]] = []
         self.last_replica: dict[str, str] = {}
         self.move_times: list[float] = []  # modelled t of each session home change
@@ -302,10 +323,8 @@ class _Run:
         sid = str(spec.routing_key)
         inputs = turn_inputs(spec)
         shared_model = int(spec.shared_prefix_tokens)
-        shared = (shared_model * BYTES_PER_TOKEN + c.token_unit // 2) // c.token_unit // BYTES_PER_TOKEN
         conv: Conversation | None = None
         prev_in = prev_out = 0  # model tokens of the previous turn
-        prev_prompt = 0  # emulated tokens of the previous request's prompt
         for k, turn in enumerate(spec.turns):
             if k > 0 and not await self.sleep_modelled(min(float(turn.think_s), c.max_think_modelled_s)):
                 return
@@ -316,25 +335,24 @@ class _Run:
                 # a new context (first turn, compaction): shared prefix + new text
                 conv = Conversation(key=f"{spec.session_id}~{k}", shared_prefix_tokens=shared_model,
                                     token_unit=c.token_unit)
-                # one infinite cache holds as much of the canonical shared prefix as any session sent
-                ideal = min(shared, self.shared_seen)
                 conv.add(max(inputs[k] - shared_model, 1))
             else:
-                ideal = prev_prompt
                 conv.add(prev_out)  # the model's previous reply, then the new input
                 conv.add(max(inputs[k] - prev_in - prev_out, 0))
-            self.shared_seen = max(self.shared_seen, shared)
             out = max(1, emulated_tokens(int(turn.output_tokens), c.token_unit))
-            body = json.dumps(self._body(conv.messages, out), separators=(",", ":")).encode()
+            messages = conv.messages
+            body = json.dumps(self._body(messages, out), separators=(",", ":")).encode()
+            blocks, prompt_emul = self.ideal.blocks(messages, conv.key)
             main = spec.parent is None
-            ctx = (sid, ideal, conv.prompt_tokens, continuation)
+            ctx = (sid, self.ideal.hit(blocks, prompt_emul), prompt_emul, continuation)
             reqs = [self.request(body, ctx, side=False, main=main)]
             for _ in range(max(1, int(turn.parallel)) - 1):
                 if not self.may_issue():
                     break
                 reqs.append(self.request(body, ctx, side=True, main=False))
             await asyncio.gather(*reqs)
-            prev_in, prev_out, prev_prompt = inputs[k], int(turn.output_tokens), conv.prompt_tokens
+            self.ideal.insert(blocks)  # the next turn (of any session) may hit this prompt
+            prev_in, prev_out = inputs[k], int(turn.output_tokens)
             for b in spec.branches:
                 if int(b.spawn_after_turn) == k:
                     self.spawn(b, float(b.start_s))
@@ -421,8 +439,8 @@ class _Run:
         details = (usage or {}).get("prompt_tokens_details") or {}
         cached = int(details.get("cached_tokens") or 0) if isinstance(details, dict) else 0
         output = int((usage or {}).get("completion_tokens") or 0)
-        # the replica's chat template adds a few tokens per message: scale the workload's ideal by
-        # the replica's count of the same prompt
+        # ideal_emul / prompt_emul are in the emulator's tokens (loadtests.ideal): equal to the
+        # replica's own count on an emulated replica, scaled to a real engine's count otherwise
         ideal = min(round(ideal_emul * prompt / prompt_emul) if prompt_emul > 0 else 0, prompt)
         brk: str | None = None
         prev = self.last_replica.get(sid)
@@ -487,7 +505,8 @@ async def run_load(
     ):
         sampler = LoadSampler(probe, config.replica_urls)
         stats.replica_names = await sampler.names()
-        run = _Run(config, http, stats)
+        page_size = config.page_size or await _replica_page_size(probe, config.replica_urls)
+        run = _Run(config, http, stats, page_size)
 
         async def sample_loop() -> None:
             next_t = time.monotonic()
@@ -636,6 +655,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--fresh-connections", action="store_true", help="new TCP connection per request")
     p.add_argument("--no-stream", action="store_true")
     p.add_argument("--max-think", type=float, default=120.0, help="cap on one think time, modelled s")
+    p.add_argument(
+        "--page-size", type=int,
+        help="the replicas' KV page size in emulated tokens, for the ideal hit (default: the first replica's "
+        "/get_server_info, else 1)",
+    )
     p.add_argument("--json", type=Path, help="write the DESIGN §7 measures here")
     p.add_argument("--no-progress", action="store_true")
     return p
@@ -671,6 +695,7 @@ async def _amain(ns: argparse.Namespace) -> int:
         fresh_connections=ns.fresh_connections,
         max_think_modelled_s=ns.max_think,
         stream=not ns.no_stream,
+        page_size=ns.page_size,
     )
     show = not ns.no_progress and sys.stderr.isatty()
     if show:

@@ -18,7 +18,9 @@ Definitions (exact, so that tests can pin them):
     window length = (``end_s`` or the last record's end) - ``warmup_s``; replicas = the mean number
     of replicas per sample (or the ``replicas`` given to the constructor when there are no samples).
   * ``cold_prefill_tokens`` = Σ max(0, ideal_cached - cached) over ok records: tokens recomputed
-    that an infinite cache would have served (evictions, moves, spills).
+    that an infinite cache would have served (evictions, moves, spills); ``cold_prefill_by_cause`` =
+    the same sum per ``break_reason`` (``"none"``: records that are no affinity break, e.g. first
+    turns whose shared prefix was evicted, or hits short of the ideal by less than the tolerance).
   * ``affinity_breaks`` = count of records by ``break_reason`` (records with a reason only).
   * ``sessions_moved`` / ``sessions_moved_by_scaleup``: counted by the driver (home changes) via
     ``session_moved``; only moves at ``t >= warmup_s`` count.
@@ -48,6 +50,7 @@ MEASURE_FIELDS: tuple[str, ...] = (
     "throughput_tok_s_per_replica",
     "affinity_breaks",
     "cold_prefill_tokens",
+    "cold_prefill_by_cause",
     "sessions_moved",
     "sessions_moved_by_scaleup",
     "gateway_overhead_p50_ms",
@@ -168,6 +171,10 @@ class MeasureCollector:
         if window > 0 and replicas > 0:
             throughput = sum(r.input_tokens + r.output_tokens for r in ok) / window / replicas
         breaks = Counter(r.break_reason for r in self._records if r.break_reason)
+        lost: Counter[str] = Counter()
+        for r in ok:
+            if r.ideal_cached_tokens > r.cached_tokens:
+                lost[r.break_reason or "none"] += r.ideal_cached_tokens - r.cached_tokens
         return {
             "chr": sum_cached / sum_in if sum_in else None,
             "ideal_chr": sum_ideal / sum_in if sum_in else None,
@@ -180,7 +187,8 @@ class MeasureCollector:
             "tps_user_p50": percentile(tps, 50),
             "throughput_tok_s_per_replica": throughput,
             "affinity_breaks": dict(sorted(breaks.items())),
-            "cold_prefill_tokens": sum(max(0, r.ideal_cached_tokens - r.cached_tokens) for r in ok),
+            "cold_prefill_tokens": sum(lost.values()),
+            "cold_prefill_by_cause": dict(sorted(lost.items())),
             "sessions_moved": self._moved,
             "sessions_moved_by_scaleup": self._moved_by_scaleup,
             "gateway_overhead_p50_ms": percentile(self._overhead_ms, 50),

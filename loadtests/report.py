@@ -31,6 +31,7 @@ _ROWS: tuple[tuple[str, str, str], ...] = (
     ("tps_user_p50", "tok/s/user p50", "{:.1f}"),
     ("throughput_tok_s_per_replica", "tok/s/replica", "{:.0f}"),
     ("cold_prefill_tokens", "cold prefill tok", "{:,}"),
+    ("cold_prefill_by_cause", "  by cause", "{:,}"),
     ("sessions_moved", "sessions moved", "{}"),
     ("requests", "requests", "{}"),
     ("errors", "errors", "{}"),
@@ -42,6 +43,8 @@ def _fmt(value: Any, fmt: str) -> str:
         return "-"
     if isinstance(value, float) and math.isnan(value):
         return "-"
+    if isinstance(value, Mapping):  # a breakdown: "cause value, ..." with the row's format
+        return ", ".join(f"{k} {_fmt(v, fmt)}" for k, v in value.items()) or "-"
     try:
         return fmt.format(value)
     except (ValueError, TypeError):

@@ -47,6 +47,7 @@ def test_result_fields_exact() -> None:
     assert r["throughput_tok_s_per_replica"] == pytest.approx((1011 + 3021) / 100.0 / 3)
     assert r["affinity_breaks"] == {"evicted": 1, "replica_gone": 1}
     assert r["cold_prefill_tokens"] == 50 + 1900
+    assert r["cold_prefill_by_cause"] == {"evicted": 1900, "none": 50}
     assert r["sessions_moved"] == 2
     assert r["sessions_moved_by_scaleup"] == 1
     assert r["gateway_overhead_p50_ms"] is None and r["gateway_overhead_p99_ms"] is None

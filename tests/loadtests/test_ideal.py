@@ -1,0 +1,77 @@
+"""The live driver's ideal hit: one infinite prefix cache, tokenized and paged as the emulator does."""
+
+from __future__ import annotations
+
+import pytest
+
+from loadtests.ideal import InfiniteCache
+from loadtests.textgen import Conversation
+from replica.emulator.tokenizer import BYTES_PER_TOKEN, encode_text, render_chat
+
+UNIT = 100
+
+
+def _common_tokens(a: bytes, b: bytes) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n // BYTES_PER_TOKEN
+
+
+def _rendered(conv: Conversation) -> bytes:
+    return encode_text(render_chat(conv.messages)).data
+
+
+@pytest.mark.parametrize("page", [1, 4, 16])
+def test_a_continuation_hits_its_previous_prompt_up_to_the_closing_marker_in_whole_pages(page: int) -> None:
+    cache = InfiniteCache(page)
+    conv = Conversation(key="s~0", shared_prefix_tokens=20_000, token_unit=UNIT)
+    conv.add(8_000)
+    first, n_first = cache.blocks(conv.messages, conv.key)
+    assert cache.hit(first, n_first) == 0  # nothing inserted yet
+    prev = _rendered(conv)
+    cache.insert(first)
+    for _ in range(3):
+        conv.add(300)  # the previous reply
+        conv.add(1_500)  # the next tool result
+        blocks, n = cache.blocks(conv.messages, conv.key)
+        cur = _rendered(conv)
+        common = _common_tokens(prev, cur)
+        # the previous prompt ends with <|im_end|> and the generation prompt (48 bytes), which the
+        # next prompt does not repeat: that much of it can never hit
+        assert common == (len(prev.rstrip(b"\0")) - 48) // BYTES_PER_TOKEN
+        assert cache.hit(blocks, n) == common // page * page
+        cache.insert(blocks)
+        prev = cur
+
+
+def test_another_session_hits_the_shared_system_prefix_only() -> None:
+    cache = InfiniteCache(4)
+    a = Conversation(key="a~0", shared_prefix_tokens=20_000, token_unit=UNIT)
+    a.add(5_000)
+    b = Conversation(key="b~0", shared_prefix_tokens=20_000, token_unit=UNIT)
+    b.add(5_000)
+    blocks_a, _ = cache.blocks(a.messages, a.key)
+    cache.insert(blocks_a)
+    blocks_b, n_b = cache.blocks(b.messages, b.key)
+    hit = cache.hit(blocks_b, n_b)
+    assert hit == _common_tokens(_rendered(a), _rendered(b)) // 4 * 4
+    assert 200 <= hit <= 200 + 20  # 20k model tokens = 200 emulated, + the system marker
+
+
+def test_the_last_token_is_always_computed() -> None:
+    cache = InfiniteCache(4)
+    conv = Conversation(key="x~0", shared_prefix_tokens=0, token_unit=UNIT)
+    conv.add(1_000)
+    blocks, n = cache.blocks(conv.messages, conv.key)
+    cache.insert(blocks)
+    # the very same prompt again: an engine still computes its last token (as the emulator's
+    # admission does: at most (n - 1) // page blocks match)
+    assert cache.hit(blocks, n) == (n - 1) // 4 * 4 < n
+
+
+def test_page_size_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="page_size"):
+        InfiniteCache(0)
