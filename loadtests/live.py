@@ -18,8 +18,8 @@ Theory of operation:
   * Per-replica load is sampled every ``sample_interval_s`` (wall) FROM THE REPLICAS (``/_emulator/state``,
     else ``/metrics``: running + queued), never from the router under test.
   * Ideal cached tokens: one infinite prefix cache holds every prompt whose turn finished, tokenized and
-    paged as the emulator does (``loadtests.ideal``; the page size from the first replica's
-    ``/get_server_info``, else ``page_size``). A continuation's ideal is what its previous prompt
+    paged as the emulator does (``loadtests.ideal``; page size ``page_size`` if given, else what the
+    first replica's ``/get_server_info`` reports, else 1). A continuation's ideal is what its previous prompt
     shares with it in whole pages, a first turn's the shared system prefix once any turn sent it.
   * The run stops issuing requests at ``duration_s`` (wall) or ``max_requests``; in-flight requests get
     ``drain_s`` to finish, the rest are cancelled and counted as ``censored`` (not errors).
