@@ -51,6 +51,7 @@ __all__ = [
     "map_client_errors",
     "read_limited",
     "request_drop_set",
+    "response_drop_set",
     "usage_from_json",
 ]
 
@@ -110,6 +111,11 @@ def filter_response_headers(headers: Iterable[tuple[str, str]]) -> list[tuple[st
 def request_drop_set(extra: Iterable[str] = ()) -> frozenset[str]:
     """The (lower-case) names ``filter_request_headers`` drops, plus ``extra`` (lower-case)."""
     return _REQUEST_DROP | frozenset(extra)
+
+
+def response_drop_set(extra: Iterable[str] = ()) -> frozenset[str]:
+    """The (lower-case) names ``filter_response_headers`` drops, plus ``extra`` (lower-case)."""
+    return _RESPONSE_DROP | frozenset(extra)
 
 
 def filter_headers(headers: Iterable[tuple[str, str]], drop: frozenset[str]) -> list[tuple[str, str]]:

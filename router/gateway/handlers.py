@@ -27,12 +27,13 @@ import functools
 import json
 import logging
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import orjson
 from aiohttp import web
+from multidict import CIMultiDict, CIMultiDictProxy
 
 from router.config import GatewayConfig
 from router.errors import (
@@ -50,9 +51,9 @@ from router.gateway.forward import (
     UpstreamResponse,
     UsageSniffer,
     filter_headers,
-    filter_response_headers,
     is_connect_failure,
     request_drop_set,
+    response_drop_set,
 )
 from router.gateway.keys import RUNTIME_KEY, GatewayRuntime
 from router.gateway.middleware import REQUEST_ID_HEADER, REQUEST_ID_KEY, read_body_limited
@@ -75,10 +76,13 @@ __all__ = [
     "INFERENCE_ROUTES",
     "REASON_HEADER",
     "REPLICA_HEADER",
+    "AiohttpDownstream",
+    "Downstream",
     "handle_health",
     "handle_inference",
     "handle_models",
     "handle_ready",
+    "serve_inference",
     "session_id_from_headers",
     "sse_error_event",
 ]
@@ -90,6 +94,10 @@ REPLICA_HEADER = "X-Kvroute-Replica"
 REASON_HEADER = "X-Kvroute-Reason"
 # set by the gateway itself: a client's own values are dropped (X-Forwarded-For is extended)
 _FORWARD_DROP = request_drop_set({REQUEST_ID_HEADER.lower(), "x-forwarded-for"})
+# a replica's own decision headers (a kvroute behind kvroute) give way to ours
+_RELAY_DROP = response_drop_set()
+_RELAY_DROP_DECIDED = response_drop_set({REPLICA_HEADER.lower(), REASON_HEADER.lower()})
+_REQUEST_ID_LOWER = REQUEST_ID_HEADER.lower()
 _ERROR_BODY_LIMIT = 64 * 1024
 _MAX_STALE_REROUTES = 3  # a session moved by other gateways between our snapshot and acquire
 
@@ -151,12 +159,71 @@ def _routing_key(
     return key, (KeySource.PREFIX if key is not None else KeySource.NONE), model
 
 
+class Downstream(Protocol):
+    """The client side of one inference request: where a replica's answer is relayed.
+
+    Two implementations: :class:`AiohttpDownstream` (a ``web.StreamResponse`` of aiohttp's server)
+    and the raw data plane's connection (``router.gateway.dataplane``). Status and headers are
+    committed by ``begin`` and leave with the first body bytes."""
+
+    async def begin(self, status: int, headers: Sequence[tuple[str, str]], content_length: int | None) -> None:
+        """Commit the status line and headers (``content_length`` ``None``: chunked or streamed)."""
+        ...
+
+    async def write(self, data: bytes) -> None:
+        """One body piece; ``ConnectionResetError`` once the client is gone."""
+        ...
+
+    async def end(self, last: bytes) -> None:
+        """The final body piece and the end of the response, in one write."""
+        ...
+
+    def cut(self) -> None:
+        """Close the client connection now: a body that broke off after its status was sent."""
+        ...
+
+
 class _RelayResponse(web.StreamResponse):
     """A ``StreamResponse`` whose status line and headers leave with the first body bytes (one
     ``send`` instead of two per response; what ``web.Response`` does). The gateway commits only
     once it holds the first upstream chunk (rule 5), so nothing reaches the client any later."""
 
     _send_headers_immediately = False
+
+
+class AiohttpDownstream:
+    """:class:`Downstream` on aiohttp's server: ``response`` is what the handler returns."""
+
+    __slots__ = ("request", "response")
+
+    def __init__(self, request: web.Request) -> None:
+        self.request = request
+        self.response: web.StreamResponse | None = None
+
+    async def begin(self, status: int, headers: Sequence[tuple[str, str]], content_length: int | None) -> None:
+        resp = _RelayResponse(status=status)
+        h = resp.headers
+        for k, v in headers:
+            h.add(k, v)
+        if content_length is not None:
+            resp.content_length = content_length
+        self.response = resp
+        await resp.prepare(self.request)
+
+    async def write(self, data: bytes) -> None:
+        assert self.response is not None
+        await self.response.write(data)
+
+    async def end(self, last: bytes) -> None:
+        assert self.response is not None
+        await self.response.write_eof(last)
+
+    def cut(self) -> None:
+        if self.response is not None:
+            self.response.force_close()
+        transport = self.request.transport
+        if transport is not None:
+            transport.close()
 
 
 @dataclass(slots=True)
@@ -189,23 +256,24 @@ class _Proxy:
 
     def __init__(
         self,
-        request: web.Request,
+        downstream: Downstream,
+        request_id: str,
         rt: GatewayRuntime,
         body: bytes,
         req: RouteRequest,
         fwd_headers: list[tuple[str, str]],
         prog: _Progress,
     ) -> None:
-        self.request = request
+        self.ds = downstream
         self.rt = rt
         self.cfg = rt.config
         self.body = body
         self.req = req
         self.fwd_headers = fwd_headers
         self.p = prog
-        self.request_id = request[REQUEST_ID_KEY]
+        self.request_id = request_id
 
-    async def run(self) -> web.StreamResponse:
+    async def run(self) -> None:
         excluded: set[str] = set()
         last_error: UpstreamError | None = None
         attempt = 0
@@ -217,7 +285,7 @@ class _Proxy:
                 decision = self.rt.policy.route(req, snap, self.rt.rng)
             except NoReplicaError:
                 if last_error is not None:
-                    return self._give_up(last_error)
+                    return await self._give_up(last_error)
                 raise
             try:
                 lease = await self.rt.store.acquire(decision, req)
@@ -254,7 +322,7 @@ class _Proxy:
                 if is_connect_failure(exc) and self.rt.discovery is not None:
                     await self.rt.discovery.on_connect_error(lease.replica_id, str(exc))
                 if not can_retry:
-                    return self._give_up(exc)
+                    return await self._give_up(exc)
                 excluded.add(lease.replica_id)
                 attempt += 1
                 self.p.retries = attempt
@@ -270,17 +338,19 @@ class _Proxy:
                 )
                 log.info("retrying after %s on %s (attempt %d)", exc.code, lease.replica_id, attempt)
 
-    def _give_up(self, exc: UpstreamError) -> web.StreamResponse:
+    async def _give_up(self, exc: UpstreamError) -> None:
         """Every attempt failed before the first byte. A replica's own 5xx answer is relayed as it
         was (status and body); connect errors and timeouts become OpenAI-style 502/504 JSON."""
         if isinstance(exc, UpstreamStatusError) and exc.body:
             self.p.status = exc.upstream_status
-            resp = web.Response(status=exc.upstream_status, body=exc.body)
-            resp.headers["Content-Type"] = self.p.error_content_type or "application/json"
+            headers = [("Content-Type", self.p.error_content_type or "application/json")]
             if self.cfg.decision_headers and self.p.replica_id is not None and self.p.reason is not None:
-                resp.headers[REPLICA_HEADER] = self.p.replica_id
-                resp.headers[REASON_HEADER] = str(self.p.reason)
-            return resp
+                headers += [(REPLICA_HEADER, self.p.replica_id), (REASON_HEADER, str(self.p.reason))]
+            headers.append((REQUEST_ID_HEADER, self.request_id))
+            await self.ds.begin(exc.upstream_status, headers, len(exc.body))
+            self.p.sent = True
+            await self.ds.end(exc.body)
+            return
         raise exc
 
     async def _replica_url(self, replica_id: str, state: ReplicaState | None) -> str | None:
@@ -297,7 +367,7 @@ class _Proxy:
             raise UpstreamConnectError(f"replica {replica_id}: its URL is outside the allowed networks")
         return url
 
-    async def _attempt(self, lease: Lease, state: ReplicaState | None, can_retry: bool) -> web.StreamResponse:
+    async def _attempt(self, lease: Lease, state: ReplicaState | None, can_retry: bool) -> None:
         clock = self.rt.clock
         upstream: UpstreamResponse | None = None
         sniffer: UsageSniffer | None = None
@@ -335,22 +405,24 @@ class _Proxy:
             finally:
                 self.p.upstream_wait_s += clock.now() - t
             # ---- commit: from here on the client has our status line -----------------------------
-            resp = _RelayResponse(status=upstream.status)
-            for k, v in filter_response_headers(upstream.headers):
-                resp.headers.add(k, v)
-            if self.cfg.decision_headers:
-                resp.headers[REPLICA_HEADER] = lease.replica_id
-                resp.headers[REASON_HEADER] = str(lease.reason)
-            if REQUEST_ID_HEADER not in resp.headers:  # headers leave with the first chunk: set it now
-                resp.headers[REQUEST_ID_HEADER] = self.request_id
-            if upstream.content_length is not None and not sniffer.is_sse:
-                resp.content_length = upstream.content_length
+            decided = self.cfg.decision_headers
+            headers = filter_headers(upstream.headers, _RELAY_DROP_DECIDED if decided else _RELAY_DROP)
+            if decided:
+                headers += [(REPLICA_HEADER, lease.replica_id), (REASON_HEADER, str(lease.reason))]
+            # headers leave with the first chunk: the request id is set now
+            if not any(k.lower() == _REQUEST_ID_LOWER for k, _ in headers):
+                headers.append((REQUEST_ID_HEADER, self.request_id))
             self.p.status = upstream.status
             self.p.stream = sniffer.is_sse
+            ds = self.ds
             last_tail = b""
             try:
                 t = clock.now()
-                await resp.prepare(self.request)  # headers leave with the first body bytes
+                await ds.begin(
+                    upstream.status,
+                    headers,
+                    upstream.content_length if not sniffer.is_sse else None,
+                )
                 self.p.sent = True
                 chunk = first
                 last = b""  # the body's final piece: sent with the end of the response, one write
@@ -360,7 +432,7 @@ class _Proxy:
                         if upstream.at_eof():
                             last = chunk
                             break
-                        await resp.write(chunk)
+                        await ds.write(chunk)
                         last_tail = (last_tail + chunk)[-2:]
                     self.p.write_wait_s += clock.now() - t
                     if self.p.ttft_s is None:
@@ -374,14 +446,14 @@ class _Proxy:
                 done = True
                 upstream.release()
                 self.p.ok = 200 <= upstream.status < 300
-                await resp.write_eof(last)
+                await ds.end(last)
                 # learnt once the client has its last byte: usage parsing is off the latency path
                 # (a client that hangs up during this last write still counts as not ok, below)
                 completion = self._completion(sniffer, ok=self.p.ok)
                 self.p.write_wait_s += clock.now() - t
                 if self.p.ttft_s is None:
                     self.p.ttft_s = clock.now() - self.p.t0
-                return resp
+                return
             except UpstreamError as exc:
                 # after the first byte: never retried (rule 4)
                 self.p.error = exc.code
@@ -390,21 +462,15 @@ class _Proxy:
                 if sniffer.is_sse:
                     sep = b"" if last_tail == b"\n\n" else b"\n\n"
                     msg = f"upstream {lease.replica_id} failed mid-stream: {exc.code}"
-                    await resp.write(
-                        sep + sse_error_event(msg, 504 if isinstance(exc, UpstreamTimeoutError) else 502)
-                    )
-                    await resp.write_eof()
+                    await ds.end(sep + sse_error_event(msg, 504 if isinstance(exc, UpstreamTimeoutError) else 502))
                 else:
-                    resp.force_close()
-                    transport = self.request.transport
-                    if transport is not None:
-                        transport.close()
-                return resp
+                    ds.cut()
+                return
             except ConnectionResetError:
                 # the client went away while we wrote (handler not cancelled): stop at once
                 self.p.client_gone = True
                 completion = self._completion(sniffer, ok=False)
-                return resp
+                return
         except UpstreamError as exc:
             self.p.error = exc.code
             raise
@@ -491,35 +557,47 @@ def _drop_with(header: str) -> frozenset[str]:
 
 
 def _forward_headers(
-    request: web.Request, cfg: GatewayConfig, session_id: str | None, request_id: str
+    headers: Mapping[str, str] | CIMultiDictProxy[str] | CIMultiDict[str],
+    remote: str | None,
+    cfg: GatewayConfig,
+    session_id: str | None,
+    request_id: str,
 ) -> list[tuple[str, str]]:
     drop = _FORWARD_DROP
     if cfg.routing_key_header and session_id is not None:
         drop = _drop_with(cfg.routing_key_header)
-    out = filter_headers(request.headers.items(), drop)
+    out = filter_headers(headers.items(), drop)
     if cfg.routing_key_header and session_id is not None:
         out.append((cfg.routing_key_header, session_id))
-    prior = request.headers.get("X-Forwarded-For")
-    peer = request.remote or ""
+    prior = headers.get("X-Forwarded-For")
+    peer = remote or ""
     if peer:
         out.append(("X-Forwarded-For", f"{prior}, {peer}" if prior else peer))
     out.append((REQUEST_ID_HEADER, request_id))
     return out
 
 
-async def handle_inference(request: web.Request) -> web.StreamResponse:
-    rt = request.app[RUNTIME_KEY]
+async def serve_inference(
+    rt: GatewayRuntime,
+    route: str,
+    headers: CIMultiDictProxy[str] | CIMultiDict[str],
+    remote: str | None,
+    request_id: str,
+    read_body: Callable[[], Awaitable[bytes]],
+    downstream: Downstream,
+) -> None:
+    """One inference request, whichever server received it: session key, body, route, forward,
+    relay to ``downstream``. Errors before the first byte reached the client raise
+    ``KvrouteError`` (the server renders them as OpenAI-style JSON)."""
     cfg = rt.config
     clock = rt.clock
     prog = _Progress(t0=clock.now())
-    request_id = request[REQUEST_ID_KEY]
-    route = request.path
     req: RouteRequest | None = None
     rt.in_flight += 1
     rt.counters["requests"] += 1
     try:
-        session_id = session_id_from_headers(request.headers, cfg)
-        body = await read_body_limited(request, cfg.limits.max_body_bytes)
+        session_id = session_id_from_headers(headers, cfg)
+        body = await read_body()
         prog.t0 = clock.now()  # the client's upload time is not ours
         key, source, model = _routing_key(session_id, body, route, rt.policy)
         req = RouteRequest(
@@ -529,9 +607,10 @@ async def handle_inference(request: web.Request) -> web.StreamResponse:
             model=model,
             prompt_tokens_estimate=len(body) // 4,
         )
-        proxy = _Proxy(request, rt, body, req, _forward_headers(request, cfg, session_id, request_id), prog)
+        fwd = _forward_headers(headers, remote, cfg, session_id, request_id)
+        proxy = _Proxy(downstream, request_id, rt, body, req, fwd, prog)
         try:
-            return await proxy.run()
+            await proxy.run()
         except BaseException as exc:
             if isinstance(exc, asyncio.CancelledError):
                 prog.client_gone = True
@@ -570,6 +649,25 @@ async def handle_inference(request: web.Request) -> web.StreamResponse:
                     error=prog.error,
                 )
             )
+
+
+async def handle_inference(request: web.Request) -> web.StreamResponse:
+    """The inference routes on aiohttp's server (``downstream.server: aiohttp``, and requests the
+    raw data plane hands over)."""
+    rt = request.app[RUNTIME_KEY]
+    limit = rt.config.limits.max_body_bytes
+    ds = AiohttpDownstream(request)
+    await serve_inference(
+        rt,
+        request.path,
+        request.headers,
+        request.remote,
+        request[REQUEST_ID_KEY],
+        lambda: read_body_limited(request, limit),
+        ds,
+    )
+    assert ds.response is not None, "serve_inference returned without a response"
+    return ds.response
 
 
 # ---- small routes ----------------------------------------------------------------------------------

@@ -46,9 +46,12 @@ __all__ = [
     "error_middleware",
     "error_payload",
     "error_response",
+    "kvroute_error_status",
     "make_gateway_middleware",
     "read_body_limited",
+    "request_id_for",
     "request_id_middleware",
+    "route_label",
     "set_request_id_header",
 ]
 
@@ -59,8 +62,15 @@ REQUEST_ID_KEY = web.RequestKey("kvroute_request_id", str)
 _SANE_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-ResponseObserver = Callable[[web.Request, "int | str"], None]
-"""Called once per request with its final status (``"error"``: an exception escaped)."""
+ResponseObserver = Callable[[str, str, "int | str"], None]
+"""Called once per request with its route (the matched resource's template, ``"unmatched"``, never
+the raw path), method and final status (``"error"``: an exception escaped)."""
+
+
+def route_label(request: web.Request) -> str:
+    """The route a response is counted under: the matched resource's template, never the raw path."""
+    resource = request.match_info.route.resource
+    return resource.canonical if resource is not None else "unmatched"
 
 
 class _RequestIds:
@@ -83,6 +93,11 @@ class _RequestIds:
 
 _ids = _RequestIds()
 os.register_at_fork(after_in_child=_ids.reseed)
+
+
+def request_id_for(given: str | None) -> str:
+    """The request's id: the client's ``X-Request-Id`` if it is a sane token, else a fresh one."""
+    return given if given and _SANE_ID.match(given) else _ids.next()
 
 _HTTP_TYPES = {
     400: ("invalid_request_error", "bad_request"),
@@ -110,17 +125,18 @@ def error_response(
     return web.json_response(error_payload(message, error_type, code), status=status, headers=hdrs)
 
 
+def kvroute_error_status(exc: KvrouteError) -> int:
+    """The status a ``KvrouteError`` answers with (a replica's own 5xx becomes 502)."""
+    return 502 if isinstance(exc, UpstreamStatusError) else exc.status
+
+
 def _from_kvroute(exc: KvrouteError) -> web.Response:
-    status = exc.status
-    if isinstance(exc, UpstreamStatusError):
-        status = 502
-    return error_response(status, str(exc) or exc.code, exc.error_type, exc.code)
+    return error_response(kvroute_error_status(exc), str(exc) or exc.code, exc.error_type, exc.code)
 
 
 @web.middleware
 async def request_id_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    given = request.headers.get(REQUEST_ID_HEADER, "")
-    rid = given if given and _SANE_ID.match(given) else _ids.next()
+    rid = request_id_for(request.headers.get(REQUEST_ID_HEADER))
     request[REQUEST_ID_KEY] = rid
     token = set_request_id(rid)  # every log line of this request names it
     try:
@@ -177,13 +193,17 @@ class GatewayMiddleware:
     def add_observer(self, observer: ResponseObserver) -> None:
         self.observers = (*self.observers, observer)
 
-    def _observe(self, request: web.Request, status: int | str) -> None:
+    def observe(self, route: str, method: str, status: int | str) -> None:
+        """Count one response that did not pass through aiohttp (the raw data plane's)."""
         for obs in self.observers:
-            obs(request, status)
+            obs(route, method, status)
+
+    def _observe(self, request: web.Request, status: int | str) -> None:
+        if self.observers:
+            self.observe(route_label(request), request.method, status)
 
     async def __call__(self, request: web.Request, handler: Handler) -> web.StreamResponse:
-        given = request.headers.get(REQUEST_ID_HEADER, "")
-        rid = given if given and _SANE_ID.match(given) else _ids.next()
+        rid = request_id_for(request.headers.get(REQUEST_ID_HEADER))
         request[REQUEST_ID_KEY] = rid
         token = set_request_id(rid)  # every log line of this request names it
         try:

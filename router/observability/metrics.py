@@ -426,20 +426,19 @@ class GatewayMetrics:
         elif isinstance(event, StoreRecovered):
             pass
 
-    def response_observer(self) -> Callable[[Any, int | str], None]:
-        """``(request, status)`` -> count one HTTP response (route = the matched resource, never the
-        raw path); what :meth:`http_middleware` runs, for a middleware that already wraps every
-        request (``router.gateway.middleware.GatewayMiddleware``)."""
+    def response_observer(self) -> Callable[[str, str, int | str], None]:
+        """``(route, method, status)`` -> count one HTTP response (route = the matched resource's
+        template, never the raw path); what :meth:`http_middleware` runs, for a server layer that
+        already wraps every request (``router.gateway.middleware.GatewayMiddleware``, the raw data
+        plane)."""
         counter = self.http_responses
         children: dict[tuple[str, str, int | str], Any] = {}  # labels() costs more than inc()
 
-        def observe(request: Any, status: int | str) -> None:
-            resource = request.match_info.route.resource
-            route = resource.canonical if resource is not None else "unmatched"
-            key = (route, request.method, status)
+        def observe(route: str, method: str, status: int | str) -> None:
+            key = (route, method, status)
             child = children.get(key)
             if child is None:
-                child = children[key] = counter.labels(route, request.method, str(status))
+                child = children[key] = counter.labels(route, method, str(status))
             child.inc()
 
         return observe
@@ -451,6 +450,8 @@ class GatewayMetrics:
         it into its own middleware rather than running one more layer per request."""
         from aiohttp import web
 
+        from router.gateway.middleware import route_label
+
         observe = self.response_observer()
 
         @web.middleware
@@ -458,12 +459,12 @@ class GatewayMetrics:
             try:
                 resp: web.StreamResponse = await handler(request)
             except web.HTTPException as exc:
-                observe(request, exc.status)
+                observe(route_label(request), request.method, exc.status)
                 raise
             except BaseException:
-                observe(request, "error")
+                observe(route_label(request), request.method, "error")
                 raise
-            observe(request, resp.status)
+            observe(route_label(request), request.method, resp.status)
             return resp
 
         http_metrics.response_observer = observe  # type: ignore[attr-defined]
