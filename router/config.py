@@ -52,6 +52,7 @@ from router.store.base import StoreConfig
 __all__ = [
     "DEFAULT_SESSION_HEADERS",
     "ENV_PREFIX",
+    "DownstreamConfig",
     "GatewayConfig",
     "HealthConfig",
     "LimitsConfig",
@@ -134,6 +135,17 @@ class UpstreamConfig(BaseModel):
     client: Literal["raw", "aiohttp"] = "raw"
 
 
+class DownstreamConfig(BaseModel):
+    """The HTTP server the gateway's clients talk to."""
+
+    model_config = _FROZEN
+
+    # raw: the inference routes on asyncio protocols + httptools (router/gateway/dataplane.py), every
+    # other request handed to aiohttp on the same connection; aiohttp: everything on aiohttp's server
+    server: Literal["raw", "aiohttp"] = "raw"
+    keepalive_s: float = Field(75.0, gt=0)  # an idle client connection closes after this long
+
+
 _STORE_DEFAULTS = StoreConfig()
 
 
@@ -209,6 +221,7 @@ class GatewayConfig(BaseSettings):
     max_connections: int = Field(1024, ge=1)  # upstream connection pool, all replicas
     max_connections_per_replica: int = Field(0, ge=0)  # 0 = no per-replica cap
     upstream: UpstreamConfig = Field(default_factory=UpstreamConfig)
+    downstream: DownstreamConfig = Field(default_factory=DownstreamConfig)  # type: ignore[arg-type]
     models_cache_s: float = Field(5.0, ge=0)  # GET /v1/models is merged from replicas and cached
     store: StoreSettings = Field(default_factory=StoreSettings)  # type: ignore[arg-type]
     redis_url: str | None = None
@@ -519,6 +532,11 @@ def build_arg_parser(prog: str = "kvroute serve") -> argparse.ArgumentParser:
         choices=("raw", "aiohttp"),
         help="HTTP client towards replicas: raw (httptools pool, default) or aiohttp",
     )
+    p.add_argument(
+        "--downstream-server",
+        choices=("raw", "aiohttp"),
+        help="HTTP server of the inference routes: raw (httptools data plane, default) or aiohttp",
+    )
     p.add_argument("--redis", "--redis-url", dest="redis_url", metavar="URL", help="shared state in Redis")
     p.add_argument(
         "--admin-token", metavar="TOKEN", help="bearer token of the /admin API (or KVROUTE_ADMIN_TOKEN)"
@@ -585,6 +603,8 @@ def _cli_values(argv: Sequence[str]) -> tuple[dict[str, Any], str | None]:
         _set_path(out, key, yaml.safe_load(raw) if raw else "", f"--set {key}")
     if "upstream_client" in ns:
         _set_path(out, "upstream.client", ns.pop("upstream_client"), "--upstream-client")
+    if "downstream_server" in ns:
+        _set_path(out, "downstream.server", ns.pop("downstream_server"), "--downstream-server")
     out.update(ns)
     return out, config_path
 

@@ -34,7 +34,14 @@ from router.gateway.handlers import (
     handle_models,
     handle_ready,
 )
-from router.gateway.keys import CONFIG_KEY, EMITTER_KEY, RUNTIME_KEY, STORE_KEY, GatewayRuntime
+from router.gateway.keys import (
+    CONFIG_KEY,
+    EMITTER_KEY,
+    MIDDLEWARE_KEY,
+    RUNTIME_KEY,
+    STORE_KEY,
+    GatewayRuntime,
+)
 from router.gateway.middleware import GatewayMiddleware
 from router.gateway.upstream_raw import RawReplicaClient
 from router.policy import Policy
@@ -43,6 +50,7 @@ from router.store.base import StateStore
 __all__ = [
     "CONFIG_KEY",
     "EMITTER_KEY",
+    "MIDDLEWARE_KEY",
     "RUNTIME_KEY",
     "STORE_KEY",
     "GatewayRuntime",
@@ -95,6 +103,7 @@ def make_app(
     app[STORE_KEY] = store
     app[EMITTER_KEY] = emitter
     app[RUNTIME_KEY] = rt
+    app[MIDDLEWARE_KEY] = gateway_mw
 
     for path in INFERENCE_ROUTES:
         app.router.add_post(path, handle_inference)

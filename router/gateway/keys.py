@@ -17,15 +17,17 @@ from aiohttp import web
 from router.clock import Clock
 from router.config import GatewayConfig
 from router.events import Emitter
+from router.gateway.middleware import GatewayMiddleware
 from router.policy import Policy
 from router.store.base import StateStore
 
 if TYPE_CHECKING:
     from router.discovery import Discovery
+    from router.gateway.dataplane import DataPlane
     from router.gateway.egress import EgressGuard
     from router.gateway.forward import ReplicaClient
 
-__all__ = ["CONFIG_KEY", "EMITTER_KEY", "RUNTIME_KEY", "STORE_KEY", "GatewayRuntime"]
+__all__ = ["CONFIG_KEY", "EMITTER_KEY", "MIDDLEWARE_KEY", "RUNTIME_KEY", "STORE_KEY", "GatewayRuntime"]
 
 
 @dataclass(slots=True)
@@ -39,6 +41,7 @@ class GatewayRuntime:
     client: ReplicaClient | None = None  # set by the client cleanup_ctx
     discovery: Discovery | None = None
     egress: EgressGuard | None = None  # replica URLs outside the allowed networks are refused (None = no check)
+    data_plane: DataPlane | None = None  # the raw listener (downstream.server: raw), set once it listens
     draining: bool = False  # shutting down: /ready answers 503
     models_body: dict[str, Any] | None = None
     models_at: float = float("-inf")
@@ -52,3 +55,4 @@ CONFIG_KEY = web.AppKey("kvroute_config", GatewayConfig)
 STORE_KEY = web.AppKey("kvroute_store", StateStore)
 EMITTER_KEY = web.AppKey("kvroute_emitter", Emitter)
 RUNTIME_KEY = web.AppKey("kvroute_runtime", GatewayRuntime)
+MIDDLEWARE_KEY = web.AppKey("kvroute_middleware", GatewayMiddleware)  # its observers count every response

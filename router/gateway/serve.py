@@ -8,6 +8,10 @@ Rules:
      ``timeouts.shutdown_s`` to finish, then the rest is cancelled (their load is released).
   4. Once listening, the start-up heap is frozen out of the cyclic GC (``gc.freeze``): a full
      collection then walks only what serving allocated, not ~56k start-up objects (19 ms to walk).
+  5. The listener is the raw data plane (``downstream.server: raw``, router/gateway/dataplane.py):
+     inference routes on httptools, everything else handed to aiohttp on the same connection. When
+     the app has middlewares of its own (tracing), or with ``downstream.server: aiohttp``, aiohttp's
+     server takes every request.
 """
 
 from __future__ import annotations
@@ -34,8 +38,9 @@ from router.errors import ConfigError
 from router.eventloop import event_loop_factory
 from router.events import Hook
 from router.gateway.app import SetupFn, make_app
+from router.gateway.dataplane import DataPlane, DataPlaneSite
 from router.gateway.forward import ReplicaClient
-from router.gateway.keys import RUNTIME_KEY, GatewayRuntime
+from router.gateway.keys import MIDDLEWARE_KEY, RUNTIME_KEY, GatewayRuntime
 from router.policy import Policy
 from router.store.base import StateStore
 
@@ -127,19 +132,39 @@ async def start_gateway(
         trace_configs=trace_configs,
     )
     want_access_log = config.access_log if access_log is None else access_log
+    access_logger = logging.getLogger("kvroute.access") if want_access_log else None
     runner = _JsonErrorsAppRunner(
         app,
         handler_cancellation=True,
         shutdown_timeout=config.timeouts.shutdown_s,
-        access_log=logging.getLogger("kvroute.access") if want_access_log else None,
+        access_log=access_logger,
+        keepalive_timeout=config.downstream.keepalive_s,
     )
     await runner.setup()
-    site = web.TCPSite(runner, config.host, config.port, reuse_address=True, ssl_context=ssl_context)
+    gateway_mw = app[MIDDLEWARE_KEY]
+    site: web.BaseSite
+    plane: DataPlane | None = None
+    # rule 5: the raw data plane unless aiohttp must see every request (tracing's server spans)
+    if config.downstream.server == "raw" and all(m is gateway_mw for m in app.middlewares):
+        assert runner.server is not None
+        plane = DataPlane(
+            app[RUNTIME_KEY],
+            gateway_mw,
+            runner.server,
+            access_log=access_logger,
+            keepalive_s=config.downstream.keepalive_s,
+        )
+        site = DataPlaneSite(runner, plane, config.host, config.port, ssl_context=ssl_context)
+    else:
+        site = web.TCPSite(runner, config.host, config.port, reuse_address=True, ssl_context=ssl_context)
     try:
         await site.start()
     except OSError:
+        if plane is not None:
+            await plane.close()
         await runner.cleanup()
         raise
+    app[RUNTIME_KEY].data_plane = plane
     port = int(runner.addresses[0][1])
     host = config.host if config.host not in ("0.0.0.0", "::", "") else "127.0.0.1"
     scheme = "https" if ssl_context is not None else "http"
@@ -211,6 +236,8 @@ async def shutdown(runner: web.AppRunner, app: web.Application) -> None:
         await site.stop()  # stop accepting; established keep-alive connections may still finish
     while rt.in_flight > 0 and rt.clock.now() < deadline:
         await asyncio.sleep(0.05)
+    if rt.data_plane is not None:
+        await rt.data_plane.close()  # what is still running is cancelled (its load released)
     await runner.cleanup()
 
 
