@@ -55,11 +55,17 @@ class PeerSpec:
     binary: str  # console script name ("kvroute", "smg", "vllm-router"; "python" for the floor)
     fresh_connections: bool = False  # drive it with a new TCP connection per request
     note: str = ""
+    args: tuple[str, ...] = ()  # extra arguments of its command line (kvroute: `kvroute serve` flags)
 
 
 PEERS: dict[str, PeerSpec] = {
     "kvroute": PeerSpec("kvroute kv_aware", "kvroute", "kv_aware", "kvroute"),
     "kvroute-hash": PeerSpec("kvroute hash", "kvroute", "hash", "kvroute"),
+    # the gateway as it served the inference routes before the raw data plane (docs/BENCHMARKS.md)
+    "kvroute-aiohttp": PeerSpec(
+        "kvroute kv_aware (aiohttp server)", "kvroute", "kv_aware", "kvroute",
+        note="downstream.server: aiohttp", args=("--downstream-server", "aiohttp"),
+    ),
     # sglang-router delays every SSE response on a reused keep-alive connection by ~40 ms
     # (peers.md §3.8): drive it with fresh connections so the comparison does not flatter us.
     "sglang-cache_aware": PeerSpec(
@@ -108,7 +114,7 @@ def peer_argv(
         argv = [binary, "serve", "--host", "127.0.0.1", "--port", str(port), "--policy", spec.policy]
         for u in worker_urls:
             argv += ["--replica", u]
-        return argv + list(extra)
+        return argv + list(spec.args) + list(extra)
     if spec.kind == "floor":
         return [binary, "-m", "loadtests.floor_proxy", "--port", str(port), "--replica", worker_urls[0], *extra]
     prom = str(free_port())

@@ -10,7 +10,8 @@ before. docs/BENCHMARKS.md round 12 has the measurements.
 
 Rules:
   1. One :class:`DataPlaneProtocol` per client connection. Its requests are served one at a time,
-     in order; pipelined requests queue (reading pauses once ``_MAX_QUEUED`` wait).
+     in order; pipelined requests queue (reading pauses once ``_MAX_QUEUED`` wait, or their bodies
+     add up to more than ``max_body_bytes``).
   2. ``POST`` to an inference route (the request target's path exactly ``INFERENCE_ROUTES``, query
      ignored) runs :func:`router.gateway.handlers.serve_inference` with the connection as its
      ``Downstream``: the same routing, retries, events and errors as on aiohttp's server.
@@ -28,10 +29,11 @@ Rules:
      sum of those limits, so the parser never buffers more.
   5. A client that disconnects cancels its request's task (aiohttp's ``handler_cancellation``):
      the upstream response is closed at once and the lease released (``handlers`` rule 3).
-  6. Keep-alive as HTTP/1.1 says (``httptools``' ``should_keep_alive``); an idle connection (no
-     request in progress) is closed after ``keepalive_s`` without a byte, counted from its last
-     response or its start (aiohttp: 75 s). While the gateway shuts down, answers carry
-     ``Connection: close``.
+  6. Keep-alive as HTTP/1.1 says (``httptools``' ``should_keep_alive``); a connection with no
+     request being served is closed after ``keepalive_s`` without a byte (counted from its last
+     response or its start; aiohttp: 75 s), or when a request head begun ``keepalive_s`` ago is
+     still not whole (a head trickled a byte at a time). While the gateway shuts down, answers
+     carry ``Connection: close``.
   7. Status and headers leave with the first body bytes; chunked framing for bodies of unknown
      length on HTTP/1.1 (HTTP/1.0: delimited by closing the connection). ``write`` waits while the
      transport is paused (its buffer over the high-water mark).
@@ -211,8 +213,10 @@ class DataPlaneProtocol(asyncio.Protocol):
         self._peer: str | None = None
         self._cur: _Request | None = None  # being parsed
         self._head_bytes = 0  # bytes received while the current head is incomplete (rule 4)
+        self._head_started = 0.0
         self._refusal: _Refused | None = None
         self._queue: deque[_Request | _Raw | _Final] = deque()
+        self._queued_bytes = 0  # request bodies waiting in the queue (rule 1)
         self._feeding = False
         self._dead = False  # refused or upgraded: this parser reads no more
         self._upgraded = False
@@ -275,6 +279,7 @@ class DataPlaneProtocol(asyncio.Protocol):
         self._closed = True
         self._plane.conns.discard(self)
         self._queue.clear()
+        self._queued_bytes = 0
         if self._aio is not None and not self._switched:
             self._aio.connection_lost(exc)
         task = self._task
@@ -298,6 +303,7 @@ class DataPlaneProtocol(asyncio.Protocol):
     def on_message_begin(self) -> None:
         self._cur = _Request()
         self._head_bytes = 0
+        self._head_started = self._loop.time()
 
     def on_url(self, url: bytes) -> None:
         r = self._cur
@@ -357,7 +363,10 @@ class DataPlaneProtocol(asyncio.Protocol):
         assert r is not None
         self._cur = None
         self._queue.append(r)
-        if len(self._queue) >= _MAX_QUEUED and not self._reading_paused and self.transport is not None:
+        self._queued_bytes += r.size
+        if (
+            len(self._queue) >= _MAX_QUEUED or self._queued_bytes > self._max_body
+        ) and not self._reading_paused and self.transport is not None:
             self._reading_paused = True
             self.transport.pause_reading()
         self._serve_queue()
@@ -426,14 +435,27 @@ class DataPlaneProtocol(asyncio.Protocol):
 
     @property
     def idle(self) -> bool:
-        """No request in progress, queued or half-received (the keep-alive sweep may close it)."""
+        """No request in progress, queued or half-received: shutdown closes it at once."""
         return self._task is None and not self._queue and self._cur is None and not self._switched
+
+    def expired(self, horizon: float) -> bool:
+        """For the keep-alive sweep (rule 6): nothing served or queued, and either no byte since
+        ``horizon`` or a request head begun before it and still not whole (a head trickled in a
+        byte at a time does not keep a connection forever)."""
+        if self._task is not None or self._queue or self._switched:
+            return False
+        if self._cur is not None and self._head_bytes >= 0:
+            return self._head_started < horizon
+        return self.last_active < horizon
 
     def _serve_queue(self) -> None:
         while self._queue and self._task is None and not self._closed:
             item = self._queue.popleft()
+            if isinstance(item, _Request):
+                self._queued_bytes -= item.size
             if isinstance(item, _Final):
                 self._queue.clear()
+                self._queued_bytes = 0
                 if self._aio is None:
                     self._write_and_close(item.data)
                 else:  # aiohttp holds the connection's earlier requests: it closes it
@@ -445,7 +467,12 @@ class DataPlaneProtocol(asyncio.Protocol):
                 self._to_aiohttp(item.serialise())
             else:
                 self._task = self._loop.create_task(self._serve(item))
-        if self._reading_paused and len(self._queue) < _MAX_QUEUED and self.transport is not None:
+        if (
+            self._reading_paused
+            and len(self._queue) < _MAX_QUEUED
+            and self._queued_bytes <= self._max_body
+            and self.transport is not None
+        ):
             self._reading_paused = False
             self.transport.resume_reading()
         self._maybe_switch()
@@ -568,6 +595,8 @@ class DataPlaneProtocol(asyncio.Protocol):
             head.append("Connection: keep-alive\r\n")
         self._keep = keep
         self._status = status
+        # no name or value here holds a line break: a replica's were parsed by httptools, ours are
+        # sanitised (request ids) or checked (handlers._decision_headers)
         self._head = b"".join(
             (_status_line(r.version, status), "".join(head).encode("utf-8", "surrogateescape"), b"\r\n")
         )
@@ -678,7 +707,7 @@ class DataPlane:
         while True:
             await asyncio.sleep(period)
             horizon = self.loop.time() - self.keepalive_s
-            for conn in [c for c in self.conns if c.idle and c.last_active < horizon]:
+            for conn in [c for c in self.conns if c.expired(horizon)]:
                 conn.close()
 
     def stop_accepting(self) -> None:

@@ -345,7 +345,7 @@ class _Proxy:
             self.p.status = exc.upstream_status
             headers = [("Content-Type", self.p.error_content_type or "application/json")]
             if self.cfg.decision_headers and self.p.replica_id is not None and self.p.reason is not None:
-                headers += [(REPLICA_HEADER, self.p.replica_id), (REASON_HEADER, str(self.p.reason))]
+                headers += _decision_headers(self.p.replica_id, self.p.reason)
             headers.append((REQUEST_ID_HEADER, self.request_id))
             await self.ds.begin(exc.upstream_status, headers, len(exc.body))
             self.p.sent = True
@@ -408,7 +408,7 @@ class _Proxy:
             decided = self.cfg.decision_headers
             headers = filter_headers(upstream.headers, _RELAY_DROP_DECIDED if decided else _RELAY_DROP)
             if decided:
-                headers += [(REPLICA_HEADER, lease.replica_id), (REASON_HEADER, str(lease.reason))]
+                headers += _decision_headers(lease.replica_id, lease.reason)
             # headers leave with the first chunk: the request id is set now
             if not any(k.lower() == _REQUEST_ID_LOWER for k, _ in headers):
                 headers.append((REQUEST_ID_HEADER, self.request_id))
@@ -538,6 +538,15 @@ class _Proxy:
                 cached_tokens=completion.cached_tokens or 0,
             )
         )
+
+
+def _decision_headers(replica_id: str, reason: Reason) -> list[tuple[str, str]]:
+    """``X-Kvroute-Replica`` / ``X-Kvroute-Reason``. A replica id comes from the registry (a
+    sidecar's entry in Redis is not validated as the admin API's are): one with a line break in it
+    would split the response head, so it is left out."""
+    if "\r" in replica_id or "\n" in replica_id:
+        return [(REASON_HEADER, str(reason))]
+    return [(REPLICA_HEADER, replica_id), (REASON_HEADER, str(reason))]
 
 
 def _with_excluded(req: RouteRequest, excluded: set[str]) -> RouteRequest:

@@ -1,5 +1,6 @@
 """The raw data plane (router/gateway/dataplane.py) over real sockets: the HTTP/1.1 behaviour of its
-own server and the handover of other requests to aiohttp on the same connection.
+own server and the handover of other requests to aiohttp on the same connection. Every test runs on
+the standard event loop and on uvloop (what ``kvroute serve`` runs on: its transports differ).
 
 The gateway behaviour both servers share (routing, retries, streams, errors, disconnects) is
 tests/router/test_gateway_functional.py, which runs once per ``downstream.server``.
@@ -20,6 +21,15 @@ from aiohttp import web
 from tests.router.conftest import wait_for
 
 CHAT = "/v1/chat/completions"
+
+
+@pytest.fixture(scope="module", params=["asyncio", "uvloop"])
+def event_loop_policy(request: pytest.FixtureRequest) -> asyncio.AbstractEventLoopPolicy:
+    if request.param == "uvloop":
+        import uvloop
+
+        return uvloop.EventLoopPolicy()
+    return asyncio.DefaultEventLoopPolicy()
 
 
 def _body(stream: bool = False, n: int = 0) -> bytes:
@@ -105,9 +115,13 @@ class Conn:
         return head
 
     async def closed(self, timeout_s: float = 5.0) -> bool:
+        """The gateway closed the connection (an end of stream, or a reset: it had unread bytes)."""
         async with asyncio.timeout(timeout_s):
             while True:
-                chunk = await self.reader.read(65536)
+                try:
+                    chunk = await self.reader.read(65536)
+                except ConnectionResetError:
+                    return True
                 if not chunk:
                     return True
 
@@ -227,6 +241,24 @@ async def test_idle_connections_are_closed(fake_replicas: Any, gateway_factory: 
     slow = await Conn.open(gw.port)
     await slow.send(_chat("s1", "b"))
     assert (await slow.response(3.0)).status == 200
+
+
+async def test_a_trickled_head_does_not_hold_a_connection(fake_replicas: Any, gateway_factory: Any) -> None:
+    (rep,) = await fake_replicas(1)
+    gw = await gateway_factory([rep.url], downstream={"keepalive_s": 0.3})
+    c = await Conn.open(gw.port)
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    head = _chat("s1", "slow").split(b"\r\n\r\n")[0]
+    with contextlib.suppress(ConnectionError):
+        for i in range(len(head)):  # a byte every 50 ms: never 0.3 s without one
+            await c.send(head[i : i + 1])
+            await asyncio.sleep(0.05)
+            if c.reader.at_eof():
+                break
+    assert await c.closed(2.0)
+    assert loop.time() - start < 2.0  # well before the head would have been whole (~10 s)
+    assert rep.state.requests == []
 
 
 async def test_limits_are_refused_before_the_body_is_read(fake_replicas: Any, gateway_factory: Any) -> None:

@@ -522,6 +522,20 @@ async def test_ready_and_health(fake_replicas: Any, gateway_factory: Any) -> Non
         await wait_for(lambda: _status(gw, a.id, ReplicaStatus.ACTIVE))
 
 
+async def test_a_replica_id_with_a_line_break_never_reaches_the_head(
+    fake_replicas: Any, gateway_factory: Any
+) -> None:
+    (rep,) = await fake_replicas(1)
+    gw = await gateway_factory([])
+    # a registry entry (a sidecar's, in Redis) whose id would split the head as a decision header
+    await gw.store.upsert_replica(ReplicaSpec(id="evil\r\nSet-Cookie: a=b", url=rep.url), ReplicaStatus.ACTIVE)
+    async with aiohttp.ClientSession() as s:
+        status, body, h = await _post(s, gw.url + "/v1/chat/completions", _body("/v1/chat/completions", False), "s1")
+    assert status == 200 and json.loads(body)["choices"]
+    assert "Set-Cookie" not in h and "X-Kvroute-Replica" not in h
+    assert h["X-Kvroute-Reason"] == "placed_new"  # the other decision header is intact
+
+
 async def test_decision_headers_can_be_turned_off(fake_replicas: Any, gateway_factory: Any) -> None:
     (a,) = await fake_replicas(1)
     gw = await gateway_factory([a.url], decision_headers=False, routing_key_header="")
