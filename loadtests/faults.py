@@ -4,7 +4,7 @@
 ``kvroute bench faults``) starts, all on 127.0.0.1:
 
 - one ``kvroute emulate`` process per replica (so one can be SIGKILLed), small-test profile, fast clock;
-- a real ``redis-server`` behind a :class:`tests.hardening.tcp_proxy.TcpProxy` (added latency, cuts);
+- a real ``redis-server`` behind a :class:`loadtests.tcp_proxy.TcpProxy` (added latency, cuts);
 - two ``kvroute serve`` gateways sharing that Redis (so one can be SIGKILLed while the other serves);
 
 then runs closed-loop coding-agent-like sessions (growing history, SSE streams with usage) against the
@@ -33,7 +33,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -85,21 +85,25 @@ async def start_emulator(procs: Procs, time_scale: float) -> tuple[subprocess.Po
     url = await read_line(p.stdout)
     if not url.startswith("http://"):
         raise RuntimeError(f"emulator did not start: {url!r}")
+    procs.drain(p)
     return p, url
 
 
-async def start_gateway_proc(procs: Procs, replicas: list[str], redis_url: str, gid: str) -> tuple[subprocess.Popen[bytes], str]:
+async def start_gateway_proc(
+    procs: Procs, replicas: list[str], redis_url: str, gid: str, extra: Sequence[str] = ()
+) -> tuple[subprocess.Popen[bytes], str]:
     args = [PY, "-m", "router.cli", "serve", "--port", "0", "--redis", redis_url, "--gateway-id", gid, "--max-retries", "2"]
     for r in replicas:
         args += ["--replica", r]
     args += ["--set", "health.health_interval_s=0.2", "--set", "health.scrape_interval_s=0.2",
              "--set", "health.unhealthy_threshold=2", "--set", "health.healthy_threshold=1",
              "--set", "timeouts.first_byte_s=3", "--set", "timeouts.idle_read_s=3", "--set", "timeouts.connect_s=1",
-             "--set", "timeouts.shutdown_s=2", "--set", "store.lease_ttl_s=2"]  # fmt: skip
+             "--set", "timeouts.shutdown_s=2", "--set", "store.lease_ttl_s=2", *extra]  # fmt: skip
     p = procs.start(args, stderr_pipe=True)
     while True:
         line = await read_line(p.stderr)
         if "gateway listening on" in line:
+            procs.drain(p)  # its warnings (one per cut stream) must never fill the pipe
             return p, line.rsplit(" ", 1)[-1]
         if not line and p.poll() is not None:
             raise RuntimeError("gateway did not start")
@@ -208,8 +212,8 @@ class Fleet:
     procs: Procs
     emulators: dict[str, subprocess.Popen[bytes]]  # url -> process
     gateways: dict[str, subprocess.Popen[bytes]]  # url -> process
-    redis: Any  # tests.redis_server.RedisServer
-    proxy: Any  # tests.hardening.tcp_proxy.TcpProxy
+    redis: Any  # loadtests.redis_server.RedisServer
+    proxy: Any  # loadtests.tcp_proxy.TcpProxy
     redis_url: str  # through the proxy
     time_scale: float
 
@@ -361,10 +365,11 @@ async def run_campaign(
     settle_timeout_s: float = 15.0,
     chr_tolerance: float = 0.05,
     log: Callable[[str], None] | None = None,
+    gateway_args: Sequence[str] = (),
 ) -> dict[str, Any]:
     """Run the campaign; see the module docstring. Bounded: about ``(3 * phase_s + settle) * len(faults)``."""
-    from tests.hardening.tcp_proxy import TcpProxy
-    from tests.redis_server import RedisServer
+    from loadtests.redis_server import RedisServer
+    from loadtests.tcp_proxy import TcpProxy
 
     say = log or (lambda _m: None)
     procs = Procs({"KVROUTE_ADMIN_TOKEN": ADMIN_TOKEN})
@@ -375,7 +380,9 @@ async def run_campaign(
         emus = await asyncio.gather(*(start_emulator(procs, time_scale) for _ in range(replicas)))
         redis_url = f"redis://127.0.0.1:{proxy.port}/0"
         urls = [u for _, u in emus]
-        gws = await asyncio.gather(*(start_gateway_proc(procs, urls, redis_url, f"fgw{i}") for i in range(2)))
+        gws = await asyncio.gather(
+            *(start_gateway_proc(procs, urls, redis_url, f"fgw{i}", gateway_args) for i in range(2))
+        )
         fleet = Fleet(procs, {u: p for p, u in emus}, {u: p for p, u in gws}, redis, proxy, redis_url, time_scale)
         load = Load([u for _, u in gws], clients, seed, client_timeout_s)
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=3)
@@ -462,6 +469,10 @@ def cli_main(argv: list[str]) -> int:
         help="CHR after a fault may be this much below CHR before it and still count as recovered "
         "(short phases hold few requests: widen it for smoke runs)",
     )
+    p.add_argument(
+        "--gateway-arg", action="append", default=[], metavar="ARG",
+        help="extra `kvroute serve` argument of both gateways (repeatable), e.g. --gateway-arg=--downstream-server=aiohttp",
+    )
     a = p.parse_args(argv)
     faults = tuple(f.strip() for f in a.faults.split(",") if f.strip())
     bad = [f for f in faults if f not in ALL_FAULTS]
@@ -470,6 +481,7 @@ def cli_main(argv: list[str]) -> int:
         return 2
     out = asyncio.run(run_campaign(faults, replicas=a.replicas, clients=a.clients, phase_s=a.phase_s,
                                    time_scale=a.time_scale, seed=a.seed, chr_tolerance=a.chr_tolerance,
+                                   gateway_args=a.gateway_arg,
                                    log=lambda m: print(m, file=sys.stderr, flush=True)))  # fmt: skip
     text = json.dumps(out, indent=2)
     print(text)

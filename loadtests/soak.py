@@ -38,6 +38,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -153,13 +154,17 @@ def pct(xs: list[float], q: float) -> float | None:
     return round(s[min(len(s) - 1, int(q * len(s)))] * 1000, 2)
 
 
-async def start_gateway(procs: Procs, upstream: str, max_connections: int) -> tuple[subprocess.Popen[bytes], int]:
+async def start_gateway(
+    procs: Procs, upstream: str, max_connections: int, extra: Sequence[str] = ()
+) -> tuple[subprocess.Popen[bytes], int]:
     p = procs.start([PY, "-m", "router.cli", "serve", "--port", "0", "--replica", upstream,
                      "--set", f"max_connections={max_connections}", "--set", "health.health_interval_s=1",
-                     "--set", "timeouts.first_byte_s=60", "--set", "timeouts.idle_read_s=120"], stderr_pipe=True)  # fmt: skip
+                     "--set", "timeouts.first_byte_s=60", "--set", "timeouts.idle_read_s=120", *extra],
+                    stderr_pipe=True)  # fmt: skip
     while True:
         line = await read_line(p.stderr)
         if "gateway listening on" in line:
+            procs.drain(p)
             return p, int(line.rsplit(":", 1)[-1])
         if not line and p.poll() is not None:
             raise RuntimeError("gateway did not start")
@@ -295,7 +300,7 @@ async def slow_reader(port: int) -> asyncio.StreamWriter:
 
 async def run_soak(
     *, idle: int = 10_000, idle_streams: int = 3_000, active: int = 1_000, duration_s: float = 15.0,
-    pool_limit: int = 32, pool_burst: int = 300, log: Any = None,
+    pool_limit: int = 32, pool_burst: int = 300, log: Any = None, gateway_args: Sequence[str] = (),
 ) -> dict[str, Any]:
     say = log or (lambda _m: None)
     fd_limit = raise_fd_limit()
@@ -306,8 +311,11 @@ async def run_soak(
     try:
         up = procs.start([PY, "-m", "loadtests.soak", "--serve-upstream"])
         upstream = await read_line(up.stdout)
+        procs.drain(up)
         up_port = int(upstream.rsplit(":", 1)[1])
-        gw, port = await start_gateway(procs, upstream, max_connections=idle_streams + active + 256)
+        gw, port = await start_gateway(
+            procs, upstream, max_connections=idle_streams + active + 256, extra=gateway_args
+        )
         await asyncio.sleep(1.5)  # first health round: the upstream is ACTIVE
         warm = ActiveStats()
         await run_active(port, 50, 0.0, warm, once=True)
@@ -356,7 +364,7 @@ async def run_soak(
                               "stream_size_mb": round(500 * 60_000 / 1e6, 1)}  # fmt: skip
 
         say(f"upstream pool bound: max_connections={pool_limit}, {pool_burst} concurrent streams")
-        gw2, port2 = await start_gateway(procs, upstream, max_connections=pool_limit)
+        gw2, port2 = await start_gateway(procs, upstream, max_connections=pool_limit, extra=gateway_args)
         await asyncio.sleep(1.5)
         peak = 0
         sampling = True
@@ -397,6 +405,10 @@ def cli_main(argv: list[str]) -> int:
     p.add_argument("--duration-s", type=float, default=15.0)
     p.add_argument("--pool-limit", type=int, default=32)
     p.add_argument("--pool-burst", type=int, default=300)
+    p.add_argument(
+        "--gateway-arg", action="append", default=[], metavar="ARG",
+        help="extra `kvroute serve` argument of the soaked gateway (repeatable), e.g. --gateway-arg=--downstream-server=aiohttp",
+    )
     a = p.parse_args(argv)
     if a.serve_upstream:
         raise_fd_limit()
@@ -407,7 +419,7 @@ def cli_main(argv: list[str]) -> int:
         print("kvroute bench soak: need idle-streams <= idle, active >= 1, 0 < duration-s <= 600", file=sys.stderr)
         return 2
     out = asyncio.run(run_soak(idle=a.idle, idle_streams=a.idle_streams, active=a.active, duration_s=a.duration_s,
-                               pool_limit=a.pool_limit, pool_burst=a.pool_burst,
+                               pool_limit=a.pool_limit, pool_burst=a.pool_burst, gateway_args=a.gateway_arg,
                                log=lambda m: print(m, file=sys.stderr, flush=True)))  # fmt: skip
     print(json.dumps(out, indent=2))
     return 0 if out.get("ok") else 1

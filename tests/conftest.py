@@ -11,8 +11,8 @@ from collections.abc import Iterator
 
 import pytest
 
+from loadtests.redis_server import RedisCluster, RedisServer, RedisUnavailable
 from tests.ci import missing
-from tests.redis_server import RedisCluster, RedisServer, RedisUnavailable
 
 
 def _unavailable(reason: str) -> None:

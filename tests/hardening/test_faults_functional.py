@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -56,13 +57,15 @@ def test_cli_rejects_unknown_faults() -> None:
     assert p.returncode == 2 and "bad arguments" in p.stderr
 
 
-def test_cli_prints_json_for_one_fault() -> None:
+def test_cli_prints_json_for_one_fault(tmp_path: Path) -> None:
     # 1 s phases hold ~40 requests each: CHR before/after differ by a few hundredths by chance (seen in
     # CI: a 0.05 tolerance failed once), so this smoke run widens the tolerance; the campaign test
-    # above checks recovery at the default with longer phases
-    p = subprocess.run([sys.executable, "-m", "loadtests.faults", "--faults", "replica_503", "--replicas", "2",
+    # above checks recovery at the default with longer phases. The installed command, run outside the
+    # checkout, as a user runs it (it once imported its TCP proxy from tests/)
+    kvroute = str(Path(sys.executable).parent / "kvroute")
+    p = subprocess.run([kvroute, "bench", "faults", "--faults", "replica_503", "--replicas", "2",
                         "--clients", "4", "--phase-s", "1", "--chr-tolerance", "0.25"],
-                       capture_output=True, text=True, timeout=120, check=False)  # fmt: skip
+                       capture_output=True, text=True, timeout=120, check=False, cwd=tmp_path)  # fmt: skip
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     out = json.loads(p.stdout)
     assert out["bench"] == "faults" and [r["fault"] for r in out["faults"]] == ["replica_503"]

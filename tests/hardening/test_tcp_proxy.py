@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from tests.hardening.tcp_proxy import TcpProxy
+from loadtests.tcp_proxy import TcpProxy
 
 
 async def _echo_server() -> asyncio.Server:

@@ -12,6 +12,7 @@ import redis
 import redis.asyncio as aioredis
 from redis.crc import key_slot
 
+from loadtests.redis_server import RedisServer, RedisUnavailable, free_port
 from router.clock import VirtualClock
 from router.errors import StoreError
 from router.model import (
@@ -30,7 +31,6 @@ from router.store.keys import KeySpace, session_field
 from router.store.memory import MemoryStore
 from router.store.redis import RedisStore, StaleSession, make_redis_store
 from tests.ci import missing
-from tests.redis_server import RedisServer, RedisUnavailable, free_port
 
 A = ReplicaStatus.ACTIVE
 

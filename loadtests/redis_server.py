@@ -4,7 +4,8 @@ Rules:
   1. Every server listens on 127.0.0.1 on a free port, with persistence off (``--save "" --appendonly no``)
      and its files in a private temporary directory.
   2. ``RedisServer.restart()`` comes back on the *same* port, so clients holding the URL reconnect.
-  3. Nothing here is imported by the product; tests and ``loadtests/bench_redis.py`` use it.
+  3. Nothing here is imported by the gateway; the tests (their Redis fixtures) and ``kvroute bench
+     faults`` (a Redis it kills and restarts) use it.
 """
 
 from __future__ import annotations

@@ -10,7 +10,8 @@ ways. While it runs a test may:
 - ``cut_all()``: close every open connection (both sides), like a middlebox reset;
 - ``refuse = True``: new connections are closed at once.
 
-Nothing here is imported by the product; ``loadtests/faults.py`` and ``tests/hardening`` use it.
+Nothing here is imported by the gateway; ``kvroute bench faults`` (``loadtests/faults.py``) and
+``tests/hardening`` use it.
 """
 
 from __future__ import annotations
