@@ -5,9 +5,11 @@ Rule 2: ``forward.py`` is the only module that touches aiohttp's client and maps
 Rule 3: every ``store.acquire`` is matched by exactly one ``store.release``, whatever happens.
 Rule 4: ``serve.py`` is the only reader of argv, the environment and signals.
 
-Modules: ``app`` (``make_app``, app keys), ``handlers`` (routes), ``forward`` (upstream client, SSE
-relay, usage sniffer), ``middleware`` (request id, errors, limits), ``serve`` (``kvroute serve``,
-``start_gateway``), ``keys`` (typed app state), ``admin`` (``/admin`` sub-app).
+Modules: ``app`` (``make_app``, app keys), ``handlers`` (routes; ``serve_inference``, the inference
+core both servers run), ``dataplane`` (the raw HTTP/1.1 listener of the inference routes),
+``forward`` (upstream client, SSE relay, usage sniffer), ``upstream_raw`` (the raw upstream client),
+``middleware`` (request id, errors, limits), ``serve`` (``kvroute serve``, ``start_gateway``),
+``keys`` (typed app state), ``admin`` (``/admin`` sub-app).
 Submodules are imported explicitly (``from router.gateway.serve import start_gateway``) so that
 importing the package stays cheap.
 """
