@@ -438,6 +438,11 @@ class DataPlaneProtocol(asyncio.Protocol):
         """No request in progress, queued or half-received: shutdown closes it at once."""
         return self._task is None and not self._queue and self._cur is None and not self._switched
 
+    @property
+    def serving(self) -> asyncio.Task[None] | None:
+        """The task of the request being served, if any."""
+        return self._task
+
     def expired(self, horizon: float) -> bool:
         """For the keep-alive sweep (rule 6): nothing served or queued, and either no byte since
         ``horizon`` or a request head begun before it and still not whole (a head trickled in a
@@ -716,12 +721,17 @@ class DataPlane:
         for conn in [c for c in self.conns if c.idle]:
             conn.close()
 
-    async def close(self) -> None:
-        """Close every connection still open (their requests are cancelled) and stop the sweep."""
+    async def close(self, timeout_s: float = 5.0) -> None:
+        """Close every connection still open and stop the sweep. Requests still being served are
+        cancelled; this waits (bounded) until they have released their load, as aiohttp's server
+        waits for its handlers, so the store and the upstream client outlive them."""
         self.stop_accepting()
+        tasks = [t for c in self.conns if (t := c.serving) is not None]
         for conn in list(self.conns):
-            conn.close()
+            conn.close()  # connection_lost cancels its request
         self._sweeper.cancel()
+        if tasks:
+            await asyncio.wait(tasks, timeout=timeout_s)
         try:
             await self._sweeper
         except asyncio.CancelledError:

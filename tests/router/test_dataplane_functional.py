@@ -325,6 +325,24 @@ async def test_shutdown_finishes_requests_in_flight_and_closes_idle_connections(
     assert gw.runtime.in_flight == 0
 
 
+async def test_shutdown_cancels_what_outlives_it_and_releases_its_load(
+    fake_replicas: Any, gateway_factory: Any
+) -> None:
+    (rep,) = await fake_replicas(1)
+    gw = await gateway_factory([rep.url], timeouts={"shutdown_s": 0.3})
+    rep.state.first_delay_s = 10.0
+    c = await Conn.open(gw.port)
+    await c.send(_chat("s1", "stuck"))
+    await wait_for(lambda: rep.state.active == 1)
+    store = gw.store
+    assert sum(r.in_flight for r in await store.replicas()) == 1
+    await gw.close()  # 0.3 s for in-flight requests, then they are cancelled
+    assert await c.closed(2.0)  # no answer could be given: the connection closes
+    assert gw.runtime.in_flight == 0
+    assert sum(r.in_flight for r in await store.replicas()) == 0  # no phantom load
+    await wait_for(lambda: rep.state.aborted == 1)  # the engine saw the request go
+
+
 @pytest.fixture
 async def big_replica() -> Any:
     """A replica that streams 8 MiB of SSE in 64 KiB events (the client's back-pressure matters)."""
