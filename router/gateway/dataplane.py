@@ -347,7 +347,7 @@ class DataPlaneProtocol(asyncio.Protocol):
             self._handing_over = True  # rule 3: this request and every later one are aiohttp's
         if r.content_length is not None and r.content_length > self._max_body:
             self._fail(self._too_large(f"request body of {r.content_length} bytes exceeds the limit"))
-        if r.expect_continue and r.version == "1.1" and self._idle() and self.transport is not None:
+        if r.expect_continue and r.version == "1.1" and self._nothing_ahead() and self.transport is not None:
             self.transport.write(_CONTINUE)
 
     def on_body(self, body: bytes) -> None:
@@ -430,7 +430,8 @@ class DataPlaneProtocol(asyncio.Protocol):
 
     # ---- serving -----------------------------------------------------------------------------------
 
-    def _idle(self) -> bool:
+    def _nothing_ahead(self) -> bool:
+        """No earlier request is being served or waiting (an interim answer would not interleave)."""
         return self._task is None and not self._queue
 
     @property
