@@ -71,11 +71,10 @@ if TYPE_CHECKING:
 
     from router.gateway.keys import GatewayRuntime
 
-__all__ = ["KEEPALIVE_S", "DataPlane", "DataPlaneProtocol", "DataPlaneSite"]
+__all__ = ["DataPlane", "DataPlaneProtocol", "DataPlaneSite"]
 
 log = logging.getLogger("kvroute.gateway")
 
-KEEPALIVE_S = 75.0  # aiohttp's keepalive_timeout
 _MAX_QUEUED = 8  # pipelined requests waiting on one connection before it stops reading
 _LINGER_S = 2.0  # after a refusal, the client's remaining bytes are read and dropped this long
 _INFERENCE = frozenset(p.encode() for p in INFERENCE_ROUTES)
@@ -673,13 +672,12 @@ class DataPlane:
         aiohttp_server: web.Server,
         *,
         access_log: logging.Logger | None = None,
-        keepalive_s: float = KEEPALIVE_S,
     ) -> None:
         self.loop = asyncio.get_running_loop()
         self.rt = rt
         self.observe = responses.observe
         self.access_log = access_log
-        self.keepalive_s = keepalive_s
+        self.keepalive_s = rt.config.downstream.keepalive_s
         self.conns: set[DataPlaneProtocol] = set()
         self.closing = False
         self._aio_server = aiohttp_server

@@ -152,7 +152,6 @@ async def start_gateway(
             gateway_mw,
             runner.server,
             access_log=access_logger,
-            keepalive_s=config.downstream.keepalive_s,
         )
         site = DataPlaneSite(runner, plane, config.host, config.port, ssl_context=ssl_context)
     else:
