@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import statistics
 import sys
 import tempfile
 import time
@@ -39,7 +40,7 @@ from typing import Any
 import aiohttp
 
 from loadtests.measures import percentile
-from loadtests.peers import PEERS, PeerSpec, emulated_fleet, find_binary, running_router
+from loadtests.peers import PEERS, emulated_fleet, find_binary, running_router
 
 __all__ = ["OVERHEAD_TARGETS", "cli_main", "measure_cell", "run_overhead"]
 
@@ -140,23 +141,31 @@ async def run_overhead(
     duration_s: float = 2.5,
     emulator_args: Sequence[str] = ("--time-scale", "0.000001"),
     fleet: int = 1,
+    rounds: int = 1,
     log: Any = None,
 ) -> dict[str, Any]:
     """Measure every target on one emulated replica; return the JSON document.
 
     ``fleet`` > 1: the emulator serves that many replicas (one process) and every router gets all
     of them, so what a router does per replica in the background (kvroute scrapes each one's
-    ``/metrics``) shows in its latency; "direct" talks to the first."""
+    ``/metrics``) shows in its latency; "direct" talks to the first.
+
+    ``rounds`` > 1: the whole sequence (direct, then every target, each router started afresh) runs
+    that many times, the targets' order rotated each round, and every figure is the median over the
+    rounds of what each round measured against its own direct cells (``_summarise_rounds``). On a
+    shared machine whose speed drifts over minutes this is what makes two routers comparable."""
+    if rounds < 1:
+        raise ValueError("rounds: at least 1")
     say = log or (lambda msg: print(msg, file=sys.stderr))
     cells = _cells(concurrencies)
-    results: dict[str, dict[str, Any]] = {}
+    per_round: list[dict[str, dict[str, Any]]] = []
     skipped: dict[str, str] = {}
     with tempfile.TemporaryDirectory(prefix="kvroute-overhead-") as tmp:
         log_dir = Path(tmp)
         async with emulated_fleet(fleet, emulator_args, log_dir=log_dir) as replicas:
             replica = replicas.urls[0]
 
-            async def run_cells(name: str, url: str) -> None:
+            async def run_cells(results: dict[str, dict[str, Any]], name: str, url: str) -> None:
                 results[name] = {}
                 for c, stream, fresh in cells:
                     cell = await measure_cell(
@@ -168,18 +177,31 @@ async def run_overhead(
                         f"p50 {cell['p50_ms'] or 0:7.2f} ms  p99 {cell['p99_ms'] or 0:7.2f} ms"
                     )
 
-            say("direct to the replica")
-            await run_cells("direct", replica)
+            present: list[str] = []
             for t in targets:
-                spec: PeerSpec = PEERS[t]
+                spec = PEERS[t]
                 if find_binary(spec.binary) is None:
                     skipped[spec.name] = f"{spec.binary} not installed (pip install 'kvroute[peers]')"
                     say(f"skip {spec.name}: {skipped[spec.name]}")
-                    continue
-                say(spec.name)
-                async with running_router(spec, replicas.urls, log_dir=log_dir) as router:
-                    await run_cells(spec.name, router.url)
-    doc = _summarise(results, skipped, duration_s)
+                else:
+                    present.append(t)
+            for r in range(rounds):
+                results: dict[str, dict[str, Any]] = {}
+                if rounds > 1:
+                    say(f"round {r + 1} of {rounds}")
+                say("direct to the replica")
+                await run_cells(results, "direct", replica)
+                k = r % len(present) if present else 0
+                for t in present[k:] + present[:k]:
+                    spec = PEERS[t]
+                    say(spec.name)
+                    async with running_router(spec, replicas.urls, log_dir=log_dir) as router:
+                        await run_cells(results, spec.name, router.url)
+                per_round.append(results)
+    if rounds == 1:
+        doc = _summarise(per_round[0], skipped, duration_s)
+    else:
+        doc = _summarise_rounds(per_round, skipped, duration_s)
     doc["fleet"] = fleet
     return doc
 
@@ -218,6 +240,78 @@ def _summarise(results: dict[str, dict[str, Any]], skipped: dict[str, str], dura
     }
 
 
+def _median(xs: Sequence[float | None]) -> float | None:
+    vals = [x for x in xs if x is not None]
+    return statistics.median(vals) if vals else None
+
+
+def _summarise_rounds(
+    per_round: Sequence[dict[str, dict[str, Any]]], skipped: dict[str, str], duration_s: float
+) -> dict[str, Any]:
+    """Several rounds of the same targets and cells in one document.
+
+    ``cells``: per target and cell the median over rounds of req/s and the latency quantiles, the
+    summed requests and errors. ``added``: each round's figures against that round's own direct
+    cells (and floor, and sglang-router), then their median, with ``added_p50_ms_min`` / ``_max``
+    over the rounds. ``paired``: for each kvroute target against each other router, on how many
+    rounds its added p50 was the lower one, per cell. ``per_round``: every round's cells and added."""
+    rounds = [_summarise(results, skipped, duration_s) for results in per_round]
+    names = list(rounds[0]["cells"])
+    cells: dict[str, dict[str, Any]] = {}
+    added: dict[str, dict[str, Any]] = {}
+    for name in names:
+        cells[name] = {}
+        for key in rounds[0]["cells"][name]:
+            these = [rd["cells"][name][key] for rd in rounds if key in rd["cells"].get(name, {})]
+            cell: dict[str, Any] = {
+                k: these[0][k] for k in ("concurrency", "stream", "fresh_connections")
+            }
+            cell["requests"] = sum(c["requests"] for c in these)
+            cell["errors"] = sum(c["errors"] for c in these)
+            for field in ("req_per_s", "p50_ms", "p99_ms", "p999_ms", "max_ms"):
+                cell[field] = _median([c[field] for c in these])
+            cell["rounds"] = len(these)
+            cells[name][key] = cell
+        if name == "direct":
+            continue
+        added[name] = {}
+        for key in rounds[0]["added"].get(name, {}):
+            these = [rd["added"][name][key] for rd in rounds if key in rd["added"].get(name, {})]
+            entry: dict[str, Any] = {f: _median([e.get(f) for e in these]) for f in these[0]}
+            p50s = [e["added_p50_ms"] for e in these if e["added_p50_ms"] is not None]
+            entry["added_p50_ms_min"] = min(p50s) if p50s else None
+            entry["added_p50_ms_max"] = max(p50s) if p50s else None
+            added[name][key] = entry
+    paired: dict[str, dict[str, dict[str, int]]] = {}
+    floor = PEERS["python-floor"].name
+    for mine in (n for n in names if n.startswith("kvroute")):
+        paired[mine] = {}
+        for other in (n for n in names if n not in ("direct", mine, floor)):
+            wins: dict[str, int] = {}
+            for key in rounds[0]["added"].get(mine, {}):
+                pairs = [
+                    (rd["added"][mine][key]["added_p50_ms"], rd["added"][other][key]["added_p50_ms"])
+                    for rd in rounds
+                    if key in rd["added"].get(mine, {}) and key in rd["added"].get(other, {})
+                ]
+                wins[key] = sum(1 for a, b in pairs if a is not None and b is not None and a < b)
+            paired[mine][other] = wins
+    return {
+        "bench": "overhead",
+        "duration_s_per_cell": duration_s,
+        "rounds": len(rounds),
+        "note": (
+            "client, router and one emulated replica (near-zero modelled time) share this machine; "
+            "figures are medians over rounds, each round against its own direct cells"
+        ),
+        "cells": cells,
+        "added": added,
+        "paired": paired,
+        "per_round": [{"cells": rd["cells"], "added": rd["added"]} for rd in rounds],
+        "skipped": skipped,
+    }
+
+
 def _diff(a: float | None, b: float | None) -> float | None:
     return None if a is None or b is None else a - b
 
@@ -230,13 +324,20 @@ def print_table(doc: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title="router overhead (vs direct to one emulated replica)")
-    for col in ("target", "cell", "req/s", "p50 ms", "p99 ms", "+p50 ms", "+p99 ms", "thr/direct", "+p50 over floor"):
+    rounds = doc.get("rounds", 1)
+    title = "router overhead (vs direct to one emulated replica)"
+    if rounds > 1:
+        title += f": medians of {rounds} rounds"
+    table = Table(title=title)
+    cols = ["target", "cell", "req/s", "p50 ms", "p99 ms", "+p50 ms", "+p99 ms", "thr/direct", "+p50 over floor"]
+    if rounds > 1:
+        cols.insert(6, "+p50 min-max")
+    for col in cols:
         table.add_column(col, justify="right" if col not in ("target", "cell") else "left")
     for name, cells in doc["cells"].items():
         for key, cell in cells.items():
             a = doc["added"].get(name, {}).get(key, {})
-            table.add_row(
+            row = [
                 name,
                 key,
                 f"{cell['req_per_s']:.0f}",
@@ -246,8 +347,17 @@ def print_table(doc: dict[str, Any]) -> None:
                 _fmt(a.get("added_p99_ms")),
                 _fmt(a.get("throughput_ratio_vs_direct")),
                 _fmt(a.get("added_over_python_floor_p50_ms")),
-            )
-    Console(stderr=True, width=160).print(table)
+            ]
+            if rounds > 1:
+                lo, hi = a.get("added_p50_ms_min"), a.get("added_p50_ms_max")
+                row.insert(6, "-" if lo is None or hi is None else f"{lo:.2f}-{hi:.2f}")
+            table.add_row(*row)
+    console = Console(stderr=True, width=180)
+    console.print(table)
+    for mine, others in doc.get("paired", {}).items():
+        for other, wins in others.items():
+            text = ", ".join(f"{k} {n}/{rounds}" for k, n in wins.items())
+            console.print(f"rounds where {mine} added less p50 than {other}: {text}")
 
 
 def _fmt(x: float | None) -> str:
@@ -267,17 +377,30 @@ def cli_main(argv: list[str]) -> int:
         default=1,
         help="replicas behind each router (one emulator process); direct talks to the first",
     )
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run the whole sequence this many times (targets rotated, each round against its own "
+        "direct cells) and report medians: for a machine whose speed drifts",
+    )
     p.add_argument("--json", type=Path, help="write the JSON here (also printed to stdout)")
     ns = p.parse_args(argv)
     if ns.fleet < 1:
         p.error("--fleet: at least 1")
+    if ns.rounds < 1:
+        p.error("--rounds: at least 1")
     targets = [t for t in ns.targets.split(",") if t]
     unknown = [t for t in targets if t not in PEERS]
     if unknown:
         p.error(f"unknown targets {unknown}; choose from {sorted(PEERS)}")
     doc = asyncio.run(
         run_overhead(
-            targets=targets, concurrencies=ns.concurrency or (1, 32), duration_s=ns.duration, fleet=ns.fleet
+            targets=targets,
+            concurrencies=ns.concurrency or (1, 32),
+            duration_s=ns.duration,
+            fleet=ns.fleet,
+            rounds=ns.rounds,
         )
     )
     print_table(doc)

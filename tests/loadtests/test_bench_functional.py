@@ -52,6 +52,41 @@ def test_tiny_overhead_run(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+def test_overhead_rounds_rotate_and_take_medians(tmp_path: Path) -> None:
+    """``--rounds 2``: every round measures direct and each target afresh, targets rotated; the
+    document's figures are medians of each round's own added figures, and the paired counts say
+    on how many rounds one kvroute target added less than another."""
+    out = tmp_path / "overhead.json"
+    proc = subprocess.run(
+        [KVROUTE, "bench", "overhead", "--duration", "0.3", "--concurrency", "1", "--rounds", "2",
+         "--targets", "kvroute,kvroute-hash,python-floor", "--json", str(out)],
+        check=False, capture_output=True, text=True, timeout=180,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert doc["rounds"] == 2 and len(doc["per_round"]) == 2
+    kv, kh, floor = "kvroute kv_aware", "kvroute hash", "python floor (no routing)"
+    assert list(doc["per_round"][0]["cells"]) == ["direct", kv, kh, floor]
+    assert list(doc["per_round"][1]["cells"]) == ["direct", kh, floor, kv]  # rotated by one
+    for key in ("c1_json", "c1_stream", "c1_stream_fresh"):
+        per = [rd["added"][kv][key]["added_p50_ms"] for rd in doc["per_round"]]
+        entry = doc["added"][kv][key]
+        assert entry["added_p50_ms"] == pytest.approx(sum(per) / 2)  # the median of two
+        assert entry["added_p50_ms_min"] == min(per) and entry["added_p50_ms_max"] == max(per)
+        cell = doc["cells"][kv][key]
+        assert cell["rounds"] == 2 and cell["errors"] == 0
+        assert cell["requests"] == sum(rd["cells"][kv][key]["requests"] for rd in doc["per_round"])
+        mine = [rd["added"][kv][key]["added_p50_ms"] for rd in doc["per_round"]]
+        theirs = [rd["added"][kh][key]["added_p50_ms"] for rd in doc["per_round"]]
+        assert doc["paired"][kv][kh][key] == sum(a < b for a, b in zip(mine, theirs, strict=True))
+    assert set(doc["paired"]) == {kv, kh} and floor not in doc["paired"][kv]
+    assert "medians of 2 rounds" in proc.stderr and "rounds where kvroute kv_aware added less" in proc.stderr
+    bad = subprocess.run([KVROUTE, "bench", "overhead", "--rounds", "0"], check=False, capture_output=True,
+                         text=True, timeout=30)
+    assert bad.returncode == 2 and "--rounds: at least 1" in bad.stderr
+
+
+@pytest.mark.slow
 def test_tiny_probes_run(tmp_path: Path) -> None:
     out = tmp_path / "probes.json"
     proc = subprocess.run(
