@@ -18,6 +18,11 @@ request; both are reported.
 replica in the background shows in its latency (kvroute scrapes every replica's ``/metrics``);
 "direct" and the floor talk to the first.
 
+``--rounds N`` repeats the whole sequence N times (each router started afresh, the targets' order
+rotated) and reports medians of each round's figures against that round's own direct cells, their
+min-max, and on how many rounds each kvroute target added less than each other router: on a shared
+machine whose speed drifts between minutes, one pass compares moments as much as routers.
+
 Target ``python-floor`` (``loadtests/floor_proxy.py``, in the default list) is not a router: a bare
 uvloop + httptools proxy with kvroute's raw upstream client and no logic. Its added latency is what any
 Python gateway pays here before doing any work; each router's ``added_over_python_floor_p50_ms`` is the
