@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -25,16 +26,24 @@ def test_bench_usage_and_unknown() -> None:
     assert bad.returncode == 2 and "unknown benchmark" in bad.stderr
 
 
-@pytest.mark.slow
-def test_tiny_overhead_run(tmp_path: Path) -> None:
-    out = tmp_path / "overhead.json"
+def _bench_json(tmp_path: Path, args: list[str], timeout: float) -> tuple[dict[str, Any], str]:
+    """Run ``kvroute bench ARGS --json F`` to success; its document and its stderr."""
+    out = tmp_path / "bench.json"
     proc = subprocess.run(
-        [KVROUTE, "bench", "overhead", "--duration", "0.4", "--concurrency", "1", "--concurrency", "4",
-         "--targets", "kvroute,python-floor", "--fleet", "2", "--json", str(out)],
-        check=False, capture_output=True, text=True, timeout=120,
+        [KVROUTE, "bench", *args, "--json", str(out)], check=False, capture_output=True, text=True, timeout=timeout
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    doc = json.loads(out.read_text())
+    return json.loads(out.read_text()), proc.stderr
+
+
+@pytest.mark.slow
+def test_tiny_overhead_run(tmp_path: Path) -> None:
+    doc, _ = _bench_json(
+        tmp_path,
+        ["overhead", "--duration", "0.4", "--concurrency", "1", "--concurrency", "4",
+         "--targets", "kvroute,python-floor", "--fleet", "2"],
+        120,
+    )
     assert doc["bench"] == "overhead" and doc["fleet"] == 2
     floor = "python floor (no routing)"
     assert set(doc["cells"]) == {"direct", "kvroute kv_aware", floor}
@@ -56,14 +65,12 @@ def test_overhead_rounds_rotate_and_take_medians(tmp_path: Path) -> None:
     """``--rounds 2``: every round measures direct and each target afresh, targets rotated; the
     document's figures are medians of each round's own added figures, and the paired counts say
     on how many rounds one kvroute target added less than another."""
-    out = tmp_path / "overhead.json"
-    proc = subprocess.run(
-        [KVROUTE, "bench", "overhead", "--duration", "0.3", "--concurrency", "1", "--rounds", "2",
-         "--targets", "kvroute,kvroute-hash,python-floor", "--json", str(out)],
-        check=False, capture_output=True, text=True, timeout=180,
+    doc, stderr = _bench_json(
+        tmp_path,
+        ["overhead", "--duration", "0.3", "--concurrency", "1", "--rounds", "2",
+         "--targets", "kvroute,kvroute-hash,python-floor"],
+        180,
     )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    doc = json.loads(out.read_text())
     assert doc["rounds"] == 2 and len(doc["per_round"]) == 2
     kv, kh, floor = "kvroute kv_aware", "kvroute hash", "python floor (no routing)"
     assert list(doc["per_round"][0]["cells"]) == ["direct", kv, kh, floor]
@@ -76,11 +83,10 @@ def test_overhead_rounds_rotate_and_take_medians(tmp_path: Path) -> None:
         cell = doc["cells"][kv][key]
         assert cell["rounds"] == 2 and cell["errors"] == 0
         assert cell["requests"] == sum(rd["cells"][kv][key]["requests"] for rd in doc["per_round"])
-        mine = [rd["added"][kv][key]["added_p50_ms"] for rd in doc["per_round"]]
         theirs = [rd["added"][kh][key]["added_p50_ms"] for rd in doc["per_round"]]
-        assert doc["paired"][kv][kh][key] == sum(a < b for a, b in zip(mine, theirs, strict=True))
+        assert doc["paired"][kv][kh][key] == sum(a < b for a, b in zip(per, theirs, strict=True))
     assert set(doc["paired"]) == {kv, kh} and floor not in doc["paired"][kv]
-    assert "medians of 2 rounds" in proc.stderr and "rounds where kvroute kv_aware added less" in proc.stderr
+    assert "medians of 2 rounds" in stderr and "rounds where kvroute kv_aware added less" in stderr
     bad = subprocess.run([KVROUTE, "bench", "overhead", "--rounds", "0"], check=False, capture_output=True,
                          text=True, timeout=30)
     assert bad.returncode == 2 and "--rounds: at least 1" in bad.stderr
@@ -88,14 +94,9 @@ def test_overhead_rounds_rotate_and_take_medians(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_tiny_probes_run(tmp_path: Path) -> None:
-    out = tmp_path / "probes.json"
-    proc = subprocess.run(
-        [KVROUTE, "bench", "probes", "--replicas", "3", "--spreads", "0,0.8", "--repeat", "1",
-         "--duration", "0.5", "--json", str(out)],
-        check=False, capture_output=True, text=True, timeout=120,
+    doc, _ = _bench_json(
+        tmp_path, ["probes", "--replicas", "3", "--spreads", "0,0.8", "--repeat", "1", "--duration", "0.5"], 120
     )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    doc = json.loads(out.read_text())
     assert doc["bench"] == "probes" and doc["replicas"] == 3
     assert [r["spread"] for r in doc["runs"]] == [0.0, 0.8]
     for run in doc["runs"]:
