@@ -36,6 +36,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from loadtests.ideal import PooledCache
 from loadtests.measures import MeasureCollector, RequestRecord
 from loadtests.sim.engine import EventLoop
 from loadtests.sim.prompts import ChainNamer, IdealCache, check_page_size
@@ -172,6 +173,7 @@ class _Req:
         "input_tokens",
         "lease",
         "names",
+        "pooled",
         "output_tokens",
         "replica",
         "rid",
@@ -196,6 +198,7 @@ class _Req:
         self.t_first: float | None = None
         self.cached = 0
         self.ideal = 0
+        self.pooled = 0
         self.gw = 0
 
 
@@ -221,6 +224,8 @@ class _Sim:
         self.core = MemoryCore(self.clock, cfg.store)
         self.page = cfg.profile.page_size
         self.ideal = IdealCache(self.page)
+        prof = cfg.profile
+        self.pooled = PooledCache(cfg.replicas * prof.capacity_tokens, self.page, cfg.replicas * prof.host_tokens)
         self.measures = MeasureCollector(warmup_s=cfg.warmup_s, end_s=cfg.duration_s, replicas=cfg.replicas)
         self.rng = random.Random(f"sim:{cfg.seed}")
         self.gateways = [
@@ -467,6 +472,7 @@ class _Sim:
             return
         req.replica = rep
         req.ideal = self.ideal.hit_tokens(req.names, req.input_tokens)
+        req.pooled = self.pooled.hit(req.names, req.input_tokens)
         n = len(req.names)
         ereq = EngineRequest(req.rid, req.input_tokens, req.names, req.output_tokens, tuple(req.full[n:]))
         try:
@@ -586,6 +592,7 @@ class _Sim:
             if lease is not None:
                 break_reason = self._break(req, lease, completion)
             self.ideal.add(req.full, req.ideal // self.page)
+            self.pooled.insert(req.full)
         else:
             completion = Completion(ok=False, started_output=req.t_first is not None)
         self._release(req, completion)
@@ -603,6 +610,7 @@ class _Sim:
                 ideal_cached_tokens=req.ideal,
                 ok=ok,
                 break_reason=break_reason,
+                pooled_cached_tokens=req.pooled if ok else 0,
             )
         )
         chain = req.chain
