@@ -137,6 +137,7 @@ class SessionState:
     last_seen: float = 0.0
     residency_mark: int = 0  # home's tokens_written right after this session last wrote there
     turns: int = 0
+    bytes_per_token: float = 0.0  # body bytes / prompt tokens of its last turn at home; 0 = unknown
 
     def in_flight_at(self, replica_id: ReplicaId) -> int:
         for rid, n in self.in_flight:
@@ -176,8 +177,9 @@ class RouteRequest:
     key_source: KeySource = KeySource.HEADER
     route: str = "/v1/chat/completions"
     model: str | None = None
-    prompt_tokens_estimate: int = 0  # rough (body bytes / 4); refined by responses
+    prompt_tokens_estimate: int = 0  # from the body size (router.route_input); refined by responses
     excluded: frozenset[ReplicaId] = frozenset()  # replicas that already failed this request
+    body_bytes: int = 0  # size of the request body
 
 
 # ---- effects: the policy describes, the store performs -------------------------------------------
@@ -240,3 +242,4 @@ class Completion:
     cached_tokens: int | None = None
     completion_tokens: int | None = None
     started_output: bool = False  # at least one byte reached the client
+    prompt_bytes: int = 0  # size of the request body (with prompt_tokens: the session's bytes per token)

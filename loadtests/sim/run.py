@@ -53,10 +53,10 @@ from router.model import (
     Lease,
     Reason,
     ReplicaStatus,
-    RouteRequest,
 )
 from router.policy import Policy, classify_break, make_policy
 from router.policy.params import PolicyParams
+from router.route_input import route_request
 from router.store.base import StoreConfig
 from router.store.memory import MemoryCore
 
@@ -65,6 +65,19 @@ __all__ = ["DEFAULT_PAGE_SIZE", "FailureEvent", "ScaleEvent", "SimConfig", "SimR
 DEFAULT_PAGE_SIZE = 512
 """Simulated cache page (tokens). Coarser than SGLang's so a 100k prompt is ~200 blocks, not
 1,600: the cache work per request drops 8x, at a cost of < 0.5 % of the cached tokens."""
+
+
+CHAT_ROUTE = "/v1/chat/completions"
+
+SIM_BYTES_PER_TOKEN = 4
+"""The simulated request body: what the live driver sends for a prompt of N tokens (the emulator's
+tokenizer reads 4 bytes a token) plus the chat request's JSON framing (``SIM_BODY_FRAMING_BYTES``),
+so the gateway's estimate from the body size (``router.route_input``) is fed the same facts."""
+SIM_BODY_FRAMING_BYTES = 160
+
+
+def body_bytes(prompt_tokens: int) -> int:
+    return SIM_BYTES_PER_TOKEN * prompt_tokens + SIM_BODY_FRAMING_BYTES
 
 
 def default_profile(page_size: int = DEFAULT_PAGE_SIZE) -> Profile:
@@ -164,6 +177,7 @@ class _Chain:
 class _Req:
     __slots__ = (
         "attempt",
+        "body_bytes",
         "cached",
         "chain",
         "excluded",
@@ -190,6 +204,7 @@ class _Req:
         self.full = full
         self.t_start = t
         self.input_tokens = chain.namer.inputs[turn]
+        self.body_bytes = body_bytes(self.input_tokens)
         self.output_tokens = chain.spec.turns[turn].output_tokens
         self.attempt = 0
         self.excluded: frozenset[str] = frozenset()
@@ -447,8 +462,8 @@ class _Sim:
         req.gw = gw.index
         key = chain.key
         snap = self._view(gw, t, key)
-        request = RouteRequest(session_key=key, key_source=KeySource.HEADER,
-                               prompt_tokens_estimate=req.input_tokens, excluded=req.excluded)
+        request = route_request(key, KeySource.HEADER, route=CHAT_ROUTE, model=None,
+                                body_bytes=req.body_bytes, session=snap.session, excluded=req.excluded)
         try:
             decision = gw.policy.route(request, snap, gw.rng)
         except NoReplicaError:
@@ -588,6 +603,7 @@ class _Sim:
                 cached_tokens=req.cached,
                 completion_tokens=req.output_tokens,
                 started_output=True,
+                prompt_bytes=req.body_bytes,
             )
             if lease is not None:
                 break_reason = self._break(req, lease, completion)

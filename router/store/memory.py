@@ -76,9 +76,11 @@ class _Session:
     overflow: tuple[ReplicaId, ...] = ()
     in_flight: dict[ReplicaId, int] = field(default_factory=dict)
     context_tokens: int = 0
+    context_at: float = 0.0  # when ``context_tokens`` was last raised (or set)
     last_seen: float = 0.0
     residency_mark: int = 0
     turns: int = 0
+    bytes_per_token: float = 0.0
 
 
 class MemoryCore:
@@ -262,6 +264,7 @@ class MemoryCore:
             last_seen=s.last_seen,
             residency_mark=s.residency_mark,
             turns=s.turns,
+            bytes_per_token=s.bytes_per_token,
         )
 
     def replicas(self) -> tuple[ReplicaState, ...]:
@@ -374,8 +377,13 @@ class MemoryCore:
         if completion.ok and completion.prompt_tokens is not None:
             ctx = completion.prompt_tokens + (completion.completion_tokens or 0)
             if lease.replica_id == s.home:
-                s.context_tokens = max(s.context_tokens, ctx) if s.in_flight else ctx
+                if ctx >= s.context_tokens or now - s.context_at > self.config.active_window_s:
+                    # a smaller context (a sub-agent's, or the main chain after a compaction) replaces
+                    # the session's only once its larger one has not been seen for a whole window
+                    s.context_tokens, s.context_at = ctx, now
                 s.turns += 1
+                if completion.prompt_tokens > 0 and completion.prompt_bytes > 0:
+                    s.bytes_per_token = completion.prompt_bytes / completion.prompt_tokens
                 if rep is not None:
                     s.residency_mark = rep.tokens_written
         if s.home is not None and (home := self._replicas.get(s.home)) is not None:

@@ -510,7 +510,7 @@ class RedisStore:
         )
 
     def _session_state(self, row: list[Any]) -> SessionState:
-        sid, home, ovf, ctx, seen, mark, turns, pl = row
+        sid, home, ovf, ctx, seen, mark, turns, pl, bpt = row
         per = sorted((str(pl[i]), int(pl[i + 1])) for i in range(0, len(pl), 2))
         return SessionState(
             session_id=sid,
@@ -521,6 +521,7 @@ class RedisStore:
             last_seen=self._local(seen),
             residency_mark=int(mark),
             turns=int(turns),
+            bytes_per_token=float(bpt),
         )
 
     def _remember(self, s: SessionState) -> None:
@@ -722,6 +723,8 @@ class RedisStore:
             completion.prompt_tokens or 0,
             completion.cached_tokens or 0,
             completion.completion_tokens or 0,
+            completion.prompt_bytes,
+            self.config.active_window_s,
         ]
         if self.fast:
             args.append("F")

@@ -219,23 +219,31 @@ async def test_overflow_split_and_context_learning(env: Env) -> None:
     await store.release(home, done(800, completion=0))
     snap = await store.snapshot("s")
     assert snap.session is not None and (snap.session.context_tokens, snap.session.turns) == (800, 1)
-    # two concurrent turns at home: the larger context wins while one is still in flight
+    # the parent's turn and a sub-agent's at home: the sub-agent finishing last does not shrink the
+    # session's context to its own (the parent's is still at home and comes back)
     a = await store.acquire(plain("r0"), RouteRequest("s"))
     b = await store.acquire(plain("r0"), RouteRequest("s"))
     await store.release(a, done(2000, completion=0))
     await store.release(b, done(1500, completion=0))
     snap = await store.snapshot("s")
-    assert (
-        snap.session is not None and snap.session.context_tokens == 1500
-    )  # last finisher, nothing in flight
+    assert snap.session is not None and snap.session.context_tokens == 2000
     a = await store.acquire(plain("r0"), RouteRequest("s"))
-    b = await store.acquire(plain("r0"), RouteRequest("s"))
-    await store.release(a, done(900, completion=0))
+    await store.release(a, done(900, completion=0))  # alone, but the larger context was just seen
     snap = await store.snapshot("s")
-    assert snap.session is not None and snap.session.context_tokens == 1500  # max while b in flight
+    assert snap.session is not None and snap.session.context_tokens == 2000
+    b = await store.acquire(plain("r0"), RouteRequest("s"))
     await store.release(b, done(1600, ok=False))  # failed: no learning
     snap = await store.snapshot("s")
-    assert snap.session is not None and (snap.session.context_tokens, snap.session.turns) == (1500, 4)
+    assert snap.session is not None and (snap.session.context_tokens, snap.session.turns) == (2000, 4)
+    # a compaction: once the larger context has not been seen for a whole active window, a smaller
+    # one replaces it
+    env.clock.advance(StoreConfig().active_window_s + 1)
+    a = await store.acquire(plain("r0"), RouteRequest("s"))
+    await store.release(a, Completion(ok=True, prompt_tokens=700, cached_tokens=0, completion_tokens=0,
+                                      prompt_bytes=2870))
+    snap = await store.snapshot("s")
+    assert snap.session is not None and (snap.session.context_tokens, snap.session.turns) == (700, 5)
+    assert snap.session.bytes_per_token == pytest.approx(4.1)  # learned from the turn's body and usage
     # clearing overflow
     lease = await store.acquire(
         RouteDecision("r0", Reason.AFFINITY, (SetOverflow("s", ()),)), RouteRequest("s")
