@@ -26,8 +26,9 @@ from router.model import (
     RouteRequest,
     SessionState,
 )
+from router.policy.breaks import found_resident
 
-__all__ = ["StaleSessionError", "StateStore", "StoreConfig"]
+__all__ = ["StaleSessionError", "StateStore", "StoreConfig", "learn_horizon", "residency_feedback"]
 
 
 class StaleSessionError(KeyError):
@@ -43,6 +44,26 @@ class StoreConfig:
     lease_ttl_s: float = 10.0  # Redis: a gateway's in-flight counts die this long after its last heartbeat
     replica_ttl_s: float = 5.0  # Redis: registry entries written by sidecars expire after this
     key_prefix: str = "kvroute"  # Redis key prefix
+
+
+def residency_feedback(lease: Lease, completion: Completion) -> bool | None:
+    """Rule 6 feedback of one response that ran on the session's home: was the session's previous
+    context still cached there? ``None``: no evidence (failed, no usage reported, or a request that
+    does not continue the session's context, ``router.policy.breaks.continues_context``)."""
+    if not completion.ok or completion.prompt_tokens is None or completion.cached_tokens is None:
+        return None
+    return found_resident(lease.prev_context_tokens, completion.prompt_tokens, completion.cached_tokens)
+
+
+def learn_horizon(horizon: int, written_since: int, found: bool) -> int:
+    """A replica's residency horizon after one observation (0 = none learned: the policy uses its
+    capacity). A session's cache found gone after ``written_since`` tokens puts the horizon below
+    that; one still there puts it at least that high."""
+    if written_since <= 0:
+        return horizon
+    if not found:
+        return written_since if horizon == 0 or written_since < horizon else horizon
+    return written_since if 0 < horizon < written_since else horizon
 
 
 @runtime_checkable
