@@ -12,7 +12,7 @@ from router.model import AffinityBreak, Completion, KeySource, Lease, Reason
 
 __all__ = ["classify_break", "continues_context", "found_resident"]
 
-CONTINUES_FRACTION = 0.5
+CONTINUES_FRACTION = 0.95
 """A request *continues* its session's context when its prompt is at least this fraction of it. The
 parent chain's next turn carries the whole context (a little less when the engine strips the last
 turn's reasoning); a sub-agent's turn or a rewritten (compacted) history is a new, smaller prompt

@@ -366,7 +366,9 @@ class MemoryCore:
         if rep is not None and s is not None and s.home == lease.replica_id and s.residency_mark > 0:
             found = residency_feedback(lease, completion)
             if found is not None:
-                rep.horizon = learn_horizon(rep.horizon, rep.tokens_written - s.residency_mark, found)
+                since = rep.tokens_written - s.residency_mark
+                hbm, host = capacities(rep.spec, rep.engine)
+                rep.horizon = learn_horizon(rep.horizon, since, found, hbm + host if hbm else 0)
         if rep is not None:
             rep.in_flight = max(0, rep.in_flight - 1)
             if completion.prompt_tokens is not None:

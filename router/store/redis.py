@@ -73,7 +73,7 @@ from router.model import (
     SetOverflow,
     capacities,
 )
-from router.store.base import StaleSessionError, StoreConfig, residency_feedback
+from router.store.base import PLAUSIBLE_EVICTION, StaleSessionError, StoreConfig, residency_feedback
 from router.store.keys import KeySpace
 from router.store.memory import PLACEMENT_REASONS, MemoryCore
 
@@ -112,7 +112,9 @@ def _merge_inflight(
 
 def _load_scripts() -> dict[str, str]:
     lua = resources.files("router.store").joinpath("lua")
-    prelude = lua.joinpath("_lib.lua").read_text()
+    # constants shared with the memory store are defined once, in Python
+    consts = f"local PLAUSIBLE_EVICTION = {PLAUSIBLE_EVICTION!r}\n"
+    prelude = consts + lua.joinpath("_lib.lua").read_text()
     return {name: prelude + "\n" + lua.joinpath(f"{name}.lua").read_text() for name in _SCRIPTS}
 
 
@@ -735,6 +737,7 @@ class RedisStore:
             completion.prompt_bytes,
             self.config.active_window_s,
             {None: "", True: "1", False: "0"}[residency_feedback(lease, completion)],
+            self._cache_capacity(lease.replica_id),
         ]
         if self.fast:
             args.append("F")
@@ -749,6 +752,13 @@ class RedisStore:
         except StoreError as exc:
             self.fallback_total += 1
             self._fail(exc)
+
+    def _cache_capacity(self, rid: ReplicaId) -> int:
+        """HBM + host of a replica as last seen (0 = unknown): the reference of ``learn_horizon``."""
+        for r in self._last_replicas:
+            if r.id == rid:
+                return r.capacity_tokens + r.host_capacity_tokens if r.capacity_tokens else 0
+        return 0
 
     # ---- fast path: local replica table + session cache (rule 6) ---------------------------------
 

@@ -503,3 +503,8 @@ async def test_engine_feedback_moves_the_residency_horizon(env: Env) -> None:
     await turn("u", 100, 0, first=True)  # a first turn is no evidence
     await turn("s", 200, 0)  # nor a prompt that does not continue s's context (a sub-agent's)
     assert await horizon() == 6000
+    await turn("t", 11_500, 11_000)  # 500 more written
+    await turn("s", 1100, 0)  # a miss after 600 written: implausible for a 6,000-token horizon
+    assert await horizon() == 6000
+    await turn("s", 1200, 900)  # half a hit is no clear evidence either way
+    assert await horizon() == 6000
