@@ -29,8 +29,10 @@ from typing import Any
 
 from loadtests.demo import DemoScenario, demo_scenario
 from loadtests.sim.run import SimConfig, run_sim
-from loadtests.workloads import SessionSpec
+from loadtests.textgen import BYTES_PER_TOKEN
+from loadtests.workloads import SessionSpec, Turn, turn_inputs
 from replica.emulator.profiles import get_profile
+from replica.emulator.tokenizer import encode_text, render_chat
 from router.policy.params import PolicyParams
 
 __all__ = [
@@ -81,9 +83,38 @@ def _cap_turn_think(specs: Sequence[SessionSpec], cap_s: float) -> list[SessionS
     return [cap(s) for s in specs]
 
 
+def live_driver_specs(specs: Sequence[SessionSpec]) -> list[SessionSpec]:
+    """The sessions as the live driver sends them (``loadtests.live._Run.chain``): it renders each
+    context as one append-only conversation and starts a new one where a turn is a reset or does not
+    extend the previous prompt + output. A trace's block hashes (and their partial rewrites) are not
+    what it sends, so they go; each turn keeps its exact size and becomes a reset where the driver
+    starts over."""
+
+    def one(spec: SessionSpec) -> SessionSpec:
+        inputs = turn_inputs(spec)
+        turns: list[Turn] = []
+        prev_in = prev_out = 0
+        for k, t in enumerate(spec.turns):
+            continuation = k > 0 and not t.reset and inputs[k] >= prev_in + prev_out
+            turns.append(replace(t, input_tokens=inputs[k], reset=k > 0 and not continuation, hash_runs=()))
+            prev_in, prev_out = inputs[k], t.output_tokens
+        return replace(spec, turns=tuple(turns), block_size=0, branches=tuple(one(b) for b in spec.branches))
+
+    return [one(s) for s in specs]
+
+
+def framing_tokens(token_unit: int) -> int:
+    """Model tokens of what ends a rendered prompt and is not reused by the next turn: the emulator's
+    chat template closes the one user message and adds the generation prompt."""
+    body = "abcd" * 64
+    head = "<|im_user|>user<|im_middle|>"
+    whole = encode_text(render_chat([{"role": "user", "content": body}])).num_tokens
+    return (whole - len((head + body).encode()) // BYTES_PER_TOKEN) * token_unit
+
+
 def sim_config(scenario: DemoScenario) -> tuple[SimConfig, list[SessionSpec]]:
     """The simulator's model of one live ``bench peers`` run of kvroute (module docstring)."""
-    specs = _cap_turn_think(scenario.workload(), scenario.max_think_modelled_s)
+    specs = live_driver_specs(_cap_turn_think(scenario.workload(), scenario.max_think_modelled_s))
     ts = scenario.time_scale
     profile = get_profile(scenario.profile).with_overrides(page_size=_page(scenario, specs))
     if not scenario.host_tier:
@@ -105,6 +136,7 @@ def sim_config(scenario: DemoScenario) -> tuple[SimConfig, list[SessionSpec]]:
         drain_s=scenario.drain_s / ts,
         lanes=scenario.sessions,
         striped_lanes=True,
+        turn_framing_tokens=framing_tokens(scenario.token_unit),
         start_mid_session=False,
         seed=scenario.seed,
     )
@@ -141,6 +173,7 @@ async def _live(scenario: DemoScenario, log_dir: Path) -> dict[str, Any]:
     from loadtests.demo import run_policy
     from loadtests.peers import PEERS
 
+    log_dir.mkdir(parents=True, exist_ok=True)
     result = await run_policy(PEERS["kvroute"], scenario, scenario.workload(), log_dir=log_dir, live=False)
     return dict(result.measures)
 

@@ -116,6 +116,9 @@ class SimConfig:
     # back to back, the first at its own ``start_s``, each next one as soon as the previous
     # session's main chain ended (its sub-agents may still run)
     striped_lanes: bool = False
+    # > 0: name prompts as the live driver renders them (``loadtests.sim.prompts``): a turn's closing
+    # marker (this many tokens) and its output are not reused by the next turn (synthetic chains only)
+    turn_framing_tokens: int = 0
     start_mid_session: bool = False  # initial sessions start at a random turn (no cold-start transient)
     health_interval_s: float = 5.0  # scale-up: JOINING -> ACTIVE after this
     fail_detect_s: float = 2.0  # a failed replica is marked DOWN after this
@@ -376,7 +379,7 @@ class _Sim:
                 self._root_done(t, root)
             return
         self.uid += 1
-        namer = ChainNamer(spec, self.uid, root.uid, self.page)
+        namer = ChainNamer(spec, self.uid, root.uid, self.page, self.cfg.turn_framing_tokens)
         if self.cfg.gateway_assign == "sticky":
             gw = zlib.crc32(root.spec.routing_key.encode()) % self.cfg.gateways
         else:
