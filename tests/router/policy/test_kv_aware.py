@@ -664,16 +664,16 @@ def test_decision(name: str) -> None:
 
 
 def test_placement_scores_are_expected_delay() -> None:
-    # in flight + 0.25 per active session bound here + the prefill backlog per 10k tokens; the
-    # engine's polled queue and KV use play no part (the exact in-flight count already holds them)
+    # in flight + 0.25 per active session bound here; the engine's polled queue and KV use play no
+    # part (the exact in-flight count already holds them)
     snap = snapshot(
         replica(A, in_flight=2),
-        replica(B, sessions=2),
-        replica(C, in_flight=1, queued=2, kv_util=0.5, backlog=20_000),
+        replica(B, sessions=1),
+        replica(C, in_flight=1, queued=2, kv_util=0.5),
         sessions_active=12,  # the bounded-load cap (6 per replica) filters nobody here
     )
     d = KvAwarePolicy().route(request(), snap, random.Random(0))
-    assert d.scores == ((A, 2.0), (B, 0.5), (C, 1.0 + 2.0))
+    assert d.scores == ((A, 2.0), (B, 0.25), (C, 1.0))
     assert d.replica_id == B
 
 

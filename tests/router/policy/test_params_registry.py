@@ -45,7 +45,6 @@ def test_with_changes_returns_a_new_validated_copy() -> None:
         ({"w_sessions": float("nan")}, "w_sessions"),
         ({"w_working_set": float("inf")}, "w_working_set"),
         ({"working_set_limit": 1.5}, "working_set_limit"),
-        ({"prefill_tokens_per_unit": 0}, "prefill_tokens_per_unit"),
         ({"prefix_blocks": 0}, "prefix_blocks"),
     ],
 )
