@@ -161,7 +161,7 @@ class StoreSettings(BaseModel):
     replica_ttl_s: float = Field(_STORE_DEFAULTS.replica_ttl_s, gt=0)
     key_prefix: str = Field(_STORE_DEFAULTS.key_prefix, min_length=1, pattern=r"^[A-Za-z0-9_.:-]+$")
     # Redis only: replica-table refresh period of the 2-round-trip fast path (0 = 3-round-trip path);
-    # None = $KVROUTE_REDIS_REFRESH_S, else 0.05 s (router/store/redis.py::gateway_refresh_s)
+    # None = $KVROUTE_REDIS_REFRESH_S, else 0.05 s (router.store.redis.gateway_refresh_s)
     replica_refresh_s: float | None = Field(None, ge=0, le=60)
 
     def to_store_config(self) -> StoreConfig:

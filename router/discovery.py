@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 from router.clock import Clock
 from router.config import HealthConfig
 from router.engine_metrics import MetricsParseError, parse_engine_metrics
-from router.errors import UpstreamError
+from router.errors import ReplicaNotFoundError, UpstreamError
 from router.events import Event, ReplicaActivated, ReplicaEjected, ReplicaReadmitted
 from router.model import ReplicaId, ReplicaState, ReplicaStatus
 from router.store.base import StateStore
@@ -276,7 +276,7 @@ class Discovery:
     async def _set_status(self, replica_id: ReplicaId, status: ReplicaStatus) -> bool:
         try:
             await self._store.set_status(replica_id, status)
-        except KeyError:
+        except ReplicaNotFoundError:
             return False  # removed meanwhile
         return True
 

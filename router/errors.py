@@ -1,5 +1,5 @@
 """kvroute's exception tree. Foreign errors are mapped into it at one boundary each
-(``gateway/forward.py::map_client_errors``, ``store/redis.py::map_redis_errors``), and
+(``gateway/forward.py::map_client_errors``, ``store/redis/_wire.py::map_redis_errors``), and
 ``gateway/middleware.py`` maps it to HTTP status + OpenAI-style JSON.
 
     KvrouteError
@@ -15,7 +15,11 @@
     │   ├── UpstreamStatusError      5xx before the first byte (retryable)
     │   ├── UpstreamTimeoutError     no answer in time (retryable before the first byte)
     │   └── UpstreamBrokenError      stream broke after bytes reached the client (not retryable)
-    └── StoreError                   shared-state backend unavailable (gateway degrades, never fails)
+    ├── StoreError                   shared-state backend unavailable (gateway degrades, never fails)
+    └── StaleViewError               the store refused a decision made on an outdated view: route again
+        ├── ReplicaNotFoundError     the replica named is not (or no longer) registered
+        └── StaleSessionError        another gateway moved the session and its real home cannot take
+                                     the request; nothing was applied
 """
 
 from __future__ import annotations
@@ -27,7 +31,10 @@ __all__ = [
     "NoReplicaError",
     "NotFoundError",
     "PayloadTooLargeError",
+    "ReplicaNotFoundError",
     "RequestError",
+    "StaleSessionError",
+    "StaleViewError",
     "StoreError",
     "UnauthorizedError",
     "UpstreamBrokenError",
@@ -113,3 +120,27 @@ class UpstreamBrokenError(UpstreamError):
 class StoreError(KvrouteError):
     status = 503
     code = "store_unavailable"
+
+
+class StaleViewError(KvrouteError):
+    status = 503
+    error_type = "service_unavailable"
+    code = "stale_view"
+
+
+class ReplicaNotFoundError(StaleViewError):
+    status = 404
+    error_type = "invalid_request_error"
+    code = "replica_not_found"
+
+    def __init__(self, replica_id: str) -> None:
+        super().__init__(f"replica {replica_id!r} is not registered")
+        self.replica_id = replica_id
+
+
+class StaleSessionError(StaleViewError):
+    code = "stale_session"
+
+    def __init__(self, session_id: str) -> None:
+        super().__init__(f"session {session_id!r} moved under this decision")
+        self.session_id = session_id

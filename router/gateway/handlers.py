@@ -41,6 +41,8 @@ from router.errors import (
     BadRequestError,
     KvrouteError,
     NoReplicaError,
+    ReplicaNotFoundError,
+    StaleSessionError,
     StoreError,
     UpstreamConnectError,
     UpstreamError,
@@ -72,7 +74,6 @@ from router.policy.breaks import classify_break
 from router.policy.params import PolicyParams
 from router.policy.prefix_key import prefix_key
 from router.route_input import route_request
-from router.store.base import StaleSessionError
 
 __all__ = [
     "INFERENCE_ROUTES",
@@ -304,7 +305,7 @@ class _Proxy:
                 if stale > _MAX_STALE_REROUTES:
                     raise NoReplicaError("the session's home kept changing under this gateway") from None
                 continue
-            except KeyError:  # the chosen replica was removed between snapshot and acquire
+            except ReplicaNotFoundError:  # the chosen replica was removed between snapshot and acquire
                 excluded.add(decision.replica_id)
                 continue
             self.p.replica_id, self.p.reason = lease.replica_id, lease.reason
