@@ -61,11 +61,6 @@ class PeerSpec:
 PEERS: dict[str, PeerSpec] = {
     "kvroute": PeerSpec("kvroute kv_aware", "kvroute", "kv_aware", "kvroute"),
     "kvroute-hash": PeerSpec("kvroute hash", "kvroute", "hash", "kvroute"),
-    # the gateway as it served the inference routes before the raw data plane (docs/BENCHMARKS.md)
-    "kvroute-aiohttp": PeerSpec(
-        "kvroute kv_aware (aiohttp server)", "kvroute", "kv_aware", "kvroute",
-        note="downstream.server: aiohttp", args=("--downstream-server", "aiohttp"),
-    ),
     # sglang-router delays every SSE response on a reused keep-alive connection by ~40 ms
     # (peers.md §3.8): drive it with fresh connections so the comparison does not flatter us.
     "sglang-cache_aware": PeerSpec(
@@ -86,7 +81,7 @@ PEERS: dict[str, PeerSpec] = {
     # not a router: the floor of any Python proxy here (loadtests/floor_proxy.py), for `bench overhead`
     "python-floor": PeerSpec(
         "python floor (no routing)", "floor", "none", "python",
-        note="uvloop + httptools server + kvroute's raw upstream client, one replica, no logic",
+        note="uvloop + httptools server + kvroute's upstream client, one replica, no logic",
     ),
 }
 

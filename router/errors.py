@@ -1,6 +1,7 @@
-"""kvroute's exception tree. Foreign errors are mapped into it at one boundary each
-(``gateway/forward.py::map_client_errors``, ``store/redis/_wire.py::map_redis_errors``), and
-``gateway/middleware.py`` maps it to HTTP status + OpenAI-style JSON.
+"""kvroute's exception tree, and the OpenAI-style error body every JSON error of kvroute carries
+(:func:`error_body`). Foreign errors are mapped into the tree at one boundary each
+(``gateway/upstream.py`` for the replica client, ``store/redis/_wire.py::map_redis_errors``), and
+``gateway/middleware.py`` maps it to HTTP status + :func:`error_body`.
 
     KvrouteError
     ├── ConfigError                  bad configuration (names the key)
@@ -24,6 +25,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 __all__ = [
     "BadRequestError",
     "ConfigError",
@@ -42,7 +45,13 @@ __all__ = [
     "UpstreamError",
     "UpstreamStatusError",
     "UpstreamTimeoutError",
+    "error_body",
 ]
+
+
+def error_body(message: str, error_type: str, code: str | int) -> dict[str, Any]:
+    """``{"error": {"message", "type", "code"}}``: what an OpenAI-compatible client parses."""
+    return {"error": {"message": message, "type": error_type, "code": code}}
 
 
 class KvrouteError(Exception):

@@ -209,7 +209,7 @@ class CapturingClient:
 
 @dataclass(slots=True)
 class HandoffManager:
-    runtime: Any  # router.gateway.keys.GatewayRuntime (typed loosely: no gateway import at module load)
+    runtime: Any  # router.gateway.runtime.GatewayRuntime (typed loosely: no gateway import at module load)
     book: PromptBook
     config: HandoffConfig = field(default_factory=HandoffConfig)
     stats: HandoffStats = field(default_factory=HandoffStats)
@@ -354,7 +354,7 @@ def handoff_setup(config: HandoffConfig | None = None) -> Callable[[web.Applicat
     cfg = config or HandoffConfig()
 
     def setup(app: web.Application) -> None:
-        from router.gateway.keys import EMITTER_KEY, RUNTIME_KEY
+        from router.gateway.runtime import EMITTER_KEY, RUNTIME_KEY
 
         rt = app[RUNTIME_KEY]
         if not rt.config.routing_key_header:

@@ -46,7 +46,7 @@ from router.model import (
     SessionState,
 )
 from router.observability.stats import RollingStats
-from router.policy import Policy
+from router.policy.base import Policy
 from router.policy.params import PolicyParams
 from router.store.base import StateStore
 
