@@ -339,7 +339,7 @@ class Replica:
             "requests_served": self.served,
             "requests_aborted": self.metrics.aborted,
             "sessions_seen": len(self.sessions),
-            "cpu_s": time.process_time(),  # this process's CPU (all replicas in it): for cpu_bench
+            "cpu_s": time.process_time(),  # this process's CPU (all replicas in it): for `kvroute bench emulator`
             "load": dataclasses.asdict(load),
             "cache": {**dataclasses.asdict(st), "hit_rate": st.hit_rate},
             "faults": self.faults.to_json(),

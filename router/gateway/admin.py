@@ -35,7 +35,7 @@ from urllib.parse import urlsplit
 from aiohttp import web
 
 from router.clock import Clock
-from router.errors import BadRequestError, KvrouteError, NotFoundError, UnauthorizedError
+from router.errors import BadRequestError, KvrouteError, NotFoundError, UnauthorizedError, error_body
 from router.model import (
     ClusterSnapshot,
     ReplicaSpec,
@@ -260,7 +260,7 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 def _error(status: int, message: str, code: str, type_: str = "invalid_request_error") -> web.Response:
-    return web.json_response({"error": {"message": message, "type": type_, "code": code}}, status=status)
+    return web.json_response(error_body(message, type_, code), status=status)
 
 
 def _kv_error(exc: KvrouteError) -> web.Response:

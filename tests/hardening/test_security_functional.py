@@ -33,6 +33,7 @@ from typing import Any
 import aiohttp
 import pytest
 
+from loadtests.procs import free_port
 from router.observability.surface import operator_surface_from_config
 from tests.router.conftest import fast_config
 
@@ -87,14 +88,6 @@ async def _raw(port: int, request: bytes, timeout_s: float = 5.0) -> tuple[int, 
         return status, headers, body
     finally:
         w.close()
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _is_json_error(body: bytes) -> bool:
@@ -381,7 +374,7 @@ async def test_gateway_with_redis_auth(
     if binary is None:
         pytest.fail("redis-server is not installed")
     cert, key = tls_files
-    port = _free_port()
+    port = free_port()
     cmd = [binary, "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--requirepass", "hard3ning-pw"]
     if tls:  # TLS only: no plain port at all
         cmd += ["--port", "0", "--tls-port", str(port), "--tls-cert-file", str(cert), "--tls-key-file", str(key),
@@ -446,7 +439,7 @@ async def test_gateway_started_while_redis_is_down_still_serves(
 ) -> None:
     """DESIGN §4: an unreachable Redis degrades to local state, also when it is down from the start."""
     (rep,) = await fake_replicas(1)
-    dead = _free_port()  # nothing listens there
+    dead = free_port()  # nothing listens there
     gw_url = await _start_serve(serve_proc, "--replica", rep.url, "--redis", f"redis://127.0.0.1:{dead}/0",
                                 "--set", "health.health_interval_s=0.1")  # fmt: skip
     async with aiohttp.ClientSession() as s:

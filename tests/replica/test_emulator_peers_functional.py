@@ -9,7 +9,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import sys
 import time
 from collections.abc import AsyncIterator
@@ -18,6 +17,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
+from loadtests.procs import free_port
 from replica.emulator.runner import Running, running_emulators
 from tests.ci import missing
 from tests.replica.conftest import small_config
@@ -28,12 +28,6 @@ pytestmark = [pytest.mark.peers, pytest.mark.slow]
 def _binary(name: str) -> str | None:
     local = Path(sys.executable).parent / name
     return shutil.which(name) or (str(local) if local.exists() else None)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 # peer -> (binary, policy argv, sticky header), per reference/peers.md §3.1 / §4.1
@@ -51,7 +45,7 @@ async def peer_router(kind: str, reps: list[Running], tmp_path: Path) -> AsyncIt
     binary = _binary(name)
     if binary is None:
         missing(f"{name} is not on PATH (pip install 'kvroute[peers]')")
-    port, prom = _free_port(), _free_port()
+    port, prom = free_port(), free_port()
     log_path = tmp_path / f"{kind}.log"
     log = log_path.open("wb")
     proc = await asyncio.create_subprocess_exec(

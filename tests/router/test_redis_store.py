@@ -12,7 +12,8 @@ import redis
 import redis.asyncio as aioredis
 from redis.crc import key_slot
 
-from loadtests.redis_server import RedisServer, RedisUnavailable, free_port
+from loadtests.procs import free_port
+from loadtests.redis_server import RedisServer, RedisUnavailable
 from router.clock import VirtualClock
 from router.errors import ReplicaNotFoundError, StaleSessionError, StoreError
 from router.model import (
