@@ -31,6 +31,7 @@ __all__ = [
     "RouteRequest",
     "SessionState",
     "SetOverflow",
+    "capacities",
 ]
 
 ReplicaId = str
@@ -116,13 +117,25 @@ class ReplicaState:
     joined_at: float = 0.0  # when it first became ACTIVE (scale-up ramp)
     in_flight: int = 0  # requests in flight through all gateways (exact, immediate)
     engine: EngineLoad = field(default_factory=EngineLoad)
-    capacity_tokens: int = 0  # HBM KV capacity (spec or engine; 0 = unknown -> policy default)
-    host_capacity_tokens: int = 0
+    capacity_tokens: int = 0  # HBM KV capacity (``capacities``: engine first; 0 = unknown -> policy default)
+    host_capacity_tokens: int = 0  # HiCache host tier (``capacities``); 0 = none
+    residency_horizon_tokens: int = 0  # tokens written after which a session's cache was last seen gone
+    # (or still there) at this replica: engine feedback on the residency estimate; 0 = none yet
     sessions_active: int = 0  # sessions homed here and seen within the active window
     active_context_tokens: int = 0  # sum of their context tokens: the working set
     tokens_written: int = 0  # cumulative tokens our requests wrote into its cache (residency clock)
     placed_recent: int = 0  # new sessions placed here within the ramp window
     model: str = ""
+
+
+def capacities(spec: ReplicaSpec, engine: EngineLoad) -> tuple[int, int]:
+    """``(HBM, host tier)`` KV capacity of a replica, by one precedence rule everywhere (the stores,
+    the admin view): what the engine itself reports on ``/metrics`` (``max_total_num_tokens``,
+    ``hicache_host_total_tokens``) wins over the registration (static config, admin API, or the
+    sidecar's reading of the engine's ``/server_info``); 0 when neither says."""
+    hbm = engine.capacity_tokens or spec.capacity_tokens
+    host = engine.host_capacity_tokens or spec.host_capacity_tokens
+    return max(0, hbm), max(0, host)
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,6 +172,8 @@ class ClusterSnapshot:
     session: SessionState | None = None  # None: unknown session (or no key)
     seq: int = 0  # monotone request counter of the store (round robin cursor)
     sessions_active: int = 0  # fleet-wide sessions seen within the active window
+    serving_since: float | None = None  # when the store routed its first request; None = not yet.
+    # Replicas ACTIVE before it are the initial fleet; later ones joined by scale-up (rule 4).
 
     def replica(self, replica_id: ReplicaId | None) -> ReplicaState | None:
         if replica_id is None:

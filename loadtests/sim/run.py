@@ -112,6 +112,13 @@ class SimConfig:
     drain_s: float = 120.0  # after duration_s, in-flight requests get this long to finish
     lanes: int = 0  # > 0: keep this many sessions alive (a finished one is replaced by the next spec)
     lane_ramp_s: float = 30.0  # lanes: the initial sessions start spread over this window
+    # lanes as the live driver runs them (``loadtests.live``): lane i runs specs i, i + L, i + 2L, ...
+    # back to back, the first at its own ``start_s``, each next one as soon as the previous
+    # session's main chain ended (its sub-agents may still run)
+    striped_lanes: bool = False
+    # > 0: name prompts as the live driver renders them (``loadtests.sim.prompts``): a turn's closing
+    # marker (this many tokens) and its output are not reused by the next turn (synthetic chains only)
+    turn_framing_tokens: int = 0
     start_mid_session: bool = False  # initial sessions start at a random turn (no cold-start transient)
     health_interval_s: float = 5.0  # scale-up: JOINING -> ACTIVE after this
     fail_detect_s: float = 2.0  # a failed replica is marked DOWN after this
@@ -130,6 +137,8 @@ class SimConfig:
             raise ValueError("intervals must be > 0 and state_lag_s >= 0")
         if self.max_attempts < 1:
             raise ValueError("max_attempts must be >= 1")
+        if self.striped_lanes and self.lanes < 1:
+            raise ValueError("striped_lanes needs lanes >= 1")
 
 
 @dataclass(frozen=True, slots=True)
@@ -370,7 +379,7 @@ class _Sim:
                 self._root_done(t, root)
             return
         self.uid += 1
-        namer = ChainNamer(spec, self.uid, root.uid, self.page)
+        namer = ChainNamer(spec, self.uid, root.uid, self.page, self.cfg.turn_framing_tokens)
         if self.cfg.gateway_assign == "sticky":
             gw = zlib.crc32(root.spec.routing_key.encode()) % self.cfg.gateways
         else:
@@ -405,12 +414,18 @@ class _Sim:
     def _chain_done(self, t: float, chain: _Chain) -> None:
         chain.namer.forget()
         chain.root.open -= 1
+        if self.cfg.striped_lanes and chain.spec.parent is None:
+            nxt = chain.root.index + self.cfg.lanes
+            if t < self.end and nxt < len(self.specs):
+                self._schedule_start(t, nxt)
         if chain.root.open == 0:
             self._root_done(t, chain.root)
 
     def _root_done(self, t: float, root: _Root) -> None:
         self.stats["sessions_finished"] += 1
         self.live_roots -= 1
+        if self.cfg.striped_lanes:
+            return  # the lane went on when the main chain ended
         if self.cfg.lanes > 0 and t < self.end and self.next_root < len(self.specs):
             self.next_root += 1
             self._schedule_start(t, self.next_root - 1)
@@ -652,7 +667,10 @@ class _Sim:
         wall0 = time.perf_counter()
         for _ in range(cfg.replicas):
             self.add_replica(0.0, active=True, by_scaleup=False)
-        if cfg.lanes > 0:
+        if cfg.striped_lanes:
+            for i in range(min(cfg.lanes, len(self.specs))):
+                self._schedule_start(float(self.specs[i].start_s), i)
+        elif cfg.lanes > 0:
             n = min(cfg.lanes, len(self.specs))
             for i in range(n):
                 self._schedule_start(cfg.lane_ramp_s * i / max(1, n), i)

@@ -35,8 +35,9 @@ from router.model import (
     RouteRequest,
     SessionState,
     SetOverflow,
+    capacities,
 )
-from router.store.base import StoreConfig
+from router.store.base import StoreConfig, learn_horizon, residency_feedback
 
 __all__ = ["PLACEMENT_REASONS", "MemoryCore", "MemoryStore"]
 
@@ -64,6 +65,7 @@ class _Replica:
     in_flight: int = 0
     engine: EngineLoad = field(default_factory=EngineLoad)
     tokens_written: int = 0
+    horizon: int = 0  # residency horizon learned from the engine's answers (rule 6 feedback)
     placements: deque[float] = field(default_factory=deque)
     # sessions homed here, ordered by last_seen (oldest first): sid -> (last_seen, context_tokens)
     active: OrderedDict[str, tuple[float, int]] = field(default_factory=OrderedDict)
@@ -93,6 +95,7 @@ class MemoryCore:
         self._replicas: dict[ReplicaId, _Replica] = {}
         self._sessions: OrderedDict[str, _Session] = OrderedDict()  # ordered by last_seen
         self._seq = 0
+        self._serving_since: float | None = None  # the first acquire: later ACTIVE replicas scaled up
         self._lease_ids = itertools.count(1)
         self._leases: dict[str, Lease] = {}
         # ---- caches of the read path (see the module docstring) ----
@@ -236,8 +239,7 @@ class MemoryCore:
 
     @staticmethod
     def _build_state(rep: _Replica) -> ReplicaState:
-        cap = rep.spec.capacity_tokens or rep.engine.capacity_tokens
-        host = rep.spec.host_capacity_tokens or rep.engine.host_capacity_tokens
+        cap, host = capacities(rep.spec, rep.engine)
         return ReplicaState(
             id=rep.spec.id,
             url=rep.spec.url,
@@ -252,6 +254,7 @@ class MemoryCore:
             tokens_written=rep.tokens_written,
             placed_recent=len(rep.placements),
             model=rep.spec.model,
+            residency_horizon_tokens=rep.horizon,
         )
 
     @staticmethod
@@ -290,6 +293,7 @@ class MemoryCore:
             session=sess,
             seq=self._seq,
             sessions_active=self._n_active,
+            serving_since=self._serving_since,
         )
 
     # ---- hot path ----------------------------------------------------------------------------
@@ -297,6 +301,8 @@ class MemoryCore:
     def acquire(self, decision: RouteDecision, request: RouteRequest) -> Lease:
         now = self.clock.now()
         self._seq += 1
+        if self._serving_since is None:
+            self._serving_since = now
         target = decision.replica_id
         disagreement = False
         sid = request.session_key
@@ -357,16 +363,20 @@ class MemoryCore:
             return  # double release is a no-op: load must never go negative
         now = self.clock.now()
         rep = self._replicas.get(lease.replica_id)
+        s = self._sessions.get(lease.session_id) if lease.session_id is not None else None
+        if rep is not None and s is not None and s.home == lease.replica_id and s.residency_mark > 0:
+            found = residency_feedback(lease, completion)
+            if found is not None:
+                since = rep.tokens_written - s.residency_mark
+                hbm, host = capacities(rep.spec, rep.engine)
+                rep.horizon = learn_horizon(rep.horizon, since, found, hbm + host if hbm else 0)
         if rep is not None:
             rep.in_flight = max(0, rep.in_flight - 1)
             if completion.prompt_tokens is not None:
                 new = completion.prompt_tokens - (completion.cached_tokens or 0)
                 rep.tokens_written += max(0, new) + (completion.completion_tokens or 0)
             self._dirty(rep)
-        if lease.session_id is None:
-            return
-        s = self._sessions.get(lease.session_id)
-        if s is None:
+        if lease.session_id is None or s is None:
             return
         n = s.in_flight.get(lease.replica_id, 0) - 1
         if n > 0:

@@ -74,7 +74,8 @@ class FastPath:
         self._own = own
         self._fallback = fallback
         self.refresh_s = refresh_s
-        self._table: tuple[tuple[ReplicaState, ...], int, int] | None = None  # replicas, seq, active
+        # replicas, seq, active sessions, serving since
+        self._table: tuple[tuple[ReplicaState, ...], int, int, float | None] | None = None
         self._table_at = 0.0  # event-loop time the table arrived
         self._sent = 0  # refresh generations
         self._applied = 0
@@ -162,7 +163,7 @@ class FastPath:
         cut: dict[ReplicaId, list[int]] = {}
         self._deltas.append(cut)  # deltas recorded from here on may not be in this reply
         c = self._config
-        seq, rows, srow, active = await self._wire.eval(
+        seq, rows, srow, active, t0 = await self._wire.eval(
             "snapshot",
             [self._wire.now(), c.active_window_s, c.ramp_window_s, c.session_ttl_s, session_key or "",
              self._gateway_id],
@@ -172,7 +173,7 @@ class FastPath:
         replicas = tuple(self._wire.replica_state(r) for r in rows)
         if gen > self._applied:
             self._applied = gen
-            self._table = (replicas, int(seq), int(active))
+            self._table = (replicas, int(seq), int(active), self._wire.local(t0) if t0 else None)
             self._table_at = asyncio.get_running_loop().time()
             self._clean = max(self._clean, dirty)
             self.seq_local = 0
@@ -245,11 +246,12 @@ class FastPath:
             else:
                 self.cache.move_to_end(session_key)
         assert self._table is not None
-        _, seq, active = self._table
+        _, seq, active, since = self._table
         return ClusterSnapshot(
             now=now,
             replicas=self._composed_replicas(),
             session=self._with_own(session) if session is not None else None,
             seq=seq + self.seq_local,
             sessions_active=active,
+            serving_since=since,
         )

@@ -37,7 +37,7 @@ from router.model import (
     SessionState,
     SetOverflow,
 )
-from router.store.base import StoreConfig
+from router.store.base import StoreConfig, residency_feedback
 from router.store.keys import KeySpace
 from router.store.memory import PLACEMENT_REASONS
 from router.store.redis._fallback import Fallback
@@ -356,7 +356,7 @@ class RedisStore:
     async def _redis_snapshot(self, session_key: str | None) -> ClusterSnapshot:
         now = self.clock.now()
         c = self.config
-        seq, rows, srow, active = await self._wire.eval(
+        seq, rows, srow, active, t0 = await self._wire.eval(
             "snapshot",
             [self._wire.fleet(now), c.active_window_s, c.ramp_window_s, c.session_ttl_s, session_key or ""],
         )
@@ -366,7 +366,12 @@ class RedisStore:
         if session is not None and session.home is not None:
             self._fallback.remember(session)
         return ClusterSnapshot(
-            now=now, replicas=replicas, session=session, seq=int(seq), sessions_active=int(active)
+            now=now,
+            replicas=replicas,
+            session=session,
+            seq=int(seq),
+            sessions_active=int(active),
+            serving_since=self._wire.local(t0) if t0 else None,
         )
 
     async def snapshot(self, session_key: str | None) -> ClusterSnapshot:
@@ -481,6 +486,8 @@ class RedisStore:
             completion.completion_tokens or 0,
             completion.prompt_bytes,
             self.config.active_window_s,
+            {None: "", True: "1", False: "0"}[residency_feedback(lease, completion)],
+            self._cache_capacity(lease.replica_id),
         ]
         fast = self._fast
         if fast.on:
@@ -496,6 +503,13 @@ class RedisStore:
         except StoreError as exc:
             self._fallback.fallback_total += 1
             self._fail(exc)
+
+    def _cache_capacity(self, rid: ReplicaId) -> int:
+        """HBM + host of a replica as last seen (0 = unknown): the reference of ``learn_horizon``."""
+        for r in self._fallback.last_replicas:
+            if r.id == rid:
+                return r.capacity_tokens + r.host_capacity_tokens if r.capacity_tokens else 0
+        return 0
 
     # ---- StateStore: registry ---------------------------------------------------------------------
 

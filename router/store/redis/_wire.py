@@ -27,7 +27,8 @@ from redis.asyncio.cluster import RedisCluster
 
 from router.clock import Clock
 from router.errors import StoreError
-from router.model import EngineLoad, ReplicaSpec, ReplicaState, ReplicaStatus, SessionState
+from router.model import EngineLoad, ReplicaSpec, ReplicaState, ReplicaStatus, SessionState, capacities
+from router.store.base import PLAUSIBLE_EVICTION
 from router.store.keys import KeySpace
 
 __all__ = ["RedisWire", "map_redis_errors", "spec_json"]
@@ -38,7 +39,9 @@ _PARSE_CACHE_MAX = 10_000
 
 def _load_scripts() -> dict[str, str]:
     lua = resources.files("router.store").joinpath("lua")
-    prelude = lua.joinpath("_lib.lua").read_text()
+    # constants shared with the memory store are defined once, in Python
+    consts = f"local PLAUSIBLE_EVICTION = {PLAUSIBLE_EVICTION!r}\n"
+    prelude = consts + lua.joinpath("_lib.lua").read_text()
     return {name: prelude + "\n" + lua.joinpath(f"{name}.lua").read_text() for name in _SCRIPTS}
 
 
@@ -137,9 +140,10 @@ class RedisWire:
         return json.dumps(d, separators=(",", ":"), sort_keys=True)
 
     def replica_state(self, row: list[Any]) -> ReplicaState:
-        rid, spec_raw, status, joined, engine_raw, tw, actctx, nact, nplc, inflight = row
+        rid, spec_raw, status, joined, engine_raw, tw, actctx, nact, nplc, inflight, horizon = row
         spec = self._spec(rid, spec_raw)
         engine = self._engine(engine_raw)
+        cap, host = capacities(spec, engine)
         return ReplicaState(
             id=rid,
             url=spec.url,
@@ -147,13 +151,14 @@ class RedisWire:
             joined_at=self.local(joined),
             in_flight=int(inflight),
             engine=engine,
-            capacity_tokens=spec.capacity_tokens or engine.capacity_tokens,
-            host_capacity_tokens=spec.host_capacity_tokens or engine.host_capacity_tokens,
+            capacity_tokens=cap,
+            host_capacity_tokens=host,
             sessions_active=int(nact),
             active_context_tokens=int(actctx),
             tokens_written=int(tw),
             placed_recent=int(nplc),
             model=spec.model,
+            residency_horizon_tokens=int(horizon),
         )
 
     def session_state(self, row: list[Any]) -> SessionState:
