@@ -10,7 +10,7 @@ seed, durations) runs twice:
     runs ``token_unit`` model tokens per emulated token and ``time_scale`` wall seconds per modelled
     second), the same warm-up, sampling and scrape intervals, the same policy parameters.
 
-The DESIGN §7 measures of both are compared: CHR within ``CHR_ABS`` (absolute), dispersion within
+The measures (``loadtests/measures.py``) of both are compared: CHR within ``CHR_ABS`` (absolute), dispersion within
 ``DISPERSION_REL`` and TTFT p99 within ``TTFT_P99_REL`` (relative to live). JSON: ``{"rows": [{
 "workload", "seed", "sim", "live", "within_bounds", "checks"}], ...}``.
 """

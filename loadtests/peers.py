@@ -1,8 +1,8 @@
 """Start and stop the routers under test as subprocesses: kvroute, sglang-router, vllm-router.
 
 Every router runs in its own process on 127.0.0.1 with its own free port (and its own Prometheus port
-for the peers: both default to 29000 and panic on a clash, ``reference/peers.md`` §6). Readiness is
-checked the way each router needs (§6.2): sglang binds at once and registers workers in the background,
+for the peers: both default to 29000 and panic on a clash). Readiness is checked the way each router
+needs: sglang binds at once and registers workers in the background,
 so ``/readiness`` must report all workers healthy; vllm-router binds only after a worker is healthy;
 kvroute's ``/ready`` turns 200 once a replica is ACTIVE. Processes are stopped by the PID we recorded
 (SIGTERM, then SIGKILL after a grace period), never by name.
@@ -56,8 +56,8 @@ class PeerSpec:
 PEERS: dict[str, PeerSpec] = {
     "kvroute": PeerSpec("kvroute kv_aware", "kvroute", "kv_aware", "kvroute"),
     "kvroute-hash": PeerSpec("kvroute hash", "kvroute", "hash", "kvroute"),
-    # sglang-router delays every SSE response on a reused keep-alive connection by ~40 ms
-    # (peers.md §3.8): drive it with fresh connections so the comparison does not flatter us.
+    # sglang-router delays every SSE response on a reused keep-alive connection by ~40 ms: drive it
+    # with fresh connections so the comparison does not flatter us.
     "sglang-cache_aware": PeerSpec(
         "sglang-router cache_aware", "sglang", "cache_aware", "smg", fresh_connections=True,
         note="fresh connection per request (keep-alive SSE adds ~40 ms on sglang-router)",

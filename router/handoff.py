@@ -1,6 +1,6 @@
 """Warm hand-off of a draining replica's sessions (opt-in).
 
-When a replica drains, its sessions move at their next turn (DESIGN §3 rule 5) and that turn pays a
+When a replica drains, its sessions move at their next turn (docs/POLICY.md, rule 5) and that turn pays a
 cold re-prefill of the whole context (~4-7 s for 100k tokens on the reference replica). A coding
 session is idle most of its wall time (think time, tool calls), so the gateway can use that idle time:
 for every idle session homed on a draining replica, it asks the policy where the session should go

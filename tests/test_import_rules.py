@@ -1,4 +1,4 @@
-"""STYLE's import rules and no import cycles, checked on the source (every import statement, at module
+"""The layering rules (package docstrings) and no import cycles, checked on the source (every import statement, at module
 level, under ``TYPE_CHECKING`` or inside a function: a lazy import is still a dependency).
 
 - ``router/policy`` imports only ``router.model``, ``router.errors``, ``router.events``, itself, the

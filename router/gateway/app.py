@@ -2,7 +2,7 @@
 
 Rules:
   1. Nothing here reads the environment, the wall clock or global randomness: config, store,
-     policy, clock and rng are passed in (STYLE §1.3). ``serve.py`` is the only process entry.
+     policy, clock and rng are passed in. ``serve.py`` is the only process entry.
   2. Lifecycles are ``cleanup_ctx`` pairs: the upstream client (one pool), static replica
      registration, and the discovery loops (cancelled on exit).
   3. One middleware (``GatewayMiddleware``). Extension point for the admin, metrics and tracing

@@ -437,7 +437,7 @@ async def _wait_port(port: int, timeout_s: float = 10.0) -> None:
 async def test_gateway_started_while_redis_is_down_still_serves(
     fake_replicas: Any, serve_proc: list[subprocess.Popen[bytes]]
 ) -> None:
-    """DESIGN §4: an unreachable Redis degrades to local state, also when it is down from the start."""
+    """docs/REDIS.md: an unreachable Redis degrades to local state, also when it is down from the start."""
     (rep,) = await fake_replicas(1)
     dead = free_port()  # nothing listens there
     gw_url = await _start_serve(serve_proc, "--replica", rep.url, "--redis", f"redis://127.0.0.1:{dead}/0",

@@ -30,7 +30,7 @@ def _binary(name: str) -> str | None:
     return shutil.which(name) or (str(local) if local.exists() else None)
 
 
-# peer -> (binary, policy argv, sticky header), per reference/peers.md §3.1 / §4.1
+# peer -> (binary, policy argv, sticky header): the flags and the header each router is sticky on
 PEERS = {
     "smg": ("smg", ["launch", "--log-level", "warn", "--policy", "manual", "--shutdown-grace-period-secs", "1"],
             "X-SMG-Routing-Key"),
@@ -103,7 +103,7 @@ async def test_peer_routes_streams_to_emulators_and_sessions_hit_cache(kind: str
     header = PEERS[kind][2]
     async with running_emulators(2, config=small_config(time_scale=0.02)) as reps, \
             peer_router(kind, reps, tmp_path) as url:
-        # new connection per request: smg adds ~40 ms to streams on reused keep-alive connections (peers.md §3.8)
+        # new connection per request: smg adds ~40 ms to streams on reused keep-alive connections
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True),
                                          timeout=aiohttp.ClientTimeout(total=30)) as http:
             seen: dict[str, set[str]] = {}
