@@ -24,7 +24,7 @@ min-max, and on how many rounds each kvroute target added less than each other r
 machine whose speed drifts between minutes, one pass compares moments as much as routers.
 
 Target ``python-floor`` (``loadtests/floor_proxy.py``, in the default list) is not a router: a bare
-uvloop + httptools proxy with kvroute's raw upstream client and no logic. Its added latency is what any
+uvloop + httptools proxy with kvroute's upstream client and no logic. Its added latency is what any
 Python gateway pays here before doing any work; each router's ``added_over_python_floor_p50_ms`` is the
 rest.
 """

@@ -35,7 +35,7 @@ __all__ = [
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
-# Paths that never get a span (operator surface and probes): tracing is for the data plane.
+# Paths that never get a span (operator surface and probes): tracing is for the inference routes.
 _UNTRACED_PREFIXES = ("/admin", "/metrics", "/health", "/ready")
 
 
