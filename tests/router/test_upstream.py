@@ -394,3 +394,44 @@ async def test_fetch_shares_the_pool_and_maps_errors(
     script.delay_s = 1.0
     with pytest.raises(UpstreamTimeoutError):
         await client.fetch("r", url + "/probe", timeout_s=0.2)
+
+
+async def test_https_replica(tmp_path: Any) -> None:
+    """``https://`` replicas on the same client (TLS, host name checked); a certificate the client
+    does not trust is a connect failure, never a request sent in the clear."""
+    import ssl
+
+    from loadtests.redis_server import make_self_signed_cert
+
+    cert, key = make_self_signed_cert(tmp_path)
+    server_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    server_ctx.load_cert_chain(cert, key)
+    seen: list[bytes] = []
+
+    async def echo(request: web.Request) -> web.Response:
+        seen.append(await request.read())
+        return web.Response(body=_PAYLOAD, content_type="application/json")
+
+    app = web.Application()
+    app.router.add_post("/x", echo)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0, ssl_context=server_ctx)
+    await site.start()
+    url = f"https://127.0.0.1:{runner.addresses[0][1]}/x"
+    trusting = ReplicaHttpClient(TimeoutsConfig(connect_s=2.0), ssl_context=ssl.create_default_context(cafile=cert))
+    strict = ReplicaHttpClient(TimeoutsConfig(connect_s=2.0))  # the system's CA store only
+    try:
+        for _ in range(2):
+            resp = await trusting.send("r", "POST", url, [("Content-Type", "application/json")], b'{"a":1}')
+            assert resp.status == 200
+            assert b"".join([c async for c in resp.chunks()]) == _PAYLOAD
+            resp.release()
+        assert seen == [b'{"a":1}', b'{"a":1}'] and trusting.connections_opened == 1
+        with pytest.raises(UpstreamConnectError) as info:
+            await strict.send("r", "POST", url, [], b"{}")
+        assert is_connect_failure(info.value) and len(seen) == 2
+    finally:
+        await trusting.close()
+        await strict.close()
+        await runner.cleanup()
