@@ -45,7 +45,7 @@ import aiohttp
 
 from loadtests.ideal import InfiniteCache, PooledCache
 from loadtests.textgen import Conversation, emulated_tokens
-from loadtests.workloads import SessionSpec, turn_inputs
+from loadtests.workloads import SessionSpec, turn_inputs, turn_overlaps
 from router.eventloop import run as run_on_loop
 
 __all__ = [
@@ -354,23 +354,25 @@ class _Run:
             return
         sid = str(spec.routing_key)
         inputs = turn_inputs(spec)
+        overlaps = turn_overlaps(spec)
         shared_model = int(spec.shared_prefix_tokens)
         conv: Conversation | None = None
-        prev_in = prev_out = 0  # model tokens of the previous turn
         for k, turn in enumerate(spec.turns):
             if k > 0 and not await self.sleep_modelled(min(float(turn.think_s), c.max_think_modelled_s)):
                 return
             if not self.may_issue():
                 return
-            continuation = conv is not None and not turn.reset and inputs[k] >= prev_in + prev_out
+            continuation = conv is not None and overlaps[k] > shared_model
             if conv is None or not continuation:
                 # a new context (first turn, compaction): shared prefix + new text
                 conv = Conversation(key=f"{spec.session_id}~{k}", shared_prefix_tokens=shared_model,
                                     token_unit=c.token_unit)
                 conv.add(max(inputs[k] - shared_model, 1))
             else:
-                conv.add(prev_out)  # the model's previous reply, then the new input
-                conv.add(max(inputs[k] - prev_in - prev_out, 0))
+                # the previous turn's context up to where this one departs from it (the trace may
+                # rewrite its tail), then what is new: the previous reply, tool results, user text
+                conv.truncate(overlaps[k] - shared_model)
+                conv.add(max(inputs[k] - shared_model - conv.history_model_tokens, 0))
             out = max(1, emulated_tokens(int(turn.output_tokens), c.token_unit))
             messages = conv.messages
             body = json.dumps(self._body(messages, out), separators=(",", ":")).encode()
@@ -387,7 +389,6 @@ class _Run:
             self.ideal.insert(blocks)  # the next turn (of any session) may hit this prompt
             if self.pooled is not None:
                 self.pooled.insert(blocks)
-            prev_in, prev_out = inputs[k], int(turn.output_tokens)
             for b in spec.branches:
                 if int(b.spawn_after_turn) == k:
                     self.spawn(b, float(b.start_s))

@@ -8,7 +8,9 @@ seed, durations) runs twice:
   * simulated: ``kvroute sim``'s model of the same (``sim_config``): the same session specs, the same
     lanes (striped as the live driver runs them), the same profile in model tokens (the live fleet
     runs ``token_unit`` model tokens per emulated token and ``time_scale`` wall seconds per modelled
-    second), the same warm-up, sampling and scrape intervals, the same policy parameters.
+    second), the same warm-up, sampling and scrape intervals, the same policy parameters, and prompts
+    named as the driver renders them (``turn_framing_tokens``: each turn's closing marker and the
+    engine's output are not reused by the next turn).
 
 The measures (``loadtests/measures.py``) of both are compared: CHR within ``CHR_ABS`` (absolute), dispersion within
 ``DISPERSION_REL`` and TTFT p99 within ``TTFT_P99_REL`` (relative to live). JSON: ``{"rows": [{
@@ -30,7 +32,7 @@ from typing import Any
 from loadtests.demo import DemoScenario, demo_scenario
 from loadtests.sim.run import SimConfig, run_sim
 from loadtests.textgen import BYTES_PER_TOKEN
-from loadtests.workloads import SessionSpec, Turn, turn_inputs
+from loadtests.workloads import SessionSpec
 from replica.emulator.profiles import get_profile
 from replica.emulator.tokenizer import encode_text, render_chat
 from router.policy.params import PolicyParams
@@ -83,26 +85,6 @@ def _cap_turn_think(specs: Sequence[SessionSpec], cap_s: float) -> list[SessionS
     return [cap(s) for s in specs]
 
 
-def live_driver_specs(specs: Sequence[SessionSpec]) -> list[SessionSpec]:
-    """The sessions as the live driver sends them (``loadtests.live._Run.chain``): it renders each
-    context as one append-only conversation and starts a new one where a turn is a reset or does not
-    extend the previous prompt + output. A trace's block hashes (and their partial rewrites) are not
-    what it sends, so they go; each turn keeps its exact size and becomes a reset where the driver
-    starts over."""
-
-    def one(spec: SessionSpec) -> SessionSpec:
-        inputs = turn_inputs(spec)
-        turns: list[Turn] = []
-        prev_in = prev_out = 0
-        for k, t in enumerate(spec.turns):
-            continuation = k > 0 and not t.reset and inputs[k] >= prev_in + prev_out
-            turns.append(replace(t, input_tokens=inputs[k], reset=k > 0 and not continuation, hash_runs=()))
-            prev_in, prev_out = inputs[k], t.output_tokens
-        return replace(spec, turns=tuple(turns), block_size=0, branches=tuple(one(b) for b in spec.branches))
-
-    return [one(s) for s in specs]
-
-
 def framing_tokens(token_unit: int) -> int:
     """Model tokens of what ends a rendered prompt and is not reused by the next turn: the emulator's
     chat template closes the one user message and adds the generation prompt."""
@@ -114,7 +96,7 @@ def framing_tokens(token_unit: int) -> int:
 
 def sim_config(scenario: DemoScenario) -> tuple[SimConfig, list[SessionSpec]]:
     """The simulator's model of one live ``bench peers`` run of kvroute (module docstring)."""
-    specs = live_driver_specs(_cap_turn_think(scenario.workload(), scenario.max_think_modelled_s))
+    specs = _cap_turn_think(scenario.workload(), scenario.max_think_modelled_s)
     ts = scenario.time_scale
     profile = get_profile(scenario.profile).with_overrides(page_size=_page(scenario, specs))
     if not scenario.host_tier:

@@ -106,13 +106,7 @@ class ChainNamer:
         shared = min(n, self._spec.shared_prefix_tokens // page)
         base = (self._uid * _EPOCH_SPAN + self._epochs[k]) * _CHAIN_SPAN
         out = [_shared_name(j) for j in range(shared)]
-        if not self._framing:
-            out.extend(range(base + shared, base + n))
-            return out
-        content = max(shared, min(n, (self._inputs[k] - self._framing) // page))
-        out.extend(range(base + shared, base + content))
-        tail = _TAIL_BASE + (self._uid * _TURN_SPAN + k % _TURN_SPAN) * _CHAIN_SPAN
-        out.extend(range(tail + content, tail + n))
+        out.extend(range(base + shared, base + n))
         return out
 
     def _trace(self, k: int, n_tokens: int) -> list[int]:
@@ -145,19 +139,31 @@ class ChainNamer:
             append(base + tid * kk + sub)
         return out
 
+    def _tail(self, k: int, names: list[int], blocks: int) -> list[int]:
+        """``names`` up to the page holding turn ``k``'s closing marker, then names of this turn's own
+        up to ``blocks`` (``framing_tokens``: what the next turn does not reuse)."""
+        content = min(len(names), max(0, (self._inputs[k] - self._framing) // self.page))
+        tail = _TAIL_BASE + (self._uid * _TURN_SPAN + k % _TURN_SPAN) * _CHAIN_SPAN
+        return names[:content] + list(range(tail + content, tail + blocks))
+
     def names(self, k: int) -> list[int]:
         """Block names of turn ``k``'s prompt (full pages only)."""
         got = self._memo.pop(k, None)
-        if got is not None:
-            return got
-        if self._spec.turns[k].hash_runs and self._spec.block_size:
-            return self._trace(k, self._inputs[k])
-        return self._synthetic(k, self._inputs[k])
+        if got is None:
+            if self._spec.turns[k].hash_runs and self._spec.block_size:
+                got = self._trace(k, self._inputs[k])
+            else:
+                got = self._synthetic(k, self._inputs[k])
+        if self._framing:
+            return self._tail(k, got, self._inputs[k] // self.page)
+        return got
 
     def full_names(self, k: int, prompt: Sequence[int]) -> list[int]:
         """Names of the blocks of prompt + output of turn ``k`` (``prompt`` = ``names(k)``)."""
         spec = self._spec
         total = (self._inputs[k] + spec.turns[k].output_tokens) // self.page
+        if self._framing:
+            return self._tail(k, list(prompt), total)
         if not (spec.turns[k].hash_runs and spec.block_size):
             return self._synthetic(k, self._inputs[k] + spec.turns[k].output_tokens)
         if k + 1 >= len(spec.turns):

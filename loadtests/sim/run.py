@@ -127,6 +127,7 @@ class SimConfig:
     failures: tuple[FailureEvent, ...] = ()
     store: StoreConfig = field(default_factory=StoreConfig)
     seed: int = 0
+    replica_ids: tuple[str, ...] = ()  # ids of the first replicas (default r000, r001, ...)
 
     def __post_init__(self) -> None:
         if self.replicas < 1 or self.gateways < 1:
@@ -240,7 +241,7 @@ class _Gateway:
 
 
 class _Sim:
-    def __init__(self, specs: Sequence[SessionSpec], cfg: SimConfig) -> None:
+    def __init__(self, specs: Sequence[SessionSpec], cfg: SimConfig, policy: Policy | None = None) -> None:
         self.cfg = cfg
         self.specs = specs
         self.loop = EventLoop()
@@ -253,7 +254,7 @@ class _Sim:
         self.measures = MeasureCollector(warmup_s=cfg.warmup_s, end_s=cfg.duration_s, replicas=cfg.replicas)
         self.rng = random.Random(f"sim:{cfg.seed}")
         self.gateways = [
-            _Gateway(g, make_policy(cfg.policy, cfg.policy_params), random.Random(f"gw:{cfg.seed}:{g}"))
+            _Gateway(g, policy or make_policy(cfg.policy, cfg.policy_params), random.Random(f"gw:{cfg.seed}:{g}"))
             for g in range(cfg.gateways)
         ]
         self.reps: dict[str, SimReplica] = {}
@@ -277,7 +278,9 @@ class _Sim:
     # ---- fleet ---------------------------------------------------------------------------------
 
     def add_replica(self, t: float, *, active: bool, by_scaleup: bool) -> SimReplica:
-        rep = SimReplica.make(len(self.order), self.cfg.profile, by_scaleup=by_scaleup)
+        i = len(self.order)
+        ids = self.cfg.replica_ids
+        rep = SimReplica.make(i, self.cfg.profile, by_scaleup=by_scaleup, rid=ids[i] if i < len(ids) else None)
         self.order.append(rep)
         self.reps[rep.id] = rep
         status = ReplicaStatus.ACTIVE if active else ReplicaStatus.JOINING
@@ -705,9 +708,10 @@ class _Sim:
         )
 
 
-def run_sim(specs: Sequence[SessionSpec], config: SimConfig) -> SimResult:
-    """Simulate ``specs`` on the fleet of ``config`` with ``config.policy``. Deterministic.
+def run_sim(specs: Sequence[SessionSpec], config: SimConfig, *, policy: Policy | None = None) -> SimResult:
+    """Simulate ``specs`` on the fleet of ``config`` with ``config.policy`` (or the ``policy`` object
+    given: every gateway calls it, e.g. a recording wrapper in the parity test). Deterministic.
 
     ``ValueError`` up front if the cache page does not align with the trace's hash blocks."""
     check_page_size(specs, config.profile.page_size)
-    return _Sim(specs, config).run()
+    return _Sim(specs, config, policy).run()

@@ -20,6 +20,7 @@ of the session id. Everything is a pure function of (request, snapshot, rng).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 from collections.abc import Callable, Sequence
@@ -40,6 +41,7 @@ from router.model import (
     SessionState,
     SetOverflow,
 )
+from router.policy.breaks import continues_context
 from router.policy.hashing import hrw_weight
 from router.policy.params import PolicyParams
 
@@ -108,6 +110,24 @@ def move_cost_tokens(
     return ctx * resident * (1.0 + displaced)
 
 
+def expected_prefill_tokens(decision: RouteDecision, request: RouteRequest, session: SessionState | None) -> int:
+    """Prompt tokens the chosen replica will compute for this request (its prefill backlog).
+
+    At the session's home, a request that continues the session's context computes only what it
+    adds; every other request (a new session, a re-homed or evicted one, an overflow, a prompt
+    that does not continue the context) computes its whole prompt, as far as the gateway knows.
+    """
+    est = request.prompt_tokens_estimate
+    if (
+        session is not None
+        and decision.replica_id == session.home
+        and decision.reason is Reason.AFFINITY
+        and continues_context(session.context_tokens, est)
+    ):
+        return max(0, est - session.context_tokens)
+    return est
+
+
 def load_score(replica: ReplicaState, context_tokens: int, params: PolicyParams) -> float:
     """Expected delay of one more session of ``context_tokens`` here, in requests-in-flight units.
 
@@ -148,6 +168,12 @@ class KvAwarePolicy:
     # ---- entry -----------------------------------------------------------------------------------
 
     def route(self, request: RouteRequest, snapshot: ClusterSnapshot, rng: random.Random) -> RouteDecision:
+        d = self._route(request, snapshot, rng)
+        sess = snapshot.session
+        own = sess if sess is not None and sess.session_id == request.session_key else None
+        return dataclasses.replace(d, prefill_tokens=expected_prefill_tokens(d, request, own))
+
+    def _route(self, request: RouteRequest, snapshot: ClusterSnapshot, rng: random.Random) -> RouteDecision:
         view = self._view(request, snapshot)
         sid = request.session_key
         sess = snapshot.session
@@ -479,7 +505,8 @@ class KvAwarePolicy:
                     cands,
                     lambda r: not self._fresh(r, view, snapshot) or r.placed_recent < view.ramp_share,
                 )
-        scored = [(r, load_score(r, ctx, p)) for r in cands]
+        # a placement's prompt starts computing behind the target's prefill backlog
+        scored = [(r, load_score(r, ctx, p) + r.prefill_backlog_tokens / p.prefill_tokens_per_unit) for r in cands]
         best = min(s for _, s in scored)
         ties = [r for r, s in scored if s <= best + p.score_quantum]
         if len(ties) == 1:
