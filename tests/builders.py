@@ -41,6 +41,7 @@ def replica(
     joined_at: float = 0.0,
     engine_updated_at: float = 1.0,
     horizon: int = 0,
+    backlog: int = 0,
 ) -> ReplicaState:
     return ReplicaState(
         id=rid,
@@ -62,6 +63,7 @@ def replica(
         tokens_written=written,
         placed_recent=placed,
         residency_horizon_tokens=horizon,
+        prefill_backlog_tokens=backlog,
     )
 
 
