@@ -12,10 +12,10 @@ import sys
 __all__ = ["BENCHES", "cli_main"]
 
 BENCHES: dict[str, tuple[str, str, str]] = {
-    "peers": ("loadtests.peers", "bench_peers_main", "kvroute vs sglang-router and vllm-router, same workload"),
+    "peers": ("loadtests.bench_peers", "bench_peers_main", "kvroute vs sglang-router and vllm-router, same workload"),
     "parity": ("loadtests.parity", "cli_main", "the simulator against the live gateway, same workload"),
     "overhead": ("loadtests.overhead", "cli_main", "added latency and throughput: direct vs routers"),
-    "emulator": ("replica.emulator.cpu_bench", "cli_main", "emulator CPU per request outside modelled time"),
+    "emulator": ("loadtests.bench_emulator", "cli_main", "emulator CPU per request outside modelled time"),
     "redis": ("loadtests.bench_redis", "cli_main", "Redis round trips per request, Redis vs memory store"),
     "faults": ("loadtests.faults", "cli_main", "fault campaign under load: completed / clean errors / lost"),
     "soak": ("loadtests.soak", "cli_main", "connection scale: idle + active streams against one gateway"),

@@ -18,10 +18,6 @@ gateway process's own CPU time per proxied request (``/proc/<pid>/stat``, Linux)
 of requests at c=1 and c=32, JSON and SSE: unlike latency on a shared box, CPU per request barely
 moves when other processes compete for the cores.
 
-``--cpu-clients`` runs the ``--cpu`` measurement for both upstream clients (``--upstream-client raw``
-and ``aiohttp``: two gateways in front of the same replica, measured in turn per cell, A-B-B-A) and
-reports aiohttp/raw ratios.
-
 ``--overhead`` also runs ``kvroute bench overhead --targets kvroute`` (c=1 and c=32; one emulated
 replica in a subprocess) once and adds its ``added`` block; ``--compare BEFORE AFTER`` prints the
 ratios of two saved overhead documents (noisy machines: compare ratios, never single numbers).
@@ -57,7 +53,7 @@ from router.observability.surface import StatsHook
 from router.policy.registry import make_policy
 from router.store.memory import MemoryCore
 
-__all__ = ["PHASES", "cli_main", "compare_overhead", "run_cell", "run_cpu_clients", "run_hotpath"]
+__all__ = ["PHASES", "cli_main", "compare_overhead", "run_cell", "run_cpu", "run_hotpath"]
 
 PHASES = ("snapshot", "route", "acquire", "events", "release")
 
@@ -260,74 +256,6 @@ async def run_cpu(
     return {"bench": "hotpath-cpu", "cells": cells}
 
 
-async def run_cpu_clients(
-    *, requests: int = 3000, concurrencies: Sequence[int] = (1, 32), extra_args: Sequence[str] = ()
-) -> dict[str, Any]:
-    """Gateway CPU per request with ``--upstream-client raw`` and ``aiohttp``: two gateways in front of
-    the same emulated replica, measured in turn per cell in A-B-B-A order (``requests`` each time),
-    so that load from other work on the machine falls on both alike; ratios aiohttp / raw per cell."""
-    import tempfile
-
-    from loadtests.peers import PEERS, emulated_fleet, running_router
-
-    clients = ("raw", "aiohttp")
-    cpu: dict[str, dict[str, list[float]]] = {c: {} for c in clients}
-    rps: dict[str, dict[str, list[float]]] = {c: {} for c in clients}
-    errors: dict[str, dict[str, int]] = {c: {} for c in clients}
-    with tempfile.TemporaryDirectory(prefix="kvroute-hotpath-") as tmp:
-        log_dir = Path(tmp)
-        async with (
-            emulated_fleet(1, ("--time-scale", "0.000001"), log_dir=log_dir) as fleet,
-            running_router(
-                PEERS["kvroute"],
-                fleet.urls,
-                log_dir=log_dir,
-                extra_args=[*extra_args, "--upstream-client", "raw"],
-            ) as gw_raw,
-            running_router(
-                PEERS["kvroute"],
-                fleet.urls,
-                log_dir=log_dir,
-                extra_args=[*extra_args, "--upstream-client", "aiohttp"],
-            ) as gw_aio,
-        ):
-            gws = {"raw": gw_raw, "aiohttp": gw_aio}
-            for c in concurrencies:
-                for stream in (False, True):
-                    cell = f"c{c}_{'stream' if stream else 'json'}"
-                    for name in clients:
-                        await _drive(gws[name].url, concurrency=c, stream=stream, requests=min(300, requests))
-                    for name in ("raw", "aiohttp", "aiohttp", "raw"):
-                        pid = gws[name].proc.pid
-                        cpu0, t0 = _proc_cpu_s(pid), time.perf_counter()
-                        err = await _drive(gws[name].url, concurrency=c, stream=stream, requests=requests)
-                        cpu1, t1 = _proc_cpu_s(pid), time.perf_counter()
-                        cpu[name].setdefault(cell, []).append((cpu1 - cpu0) / requests * 1e6)
-                        rps[name].setdefault(cell, []).append(requests / (t1 - t0))
-                        errors[name][cell] = errors[name].get(cell, 0) + err
-    out: dict[str, Any] = {
-        name: {
-            cell: {
-                "requests": 2 * requests,
-                "errors": errors[name][cell],
-                "gateway_cpu_us_per_request": round(sum(v) / len(v), 1),
-                "req_per_s": round(sum(rps[name][cell]) / len(rps[name][cell]), 1),
-            }
-            for cell, v in cpu[name].items()
-        }
-        for name in clients
-    }
-    ratios = {
-        cell: round(
-            out["aiohttp"][cell]["gateway_cpu_us_per_request"]
-            / max(1e-9, out["raw"][cell]["gateway_cpu_us_per_request"]),
-            3,
-        )
-        for cell in out["raw"]
-    }
-    return {"bench": "hotpath-cpu-clients", "clients": out, "cpu_aiohttp_over_raw": ratios}
-
-
 def compare_overhead(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
     """Ratios after/before of two ``bench overhead`` documents (kvroute rows), per cell."""
     out: dict[str, Any] = {}
@@ -372,11 +300,6 @@ def cli_main(argv: list[str]) -> int:
     p.add_argument("--cpu", action="store_true", help="also measure live gateway CPU per request")
     p.add_argument("--cpu-only", action="store_true", help="only the live CPU measurement")
     p.add_argument(
-        "--cpu-clients",
-        action="store_true",
-        help="only the live CPU measurement, once per upstream client (raw, aiohttp), with ratios",
-    )
-    p.add_argument(
         "--gateway-arg",
         action="append",
         default=[],
@@ -403,13 +326,6 @@ def cli_main(argv: list[str]) -> int:
         p.error("--requests and --sessions must be >= 1")
     if ns.cpu_only:
         print(json.dumps(asyncio.run(run_cpu(requests=ns.requests, extra_args=ns.gateway_arg)), indent=2))
-        return 0
-    if ns.cpu_clients:
-        print(
-            json.dumps(
-                asyncio.run(run_cpu_clients(requests=ns.requests, extra_args=ns.gateway_arg)), indent=2
-            )
-        )
         return 0
     doc = run_hotpath(
         replicas=ns.replicas or (8, 50), requests=ns.requests, sessions=ns.sessions, policy=ns.policy

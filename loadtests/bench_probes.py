@@ -24,7 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from loadtests.overhead import measure_cell
-from loadtests.peers import PEERS, read_urls, running_router, start_process, stop_process
+from loadtests.peers import PEERS, running_router
+from loadtests.procs import read_urls, start_process, stop_process
 
 __all__ = ["cli_main", "run_probes_bench"]
 

@@ -26,10 +26,7 @@ import argparse
 import asyncio
 import json
 import random
-import shutil
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -37,6 +34,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from loadtests.redis_server import RedisServer, RedisUnavailable
 from router.clock import SystemClock
 from router.model import Completion, ReplicaSpec, ReplicaStatus, RouteRequest
 from router.policy.registry import make_policy
@@ -46,43 +44,13 @@ from router.store.memory import MemoryStore
 __all__ = ["cli_main", "run_bench"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 @contextmanager
 def _private_redis() -> Iterator[str]:
-    binary = shutil.which("redis-server")
-    if binary is None:
-        raise SystemExit("kvroute bench redis: redis-server not found; pass --redis URL")
-    port = _free_port()
-    workdir = tempfile.mkdtemp(prefix="kvroute-bench-redis-")
-    proc = subprocess.Popen(
-        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-         "--dir", workdir, "--loglevel", "warning"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
     try:
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                with socket.create_connection(("127.0.0.1", port), timeout=0.2) as c:
-                    c.sendall(b"PING\r\n")
-                    if c.recv(16).startswith(b"+PONG"):
-                        break
-            except OSError:
-                pass
-            if time.monotonic() > deadline or proc.poll() is not None:
-                raise SystemExit("kvroute bench redis: private redis-server did not start")
-            time.sleep(0.02)
-        yield f"redis://127.0.0.1:{port}/0"
-    finally:
-        proc.terminate()
-        proc.wait(timeout=10)
-        shutil.rmtree(workdir, ignore_errors=True)
+        with RedisServer() as server:
+            yield server.url
+    except RedisUnavailable as exc:
+        raise SystemExit(f"kvroute bench redis: {exc}; pass --redis URL") from exc
 
 
 _TOP_LEVEL = ("cmdstat_evalsha", "cmdstat_eval", "cmdstat_evalsha_ro", "cmdstat_eval_ro", "cmdstat_script")
@@ -257,14 +225,8 @@ async def run_gateway_bench(
     from pathlib import Path
 
     from loadtests.overhead import measure_cell
-    from loadtests.peers import (
-        _readiness_check,
-        _wait_ready,
-        emulated_fleet,
-        find_binary,
-        start_process,
-        stop_process,
-    )
+    from loadtests.peers import _readiness_check, _wait_ready, emulated_fleet, find_binary
+    from loadtests.procs import free_port, start_process, stop_process
 
     out: dict[str, Any] = {"level": "gateway", "replicas": replicas, "duration_s_per_case": duration_s,
                            "cases": {}}  # fmt: skip
@@ -275,15 +237,16 @@ async def run_gateway_bench(
             results: dict[str, dict[str, Any]] = {}
             stores = ("memory", "redis", "redis_fast") if refresh_s > 0 else ("memory", "redis")
             for store in stores:
-                port = _free_port()
+                port = free_port()
                 refresh = refresh_s if store == "redis_fast" else 0.0
-                argv = ["env", f"KVROUTE_REDIS_REFRESH_S={refresh}", binary, "serve", "--host", "127.0.0.1",
-                        "--port", str(port), "--policy", "kv_aware"]  # fmt: skip
+                argv = [binary, "serve", "--host", "127.0.0.1", "--port", str(port), "--policy", "kv_aware"]
                 for u in fleet.urls:
                     argv += ["--replica", u]
                 if store != "memory":
                     argv += ["--redis", url]
-                proc = await start_process(f"kvroute-{store}", argv, log_dir=log_dir)
+                proc = await start_process(
+                    f"kvroute-{store}", argv, log_dir=log_dir, env={"KVROUTE_REDIS_REFRESH_S": str(refresh)}
+                )
                 gw = f"http://127.0.0.1:{port}"
                 try:
                     await _wait_ready(proc, _readiness_check(gw, replicas, "kvroute"), 60.0)

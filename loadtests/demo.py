@@ -6,7 +6,7 @@ For each policy (default ``kv_aware`` then ``hash``), on the identical workload:
   3. drive synthetic coding-agent sessions through it with the live load driver for ``--duration``
      wall seconds, showing a live view (per-replica in-flight bars sampled from the replicas,
      dispersion, CHR, TTFT p50/p99, requests, errors),
-then print a comparison table and, with ``--json``, write ``{policy: DESIGN §7 measures}``.
+then print a comparison table and, with ``--json``, write ``{policy: measures}`` (``loadtests/measures.py``).
 
 Three processes (driver, gateway, replicas) so that two cores are used and the gateway never shares
 an event loop with the load it is measured under. Wall time is bounded: per policy ``duration`` +
@@ -63,7 +63,7 @@ class DemoScenario:
     drain_s: float = 5.0
     sample_interval_s: float = 0.25
     max_think_modelled_s: float = 60.0
-    # think times: WEKA-like (calibration §2.1: a session is busy ~12 % of its wall time), so a
+    # think times: WEKA-like (in the real Claude Code trace a session is busy ~12 % of its wall time), so a
     # replica's bound sessions need more KV than it has while only a few of them are in flight
     tool_think_fraction: float = 0.85
     tool_think_median_s: float = 3.0
@@ -367,7 +367,7 @@ def cli_main(argv: list[str]) -> int:
     p.add_argument("--policy-param", action="append", default=[], metavar="KEY=VALUE",
                    help="kvroute policy parameter for every kvroute run (repeatable)")
     p.add_argument("--drain", type=float, default=d.drain_s, help="wall seconds in-flight requests get at the end")
-    p.add_argument("--json", type=Path, help="write {policy: DESIGN §7 measures} here")
+    p.add_argument("--json", type=Path, help="write {policy: measures} here")
     p.add_argument("--plots", type=Path, help="write load histogram and TTFT CDF PNGs into this directory")
     p.add_argument("--no-live", action="store_true", help="plain progress lines instead of the live view")
     ns = p.parse_args(argv)

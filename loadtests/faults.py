@@ -471,7 +471,7 @@ def cli_main(argv: list[str]) -> int:
     )
     p.add_argument(
         "--gateway-arg", action="append", default=[], metavar="ARG",
-        help="extra `kvroute serve` argument of both gateways (repeatable), e.g. --gateway-arg=--downstream-server=aiohttp",
+        help="extra `kvroute serve` argument of both gateways (repeatable), e.g. --gateway-arg=--no-decision-headers",
     )
     a = p.parse_args(argv)
     faults = tuple(f.strip() for f in a.faults.split(",") if f.strip())

@@ -1,7 +1,7 @@
 """``python -m loadtests.floor_proxy --port P --replica URL``: the floor of a Python proxy.
 
 A reference point for ``kvroute bench overhead`` (target ``python-floor``), not a router: uvloop,
-an ``httptools`` server protocol and kvroute's own raw upstream client (``router.gateway.upstream_raw``),
+an ``httptools`` server protocol and kvroute's own upstream client (``router.gateway.upstream``),
 forwarding every request to one replica with no routing, no state, no limits, no metrics. What it
 adds over talking to the replica directly is what any Python gateway on this interpreter and machine
 pays before doing any work of its own; kvroute's added latency minus this is kvroute's own cost.
@@ -27,13 +27,13 @@ from router.config import TimeoutsConfig
 from router.errors import UpstreamError
 from router.eventloop import event_loop_factory
 from router.gateway.forward import filter_request_headers, filter_response_headers
-from router.gateway.upstream_raw import RawReplicaClient
+from router.gateway.upstream import ReplicaHttpClient
 
 __all__ = ["cli_main"]
 
 
 class _FloorProtocol(asyncio.Protocol):
-    def __init__(self, client: RawReplicaClient, replica: str) -> None:
+    def __init__(self, client: ReplicaHttpClient, replica: str) -> None:
         self.client = client
         self.replica = replica
         self.parser = httptools.HttpRequestParser(self)
@@ -103,7 +103,7 @@ class _FloorProtocol(asyncio.Protocol):
 
 
 async def _serve(port: int, replica: str) -> None:
-    client = RawReplicaClient(TimeoutsConfig.model_validate({}))
+    client = ReplicaHttpClient(TimeoutsConfig.model_validate({}))
     loop = asyncio.get_running_loop()
     server = await loop.create_server(lambda: _FloorProtocol(client, replica.rstrip("/")), "127.0.0.1", port)
     async with server:

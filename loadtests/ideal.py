@@ -63,7 +63,7 @@ class InfiniteCache:
 class PooledCache:
     """The fleet's KV as ONE shared LRU prefix cache of the same total size: ``pooled_chr``.
 
-    What no router can beat without more memory (DESIGN §7): every replica's HBM (and host tier)
+    What no router can beat without more memory (``pooled_chr``): every replica's HBM (and host tier)
     pooled, LRU over the requests in the order they run. It is the emulator's own ``PrefixCache``
     (radix runs, leaf-first eviction), so the same names evict the same way; a request's blocks
     enter it when the caller inserts them (``insert``, at the same moment the ideal cache gets

@@ -181,7 +181,7 @@ class LiveStats:
 
 @dataclass(frozen=True, slots=True)
 class LoadResult:
-    measures: dict[str, Any]  # DESIGN §7 fields (+ run metadata)
+    measures: dict[str, Any]  # loadtests/measures.py fields (+ run metadata)
     outcomes: tuple[Outcome, ...]
     load_samples: tuple[tuple[float, tuple[int, ...]], ...]  # (modelled t, per-replica in-flight)
     replica_names: tuple[str, ...]
@@ -704,7 +704,7 @@ def _parser() -> argparse.ArgumentParser:
         help="the replicas' KV page size in emulated tokens, for the ideal hit (default: the first replica's "
         "/server_info, else 1)",
     )
-    p.add_argument("--json", type=Path, help="write the DESIGN §7 measures here")
+    p.add_argument("--json", type=Path, help="write the measures here")
     p.add_argument("--no-progress", action="store_true")
     return p
 

@@ -1,4 +1,4 @@
-"""The DESIGN §7 measures, computed the same way for the simulator and the live load driver.
+"""The benchmark measures (CHR, dispersion, TTFT, breaks, ...; docs/BENCHMARKS.md), computed the same way for the simulator and the live load driver.
 
 Feed a ``MeasureCollector`` with one ``RequestRecord`` per finished request and with periodic
 per-replica in-flight samples, then call ``result()``. Pure: no clock, no I/O.
@@ -105,7 +105,7 @@ def percentile(values: Sequence[float], q: float) -> float | None:
 
 
 class MeasureCollector:
-    """Accumulates records and samples; ``result()`` returns the DESIGN §7 dict."""
+    """Accumulates records and samples; ``result()`` returns the measures dict."""
 
     def __init__(self, *, warmup_s: float = 0.0, end_s: float | None = None, replicas: int = 0) -> None:
         self.warmup_s = warmup_s

@@ -10,8 +10,8 @@ Reported per cell: req/s, p50/p99 latency (ms), errors; per router: added latenc
 (p50/p99 minus direct's, ms) and the throughput ratio to direct (and to sglang-router where present).
 
 Everything (client, router, replica) shares one machine: read the figures as what one box shows, not
-as a router's capacity. sglang-router delays SSE on reused keep-alive connections by ~40 ms
-(``reference/peers.md`` §3.8), so streaming cells are run twice: keep-alive and a fresh connection per
+as a router's capacity. sglang-router delays SSE on reused keep-alive connections by ~40 ms (seen on
+every version measured here), so streaming cells are run twice: keep-alive and a fresh connection per
 request; both are reported.
 
 ``--fleet N`` puts N emulated replicas (one process) behind every router, so what a router does per
@@ -24,7 +24,7 @@ min-max, and on how many rounds each kvroute target added less than each other r
 machine whose speed drifts between minutes, one pass compares moments as much as routers.
 
 Target ``python-floor`` (``loadtests/floor_proxy.py``, in the default list) is not a router: a bare
-uvloop + httptools proxy with kvroute's raw upstream client and no logic. Its added latency is what any
+uvloop + httptools proxy with kvroute's upstream client and no logic. Its added latency is what any
 Python gateway pays here before doing any work; each router's ``added_over_python_floor_p50_ms`` is the
 rest.
 """

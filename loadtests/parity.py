@@ -12,7 +12,7 @@ seed, durations) runs twice:
     named as the driver renders them (``turn_framing_tokens``: each turn's closing marker and the
     engine's output are not reused by the next turn).
 
-The DESIGN §7 measures of both are compared: CHR within ``CHR_ABS`` (absolute), dispersion within
+The measures (``loadtests/measures.py``) of both are compared: CHR within ``CHR_ABS`` (absolute), dispersion within
 ``DISPERSION_REL`` and TTFT p99 within ``TTFT_P99_REL`` (relative to live). JSON: ``{"rows": [{
 "workload", "seed", "sim", "live", "within_bounds", "checks"}], ...}``.
 """

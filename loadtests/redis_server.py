@@ -21,11 +21,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Self
 
+from loadtests.procs import free_port
+
 __all__ = [
     "RedisCluster",
     "RedisServer",
     "RedisUnavailable",
-    "free_port",
     "make_self_signed_cert",
     "redis_server_binary",
 ]
@@ -37,17 +38,6 @@ class RedisUnavailable(RuntimeError):
 
 def redis_server_binary() -> str | None:
     return shutil.which("redis-server")
-
-
-def free_port(max_port: int = 65535) -> int:
-    """A free TCP port on 127.0.0.1 (at most ``max_port``: cluster nodes also need port + 10000)."""
-    for _ in range(200):
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind(("127.0.0.1", 0))
-            port: int = s.getsockname()[1]
-        if port <= max_port:
-            return port
-    raise RedisUnavailable(f"no free port <= {max_port}")
 
 
 def _ping(port: int, timeout_s: float = 0.2, tls: bool = False, password: str | None = None) -> bool:

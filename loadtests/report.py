@@ -1,6 +1,6 @@
 """Tables and plots for live runs: one row / one curve per policy or router.
 
-* :func:`comparison_table` — the DESIGN §7 measures side by side (rich).
+* :func:`comparison_table` — the measures (``loadtests/measures.py``) side by side (rich).
 * :func:`plot_load` — per-replica load, like the seed's charts: left, the distribution of per-replica
   in-flight requests pooled over samples (with the Poisson pmf of the same mean, which is what
   uniform hashing tends to); right, each replica's mean in-flight (imbalance at a glance).
@@ -54,7 +54,7 @@ def _fmt(value: Any, fmt: str) -> str:
         return str(value)
 
 
-def comparison_table(results: Mapping[str, Mapping[str, Any]], title: str = "measures (DESIGN §7)") -> Any:
+def comparison_table(results: Mapping[str, Mapping[str, Any]], title: str = "measures") -> Any:
     """A rich ``Table``: one column per policy/router, one row per measure."""
     from rich.table import Table
 

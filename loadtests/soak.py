@@ -407,7 +407,7 @@ def cli_main(argv: list[str]) -> int:
     p.add_argument("--pool-burst", type=int, default=300)
     p.add_argument(
         "--gateway-arg", action="append", default=[], metavar="ARG",
-        help="extra `kvroute serve` argument of the soaked gateway (repeatable), e.g. --gateway-arg=--downstream-server=aiohttp",
+        help="extra `kvroute serve` argument of the soaked gateway (repeatable), e.g. --gateway-arg=--no-decision-headers",
     )
     a = p.parse_args(argv)
     if a.serve_upstream:

@@ -4,7 +4,7 @@ Rules:
   1. Same inputs, same bytes: a session's text is a pure function of (session id, turn index, sizes),
      so two runs of the same workload (one per policy) send byte-identical requests.
   2. Shared prefix first: every conversation starts with the same system + tools text, so a replica's
-     prefix cache sees the cross-session sharing real coding agents have (calibration.md §5).
+     prefix cache sees the cross-session sharing real coding agents have (docs/WORKLOADS.md).
   3. Append only: turn T's messages are turn T-1's messages plus new ones, so the rendered prompt of
      turn T-1 is a prefix of turn T's (what a prefix cache needs to hit).
   4. Sizes are in *emulated* tokens of 4 bytes each (the emulator's tokenizer: 1 token = 4 UTF-8 bytes
@@ -66,7 +66,7 @@ def _canonical_chunk(namespace: str, i: int) -> str:
 @lru_cache(maxsize=64)
 def shared_prefix(n_bytes: int, namespace: str = "kvroute-shared-system-and-tools") -> str:
     """The system + tools prompt sessions share: the first ``n_bytes`` of ONE canonical text, so a
-    shorter shared prefix is a prefix of a longer one (calibration §5: one canonical shared prefix;
+    shorter shared prefix is a prefix of a longer one (one canonical shared prefix, as the public agent traces show;
     sessions whose tool definitions differ in size still share what they have in common)."""
     head = "You are a coding agent. Tools follow.\n"
     if n_bytes <= len(head):

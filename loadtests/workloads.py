@@ -218,7 +218,7 @@ class SyntheticParams:
 
     Sizes are log-normal (``*_median`` and log-space ``*_sigma``), clamped to ``[*_min, *_max]``.
     With the defaults the median request carries ~100k input and ~500 output tokens, mirroring
-    the WEKA Claude Code trace (calibration §2.1: median input 104k) with Kimi-style outputs.
+    the WEKA Claude Code trace (median input 104k tokens) with Kimi-style outputs.
     """
 
     sessions: int = 250
@@ -267,7 +267,7 @@ class SyntheticParams:
     """Human reading and typing: seconds, log-normal; the tail reaches the cap (hours)."""
     human_think_sigma: float = 1.5
     think_max_s: float = 1_800.0
-    """Cap on a single think time (replays cap idle gaps; calibration §5)."""
+    """Cap on a single think time (replays cap idle gaps)."""
 
     thicc_fraction: float = 0.10
     """Fraction of sessions that spawn concurrent sub-agent branches."""
@@ -405,7 +405,7 @@ def with_arrivals(
 
 def drop_long_requests(specs: Sequence[SessionSpec], max_input_tokens: int) -> list[SessionSpec]:
     """Drop every request whose prompt exceeds ``max_input_tokens`` and keep the rest of its session
-    (AgentX's ``_256k`` corpora do this for a model's context window; calibration §5).
+    (AgentX's ``_256k`` corpora do this for a model's context window).
 
     Kept turns get their exact ``input_tokens`` so later prompts do not shift; a branch spawned by a
     dropped turn spawns after the last kept turn before it; chains left empty disappear.
@@ -549,7 +549,7 @@ def _weka_session(sid: str, rows: list[dict[str, Any]], prefix: dict[tuple[str, 
 # ---- Mooncake trace ----------------------------------------------------------------------------
 
 _POPULAR_BLOCK = 50  # as traces/tools/annotate_mooncake_sessions.py
-NOMINAL_PREFILL_TOK_S = 10_000.0  # nominal service model of calibration §2.2 (used to turn gaps into think)
+NOMINAL_PREFILL_TOK_S = 10_000.0  # nominal service model (docs/WORKLOADS.md; turns gaps into think)
 NOMINAL_DECODE_S_PER_TOKEN = 0.03
 
 

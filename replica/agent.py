@@ -50,7 +50,7 @@ from aiohttp import web
 from replica.config import AgentConfig, load_config
 from replica.probe import EngineProbe, EngineProbeError, build_spec, engine_info_from
 from router.clock import Clock, SystemClock
-from router.errors import ConfigError, KvrouteError, StoreError
+from router.errors import ConfigError, KvrouteError, StoreError, error_body
 from router.model import EngineLoad, ReplicaId, ReplicaSpec, ReplicaStatus
 from router.store.base import StateStore
 
@@ -557,7 +557,7 @@ def _json(status: int, doc: Mapping[str, Any]) -> web.Response:
 
 def _error(status: int, message: str, code: str) -> web.Response:
     kind = "invalid_request_error" if status < 500 else "service_unavailable"
-    return _json(status, {"error": {"message": message, "type": kind, "code": code}})
+    return _json(status, error_body(message, kind, code))
 
 
 @web.middleware

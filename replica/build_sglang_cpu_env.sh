@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build a CPU-only Python environment in which SGLang's own argument parser can be imported, so
 # `tests/replica/test_launch.py` can validate every launch profile with
-# `sglang.srt.server_args.prepare_server_args` (reference/sglang.md §5).
+# `sglang.srt.server_args.prepare_server_args`, the parser `launch_server` itself runs.
 #
 # It is ~2.3 GB (CPU torch + sglang without its CUDA dependencies) and kept OUT of the project venv:
 # the gateway never imports sglang.

@@ -116,7 +116,7 @@ def _num(doc: Mapping[str, Any], key: str, default: float = 0.0) -> float:
 def engine_info_from(
     server_info: Mapping[str, Any], model_info: Mapping[str, Any] | None = None
 ) -> EngineInfo:
-    """Read capacity, TP and HiCache settings from SGLang's ``/server_info`` (sglang.md §1.7).
+    """Read capacity, TP and HiCache settings from SGLang's ``/server_info``.
 
     ``max_total_num_tokens`` is top level in 0.5.x; older servers put it only in
     ``internal_states[*]`` (one per DP rank, summed here).

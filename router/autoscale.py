@@ -6,7 +6,7 @@ concurrency per replica are ``ceil(L / target_in_flight_per_replica)``. L is noi
 sessions are bursty: back-to-back tool calls then long think times), so it is smoothed with a
 time-based EWMA before it is divided.
 
-A second bound follows from the KV working set (DESIGN §3 rule 3): replicas hold only a few coding
+A second bound follows from the KV working set (docs/POLICY.md, rule 3): replicas hold only a few coding
 sessions' context, so a fleet whose recently active sessions need more KV than
 ``replicas * capacity * target_kv_fill`` thrashes whatever its request concurrency. The desired
 count is the larger of the two.

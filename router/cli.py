@@ -1,12 +1,14 @@
 """``kvroute`` console script: one entry, subcommands dispatched to the module that owns them.
 
 Each subcommand module exposes ``cli_main(argv: list[str]) -> int`` and is imported lazily, so
-``kvroute serve`` never imports the simulator, matplotlib or sglang.
+``kvroute serve`` never imports the simulator, matplotlib or sglang. The demo, simulator, load driver
+and benchmarks need the ``bench`` extra (rich, matplotlib); without it they say so and exit 2.
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import signal
 import sys
 from types import FrameType
@@ -27,6 +29,9 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 # commands that start fleets of child processes (each in its own session) and stop them in
 # ``finally``: SIGTERM must unwind to those blocks, not end the process and orphan the fleet
 _STARTS_FLEETS = frozenset({"bench", "demo"})
+# commands whose live views, tables and plots come from the ``bench`` extra
+_NEEDS_BENCH_EXTRA = frozenset({"bench", "demo", "load", "sim"})
+_BENCH_EXTRA = ("rich", "matplotlib")
 
 
 def _exit_on_sigterm(signum: int, frame: FrameType | None) -> None:
@@ -53,6 +58,14 @@ def main(argv: list[str] | None = None) -> int:
     cmd = args[0]
     if cmd not in SUBCOMMANDS:
         print(f"kvroute: unknown command {cmd!r}\n\n{_usage()}", file=sys.stderr)
+        return 2
+    missing = [m for m in _BENCH_EXTRA if cmd in _NEEDS_BENCH_EXTRA and importlib.util.find_spec(m) is None]
+    if missing:
+        print(
+            f"kvroute {cmd} needs {', '.join(missing)}: pip install 'kvroute[bench]' "
+            "(scripts/demo.sh and scripts/test.sh install it)",
+            file=sys.stderr,
+        )
         return 2
     module = importlib.import_module(SUBCOMMANDS[cmd][0])
     if cmd in _STARTS_FLEETS:

@@ -1,4 +1,4 @@
-"""Clocks. The core never reads time itself: a clock is injected (STYLE §1.3)."""
+"""Clocks. The core never reads time itself: a clock is injected (the simulator brings a virtual one)."""
 
 from __future__ import annotations
 

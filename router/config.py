@@ -58,7 +58,6 @@ __all__ = [
     "LimitsConfig",
     "StoreSettings",
     "TimeoutsConfig",
-    "UpstreamConfig",
     "build_arg_parser",
     "load_config",
     "replica_id_from_url",
@@ -125,25 +124,14 @@ class HealthConfig(BaseModel):
     metrics_path: str = "/metrics"
 
 
-class UpstreamConfig(BaseModel):
-    """The HTTP client the gateway talks to replicas with."""
-
-    model_config = _FROZEN
-
-    # raw: keep-alive pool on asyncio protocols + httptools (router/gateway/upstream_raw.py), https
-    # replicas through aiohttp; aiohttp: everything through aiohttp's ClientSession
-    client: Literal["raw", "aiohttp"] = "raw"
-
-
 class DownstreamConfig(BaseModel):
     """The HTTP server the gateway's clients talk to."""
 
     model_config = _FROZEN
 
-    # raw: the inference routes on asyncio protocols + httptools (router/gateway/dataplane.py), every
-    # other request handed to aiohttp on the same connection; aiohttp: everything on aiohttp's server
-    server: Literal["raw", "aiohttp"] = "raw"
-    keepalive_s: float = Field(75.0, gt=0)  # an idle client connection closes after this long
+    # an idle client connection closes after this long; so does one whose request head is not whole
+    # this long after the connection opened or its last response
+    keepalive_s: float = Field(75.0, gt=0)
 
 
 _STORE_DEFAULTS = StoreConfig()
@@ -161,7 +149,7 @@ class StoreSettings(BaseModel):
     replica_ttl_s: float = Field(_STORE_DEFAULTS.replica_ttl_s, gt=0)
     key_prefix: str = Field(_STORE_DEFAULTS.key_prefix, min_length=1, pattern=r"^[A-Za-z0-9_.:-]+$")
     # Redis only: replica-table refresh period of the 2-round-trip fast path (0 = 3-round-trip path);
-    # None = $KVROUTE_REDIS_REFRESH_S, else 0.05 s (router/store/redis.py::gateway_refresh_s)
+    # None = $KVROUTE_REDIS_REFRESH_S, else 0.05 s (router.store.redis.gateway_refresh_s)
     replica_refresh_s: float | None = Field(None, ge=0, le=60)
 
     def to_store_config(self) -> StoreConfig:
@@ -220,7 +208,6 @@ class GatewayConfig(BaseSettings):
     max_retries: int = Field(2, ge=0, le=10)  # extra attempts after a failure before the first byte
     max_connections: int = Field(1024, ge=1)  # upstream connection pool, all replicas
     max_connections_per_replica: int = Field(0, ge=0)  # 0 = no per-replica cap
-    upstream: UpstreamConfig = Field(default_factory=UpstreamConfig)
     downstream: DownstreamConfig = Field(default_factory=DownstreamConfig)  # type: ignore[arg-type]
     models_cache_s: float = Field(5.0, ge=0)  # GET /v1/models is merged from replicas and cached
     store: StoreSettings = Field(default_factory=StoreSettings)  # type: ignore[arg-type]
@@ -527,16 +514,6 @@ def build_arg_parser(prog: str = "kvroute serve") -> argparse.ArgumentParser:
         help="do not add X-Kvroute-Replica / X-Kvroute-Reason to responses",
     )
     p.add_argument("--max-retries", type=int)
-    p.add_argument(
-        "--upstream-client",
-        choices=("raw", "aiohttp"),
-        help="HTTP client towards replicas: raw (httptools pool, default) or aiohttp",
-    )
-    p.add_argument(
-        "--downstream-server",
-        choices=("raw", "aiohttp"),
-        help="HTTP server of the inference routes: raw (httptools data plane, default) or aiohttp",
-    )
     p.add_argument("--redis", "--redis-url", dest="redis_url", metavar="URL", help="shared state in Redis")
     p.add_argument(
         "--admin-token", metavar="TOKEN", help="bearer token of the /admin API (or KVROUTE_ADMIN_TOKEN)"
@@ -601,10 +578,6 @@ def _cli_values(argv: Sequence[str]) -> tuple[dict[str, Any], str | None]:
         if not sep:
             raise ConfigError(f"--set {item!r}: expected KEY=VALUE")
         _set_path(out, key, yaml.safe_load(raw) if raw else "", f"--set {key}")
-    if "upstream_client" in ns:
-        _set_path(out, "upstream.client", ns.pop("upstream_client"), "--upstream-client")
-    if "downstream_server" in ns:
-        _set_path(out, "downstream.server", ns.pop("downstream_server"), "--downstream-server")
     out.update(ns)
     return out, config_path
 

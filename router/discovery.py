@@ -14,9 +14,9 @@ Rules:
      probe per replica at a time. ``/metrics`` is scraped with ``Accept: text/plain``.
   5. Polling is smooth: a round starts every interval (not an interval after the last one ended)
      and starts its replicas' probes evenly over ``spread`` of it, in the store's order, so each
-     replica keeps its phase and the answers do not reach the event loop together. Handling one
-     answer costs ~0.1 ms (``/health``) to ~0.5 ms (``/metrics``, parsed): 50 replicas answering at
-     once stalled every request the gateway was relaying by tens of ms (docs/BENCHMARKS.md).
+     replica keeps its phase and the answers do not reach the event loop together: each answer
+     costs loop time (a parsed ``/metrics`` the most), and many replicas answering at once would
+     stall every request the gateway is relaying (``kvroute bench probes`` measures it).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 from router.clock import Clock
 from router.config import HealthConfig
 from router.engine_metrics import MetricsParseError, parse_engine_metrics
-from router.errors import UpstreamError
+from router.errors import ReplicaNotFoundError, UpstreamError
 from router.events import Event, ReplicaActivated, ReplicaEjected, ReplicaReadmitted
 from router.model import ReplicaId, ReplicaState, ReplicaStatus
 from router.store.base import StateStore
@@ -276,7 +276,7 @@ class Discovery:
     async def _set_status(self, replica_id: ReplicaId, status: ReplicaStatus) -> bool:
         try:
             await self._store.set_status(replica_id, status)
-        except KeyError:
+        except ReplicaNotFoundError:
             return False  # removed meanwhile
         return True
 

@@ -1,6 +1,6 @@
 """PURE: SGLang's Prometheus exposition (``GET /metrics``, ``Accept: text/plain``) -> ``EngineLoad``.
 
-Names are those of ``reference/sglang.md`` §2 (``sglang:num_running_reqs`` ...); the underscore
+Names are SGLang's own (``sglang:num_running_reqs`` ...); the underscore
 spelling (``sglang_num_running_reqs``, OpenMetrics / ``/v1/loads?format=prometheus``) is accepted too.
 
 Robustness rules (a scrape must never crash the poller or invent load):
@@ -12,9 +12,10 @@ Robustness rules (a scrape must never crash the poller or invent load):
      remaining groups (``dp_rank``, ``engine_type``, ...) are distinct schedulers: sum counts and
      capacities over them, take the max of utilisations.
   4. With priority scheduling, ``priority=""`` is the total; the per-priority series are ignored.
-  5. Only the wanted families' sample lines reach the parser. A scrape runs on the gateway's event
-     loop, and SGLang's full exposition (histograms, counters, HELP text) cost ~3 ms to parse whole,
-     per replica per second; a line that is neither a comment nor a sample still fails the scrape.
+  5. Only the wanted families' sample lines reach the parser: a scrape runs on the gateway's event
+     loop, per replica per interval, and SGLang's full exposition (histograms, counters, HELP text)
+     is mostly lines we do not need. A line that is neither a comment nor a sample still fails the
+     scrape.
 """
 
 from __future__ import annotations

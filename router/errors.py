@@ -1,6 +1,7 @@
-"""kvroute's exception tree. Foreign errors are mapped into it at one boundary each
-(``gateway/forward.py::map_client_errors``, ``store/redis.py::map_redis_errors``), and
-``gateway/middleware.py`` maps it to HTTP status + OpenAI-style JSON.
+"""kvroute's exception tree, and the OpenAI-style error body every JSON error of kvroute carries
+(:func:`error_body`). Foreign errors are mapped into the tree at one boundary each
+(``gateway/upstream.py`` for the replica client, ``store/redis/_wire.py::map_redis_errors``), and
+``gateway/middleware.py`` maps it to HTTP status + :func:`error_body`.
 
     KvrouteError
     ├── ConfigError                  bad configuration (names the key)
@@ -15,10 +16,16 @@
     │   ├── UpstreamStatusError      5xx before the first byte (retryable)
     │   ├── UpstreamTimeoutError     no answer in time (retryable before the first byte)
     │   └── UpstreamBrokenError      stream broke after bytes reached the client (not retryable)
-    └── StoreError                   shared-state backend unavailable (gateway degrades, never fails)
+    ├── StoreError                   shared-state backend unavailable (gateway degrades, never fails)
+    └── StaleViewError               the store refused a decision made on an outdated view: route again
+        ├── ReplicaNotFoundError     the replica named is not (or no longer) registered
+        └── StaleSessionError        another gateway moved the session and its real home cannot take
+                                     the request; nothing was applied
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 __all__ = [
     "BadRequestError",
@@ -27,7 +34,10 @@ __all__ = [
     "NoReplicaError",
     "NotFoundError",
     "PayloadTooLargeError",
+    "ReplicaNotFoundError",
     "RequestError",
+    "StaleSessionError",
+    "StaleViewError",
     "StoreError",
     "UnauthorizedError",
     "UpstreamBrokenError",
@@ -35,7 +45,13 @@ __all__ = [
     "UpstreamError",
     "UpstreamStatusError",
     "UpstreamTimeoutError",
+    "error_body",
 ]
+
+
+def error_body(message: str, error_type: str, code: str | int) -> dict[str, Any]:
+    """``{"error": {"message", "type", "code"}}``: what an OpenAI-compatible client parses."""
+    return {"error": {"message": message, "type": error_type, "code": code}}
 
 
 class KvrouteError(Exception):
@@ -113,3 +129,27 @@ class UpstreamBrokenError(UpstreamError):
 class StoreError(KvrouteError):
     status = 503
     code = "store_unavailable"
+
+
+class StaleViewError(KvrouteError):
+    status = 503
+    error_type = "service_unavailable"
+    code = "stale_view"
+
+
+class ReplicaNotFoundError(StaleViewError):
+    status = 404
+    error_type = "invalid_request_error"
+    code = "replica_not_found"
+
+    def __init__(self, replica_id: str) -> None:
+        super().__init__(f"replica {replica_id!r} is not registered")
+        self.replica_id = replica_id
+
+
+class StaleSessionError(StaleViewError):
+    code = "stale_session"
+
+    def __init__(self, session_id: str) -> None:
+        super().__init__(f"session {session_id!r} moved under this decision")
+        self.session_id = session_id

@@ -1,6 +1,6 @@
 """Warm hand-off of a draining replica's sessions (opt-in).
 
-When a replica drains, its sessions move at their next turn (DESIGN §3 rule 5) and that turn pays a
+When a replica drains, its sessions move at their next turn (docs/POLICY.md, rule 5) and that turn pays a
 cold re-prefill of the whole context (~4-7 s for 100k tokens on the reference replica). A coding
 session is idle most of its wall time (think time, tool calls), so the gateway can use that idle time:
 for every idle session homed on a draining replica, it asks the policy where the session should go
@@ -209,7 +209,7 @@ class CapturingClient:
 
 @dataclass(slots=True)
 class HandoffManager:
-    runtime: Any  # router.gateway.keys.GatewayRuntime (typed loosely: no gateway import at module load)
+    runtime: Any  # router.gateway.runtime.GatewayRuntime (typed loosely: no gateway import at module load)
     book: PromptBook
     config: HandoffConfig = field(default_factory=HandoffConfig)
     stats: HandoffStats = field(default_factory=HandoffStats)
@@ -354,7 +354,7 @@ def handoff_setup(config: HandoffConfig | None = None) -> Callable[[web.Applicat
     cfg = config or HandoffConfig()
 
     def setup(app: web.Application) -> None:
-        from router.gateway.keys import EMITTER_KEY, RUNTIME_KEY
+        from router.gateway.runtime import EMITTER_KEY, RUNTIME_KEY
 
         rt = app[RUNTIME_KEY]
         if not rt.config.routing_key_header:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Install kvroute with its test extras into ./.venv, make sure the system tools the tests use exist
 # (redis-server, chromium), and run the whole test suite. Extra arguments go to pytest.
-source "$(dirname "$0")/_env.sh" "test,peers,dev"
+source "$(dirname "$0")/_env.sh" "test,peers,dev,bench"
 command -v redis-server >/dev/null 2>&1 || _apt_install redis-server
 command -v chromium >/dev/null 2>&1 || _apt_install chromium
 cd "$ROOT"

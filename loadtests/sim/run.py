@@ -44,7 +44,7 @@ from loadtests.sim.replica_model import SimReplica
 from loadtests.workloads import SessionSpec
 from replica.emulator.profiles import Profile, get_profile
 from replica.emulator.timemodel import EngineRequest, Finished, FirstToken, Started
-from router.errors import NoReplicaError
+from router.errors import NoReplicaError, ReplicaNotFoundError
 from router.model import (
     AffinityBreak,
     ClusterSnapshot,
@@ -490,7 +490,7 @@ class _Sim:
             return
         try:
             lease = self.core.acquire(decision, request)
-        except KeyError:  # a lagging view chose a replica the store already removed: refused
+        except ReplicaNotFoundError:  # a lagging view chose a replica the store already removed: refused
             req.excluded = req.excluded | {decision.replica_id}
             self._retry_or_fail(t, req, AffinityBreak.REPLICA_GONE.value)
             return

@@ -1,4 +1,4 @@
-"""Prometheus exposition of one emulated replica, with SGLang's metric names (sglang.md §2).
+"""Prometheus exposition of one emulated replica, with SGLang's metric names (``sglang:`` prefix).
 
 A custom collector over plain counters: no ``_created`` samples (SGLang's multiprocess registry
 has none), gauges read from the engine at scrape time, and a per-app ``CollectorRegistry`` so
@@ -99,10 +99,9 @@ class ReplicaMetrics(Collector):
     def render(self) -> bytes:
         """``generate_latest(self.registry)``, byte for byte, in a fifth of the time.
 
-        The emulator serves every replica of a fleet from one event loop, and a gateway scraping 8
-        replicas every 0.1 s (a 1 s scrape at the bench's time scale 0.1) made prometheus_client's
-        per-sample label escaping (~1.9 ms a scrape) a third of that loop, delaying every replica's
-        tokens. The exposition's layout (families, sample names and labels) only changes when a new
+        The emulator serves every replica of a fleet from one event loop, which a gateway scrapes
+        often at a fast time scale: prometheus_client's per-sample label escaping would take a large
+        share of that loop and delay every replica's tokens. The exposition's layout (families, sample names and labels) only changes when a new
         label set appears, so the library renders it once and each scrape fills in the values."""
         families = list(self.collect())
         values = [s.value for f in families for s in f.samples]

@@ -1,7 +1,7 @@
-"""Named replica profiles for the time model and the cache (calibration.md §6).
+"""Named replica profiles for the time model and the cache (docs/EMULATOR.md: where the numbers come from).
 
 ``kimi-k2.6-b200-tp4`` (default) — Kimi K2.6 NVFP4 on 4xB200, FP8 KV, HiCache 2x, DFlash-like spec:
-  * KV capacity 850k tokens (§6.3: 0.77–0.91 M FP8), host tier 2x = 1.7 M tokens.
+  * KV capacity 850k tokens (0.77–0.91 M in FP8 on this deployment), host tier 2x = 1.7 M tokens.
   * prefill: t = new x (c_lin + c_attn x (ctx + new/2)) (§6.5) with c_lin = 1/70k tok/s and
     c_attn = c_lin x 3.9e-5 x 1.5 -> cold 100k ≈ 5.6 s, warm 700 on 100k ≈ 70 ms; plus a fixed
     per-forward cost.

@@ -22,7 +22,7 @@ __all__ = ["Running", "running_emulators", "start_emulators", "stop_emulators"]
 
 class _DropH2Probe(logging.Filter):
     """sglang-router probes every worker with an HTTP/2 preface (``PRI * HTTP/2.0``) before using
-    HTTP/1.1 (peers.md §2); aiohttp logs that as an ERROR with a traceback. It is expected: drop it."""
+    HTTP/1.1; aiohttp logs that as an ERROR with a traceback. It is expected: drop it."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         exc = record.exc_info[1] if record.exc_info else None

@@ -339,7 +339,7 @@ class Replica:
             "requests_served": self.served,
             "requests_aborted": self.metrics.aborted,
             "sessions_seen": len(self.sessions),
-            "cpu_s": time.process_time(),  # this process's CPU (all replicas in it): for cpu_bench
+            "cpu_s": time.process_time(),  # this process's CPU (all replicas in it): for `kvroute bench emulator`
             "load": dataclasses.asdict(load),
             "cache": {**dataclasses.asdict(st), "hit_rate": st.hit_rate},
             "faults": self.faults.to_json(),
@@ -1116,9 +1116,29 @@ async def _errors_middleware(
         raise
 
 
+def _auth_middleware(api_key: str) -> Any:
+    """SGLang's ``--api-key``: a bearer token on everything but probes and the emulator's own routes."""
+
+    @web.middleware
+    async def auth(
+        request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+    ) -> web.StreamResponse:
+        p = request.path
+        if request.method == "OPTIONS" or p.startswith(("/health", "/ready", "/metrics", "/_emulator")):
+            return await handler(request)
+        if request.headers.get("Authorization") != f"Bearer {api_key}":
+            return _json({"error": "Unauthorized"}, 401)
+        return await handler(request)
+
+    return auth
+
+
 def make_emulator_app(config: EmulatorConfig) -> web.Application:
     """An aiohttp app serving one emulated replica (the engine task runs while the app runs)."""
-    app = web.Application(client_max_size=config.max_body_bytes, middlewares=[_errors_middleware])
+    middlewares: list[Any] = [_errors_middleware]
+    if config.api_key:
+        middlewares.append(_auth_middleware(config.api_key))
+    app = web.Application(client_max_size=config.max_body_bytes, middlewares=middlewares)
     rep = Replica(config)
     app[REPLICA_KEY] = rep
     h = _Handlers(rep)
@@ -1134,22 +1154,6 @@ def make_emulator_app(config: EmulatorConfig) -> web.Application:
         response.headers["X-Emulator-Replica"] = config.name
 
     app.on_response_prepare.append(tag)
-
-    if config.api_key:
-        api_key = config.api_key
-
-        @web.middleware
-        async def auth(
-            request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
-        ) -> web.StreamResponse:
-            p = request.path
-            if request.method == "OPTIONS" or p.startswith(("/health", "/ready", "/metrics", "/_emulator")):
-                return await handler(request)
-            if request.headers.get("Authorization") != f"Bearer {api_key}":
-                return _json({"error": "Unauthorized"}, 401)
-            return await handler(request)
-
-        app.middlewares.append(auth)
 
     r = app.router
     r.add_post("/v1/chat/completions", h.chat)

@@ -35,7 +35,7 @@ from urllib.parse import urlsplit
 from aiohttp import web
 
 from router.clock import Clock
-from router.errors import BadRequestError, KvrouteError, NotFoundError, UnauthorizedError
+from router.errors import BadRequestError, KvrouteError, NotFoundError, UnauthorizedError, error_body
 from router.model import (
     ClusterSnapshot,
     ReplicaSpec,
@@ -46,7 +46,7 @@ from router.model import (
     SessionState,
 )
 from router.observability.stats import RollingStats
-from router.policy import Policy
+from router.policy.base import Policy
 from router.policy.kv_aware import cache_surely_gone, residency_horizon
 from router.policy.params import PolicyParams
 from router.store.base import StateStore
@@ -261,7 +261,7 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 def _error(status: int, message: str, code: str, type_: str = "invalid_request_error") -> web.Response:
-    return web.json_response({"error": {"message": message, "type": type_, "code": code}}, status=status)
+    return web.json_response(error_body(message, type_, code), status=status)
 
 
 def _kv_error(exc: KvrouteError) -> web.Response:

@@ -2,12 +2,14 @@
 
 Rules:
   1. Nothing here reads the environment, the wall clock or global randomness: config, store,
-     policy, clock and rng are passed in (STYLE §1.3). ``serve.py`` is the only process entry.
-  2. Lifecycles are ``cleanup_ctx`` pairs: the upstream client (one ``ClientSession``), static
-     replica registration, and the discovery loops (cancelled on exit).
-  3. Extension point for the admin and metrics parts: ``extra_setup`` callables receive the app
-     before it starts (add ``/admin`` as a sub-app, a ``/metrics`` route, middlewares, hooks through
-     ``app[EMITTER_KEY].add(...)``). Typed keys are exported here.
+     policy, clock and rng are passed in. ``serve.py`` is the only process entry.
+  2. Lifecycles are ``cleanup_ctx`` pairs: the upstream client (one pool), static replica
+     registration, and the discovery loops (cancelled on exit).
+  3. One middleware (``GatewayMiddleware``). Extension point for the admin, metrics and tracing
+     parts: ``extra_setup`` callables receive the app before it starts and add routes, a
+     ``/admin`` sub-app, hooks (``app[EMITTER_KEY].add``), response observers and an outer
+     middleware (``app[MIDDLEWARE_KEY]``), an upstream tracer (``app[RUNTIME_KEY].tracer``).
+     Typed keys are exported here.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from router.discovery import Discovery
 from router.events import Emitter, Hook
 from router.gateway.admin import DEFAULT_ALLOWED_NETWORKS
 from router.gateway.egress import EgressGuard
-from router.gateway.forward import AiohttpReplicaClient, ReplicaClient
+from router.gateway.forward import ReplicaClient
 from router.gateway.handlers import (
     INFERENCE_ROUTES,
     handle_health,
@@ -34,7 +36,8 @@ from router.gateway.handlers import (
     handle_models,
     handle_ready,
 )
-from router.gateway.keys import (
+from router.gateway.middleware import GatewayMiddleware
+from router.gateway.runtime import (
     CONFIG_KEY,
     EMITTER_KEY,
     MIDDLEWARE_KEY,
@@ -42,9 +45,8 @@ from router.gateway.keys import (
     STORE_KEY,
     GatewayRuntime,
 )
-from router.gateway.middleware import GatewayMiddleware
-from router.gateway.upstream_raw import RawReplicaClient
-from router.policy import Policy
+from router.gateway.upstream import ReplicaHttpClient
+from router.policy.base import Policy
 from router.store.base import StateStore
 
 __all__ = [
@@ -72,17 +74,12 @@ def make_app(
     extra_setup: Sequence[SetupFn] = (),
     discovery: bool = True,
     register_static: bool = True,
-    middlewares: Sequence[object] = (),
-    trace_configs: Sequence[object] = (),
 ) -> web.Application:
     """The gateway application.
 
-    ``client``: an upstream client to use (tests); by default one is created at start-up and
-    closed at cleanup: ``RawReplicaClient`` (``upstream.client: raw``, the default; https replicas
-    through its aiohttp fallback) or ``AiohttpReplicaClient`` (``upstream.client:
-    aiohttp``, and whenever ``trace_configs`` are given: client spans are aiohttp trace hooks). ``discovery=False`` runs no polling loops (replica
-    states are then whatever the store says). ``middlewares`` run outside ours (tracing);
-    ``trace_configs`` go to the upstream ``ClientSession``.
+    ``client``: an upstream client to use (tests); by default a ``ReplicaHttpClient`` is created at
+    start-up and closed at cleanup. ``discovery=False`` runs no polling loops (replica states are
+    then whatever the store says).
     """
     emitter = Emitter(hooks)
     rt = GatewayRuntime(
@@ -91,7 +88,7 @@ def make_app(
     rt.egress = EgressGuard(config.replicas, config.admin_networks or DEFAULT_ALLOWED_NETWORKS, clock)
     gateway_mw = GatewayMiddleware()
     app = web.Application(
-        middlewares=[*middlewares, gateway_mw],  # type: ignore[list-item]
+        middlewares=[gateway_mw],
         client_max_size=config.limits.max_body_bytes,
         handler_args={
             "max_line_size": config.limits.max_line_size,
@@ -115,28 +112,14 @@ def make_app(
     async def client_ctx(app: web.Application) -> AsyncIterator[None]:
         own = rt.client is None
         if own:
-            aio = AiohttpReplicaClient(
+            rt.client = ReplicaHttpClient(
                 config.timeouts,
                 max_connections=config.max_connections,
                 max_connections_per_replica=config.max_connections_per_replica,
-                trace_configs=trace_configs,  # type: ignore[arg-type]
             )
-            # tracing's client spans and traceparent injection are aiohttp trace hooks: with
-            # trace configs every request goes through aiohttp
-            if config.upstream.client == "raw" and not trace_configs:
-                rt.client = RawReplicaClient(
-                    config.timeouts,
-                    max_connections=config.max_connections,
-                    max_connections_per_replica=config.max_connections_per_replica,
-                    fallback=aio,
-                )
-            else:
-                rt.client = aio
         yield
         if own and rt.client is not None:
             await rt.client.close()
-            if rt.client is not aio:
-                await aio.close()
 
     async def registry_ctx(app: web.Application) -> AsyncIterator[None]:
         start = getattr(store, "start", None)  # the Redis store publishes its gateway lease
@@ -178,19 +161,4 @@ def make_app(
     app.cleanup_ctx.extend([client_ctx, registry_ctx, discovery_ctx])
     for fn in extra_setup:
         fn(app)
-    _fold_observers(app, gateway_mw)
     return app
-
-
-def _fold_observers(app: web.Application, gateway_mw: GatewayMiddleware) -> None:
-    """Middlewares that only observe responses (they carry ``response_observer``, like the metrics
-    one) run inside the gateway middleware instead of as layers of their own: same counts (they
-    see the status after error mapping, as an outer layer did), one coroutine less per request."""
-    kept: list[object] = []
-    for mw in app.middlewares:
-        observer = getattr(mw, "response_observer", None)
-        if observer is not None:
-            gateway_mw.add_observer(observer)
-        else:
-            kept.append(mw)
-    app.middlewares[:] = kept  # type: ignore[assignment]

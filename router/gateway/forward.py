@@ -1,54 +1,43 @@
-"""The network edge towards replicas: ``ReplicaClient`` seam, its aiohttp implementation, header
-hygiene, and the response "sniffer" that learns token counts without touching the bytes.
+"""The network edge towards replicas: the ``ReplicaClient`` seam, header hygiene, the upstream tracer
+seam, and the response "sniffer" that learns token counts without touching the bytes. The client
+itself is ``upstream.py``.
 
 Rules:
   1. Bodies are forwarded byte for byte: the request body is never re-serialised, the response is
-     relayed chunk by chunk as it arrives (``iter_any``), never decompressed (``auto_decompress``
-     off) and never buffered whole.
+     relayed chunk by chunk as it arrives, never decompressed and never buffered whole.
   2. Hop-by-hop headers (RFC 9110 §7.6.1: Connection, Keep-Alive, Proxy-*, TE, Trailer,
      Transfer-Encoding, Upgrade, and every header named in Connection) are dropped both ways;
-     Content-Length and Host are recomputed by aiohttp.
-  3. aiohttp's exceptions never leave this module: :func:`map_client_errors` maps them to
-     ``router.errors`` (the single mapping boundary, STYLE §5).
-  4. One ``ClientSession`` per application, bounded connection pool. Closing an unfinished
-     upstream response closes its connection, which makes SGLang (and the emulator) abort the
-     request: that is how a client's disconnect reaches the engine.
+     Content-Length and Host are recomputed by the HTTP stack that sends them.
+  3. A client raises only ``router.errors.Upstream*Error``; a connect failure (the replica could not
+     be reached at all) carries a :class:`ConnectFailure` as its cause (:func:`is_connect_failure`).
+  4. Closing an unfinished upstream response closes its connection, which makes SGLang (and the
+     emulator) abort the request: that is how a client's disconnect reaches the engine.
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
-from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol
+from typing import Any, Protocol
 
-import aiohttp
 import orjson
-from multidict import CIMultiDict
 
-from router.config import TimeoutsConfig
-from router.errors import (
-    UpstreamBrokenError,
-    UpstreamConnectError,
-    UpstreamError,
-    UpstreamTimeoutError,
-)
+from router.errors import UpstreamConnectError, UpstreamError
 
 __all__ = [
     "HOP_BY_HOP",
-    "AiohttpReplicaClient",
     "ConnectFailure",
     "ReplicaClient",
     "UpstreamResponse",
+    "UpstreamSpan",
+    "UpstreamTracer",
     "Usage",
     "UsageSniffer",
     "filter_headers",
     "filter_request_headers",
     "filter_response_headers",
     "is_connect_failure",
-    "map_client_errors",
     "read_limited",
     "request_drop_set",
     "response_drop_set",
@@ -72,14 +61,6 @@ HOP_BY_HOP = frozenset(
 # recomputed or owned by the gateway's own HTTP stack
 _REQUEST_DROP = HOP_BY_HOP | {"host", "content-length", "expect"}
 _RESPONSE_DROP = HOP_BY_HOP | {"content-length"}
-
-
-def _connection_tokens(headers: Iterable[tuple[str, str]]) -> set[str]:
-    named: set[str] = set()
-    for k, v in headers:
-        if k.lower() == "connection":
-            named.update(t.strip().lower() for t in v.split(",") if t.strip())
-    return named
 
 
 def _filter(headers: Iterable[tuple[str, str]], drop: frozenset[str]) -> list[tuple[str, str]]:
@@ -129,64 +110,17 @@ def filter_headers(headers: Iterable[tuple[str, str]], drop: frozenset[str]) -> 
 
 class ConnectFailure(ConnectionError):
     """The cause of an ``UpstreamConnectError`` raised because no new connection to the replica could
-    be made (refused, unreachable, connect timeout) by a client other than aiohttp
-    (``upstream_raw.py``): :func:`is_connect_failure` is true for it, as for aiohttp's
-    ``ClientConnectorError``."""
-
-
-def _mapped(replica_id: str, exc: BaseException) -> UpstreamError | None:
-    if isinstance(exc, UpstreamError) or not isinstance(exc, Exception):
-        return None  # ours already, or CancelledError / KeyboardInterrupt: never mapped
-    if isinstance(exc, (TimeoutError, aiohttp.ServerTimeoutError)):
-        return UpstreamTimeoutError(f"replica {replica_id}: timed out")
-    if isinstance(exc, aiohttp.ClientPayloadError):
-        return UpstreamBrokenError(f"replica {replica_id}: response broke off: {exc}")
-    if isinstance(exc, aiohttp.ServerDisconnectedError):
-        return UpstreamConnectError(f"replica {replica_id}: server disconnected")
-    if isinstance(exc, aiohttp.ClientConnectorError):
-        return UpstreamConnectError(f"replica {replica_id}: cannot connect: {exc.os_error}")
-    if isinstance(exc, (aiohttp.ClientError, OSError)):
-        return UpstreamConnectError(f"replica {replica_id}: {type(exc).__name__}: {exc}")
-    return None
-
-
-class _ClientErrorMap:
-    """The context manager behind :func:`map_client_errors` (a class: it runs once per chunk)."""
-
-    __slots__ = ("_rid",)
-
-    def __init__(self, replica_id: str) -> None:
-        self._rid = replica_id
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(
-        self, et: type[BaseException] | None, exc: BaseException | None, tb: object
-    ) -> Literal[False]:
-        if exc is None:
-            return False
-        mapped = _mapped(self._rid, exc)
-        if mapped is None:
-            return False
-        raise mapped from exc
-
-
-def map_client_errors(replica_id: str) -> AbstractContextManager[None]:
-    """Re-raise aiohttp/socket errors as ``router.errors.Upstream*Error`` (never CancelledError)."""
-    return _ClientErrorMap(replica_id)
+    be made (refused, unreachable, connect timeout)."""
 
 
 def is_connect_failure(exc: BaseException) -> bool:
     """The replica could not be reached at all (refused, unreachable, connect timeout) - as opposed
     to a reused keep-alive connection the server closed at the wrong moment, which says nothing
     about the replica's health. Only the former counts towards passive ejection."""
-    return isinstance(exc, UpstreamConnectError) and isinstance(
-        exc.__cause__, (aiohttp.ClientConnectorError, ConnectFailure)
-    )
+    return isinstance(exc, UpstreamConnectError) and isinstance(exc.__cause__, ConnectFailure)
 
 
-# ---- the seam ---------------------------------------------------------------------------------------
+# ---- the seams --------------------------------------------------------------------------------------
 
 
 async def read_limited(chunks: AsyncIterator[bytes], limit: int) -> bytes:
@@ -252,132 +186,25 @@ class ReplicaClient(Protocol):
     async def close(self) -> None: ...
 
 
-# ---- aiohttp implementation -------------------------------------------------------------------------
-
-
-class _AiohttpUpstream:
-    __slots__ = ("_first_s", "_idle_s", "_resp", "_rid", "status")
-
-    def __init__(self, resp: aiohttp.ClientResponse, replica_id: str, idle_s: float, first_s: float) -> None:
-        self._resp = resp
-        self._rid = replica_id
-        self._idle_s = idle_s
-        self._first_s = first_s  # the first body chunk may wait for a whole prefill
-        self.status = resp.status
+class UpstreamSpan(Protocol):
+    """A client span around one upstream request (``router.observability.tracing``)."""
 
     @property
     def headers(self) -> Sequence[tuple[str, str]]:
-        return list(self._resp.headers.items())
+        """What the upstream request carries so the replica continues the trace (``traceparent``)."""
+        ...
 
-    @property
-    def content_type(self) -> str:
-        return self._resp.headers.get("Content-Type", "")
+    def end(self, status: int) -> None:
+        """The status line arrived (the span covers connect + headers; the body is the parent's)."""
+        ...
 
-    @property
-    def content_length(self) -> int | None:
-        return self._resp.content_length
-
-    async def chunks(self) -> AsyncIterator[bytes]:
-        # ``iter_any`` chunking (all that is buffered, at once), but bytes already buffered are
-        # taken without arming a timer: a small response usually arrives with its headers
-        content = self._resp.content
-        limit = self._first_s
-        while True:
-            with map_client_errors(self._rid):
-                chunk = content.read_nowait()
-                if not chunk:
-                    if content.at_eof():
-                        return
-                    async with asyncio.timeout(limit):
-                        chunk = await content.readany()
-                    if not chunk:
-                        return
-            limit = self._idle_s
-            yield chunk
-
-    async def read(self, limit: int) -> bytes:
-        return await read_limited(self.chunks(), limit)
-
-    def at_eof(self) -> bool:
-        return self._resp.content.at_eof()
-
-    def release(self) -> None:
-        self._resp.release()
-
-    def abort(self) -> None:
-        self._resp.close()
+    def fail(self, exc: BaseException) -> None: ...
 
 
-class AiohttpReplicaClient:
-    """``ReplicaClient`` over one ``aiohttp.ClientSession`` (create inside a running loop)."""
-
-    def __init__(
-        self,
-        timeouts: TimeoutsConfig,
-        *,
-        max_connections: int = 1024,
-        max_connections_per_replica: int = 0,
-        trace_configs: Sequence[aiohttp.TraceConfig] = (),
-    ) -> None:
-        self._timeouts = timeouts
-        connector = aiohttp.TCPConnector(
-            limit=max_connections, limit_per_host=max_connections_per_replica, enable_cleanup_closed=False
-        )
-        self._session = aiohttp.ClientSession(
-            connector=connector,
-            # a proxy keeps no cookies: a replica's Set-Cookie is relayed to its client, never
-            # stored and replayed to other clients (and no per-request jar filtering)
-            cookie_jar=aiohttp.DummyCookieJar(),
-            auto_decompress=False,  # relay Content-Encoding'd bytes as they are
-            timeout=aiohttp.ClientTimeout(
-                total=None, connect=None, sock_connect=timeouts.connect_s, sock_read=None
-            ),
-            trace_configs=list(trace_configs) or None,
-            skip_auto_headers=("User-Agent",),
-        )
-
-    @property
-    def session(self) -> aiohttp.ClientSession:
-        return self._session
-
-    async def send(
-        self, replica_id: str, method: str, url: str, headers: Sequence[tuple[str, str]], body: bytes
-    ) -> UpstreamResponse:
-        hdrs: CIMultiDict[str] = CIMultiDict(headers)
-        # add nothing the client did not send (aiohttp would add Accept-Encoding and, for a bytes
-        # body, Content-Type: application/octet-stream)
-        skip = tuple(h for h in ("Accept-Encoding", "Content-Type") if h not in hdrs)
-        loop = asyncio.get_running_loop()
-        started = loop.time()
-        with map_client_errors(replica_id):
-            async with asyncio.timeout(self._timeouts.first_byte_s):
-                resp = await self._session.request(
-                    method,
-                    url,
-                    data=body,
-                    headers=hdrs,
-                    allow_redirects=False,
-                    skip_auto_headers=skip,
-                )
-        # headers may come before the first body byte (SSE): the first chunk gets what is left of
-        # first_byte_s (at least connect_s), later chunks idle_read_s each
-        left = max(self._timeouts.connect_s, self._timeouts.first_byte_s - (loop.time() - started))
-        return _AiohttpUpstream(resp, replica_id, self._timeouts.idle_read_s, left)
-
-    async def fetch(
-        self, replica_id: str, url: str, *, accept: str | None = None, timeout_s: float | None = None
-    ) -> tuple[int, bytes]:
-        headers = {"Accept": accept} if accept else {}
-        with map_client_errors(replica_id):
-            async with asyncio.timeout(timeout_s or self._timeouts.probe_s):
-                async with self._session.get(url, headers=headers, allow_redirects=False) as resp:
-                    body = await resp.read()
-                    if resp.headers.get("Content-Encoding", "identity") not in ("identity", ""):
-                        body = b""  # probes never ask for compression; refuse to guess
-                    return resp.status, body
-
-    async def close(self) -> None:
-        await self._session.close()
+class UpstreamTracer(Protocol):
+    def start(self, method: str, url: str) -> UpstreamSpan | None:
+        """A span for one upstream request, ``None`` outside a traced request (probes, scrapes)."""
+        ...
 
 
 # ---- learning from responses --------------------------------------------------------------------------

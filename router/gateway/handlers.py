@@ -18,6 +18,8 @@ Rules:
   6. Client disconnect: the handler is cancelled (``handler_cancellation``) or its next write
      fails; either way the upstream response is closed at once (SGLang aborts the request) and
      the lease is released.
+  7. With tracing on (``runtime.tracer``), each upstream request gets a client span and carries its
+     W3C ``traceparent``, whichever ``ReplicaClient`` sends it: observing changes no code path.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import logging
 import re
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import orjson
 from aiohttp import web
@@ -41,11 +43,14 @@ from router.errors import (
     BadRequestError,
     KvrouteError,
     NoReplicaError,
+    ReplicaNotFoundError,
+    StaleSessionError,
     StoreError,
     UpstreamConnectError,
     UpstreamError,
     UpstreamStatusError,
     UpstreamTimeoutError,
+    error_body,
 )
 from router.events import AffinityBroken, RequestFinished, RequestRouted, StoreDegraded, UpstreamRetry
 from router.gateway.forward import (
@@ -56,8 +61,8 @@ from router.gateway.forward import (
     request_drop_set,
     response_drop_set,
 )
-from router.gateway.keys import RUNTIME_KEY, GatewayRuntime
 from router.gateway.middleware import REQUEST_ID_HEADER, REQUEST_ID_KEY, read_body_limited
+from router.gateway.runtime import RUNTIME_KEY, GatewayRuntime
 from router.model import (
     AffinityBreak,
     Completion,
@@ -72,14 +77,11 @@ from router.policy.breaks import classify_break
 from router.policy.params import PolicyParams
 from router.policy.prefix_key import prefix_key
 from router.route_input import route_request
-from router.store.base import StaleSessionError
 
 __all__ = [
     "INFERENCE_ROUTES",
     "REASON_HEADER",
     "REPLICA_HEADER",
-    "AiohttpDownstream",
-    "Downstream",
     "handle_health",
     "handle_inference",
     "handle_models",
@@ -130,9 +132,7 @@ def _compiled(pattern: str) -> re.Pattern[str]:
 
 
 def sse_error_event(message: str, code: int = 502, error_type: str = "upstream_error") -> bytes:
-    payload = json.dumps(
-        {"error": {"message": message, "type": error_type, "code": code}}, separators=(",", ":")
-    )
+    payload = json.dumps(error_body(message, error_type, code), separators=(",", ":"))
     return f"data: {payload}\n\n".encode() + b"data: [DONE]\n\n"
 
 
@@ -161,66 +161,47 @@ def _routing_key(
     return key, (KeySource.PREFIX if key is not None else KeySource.NONE), model
 
 
-class Downstream(Protocol):
-    """The client side of one inference request: where a replica's answer is relayed.
+class _Relay:
+    """The client side of one inference request on aiohttp's server: ``response`` is what the handler
+    returns. Status and headers are held by ``begin`` and leave with the first body bytes (rule 5):
+    a body that ends with its first piece goes out as one ``web.Response`` (head and body in one
+    write); a longer one as a ``web.StreamResponse`` (chunked when its length is unknown)."""
 
-    Two implementations: :class:`AiohttpDownstream` (a ``web.StreamResponse`` of aiohttp's server)
-    and the raw data plane's connection (``router.gateway.dataplane``). Status and headers are
-    committed by ``begin`` and leave with the first body bytes."""
-
-    async def begin(self, status: int, headers: Sequence[tuple[str, str]], content_length: int | None) -> None:
-        """Commit the status line and headers (``content_length`` ``None``: chunked or streamed)."""
-        ...
-
-    async def write(self, data: bytes) -> None:
-        """One body piece; ``ConnectionResetError`` once the client is gone."""
-        ...
-
-    async def end(self, last: bytes) -> None:
-        """The final body piece and the end of the response, in one write."""
-        ...
-
-    def cut(self) -> None:
-        """Close the client connection now: a body that broke off after its status was sent."""
-        ...
-
-
-class _RelayResponse(web.StreamResponse):
-    """A ``StreamResponse`` whose status line and headers leave with the first body bytes (one
-    ``send`` instead of two per response; what ``web.Response`` does). The gateway commits only
-    once it holds the first upstream chunk (rule 5), so nothing reaches the client any later."""
-
-    _send_headers_immediately = False
-
-
-class AiohttpDownstream:
-    """:class:`Downstream` on aiohttp's server: ``response`` is what the handler returns."""
-
-    __slots__ = ("request", "response")
+    __slots__ = ("_headers", "_length", "_status", "request", "response")
 
     def __init__(self, request: web.Request) -> None:
         self.request = request
         self.response: web.StreamResponse | None = None
+        self._status = 0
+        self._headers: Sequence[tuple[str, str]] = ()
+        self._length: int | None = None
 
     async def begin(self, status: int, headers: Sequence[tuple[str, str]], content_length: int | None) -> None:
-        resp = _RelayResponse(status=status)
-        h = resp.headers
-        for k, v in headers:
-            h.add(k, v)
-        if content_length is not None:
-            resp.content_length = content_length
-        self.response = resp
-        await resp.prepare(self.request)
+        """Commit the status line and headers (``content_length`` ``None``: chunked or streamed)."""
+        self._status, self._headers, self._length = status, headers, content_length
 
     async def write(self, data: bytes) -> None:
-        assert self.response is not None
-        await self.response.write(data)
+        """One body piece; ``ConnectionResetError`` once the client is gone."""
+        resp = self.response
+        if resp is None:
+            resp = self.response = web.StreamResponse(status=self._status, headers=CIMultiDict(self._headers))
+            if self._length is not None:
+                resp.content_length = self._length
+            await resp.prepare(self.request)
+        await resp.write(data)
 
     async def end(self, last: bytes) -> None:
-        assert self.response is not None
-        await self.response.write_eof(last)
+        """The final body piece and the end of the response."""
+        resp = self.response
+        if resp is None:
+            resp = self.response = web.Response(status=self._status, headers=CIMultiDict(self._headers), body=last)
+            await resp.prepare(self.request)
+            await resp.write_eof()
+        else:
+            await resp.write_eof(last)
 
     def cut(self) -> None:
+        """Close the client connection now: a body that broke off after its status was sent."""
         if self.response is not None:
             self.response.force_close()
         transport = self.request.transport
@@ -258,7 +239,7 @@ class _Proxy:
 
     def __init__(
         self,
-        downstream: Downstream,
+        downstream: _Relay,
         request_id: str,
         rt: GatewayRuntime,
         body: bytes,
@@ -304,7 +285,7 @@ class _Proxy:
                 if stale > _MAX_STALE_REROUTES:
                     raise NoReplicaError("the session's home kept changing under this gateway") from None
                 continue
-            except KeyError:  # the chosen replica was removed between snapshot and acquire
+            except ReplicaNotFoundError:  # the chosen replica was removed between snapshot and acquire
                 excluded.add(decision.replica_id)
                 continue
             self.p.replica_id, self.p.reason = lease.replica_id, lease.reason
@@ -336,7 +317,6 @@ class _Proxy:
                 excluded.add(lease.replica_id)
                 attempt += 1
                 self.p.retries = attempt
-                self.rt.counters["retries"] += 1
                 self.rt.emit(
                     UpstreamRetry(
                         request_id=self.request_id,
@@ -390,13 +370,21 @@ class _Proxy:
                 raise UpstreamConnectError(f"replica {lease.replica_id} is no longer registered")
             client = self.rt.client
             assert client is not None, "gateway client not started"
+            target = url + self.req.route
+            tracer = self.rt.tracer
+            span = tracer.start("POST", target) if tracer is not None else None
+            headers = self.fwd_headers if span is None else [*self.fwd_headers, *span.headers]
             t = clock.now()
             try:
-                upstream = await client.send(
-                    lease.replica_id, "POST", url + self.req.route, self.fwd_headers, self.body
-                )
+                upstream = await client.send(lease.replica_id, "POST", target, headers, self.body)
+            except BaseException as exc:
+                if span is not None:
+                    span.fail(exc)
+                raise
             finally:
                 self.p.upstream_wait_s += clock.now() - t
+            if span is not None:
+                span.end(upstream.status)
             if upstream.status >= 500 and can_retry:
                 t = clock.now()
                 err_body = await upstream.read(_ERROR_BODY_LIMIT)
@@ -587,17 +575,16 @@ async def serve_inference(
     remote: str | None,
     request_id: str,
     read_body: Callable[[], Awaitable[bytes]],
-    downstream: Downstream,
+    downstream: _Relay,
 ) -> None:
-    """One inference request, whichever server received it: session key, body, route, forward,
-    relay to ``downstream``. Errors before the first byte reached the client raise
-    ``KvrouteError`` (the server renders them as OpenAI-style JSON)."""
+    """One inference request: session key, body, route, forward, relay to ``downstream``. Errors
+    before the first byte reached the client raise ``KvrouteError`` (the middleware renders them as
+    OpenAI-style JSON)."""
     cfg = rt.config
     clock = rt.clock
     prog = _Progress(t0=clock.now())
     req: RouteRequest | None = None
     rt.in_flight += 1
-    rt.counters["requests"] += 1
     try:
         session_id = session_id_from_headers(headers, cfg)
         body = await read_body()
@@ -617,8 +604,6 @@ async def serve_inference(
             raise
     finally:
         rt.in_flight -= 1
-        if prog.client_gone:
-            rt.counters["client_disconnects"] += 1
         if req is not None:
             e2e = clock.now() - prog.t0
             rt.emit(
@@ -649,11 +634,10 @@ async def serve_inference(
 
 
 async def handle_inference(request: web.Request) -> web.StreamResponse:
-    """The inference routes on aiohttp's server (``downstream.server: aiohttp``, and requests the
-    raw data plane hands over)."""
+    """The inference routes (``INFERENCE_ROUTES``)."""
     rt = request.app[RUNTIME_KEY]
     limit = rt.config.limits.max_body_bytes
-    ds = AiohttpDownstream(request)
+    relay = _Relay(request)
     await serve_inference(
         rt,
         request.path,
@@ -661,10 +645,10 @@ async def handle_inference(request: web.Request) -> web.StreamResponse:
         request.remote,
         request[REQUEST_ID_KEY],
         lambda: read_body_limited(request, limit),
-        ds,
+        relay,
     )
-    assert ds.response is not None, "serve_inference returned without a response"
-    return ds.response
+    assert relay.response is not None, "serve_inference returned without a response"
+    return relay.response
 
 
 # ---- small routes ----------------------------------------------------------------------------------
@@ -681,14 +665,10 @@ async def handle_ready(request: web.Request) -> web.Response:
     active = sum(1 for r in replicas if r.status is ReplicaStatus.ACTIVE)
     body: dict[str, Any] = {"ready": False, "active_replicas": active, "replicas": len(replicas)}
     if rt.draining:
-        body["error"] = {
-            "message": "gateway is shutting down",
-            "type": "service_unavailable",
-            "code": "draining",
-        }
+        body.update(error_body("gateway is shutting down", "service_unavailable", "draining"))
         return web.json_response(body, status=503)
     if active == 0:
-        body["error"] = {"message": "no active replica", "type": "service_unavailable", "code": "no_replica"}
+        body.update(error_body("no active replica", "service_unavailable", "no_replica"))
         return web.json_response(body, status=503)
     body["ready"] = True
     return web.json_response(body)
@@ -745,12 +725,5 @@ async def handle_model(request: web.Request) -> web.Response:
         if item.get("id") == name:
             return web.json_response(item)
     return web.json_response(
-        {
-            "error": {
-                "message": f"The model '{name}' does not exist",
-                "type": "invalid_request_error",
-                "code": "model_not_found",
-            }
-        },
-        status=404,
+        error_body(f"The model '{name}' does not exist", "invalid_request_error", "model_not_found"), status=404
     )

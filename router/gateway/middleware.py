@@ -1,25 +1,26 @@
 """Cross-cutting HTTP concerns of the gateway: request ids, error mapping, body limits, response
-counting - in one middleware layer (:func:`make_gateway_middleware`): each aiohttp middleware layer
-costs a coroutine and a handler wrapper per request, and these concerns run on every request.
+counting - in one aiohttp middleware (:class:`GatewayMiddleware`): each middleware layer costs a
+coroutine and a handler wrapper per request, and these concerns run on every request.
 
 Rules:
   1. Every response (success, error, stream) carries ``X-Request-Id``: the client's own if it is
-     a sane token (≤ 128 chars of ``[A-Za-z0-9._:-]``), else a fresh unique id of 32 hex
-     chars (a random per-process prefix + a counter: uuid4 read /dev/urandom on every request).
-     It is also set in the logging context so every log line of the request names it. The
-     middleware adds it to every response a handler returns unsent; a handler that streams (sends
-     its headers itself) adds it before it does (``handlers.py``).
+     a sane token (≤ 128 chars of ``[A-Za-z0-9._:-]``), else a fresh unique id of 32 hex chars (a
+     random per-process prefix + a counter). It is also set in the logging context so every log
+     line of the request names it. The middleware adds it to every response a handler returns
+     unsent; a handler that streams adds it before it sends its headers (``handlers.py``).
   2. ``router.errors`` and aiohttp's HTTP exceptions become OpenAI-style JSON
-     (``{"error": {"message", "type", "code"}}``) with the matching status and an
-     ``X-Kvroute-Error`` header naming the code. Nothing else is caught here: an unexpected
-     exception is a bug and gets a JSON 500 without internals.
+     (``router.errors.error_body``) with the matching status and an ``X-Kvroute-Error`` header
+     naming the code. Nothing else is caught here: an unexpected exception is a bug and gets a JSON
+     500 without internals.
   3. Body size: a declared ``Content-Length`` over the limit is refused with 413 before a byte of
      the body is read; a chunked body is counted while read and refused as soon as it crosses it.
-  4. Header size is enforced by aiohttp's parser (``max_field_size``/``max_line_size``/
-     ``max_headers`` from ``limits``); it answers 400 and closes the connection. The parser fails
-     before any middleware runs, so the runner's request handler renders that answer as the same
-     JSON error (``serve._JsonErrorsRequestHandler``).
-  5. No secrets in logs: ``router.observability.logging`` redacts credentials; this module never
+  4. Header size is enforced by aiohttp's parser (``limits.max_field_size``/``max_line_size``/
+     ``max_headers``); it answers 400 and closes the connection. The parser fails before any
+     middleware runs: ``serve.py``'s request handler renders that answer as the same JSON error.
+  5. Extension points instead of more middleware layers: ``add_observer`` (called once per request
+     with its route, method and final status: the metrics counter) and ``add_outer`` (one
+     aiohttp-style middleware run around this one: tracing's server span).
+  6. No secrets in logs: ``router.observability.logging`` redacts credentials; this module never
      logs header values.
 """
 
@@ -31,11 +32,11 @@ import logging
 import os
 import re
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any
+from http import HTTPStatus
 
 from aiohttp import web
 
-from router.errors import KvrouteError, PayloadTooLargeError, UpstreamStatusError
+from router.errors import KvrouteError, PayloadTooLargeError, UpstreamStatusError, error_body
 from router.observability.logging import set_request_id
 
 __all__ = [
@@ -43,16 +44,12 @@ __all__ = [
     "REQUEST_ID_KEY",
     "GatewayMiddleware",
     "ResponseObserver",
-    "error_middleware",
-    "error_payload",
     "error_response",
     "kvroute_error_status",
-    "make_gateway_middleware",
+    "parse_error_body",
     "read_body_limited",
     "request_id_for",
-    "request_id_middleware",
     "route_label",
-    "set_request_id_header",
 ]
 
 log = logging.getLogger("kvroute.gateway")
@@ -62,6 +59,7 @@ REQUEST_ID_KEY = web.RequestKey("kvroute_request_id", str)
 _SANE_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+Middleware = Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]
 ResponseObserver = Callable[[str, str, "int | str"], None]
 """Called once per request with its route (the matched resource's template, ``"unmatched"``, never
 the raw path), method and final status (``"error"``: an exception escaped)."""
@@ -74,7 +72,8 @@ def route_label(request: web.Request) -> str:
 
 
 class _RequestIds:
-    """Unique request ids, 32 hex chars: 64 random bits per process (new after a fork) + a counter."""
+    """Unique request ids, 32 hex chars: 64 random bits per process (new after a fork) + a counter
+    (uuid4 would read /dev/urandom on every request)."""
 
     __slots__ = ("_counter", "_prefix")
 
@@ -99,6 +98,7 @@ def request_id_for(given: str | None) -> str:
     """The request's id: the client's ``X-Request-Id`` if it is a sane token, else a fresh one."""
     return given if given and _SANE_ID.match(given) else _ids.next()
 
+
 _HTTP_TYPES = {
     400: ("invalid_request_error", "bad_request"),
     401: ("authentication_error", "unauthorized"),
@@ -112,17 +112,25 @@ _HTTP_TYPES = {
 }
 
 
-def error_payload(message: str, error_type: str, code: str | int) -> dict[str, Any]:
-    return {"error": {"message": message, "type": error_type, "code": code}}
-
-
 def error_response(
     status: int, message: str, error_type: str, code: str, headers: dict[str, str] | None = None
 ) -> web.Response:
     hdrs = {"X-Kvroute-Error": code}
     if headers:
         hdrs.update(headers)
-    return web.json_response(error_payload(message, error_type, code), status=status, headers=hdrs)
+    return web.json_response(error_body(message, error_type, code), status=status, headers=hdrs)
+
+
+def parse_error_body(status: int, message: str | None) -> tuple[dict[str, object], str]:
+    """The JSON body and code for a request aiohttp's parser refused (rule 4)."""
+    try:
+        reason = HTTPStatus(status).phrase
+    except ValueError:
+        reason = "Error"
+    if status < 500:
+        code = "bad_http_request"
+        return error_body(message or reason, "invalid_request_error", code), code
+    return error_body(reason, "internal_error", "internal_error"), "internal_error"
 
 
 def kvroute_error_status(exc: KvrouteError) -> int:
@@ -132,24 +140,6 @@ def kvroute_error_status(exc: KvrouteError) -> int:
 
 def _from_kvroute(exc: KvrouteError) -> web.Response:
     return error_response(kvroute_error_status(exc), str(exc) or exc.code, exc.error_type, exc.code)
-
-
-@web.middleware
-async def request_id_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    rid = request_id_for(request.headers.get(REQUEST_ID_HEADER))
-    request[REQUEST_ID_KEY] = rid
-    token = set_request_id(rid)  # every log line of this request names it
-    try:
-        return await handler(request)
-    finally:
-        token.var.reset(token)
-
-
-async def set_request_id_header(request: web.Request, response: web.StreamResponse) -> None:
-    """``on_response_prepare`` signal: runs for every response, streamed or not, before headers go out."""
-    rid = request.get(REQUEST_ID_KEY)
-    if rid is not None and REQUEST_ID_HEADER not in response.headers:
-        response.headers[REQUEST_ID_HEADER] = rid
 
 
 def _from_http(request: web.Request, exc: web.HTTPException) -> web.Response:
@@ -164,45 +154,36 @@ def _from_http(request: web.Request, exc: web.HTTPException) -> web.Response:
     return error_response(exc.status, message, etype, code, extra)
 
 
-@web.middleware
-async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    try:
-        return await handler(request)
-    except KvrouteError as exc:
-        if exc.status >= 500:
-            log.warning("%s %s -> %s: %s", request.method, request.path, exc.code, exc)
-        return _from_kvroute(exc)
-    except web.HTTPException as exc:
-        if exc.status < 400:
-            raise  # redirects and the like are not errors
-        return _from_http(request, exc)
-
-
 class GatewayMiddleware:
-    """Request id + error mapping + response observers as one aiohttp middleware (module rules 1-2).
-
-    ``observers`` (e.g. the HTTP response counter of ``router.observability.metrics``) are called
-    with the request and its final status after errors were mapped; ``make_app`` folds such
-    observer middlewares into this one instead of running them as layers of their own."""
+    """Request id + error mapping + response observers as one aiohttp middleware (rules 1, 2, 5)."""
 
     __middleware_version__ = 1  # what @web.middleware marks: new-style (request, handler)
 
     def __init__(self, observers: Sequence[ResponseObserver] = ()) -> None:
         self.observers: tuple[ResponseObserver, ...] = tuple(observers)
+        self._outer: Middleware | None = None
 
     def add_observer(self, observer: ResponseObserver) -> None:
         self.observers = (*self.observers, observer)
 
-    def observe(self, route: str, method: str, status: int | str) -> None:
-        """Count one response that did not pass through aiohttp (the raw data plane's)."""
-        for obs in self.observers:
-            obs(route, method, status)
+    def add_outer(self, middleware: Middleware) -> None:
+        """Run ``middleware`` around this one (before the app starts; one at most)."""
+        if self._outer is not None:
+            raise RuntimeError("GatewayMiddleware: an outer middleware is already set")
+        self._outer = middleware
 
     def _observe(self, request: web.Request, status: int | str) -> None:
-        if self.observers:
-            self.observe(route_label(request), request.method, status)
+        route = route_label(request)
+        for obs in self.observers:
+            obs(route, request.method, status)
 
     async def __call__(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        outer = self._outer
+        if outer is None:
+            return await self._handle(request, handler)
+        return await outer(request, lambda r: self._handle(r, handler))
+
+    async def _handle(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         rid = request_id_for(request.headers.get(REQUEST_ID_HEADER))
         request[REQUEST_ID_KEY] = rid
         token = set_request_id(rid)  # every log line of this request names it
@@ -215,11 +196,13 @@ class GatewayMiddleware:
                 resp = _from_kvroute(exc)
             except web.HTTPException as exc:
                 if exc.status < 400:
-                    self._observe(request, exc.status)
+                    if self.observers:
+                        self._observe(request, exc.status)
                     raise  # redirects and the like are not errors
                 resp = _from_http(request, exc)
             except BaseException:
-                self._observe(request, "error")
+                if self.observers:
+                    self._observe(request, "error")
                 raise
             if not resp.prepared and REQUEST_ID_HEADER not in resp.headers:
                 resp.headers[REQUEST_ID_HEADER] = rid
@@ -228,10 +211,6 @@ class GatewayMiddleware:
             return resp
         finally:
             token.var.reset(token)
-
-
-def make_gateway_middleware(observers: Sequence[ResponseObserver] = ()) -> GatewayMiddleware:
-    return GatewayMiddleware(observers)
 
 
 async def read_body_limited(request: web.Request, limit: int) -> bytes:

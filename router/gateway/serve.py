@@ -7,11 +7,11 @@ Rules:
   3. SIGTERM / SIGINT: ``/ready`` turns 503, the listening socket closes, in-flight requests get
      ``timeouts.shutdown_s`` to finish, then the rest is cancelled (their load is released).
   4. Once listening, the start-up heap is frozen out of the cyclic GC (``gc.freeze``): a full
-     collection then walks only what serving allocated, not ~56k start-up objects (19 ms to walk).
-  5. The listener is the raw data plane (``downstream.server: raw``, router/gateway/dataplane.py):
-     inference routes on httptools, everything else handed to aiohttp on the same connection. When
-     the app has middlewares of its own (tracing), or with ``downstream.server: aiohttp``, aiohttp's
-     server takes every request.
+     collection then walks only what serving allocated, not the start-up objects.
+  5. One server: aiohttp's, for every route, through public API only. The listener is an asyncio
+     server whose connections are ``web.RequestHandler`` s of the runner's ``web.Server``, of a
+     subclass that answers what aiohttp's HTTP parser refuses (a bad request line, a header over the
+     size limit, bytes that are not HTTP) with the gateway's JSON error instead of plain text.
 """
 
 from __future__ import annotations
@@ -26,11 +26,9 @@ import ssl
 import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from http import HTTPStatus
+from typing import Any
 
 from aiohttp import web
-from aiohttp.web_protocol import RequestHandler
-from aiohttp.web_request import BaseRequest
 
 from router.clock import Clock, SystemClock
 from router.config import GatewayConfig, load_config
@@ -38,10 +36,10 @@ from router.errors import ConfigError
 from router.eventloop import event_loop_factory
 from router.events import Hook
 from router.gateway.app import SetupFn, make_app
-from router.gateway.dataplane import DataPlane, DataPlaneSite
 from router.gateway.forward import ReplicaClient
-from router.gateway.keys import MIDDLEWARE_KEY, RUNTIME_KEY, GatewayRuntime
-from router.policy import Policy
+from router.gateway.middleware import parse_error_body
+from router.gateway.runtime import RUNTIME_KEY, GatewayRuntime
+from router.policy.base import Policy
 from router.store.base import StateStore
 
 __all__ = [
@@ -81,6 +79,7 @@ class RunningGateway:
     port: int
     app: web.Application
     runner: web.AppRunner
+    listener: asyncio.Server
     store: StateStore
     owns_store: bool = False  # created by start_gateway: closed with it
 
@@ -89,7 +88,7 @@ class RunningGateway:
         return self.app[RUNTIME_KEY]
 
     async def close(self) -> None:
-        await shutdown(self.runner, self.app)
+        await shutdown(self.runner, self.listener, self.app)
         if self.owns_store:
             await self.store.close()
 
@@ -106,8 +105,6 @@ async def start_gateway(
     extra_setup: Sequence[SetupFn] = (),
     discovery: bool = True,
     access_log: bool | None = None,
-    middlewares: Sequence[object] = (),
-    trace_configs: Sequence[object] = (),
 ) -> RunningGateway:
     """Start the gateway on ``config.host:config.port`` (port 0 = a free port) in this loop.
 
@@ -128,89 +125,61 @@ async def start_gateway(
         hooks=hooks,
         extra_setup=extra_setup,
         discovery=discovery,
-        middlewares=middlewares,
-        trace_configs=trace_configs,
     )
     want_access_log = config.access_log if access_log is None else access_log
     access_logger = logging.getLogger("kvroute.access") if want_access_log else None
-    runner = _JsonErrorsAppRunner(
-        app,
-        handler_cancellation=True,
-        shutdown_timeout=config.timeouts.shutdown_s,
-        access_log=access_logger,
-        keepalive_timeout=config.downstream.keepalive_s,
+    handler_kwargs: dict[str, Any] = {
+        "access_log": access_logger,
+        "keepalive_timeout": config.downstream.keepalive_s,
+        "max_line_size": config.limits.max_line_size,
+        "max_field_size": config.limits.max_field_size,
+        "max_headers": config.limits.max_headers,
+        "auto_decompress": False,  # request bodies are forwarded as they came
+    }
+    runner = web.AppRunner(
+        app, handler_cancellation=True, shutdown_timeout=config.timeouts.shutdown_s, **handler_kwargs
     )
     await runner.setup()
-    gateway_mw = app[MIDDLEWARE_KEY]
-    site: web.BaseSite
-    plane: DataPlane | None = None
-    # rule 5: the raw data plane unless aiohttp must see every request (tracing's server spans)
-    if config.downstream.server == "raw" and all(m is gateway_mw for m in app.middlewares):
-        assert runner.server is not None
-        plane = DataPlane(
-            app[RUNTIME_KEY],
-            gateway_mw,
-            runner.server,
-            access_log=access_logger,
-        )
-        site = DataPlaneSite(runner, plane, config.host, config.port, ssl_context=ssl_context)
-    else:
-        site = web.TCPSite(runner, config.host, config.port, reuse_address=True, ssl_context=ssl_context)
+    server = runner.server
+    assert server is not None
+    loop = asyncio.get_running_loop()
+
+    def connection() -> _JsonErrorsRequestHandler:
+        return _JsonErrorsRequestHandler(server, loop=loop, **handler_kwargs)
+
     try:
-        await site.start()
+        listener = await loop.create_server(
+            connection, config.host, config.port, ssl=ssl_context, reuse_address=True, backlog=128
+        )
     except OSError:
-        if plane is not None:
-            await plane.close()
         await runner.cleanup()
         raise
-    app[RUNTIME_KEY].data_plane = plane
-    port = int(runner.addresses[0][1])
+    port = int(listener.sockets[0].getsockname()[1])
     host = config.host if config.host not in ("0.0.0.0", "::", "") else "127.0.0.1"
     scheme = "https" if ssl_context is not None else "http"
     url = f"{scheme}://{host}:{port}" if ":" not in host else f"{scheme}://[{host}]:{port}"
-    return RunningGateway(url=url, port=port, app=app, runner=runner, store=store, owns_store=owns_store)
+    return RunningGateway(
+        url=url, port=port, app=app, runner=runner, listener=listener, store=store, owns_store=owns_store
+    )
 
 
-class _JsonErrorsRequestHandler(RequestHandler):
+class _JsonErrorsRequestHandler(web.RequestHandler):
     """aiohttp answers requests its HTTP parser rejects (a bad request line, a header over the size
     limit, bytes that are not HTTP) itself, before any middleware runs, with a plain-text body. Clients
     of an OpenAI-compatible API expect JSON errors everywhere: same status, OpenAI-style body."""
 
     def handle_error(
         self,
-        request: BaseRequest,
+        request: web.BaseRequest,
         status: int = 500,
         exc: BaseException | None = None,
         message: str | None = None,
     ) -> web.StreamResponse:
         plain = super().handle_error(request, status, exc, message)  # logs; refuses if bytes were sent
-        status = plain.status
-        reason = HTTPStatus(status).phrase if status in HTTPStatus._value2member_map_ else "Error"
-        text = message if status < 500 and message else reason
-        body = {
-            "error": {
-                "message": text,
-                "type": "invalid_request_error" if status < 500 else "internal_error",
-                "code": "bad_http_request" if status < 500 else "internal_error",
-            }
-        }
-        resp = web.json_response(body, status=status)
+        body, code = parse_error_body(plain.status, message)
+        resp = web.json_response(body, status=plain.status, headers={"X-Kvroute-Error": code})
         resp.force_close()
         return resp
-
-
-class _JsonErrorsServer(web.Server):
-    def __call__(self) -> RequestHandler:
-        return _JsonErrorsRequestHandler(self, loop=self._loop, **self._kwargs)
-
-
-class _JsonErrorsAppRunner(web.AppRunner):
-    """``web.AppRunner`` whose connections answer HTTP parse errors with JSON (see above)."""
-
-    async def _make_server(self) -> web.Server:
-        server = await super()._make_server()
-        server.__class__ = _JsonErrorsServer  # same state, one overridden factory method
-        return server
 
 
 def listener_ssl_context(config: GatewayConfig) -> ssl.SSLContext | None:
@@ -226,17 +195,15 @@ def listener_ssl_context(config: GatewayConfig) -> ssl.SSLContext | None:
     return ctx
 
 
-async def shutdown(runner: web.AppRunner, app: web.Application) -> None:
-    """Graceful: refuse new work, let in-flight requests finish (bounded), then clean up."""
+async def shutdown(runner: web.AppRunner, listener: asyncio.Server, app: web.Application) -> None:
+    """Graceful: refuse new work, let in-flight requests finish (bounded), then clean up (what is
+    still running is cancelled; its load is released)."""
     rt = app[RUNTIME_KEY]
     rt.draining = True
     deadline = rt.clock.now() + rt.config.timeouts.shutdown_s
-    for site in list(runner.sites):
-        await site.stop()  # stop accepting; established keep-alive connections may still finish
+    listener.close()  # stop accepting; established keep-alive connections may still finish
     while rt.in_flight > 0 and rt.clock.now() < deadline:
         await asyncio.sleep(0.05)
-    if rt.data_plane is not None:
-        await rt.data_plane.close()  # what is still running is cancelled (its load released)
     await runner.cleanup()
 
 
@@ -250,7 +217,7 @@ async def _serve(config: GatewayConfig) -> int:
         from router.handoff import handoff_setup
 
         setups.append(handoff_setup())
-    gw = await start_gateway(config, extra_setup=setups, trace_configs=surface.tracing.trace_configs())
+    gw = await start_gateway(config, extra_setup=setups)
     # rule 4: what start-up allocated (modules, config, app) lives as long as the process
     gc.collect()
     gc.freeze()

@@ -428,9 +428,8 @@ class GatewayMetrics:
 
     def response_observer(self) -> Callable[[str, str, int | str], None]:
         """``(route, method, status)`` -> count one HTTP response (route = the matched resource's
-        template, never the raw path); what :meth:`http_middleware` runs, for a server layer that
-        already wraps every request (``router.gateway.middleware.GatewayMiddleware``, the raw data
-        plane)."""
+        template, never the raw path): an observer of ``router.gateway.middleware.GatewayMiddleware``,
+        which wraps every request already (no middleware layer of its own)."""
         counter = self.http_responses
         children: dict[tuple[str, str, int | str], Any] = {}  # labels() costs more than inc()
 
@@ -442,33 +441,6 @@ class GatewayMetrics:
             child.inc()
 
         return observe
-
-    def http_middleware(self) -> Any:
-        """aiohttp middleware counting every response (route = the matched resource, never the raw path).
-
-        It carries its counting function as ``response_observer``: the gateway's ``make_app`` folds
-        it into its own middleware rather than running one more layer per request."""
-        from aiohttp import web
-
-        from router.gateway.middleware import route_label
-
-        observe = self.response_observer()
-
-        @web.middleware
-        async def http_metrics(request: web.Request, handler: Any) -> web.StreamResponse:
-            try:
-                resp: web.StreamResponse = await handler(request)
-            except web.HTTPException as exc:
-                observe(route_label(request), request.method, exc.status)
-                raise
-            except BaseException:
-                observe(route_label(request), request.method, "error")
-                raise
-            observe(route_label(request), request.method, resp.status)
-            return resp
-
-        http_metrics.response_observer = observe  # type: ignore[attr-defined]
-        return http_metrics
 
     def render(self, replicas: Iterable[ReplicaState], now: float, store: Any = None) -> bytes:
         """Prometheus text exposition (format 0.0.4) with fleet gauges as of ``replicas``."""

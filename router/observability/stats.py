@@ -5,7 +5,7 @@ Rules:
      simulator and tests can drive it with virtual time.
   2. Memory is bounded: events are aggregated into ``bucket_s`` buckets and buckets older than
      ``window_s`` are dropped; the time series keeps at most ``max_points`` samples.
-  3. Dispersion is variance / mean of per-replica in-flight requests (DESIGN §7). "Now" uses the
+  3. Dispersion is variance / mean of per-replica in-flight requests (as ``loadtests/measures.py`` defines it). "Now" uses the
      latest sample; "window" pools every per-replica value of every sample in the window.
 """
 

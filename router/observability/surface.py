@@ -3,11 +3,11 @@
 Usage (what ``kvroute serve`` does)::
 
     surface = operator_surface_from_config(config)
-    gw = await start_gateway(config, extra_setup=(surface.setup,),
-                             trace_configs=surface.tracing.trace_configs())
+    gw = await start_gateway(config, extra_setup=(surface.setup,))
 
-``setup(app)`` mounts ``/admin`` (sub-app), ``GET /metrics`` and the tracing middleware, and runs the
-fleet sampler (dispersion/CHR time series and the autoscale EWMA) as a ``cleanup_ctx`` task.
+``setup(app)`` mounts ``/admin`` (sub-app) and ``GET /metrics``, counts every response, adds
+tracing (server spans around the gateway middleware, client spans on upstream requests), and runs
+the fleet sampler (dispersion/CHR time series and the autoscale EWMA) as a ``cleanup_ctx`` task.
 """
 
 from __future__ import annotations
@@ -152,9 +152,8 @@ class OperatorSurface:
     ``setup(app)`` is an ``extra_setup`` function for ``make_app``. On a gateway app it binds to the
     runtime (``RUNTIME_KEY``): store, clock, and the policy, which it wraps in a :class:`PolicyHolder`
     so ``PATCH /admin/config`` swaps what the gateway routes with; it registers its hooks on the
-    gateway's emitter. On a bare app (tests) give ``store``/``clock``/``holder`` explicitly.
-    ``setup`` adds the tracing middleware itself; the client trace configs must reach the upstream
-    ``ClientSession``: pass ``surface.tracing.trace_configs()`` to ``make_app``/``start_gateway``.
+    gateway's emitter, its response counter and tracing on the gateway middleware and runtime. On a
+    bare app (tests) give ``store``/``clock``/``holder`` explicitly; only the routes are mounted.
     """
 
     def __init__(
@@ -219,7 +218,7 @@ class OperatorSurface:
 
     def setup(self, app: web.Application) -> None:
         """Mount everything on the (not yet frozen) app; see the class docstring."""
-        from router.gateway.keys import EMITTER_KEY, RUNTIME_KEY
+        from router.gateway.runtime import EMITTER_KEY, MIDDLEWARE_KEY, RUNTIME_KEY
 
         if RUNTIME_KEY in app:
             rt = app[RUNTIME_KEY]
@@ -235,11 +234,13 @@ class OperatorSurface:
                 rt.policy = self.holder
             for hook in self.hooks():
                 app[EMITTER_KEY].add(hook)
+            gateway_mw = app[MIDDLEWARE_KEY]
+            gateway_mw.add_observer(self.metrics.response_observer())
+            for mw in self.tracing.middlewares():
+                gateway_mw.add_outer(mw)
+            rt.tracer = self.tracing.upstream_tracer()
         if self.store is None or self.clock is None or self.holder is None:
             raise RuntimeError("OperatorSurface.setup on a bare app needs store, clock and holder")
-        app.middlewares.insert(0, self.metrics.http_middleware())
-        for mw in self.tracing.middlewares():
-            app.middlewares.insert(0, mw)
         app.router.add_get("/metrics", self.metrics_handler)
         admin_app = make_admin_app(self.store, self.holder, self.stats, self.clock, self.admin)
         if self.admin_listen is None:

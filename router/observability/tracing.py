@@ -2,35 +2,27 @@
 
 Rules:
   1. ``opentelemetry`` is imported lazily, only by :func:`make_tracing` with ``enabled=True``. With
-     tracing off the gateway gets :data:`NOOP_TRACING`: no middleware, no client trace config, and the
-     event hook returns at once.
+     tracing off the gateway gets :data:`NOOP_TRACING`: no middleware, no upstream tracer, and the
+     event hook returns at once. Tracing on or off, the gateway runs the same HTTP stack.
   2. Each proxied request gets one SERVER span (``kvroute.request``), parented on an incoming W3C
      ``traceparent`` if the client sent one. The routing decision is written onto it as attributes
      (``kvroute.replica``, ``kvroute.reason``, ``kvroute.score``, ``kvroute.scores``...) when the gateway
      emits its routed event inside the request's task.
-  3. The upstream call gets a CLIENT child span (``kvroute.upstream``) opened by an aiohttp
-     ``TraceConfig`` on the gateway's ``ClientSession``; its context is injected into the upstream
-     request headers as W3C ``traceparent`` (and ``tracestate``), so the replica continues the trace.
+  3. The upstream call gets a CLIENT child span (``kvroute.upstream``) from the upstream tracer
+     (``router.gateway.forward.UpstreamTracer``, called by the handler around ``ReplicaClient.send``,
+     whichever client that is); its context is added to the upstream request headers as W3C
+     ``traceparent`` (and ``tracestate``), so the replica continues the trace.
   4. The tracer provider is owned by the :class:`OtelTracing` object, never installed globally, so
      several gateways (and tests) in one process do not share spans.
 """
 
 from __future__ import annotations
 
-import types
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
+from urllib.parse import urlsplit
 
-from aiohttp import (
-    TraceConfig,
-    TraceRequestEndParams,
-    TraceRequestExceptionParams,
-    TraceRequestStartParams,
-    web,
-)
-
-if TYPE_CHECKING:
-    from aiohttp import ClientSession
+from aiohttp import web
 
 __all__ = [
     "NOOP_TRACING",
@@ -43,7 +35,7 @@ __all__ = [
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
-# Paths that never get a span (operator surface and probes): tracing is for the data plane.
+# Paths that never get a span (operator surface and probes): tracing is for the inference routes.
 _UNTRACED_PREFIXES = ("/admin", "/metrics", "/health", "/ready")
 
 
@@ -54,8 +46,8 @@ class Tracing(Protocol):
         """aiohttp middlewares to add to the gateway app (empty when off)."""
         ...
 
-    def trace_configs(self) -> Sequence[TraceConfig]:
-        """aiohttp client trace configs for the upstream ``ClientSession`` (empty when off)."""
+    def upstream_tracer(self) -> Any:
+        """A ``router.gateway.forward.UpstreamTracer`` for the gateway's runtime (``None`` when off)."""
         ...
 
     def annotate(self, attributes: Mapping[str, Any]) -> None:
@@ -73,8 +65,8 @@ class NoopTracing:
     def middlewares(self) -> Sequence[Any]:
         return ()
 
-    def trace_configs(self) -> Sequence[TraceConfig]:
-        return ()
+    def upstream_tracer(self) -> None:
+        return None
 
     def annotate(self, attributes: Mapping[str, Any]) -> None:
         return None
@@ -128,7 +120,7 @@ class OtelTracing:
         self._propagator = TraceContextTextMapPropagator()
         self.service_name = service_name
         self._middleware = self._make_middleware()
-        self._trace_config = self._make_trace_config()
+        self._upstream = _UpstreamTracer(trace, self._tracer, self._propagator)
 
     @property
     def provider(self) -> Any:
@@ -137,8 +129,8 @@ class OtelTracing:
     def middlewares(self) -> Sequence[Any]:
         return (self._middleware,)
 
-    def trace_configs(self) -> Sequence[TraceConfig]:
-        return (self._trace_config,)
+    def upstream_tracer(self) -> _UpstreamTracer:
+        return self._upstream
 
     def annotate(self, attributes: Mapping[str, Any]) -> None:
         span = self._trace.get_current_span()
@@ -197,64 +189,56 @@ class OtelTracing:
 
         return otel_middleware
 
-    # ---- client side -------------------------------------------------------------------------
 
-    def _make_trace_config(self) -> TraceConfig:
+class _UpstreamSpan:
+    """One ``kvroute.upstream`` CLIENT span (module rule 3)."""
+
+    __slots__ = ("_span", "_trace", "headers")
+
+    def __init__(self, trace: Any, span: Any, headers: list[tuple[str, str]]) -> None:
+        self._trace = trace
+        self._span = span
+        self.headers = headers
+
+    def end(self, status: int) -> None:
+        self._span.set_attribute("http.response.status_code", status)
+        if status >= 500:
+            self._span.set_status(self._trace.Status(self._trace.StatusCode.ERROR))
+        # the span covers connect + headers; the body (stream) is relayed under the parent span
+        self._span.end()
+
+    def fail(self, exc: BaseException) -> None:
+        self._span.record_exception(exc)
+        self._span.set_status(self._trace.Status(self._trace.StatusCode.ERROR, type(exc).__name__))
+        self._span.end()
+
+
+class _UpstreamTracer:
+    """``router.gateway.forward.UpstreamTracer`` over OpenTelemetry."""
+
+    def __init__(self, trace: Any, tracer: Any, propagator: Any) -> None:
+        self._trace = trace
+        self._tracer = tracer
+        self._propagator = propagator
+
+    def start(self, method: str, url: str) -> _UpstreamSpan | None:
         trace = self._trace
-        tracer = self._tracer
-        propagator = self._propagator
-
-        async def on_start(
-            _s: ClientSession, tcx: types.SimpleNamespace, params: TraceRequestStartParams
-        ) -> None:
-            current = trace.get_current_span()
-            if not current.get_span_context().is_valid:
-                tcx.span = None  # not inside a traced request (health polls, scrapes): stay quiet
-                return
-            span = tracer.start_span(
-                "kvroute.upstream",
-                kind=trace.SpanKind.CLIENT,
-                attributes={
-                    "http.request.method": params.method,
-                    "url.full": str(params.url.with_query(None)),
-                    "server.address": params.url.host or "",
-                    "server.port": params.url.port or 0,
-                },
-            )
-            tcx.span = span
-            carrier: dict[str, str] = {}
-            propagator.inject(carrier, context=trace.set_span_in_context(span))
-            for key, val in carrier.items():
-                params.headers[key] = val
-
-        async def on_end(
-            _s: ClientSession, tcx: types.SimpleNamespace, params: TraceRequestEndParams
-        ) -> None:
-            span = getattr(tcx, "span", None)
-            if span is None:
-                return
-            span.set_attribute("http.response.status_code", params.response.status)
-            if params.response.status >= 500:
-                span.set_status(trace.Status(trace.StatusCode.ERROR))
-            # the span covers connect + headers; the body (stream) is relayed under the parent span
-            span.end()
-
-        async def on_exc(
-            _s: ClientSession, tcx: types.SimpleNamespace, params: TraceRequestExceptionParams
-        ) -> None:
-            span = getattr(tcx, "span", None)
-            if span is None:
-                return
-            span.record_exception(params.exception)
-            span.set_status(trace.Status(trace.StatusCode.ERROR, type(params.exception).__name__))
-            span.end()
-
-        tc = TraceConfig()
-        tc.on_request_start.append(on_start)
-        tc.on_request_end.append(on_end)
-        tc.on_request_exception.append(on_exc)
-        tc.freeze()
-        return tc
+        if not trace.get_current_span().get_span_context().is_valid:
+            return None  # not inside a traced request (health polls, scrapes): stay quiet
+        parts = urlsplit(url)
+        span = self._tracer.start_span(
+            "kvroute.upstream",
+            kind=trace.SpanKind.CLIENT,
+            attributes={
+                "http.request.method": method,
+                "url.full": url.split("?", 1)[0],
+                "server.address": parts.hostname or "",
+                "server.port": parts.port or (443 if parts.scheme == "https" else 80),
+            },
+        )
+        carrier: dict[str, str] = {}
+        self._propagator.inject(carrier, context=trace.set_span_in_context(span))
+        return _UpstreamSpan(trace, span, list(carrier.items()))
 
 
 def make_tracing(

@@ -9,15 +9,20 @@ Rule 4: the policy *describes* state changes as effects; a store performs them.
 
 Modules: ``params`` (PolicyParams), ``kv_aware`` (the policy), ``baselines`` (random, round_robin,
 least_loaded, hash), ``hashing`` (rendezvous), ``prefix_key`` (rule 7 keys), ``breaks`` (affinity
-break classification), ``registry`` (name -> factory). The algorithm is in docs/POLICY.md.
+break classification), ``registry`` (name -> factory), ``base`` (the ``Policy`` Protocol). The
+algorithm is in docs/POLICY.md.
 """
 
 from __future__ import annotations
 
-import random
-from typing import Protocol
-
-from router.model import ClusterSnapshot, RouteDecision, RouteRequest
+from router.policy.base import Policy
+from router.policy.baselines import HashPolicy, LeastLoadedPolicy, RandomPolicy, RoundRobinPolicy
+from router.policy.breaks import classify_break
+from router.policy.hashing import hrw_rank, hrw_top
+from router.policy.kv_aware import KvAwarePolicy
+from router.policy.params import PolicyParams
+from router.policy.prefix_key import prefix_key
+from router.policy.registry import POLICIES, make_policy
 
 __all__ = [
     "POLICIES",
@@ -34,21 +39,3 @@ __all__ = [
     "make_policy",
     "prefix_key",
 ]
-
-
-class Policy(Protocol):
-    name: str
-
-    def route(self, request: RouteRequest, snapshot: ClusterSnapshot, rng: random.Random) -> RouteDecision:
-        """Choose a replica. Raises ``router.errors.NoReplicaError`` if none is eligible."""
-        ...
-
-
-# Submodules import ``Policy`` from here, so they come after it.
-from router.policy.baselines import HashPolicy, LeastLoadedPolicy, RandomPolicy, RoundRobinPolicy
-from router.policy.breaks import classify_break
-from router.policy.hashing import hrw_rank, hrw_top
-from router.policy.kv_aware import KvAwarePolicy
-from router.policy.params import PolicyParams
-from router.policy.prefix_key import prefix_key
-from router.policy.registry import POLICIES, make_policy

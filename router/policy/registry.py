@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
 
-from router.policy import Policy
+from router.policy.base import Policy
 from router.policy.baselines import (
     HashPolicy,
     LeastLoadedPolicy,

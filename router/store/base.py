@@ -6,6 +6,9 @@ Rules:
   2. ``release`` is called exactly once per successful ``acquire``, whatever happened to the request
      (completed, failed, client gone); it feeds what the response taught us back into the session.
   3. Stores never raise foreign errors: the Redis store maps them to ``StoreError`` or degrades.
+  4. A decision the store cannot apply raises a ``router.errors.StaleViewError``: the replica it names
+     is not registered (``ReplicaNotFoundError``, from ``acquire`` and ``set_status``) or another
+     gateway moved the session (``StaleSessionError``). Nothing was applied; route again.
 """
 
 from __future__ import annotations
@@ -30,17 +33,11 @@ from router.policy.breaks import found_resident
 
 __all__ = [
     "PLAUSIBLE_EVICTION",
-    "StaleSessionError",
     "StateStore",
     "StoreConfig",
     "learn_horizon",
     "residency_feedback",
 ]
-
-
-class StaleSessionError(KeyError):
-    """``acquire`` refused a decision made on a stale view of the session (another gateway moved it
-    and its real home cannot take the request). Nothing was applied; route again on a new snapshot."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,7 +97,8 @@ class StateStore(Protocol):
         """Apply the decision's effects and count the request in flight, atomically.
 
         If a ``BindSession`` compare-and-set fails (another gateway bound the session first), the
-        lease names the winning home and ``disagreement`` is set.
+        lease names the winning home and ``disagreement`` is set. ``ReplicaNotFoundError`` if the
+        target is not registered, ``StaleSessionError`` if the session moved (rule 4).
         """
         ...
 
@@ -112,7 +110,9 @@ class StateStore(Protocol):
         """Register or update a replica. New replicas start as ``status`` (default JOINING)."""
         ...
 
-    async def set_status(self, replica_id: ReplicaId, status: ReplicaStatus) -> None: ...
+    async def set_status(self, replica_id: ReplicaId, status: ReplicaStatus) -> None:
+        """``ReplicaNotFoundError`` if the replica is not registered."""
+        ...
 
     async def remove_replica(self, replica_id: ReplicaId) -> None: ...
 

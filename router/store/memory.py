@@ -19,6 +19,7 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 from router.clock import Clock
+from router.errors import ReplicaNotFoundError
 from router.model import (
     BindSession,
     ClusterSnapshot,
@@ -133,7 +134,7 @@ class MemoryCore:
     def set_status(self, replica_id: ReplicaId, status: ReplicaStatus) -> None:
         rep = self._replicas.get(replica_id)
         if rep is None:
-            raise KeyError(replica_id)
+            raise ReplicaNotFoundError(replica_id)
         if status is ReplicaStatus.ACTIVE and rep.status is not ReplicaStatus.ACTIVE and rep.joined_at == 0.0:
             rep.joined_at = self.clock.now()
         rep.status = status
@@ -334,7 +335,7 @@ class MemoryCore:
                 s.overflow = tuple(r for r in eff.replicas if r != s.home)
         rep = self._replicas.get(target)
         if rep is None:
-            raise KeyError(target)
+            raise ReplicaNotFoundError(target)
         rep.in_flight += 1
         self._dirty(rep)
         prev_ctx = 0

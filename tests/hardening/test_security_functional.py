@@ -20,11 +20,8 @@ import contextlib
 import io
 import json
 import logging
-import os
 import shutil
-import signal
 import ssl
-import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -33,6 +30,8 @@ from typing import Any
 import aiohttp
 import pytest
 
+from loadtests.procs import Procs, free_port, read_line
+from loadtests.redis_server import RedisServer, make_self_signed_cert, redis_server_binary
 from router.observability.surface import operator_surface_from_config
 from tests.router.conftest import fast_config
 
@@ -87,14 +86,6 @@ async def _raw(port: int, request: bytes, timeout_s: float = 5.0) -> tuple[int, 
         return status, headers, body
     finally:
         w.close()
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _is_json_error(body: bytes) -> bool:
@@ -280,15 +271,9 @@ async def test_credentials_never_reach_log_records(fake_replicas: Any, gateway_f
 
 @pytest.fixture(scope="module")
 def tls_files(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    openssl = shutil.which("openssl")
-    if openssl is None:
+    if shutil.which("openssl") is None:
         pytest.fail("openssl CLI is needed to make a test certificate")
-    d = tmp_path_factory.mktemp("tls")
-    cert, key = d / "cert.pem", d / "key.pem"
-    subprocess.run([openssl, "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
-                    "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
-                   check=True, capture_output=True, timeout=60)  # fmt: skip
-    return cert, key
+    return make_self_signed_cert(tmp_path_factory.mktemp("tls"))
 
 
 async def test_tls_listener(fake_replicas: Any, gateway_factory: Any, tls_files: tuple[Path, Path]) -> None:
@@ -328,35 +313,26 @@ def test_tls_config_needs_both_files(tls_files: tuple[Path, Path]) -> None:
 
 
 @pytest.fixture
-def serve_proc() -> Iterator[list[subprocess.Popen[bytes]]]:
-    procs: list[subprocess.Popen[bytes]] = []
+def serve_proc() -> Iterator[Procs]:
+    procs = Procs()
     yield procs
-    for p in procs:
-        if p.poll() is None:
-            p.send_signal(signal.SIGKILL)
-        p.wait(10)
-        for st in (p.stdout, p.stderr):
-            if st is not None:
-                st.close()
+    procs.cleanup()
 
 
-async def _start_serve(procs: list[subprocess.Popen[bytes]], *args: str) -> str:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "KVROUTE_LOG_LEVEL": "warning"}
-    p = subprocess.Popen([sys.executable, "-m", "router.cli", "serve", "--port", "0", *args],  # noqa: ASYNC220
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)  # fmt: skip
-    procs.append(p)
-    assert p.stderr is not None
+async def _start_serve(procs: Procs, *args: str) -> str:
+    p = procs.start([sys.executable, "-m", "router.cli", "serve", "--port", "0", *args], stderr_pipe=True)
     deadline = asyncio.get_running_loop().time() + 30
     while True:
-        line = (await asyncio.wait_for(asyncio.to_thread(p.stderr.readline), 30)).decode()
+        line = await read_line(p.stderr, 30)
         if "gateway listening on" in line:
+            procs.drain(p)
             return line.rsplit(" ", 1)[-1].strip()
         if not line or asyncio.get_running_loop().time() > deadline:
             raise AssertionError(f"kvroute serve did not start: {line!r}")
 
 
 async def test_serve_subprocess_with_tls_flags(
-    fake_replicas: Any, tls_files: tuple[Path, Path], serve_proc: list[subprocess.Popen[bytes]]
+    fake_replicas: Any, tls_files: tuple[Path, Path], serve_proc: Procs
 ) -> None:
     cert, key = tls_files
     (rep,) = await fake_replicas(1)
@@ -375,78 +351,58 @@ async def test_serve_subprocess_with_tls_flags(
 
 @pytest.mark.parametrize("tls", [False, True], ids=["auth", "auth+tls"])
 async def test_gateway_with_redis_auth(
-    fake_replicas: Any, serve_proc: list[subprocess.Popen[bytes]], tls_files: tuple[Path, Path], tls: bool
+    fake_replicas: Any, serve_proc: Procs, tls: bool
 ) -> None:
-    binary = shutil.which("redis-server")
-    if binary is None:
+    if redis_server_binary() is None:
         pytest.fail("redis-server is not installed")
-    cert, key = tls_files
-    port = _free_port()
-    cmd = [binary, "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--requirepass", "hard3ning-pw"]
-    if tls:  # TLS only: no plain port at all
-        cmd += ["--port", "0", "--tls-port", str(port), "--tls-cert-file", str(cert), "--tls-key-file", str(key),
-                "--tls-ca-cert-file", str(cert), "--tls-auth-clients", "no"]  # fmt: skip
-        url = f"rediss://:hard3ning-pw@127.0.0.1:{port}/0?ssl_ca_certs={cert}"
-    else:
-        cmd += ["--port", str(port)]
-        url = f"redis://:hard3ning-pw@127.0.0.1:{port}/0"
-    serve_proc.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL))  # noqa: ASYNC220
-    await _wait_port(port)
-    (rep,) = await fake_replicas(1)
-    gw_url = await _start_serve(serve_proc, "--replica", rep.url, "--redis", url,
-                                "--set", "health.health_interval_s=0.1")  # fmt: skip
-    async with aiohttp.ClientSession() as s:
-        for _ in range(200):
-            async with s.post(gw_url + CHAT, data=BODY, headers={"Modal-Session-Id": "auth-s"}) as r:
-                last = await r.read()
-                if r.status == 200:
-                    break
-            await asyncio.sleep(0.1)
-        assert r.status == 200, last
-    # the binding is in Redis: readable with the password (and over TLS), refused without it
-    from router.clock import SystemClock
-    from router.store.base import StoreConfig
-    from router.store.redis import RedisStore
-
-    store = RedisStore.from_url(url, "reader", StoreConfig(), SystemClock(), op_timeout_s=5.0)
+    # TLS only (no plain port at all), with the server's own self-signed certificate
+    redis = RedisServer(password="hard3ning-pw", tls=tls)
+    await asyncio.to_thread(redis.start)
     try:
-        sess = await store.session("auth-s")
-        assert sess is not None and sess.home == rep.id
-    finally:
-        await store.close()
-    if not tls:
-        r2, w2 = await asyncio.open_connection("127.0.0.1", port)
-        w2.write(b"KEYS *\r\n")
-        assert (await r2.readline()).startswith(b"-NOAUTH")
-        w2.close()
-    else:  # a plaintext client gets nothing from the TLS port
-        r2, w2 = await asyncio.open_connection("127.0.0.1", port)
-        w2.write(b"AUTH hard3ning-pw\r\nPING\r\n")
-        with contextlib.suppress(TimeoutError, ConnectionError):
-            assert b"PONG" not in await asyncio.wait_for(r2.read(100), 2.0)
-        w2.close()
+        url, port = redis.url, redis.port
+        (rep,) = await fake_replicas(1)
+        gw_url = await _start_serve(serve_proc, "--replica", rep.url, "--redis", url,
+                                    "--set", "health.health_interval_s=0.1")  # fmt: skip
+        async with aiohttp.ClientSession() as s:
+            for _ in range(200):
+                async with s.post(gw_url + CHAT, data=BODY, headers={"Modal-Session-Id": "auth-s"}) as r:
+                    last = await r.read()
+                    if r.status == 200:
+                        break
+                await asyncio.sleep(0.1)
+            assert r.status == 200, last
+        # the binding is in Redis: readable with the password (and over TLS), refused without it
+        from router.clock import SystemClock
+        from router.store.base import StoreConfig
+        from router.store.redis import RedisStore
 
-
-async def _wait_port(port: int, timeout_s: float = 10.0) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while True:
+        store = RedisStore.from_url(url, "reader", StoreConfig(), SystemClock(), op_timeout_s=5.0)
         try:
-            _, w = await asyncio.open_connection("127.0.0.1", port)
-            w.close()
-            return
-        except OSError:
-            if loop.time() > deadline:
-                raise AssertionError(f"nothing listens on {port} after {timeout_s}s") from None
-            await asyncio.sleep(0.05)
+            sess = await store.session("auth-s")
+            assert sess is not None and sess.home == rep.id
+        finally:
+            await store.close()
+        if not tls:
+            r2, w2 = await asyncio.open_connection("127.0.0.1", port)
+            w2.write(b"KEYS *\r\n")
+            assert (await r2.readline()).startswith(b"-NOAUTH")
+            w2.close()
+        else:  # a plaintext client gets nothing from the TLS port
+            r2, w2 = await asyncio.open_connection("127.0.0.1", port)
+            w2.write(b"AUTH hard3ning-pw\r\nPING\r\n")
+            with contextlib.suppress(TimeoutError, ConnectionError):
+                assert b"PONG" not in await asyncio.wait_for(r2.read(100), 2.0)
+            w2.close()
+    finally:
+        redis.cleanup()
 
 
 async def test_gateway_started_while_redis_is_down_still_serves(
-    fake_replicas: Any, serve_proc: list[subprocess.Popen[bytes]]
+    fake_replicas: Any, serve_proc: Procs
 ) -> None:
-    """DESIGN §4: an unreachable Redis degrades to local state, also when it is down from the start."""
+    """docs/REDIS.md: an unreachable Redis degrades to local state, also when it is down from the start."""
     (rep,) = await fake_replicas(1)
-    dead = _free_port()  # nothing listens there
+    dead = free_port()  # nothing listens there
     gw_url = await _start_serve(serve_proc, "--replica", rep.url, "--redis", f"redis://127.0.0.1:{dead}/0",
                                 "--set", "health.health_interval_s=0.1")  # fmt: skip
     async with aiohttp.ClientSession() as s:

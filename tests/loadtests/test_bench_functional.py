@@ -134,7 +134,7 @@ def test_tiny_peers_run(tmp_path: Path) -> None:
 
 
 def test_summarise_seeds_pairs_by_seed() -> None:
-    from loadtests.peers import summarise_seeds
+    from loadtests.bench_peers import summarise_seeds
 
     per_seed = {
         7: {"kvroute kv_aware": {"chr": 0.90, "ttft_p99_s": 10.0}, "vllm": {"chr": 0.92, "ttft_p99_s": 12.0}},

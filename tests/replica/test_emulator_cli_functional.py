@@ -85,7 +85,7 @@ def test_build_config_flags_override_profile() -> None:
 
 @pytest.mark.slow
 def test_cpu_bench_prints_json(capsys: pytest.CaptureFixture[str]) -> None:
-    from replica.emulator.cpu_bench import cli_main
+    from loadtests.bench_emulator import cli_main
 
     rc = cli_main(["--time-scale", "0.01", "--sessions", "1", "--coding-turns", "2", "--small-turns", "3",
                    "--max-seconds", "60"])

@@ -9,7 +9,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import sys
 import time
 from collections.abc import AsyncIterator
@@ -18,6 +17,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
+from loadtests.procs import free_port
 from replica.emulator.runner import Running, running_emulators
 from tests.ci import missing
 from tests.replica.conftest import small_config
@@ -30,13 +30,7 @@ def _binary(name: str) -> str | None:
     return shutil.which(name) or (str(local) if local.exists() else None)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-# peer -> (binary, policy argv, sticky header), per reference/peers.md §3.1 / §4.1
+# peer -> (binary, policy argv, sticky header): the flags and the header each router is sticky on
 PEERS = {
     "smg": ("smg", ["launch", "--log-level", "warn", "--policy", "manual", "--shutdown-grace-period-secs", "1"],
             "X-SMG-Routing-Key"),
@@ -51,7 +45,7 @@ async def peer_router(kind: str, reps: list[Running], tmp_path: Path) -> AsyncIt
     binary = _binary(name)
     if binary is None:
         missing(f"{name} is not on PATH (pip install 'kvroute[peers]')")
-    port, prom = _free_port(), _free_port()
+    port, prom = free_port(), free_port()
     log_path = tmp_path / f"{kind}.log"
     log = log_path.open("wb")
     proc = await asyncio.create_subprocess_exec(
@@ -109,7 +103,7 @@ async def test_peer_routes_streams_to_emulators_and_sessions_hit_cache(kind: str
     header = PEERS[kind][2]
     async with running_emulators(2, config=small_config(time_scale=0.02)) as reps, \
             peer_router(kind, reps, tmp_path) as url:
-        # new connection per request: smg adds ~40 ms to streams on reused keep-alive connections (peers.md §3.8)
+        # new connection per request: smg adds ~40 ms to streams on reused keep-alive connections
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True),
                                          timeout=aiohttp.ClientTimeout(total=30)) as http:
             seen: dict[str, set[str]] = {}

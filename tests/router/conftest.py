@@ -2,7 +2,7 @@
 helper that starts a real gateway on a free port in front of replicas.
 
 ``FakeReplica`` is a real HTTP server (aiohttp on 127.0.0.1, port 0) speaking the SGLang wire format
-of reference/sglang.md §1 (compact JSON, ``data: ...\\n\\n`` events, ``data: [DONE]``), with exact
+of SGLang's OpenAI routes (compact JSON, ``data: ...\\n\\n`` events, ``data: [DONE]``), with exact
 fault knobs the gateway tests need: answer 5xx before the first byte, cut a stream after N events,
 delay chunks, fail health checks, and count requests the client aborted. The replica emulator
 (``replica.emulator``) is exercised by the functional tests that need its cache and time model.

@@ -1,4 +1,4 @@
-"""The SGLang /metrics parser against the 0.5.23 sample exposition (reference/sglang.md §2.4)."""
+"""The SGLang /metrics parser against a sample exposition of SGLang 0.5.23 (fixtures/)."""
 
 from __future__ import annotations
 

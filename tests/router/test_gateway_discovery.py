@@ -13,7 +13,7 @@ from router.clock import SystemClock
 from router.config import HealthConfig, TimeoutsConfig
 from router.discovery import Discovery, HealthTrack, health_transition
 from router.events import ReplicaActivated, ReplicaEjected, ReplicaReadmitted
-from router.gateway.forward import AiohttpReplicaClient
+from router.gateway.upstream import ReplicaHttpClient
 from router.model import ReplicaSpec, ReplicaStatus
 from router.store.memory import MemoryStore
 from tests.router.conftest import EventLog
@@ -56,7 +56,7 @@ async def test_rounds_against_real_replicas(fake_replicas: Any) -> None:
         await store.upsert_replica(ReplicaSpec(id=r.id, url=r.url))
     await store.upsert_replica(ReplicaSpec(id="127.0.0.1:9", url="http://127.0.0.1:9"))
     log = EventLog()
-    client = AiohttpReplicaClient(TimeoutsConfig(probe_s=1.0))
+    client = ReplicaHttpClient(TimeoutsConfig(probe_s=1.0))
     d = Discovery(
         store,
         client,
@@ -115,7 +115,7 @@ async def test_rounds_against_real_replicas(fake_replicas: Any) -> None:
         await client.close()
 
 
-def _discovery(store: MemoryStore, client: AiohttpReplicaClient, cfg: HealthConfig) -> Discovery:
+def _discovery(store: MemoryStore, client: ReplicaHttpClient, cfg: HealthConfig) -> Discovery:
     return Discovery(store, client, cfg, clock=SystemClock(), emit=EventLog(), rng=random.Random(1))
 
 
@@ -127,7 +127,7 @@ async def test_rounds_start_replicas_evenly_over_the_spread(fake_replicas: Any) 
         await store.upsert_replica(ReplicaSpec(id=r.id, url=r.url))
     order = [r.id for r in await store.replicas()]
     by_id = {r.id: r for r in reps}
-    client = AiohttpReplicaClient(TimeoutsConfig(probe_s=1.0))
+    client = ReplicaHttpClient(TimeoutsConfig(probe_s=1.0))
     d = _discovery(store, client, HealthConfig())
     try:
         await d.scrape_once(spread_s=0.4)
@@ -151,7 +151,7 @@ async def test_rounds_start_a_period_apart_however_long_they_take(fake_replicas:
     slow.state.metrics_delay_s = 0.15
     store = MemoryStore(SystemClock())
     await store.upsert_replica(ReplicaSpec(id=slow.id, url=slow.url))
-    client = AiohttpReplicaClient(TimeoutsConfig(probe_s=1.0))
+    client = ReplicaHttpClient(TimeoutsConfig(probe_s=1.0))
     d = _discovery(store, client, HealthConfig(scrape_interval_s=0.2, jitter=0.0, spread=0.0))
     task = asyncio.create_task(d.run_scrape())
     try:

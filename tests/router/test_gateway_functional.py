@@ -1,8 +1,7 @@
 """The gateway over real sockets in front of scriptable SGLang-like replicas (``FakeReplica``).
 
 Covers relay fidelity on all three routes, stickiness, thicc splits, scale-up, failover before the
-first byte, mid-stream breaks, client disconnects, limits and readiness. Every test runs on both
-servers of the inference routes (``downstream.server``: the raw data plane and aiohttp's).
+first byte, mid-stream breaks, client disconnects, limits and readiness.
 """
 
 from __future__ import annotations
@@ -20,19 +19,6 @@ from router.model import Reason, ReplicaSpec, ReplicaStatus
 from tests.router.conftest import EventLog, wait_for
 
 ROUTES = ["/v1/chat/completions", "/v1/completions", "/generate"]
-
-
-@pytest.fixture(params=["raw", "aiohttp"])
-def gateway_factory(request: pytest.FixtureRequest, gateway_factory: Any) -> Any:
-    """The shared factory, with ``downstream.server`` set by the parameter (unless a test sets it)."""
-
-    async def make(replicas: list[str], hooks: tuple[Any, ...] = (), **overrides: Any) -> Any:
-        overrides["downstream"] = {"server": request.param, **overrides.get("downstream", {})}
-        gw = await gateway_factory(replicas, hooks, **overrides)
-        assert (gw.runtime.data_plane is not None) == (request.param == "raw")
-        return gw
-
-    return make
 
 
 def _body(route: str, stream: bool, text: str = "hello") -> bytes:

@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from router.clock import VirtualClock
+from router.errors import ReplicaNotFoundError
 from router.model import (
     BindSession,
     ClusterSnapshot,
@@ -95,8 +96,8 @@ def _run(seed: int, steps: int) -> int:
         for c in cores:
             try:
                 out.append(getattr(c, fn)(*args))
-            except KeyError as exc:
-                out.append(("KeyError", str(exc)))
+            except ReplicaNotFoundError as exc:
+                out.append(("ReplicaNotFoundError", str(exc)))
         return out[0], out[1]
 
     for rid in ids[:3]:

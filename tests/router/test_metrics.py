@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from loadtests.bench_observability import run as bench_run
 from router.events import (
     AffinityBroken,
     ReplicaEjected,
@@ -13,7 +14,6 @@ from router.events import (
     UpstreamRetry,
 )
 from router.model import AffinityBreak, EngineLoad, KeySource, Reason, ReplicaState, ReplicaStatus
-from router.observability.bench import run as bench_run
 from router.observability.metrics import GatewayMetrics
 
 

@@ -83,9 +83,7 @@ async def stack_factory() -> AsyncIterator[Callable[..., Awaitable[Stack]]]:
         config = fast_config([r.url for r in reps], admin_token=TOKEN, **overrides)
         surface = operator_surface_from_config(config, tracing_exporter=tracing_exporter)
         surface.sample_interval_s = 0.05
-        gw = await start_gateway(
-            config, extra_setup=(surface.setup,), trace_configs=surface.tracing.trace_configs()
-        )
+        gw = await start_gateway(config, extra_setup=(surface.setup,))
         st = Stack(reps, gw, surface)
         started.append(st)
         await wait_for(lambda: _all_active(gw), timeout_s=10)

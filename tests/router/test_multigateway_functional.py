@@ -334,14 +334,8 @@ async def test_three_gateway_processes_share_one_redis_over_http(redis_killable)
     import aiohttp
 
     from loadtests.overhead import _body
-    from loadtests.peers import (
-        _readiness_check,
-        _wait_ready,
-        emulated_fleet,
-        free_port,
-        start_process,
-        stop_process,
-    )
+    from loadtests.peers import _readiness_check, _wait_ready, emulated_fleet
+    from loadtests.procs import free_port, start_process, stop_process
 
     url = redis_killable.url
     body = _body(False)

@@ -12,9 +12,10 @@ import redis
 import redis.asyncio as aioredis
 from redis.crc import key_slot
 
-from loadtests.redis_server import RedisServer, RedisUnavailable, free_port
+from loadtests.procs import free_port
+from loadtests.redis_server import RedisServer, RedisUnavailable
 from router.clock import VirtualClock
-from router.errors import StoreError
+from router.errors import ReplicaNotFoundError, StaleSessionError, StoreError
 from router.model import (
     BindSession,
     Completion,
@@ -29,7 +30,7 @@ from router.store.base import StateStore, StoreConfig
 from router.store.factory import make_store
 from router.store.keys import KeySpace, session_field
 from router.store.memory import MemoryStore
-from router.store.redis import RedisStore, StaleSession, make_redis_store
+from router.store.redis import RedisStore, make_redis_store
 from tests.ci import missing
 
 A = ReplicaStatus.ACTIVE
@@ -112,7 +113,7 @@ async def test_sidecar_registry_entries_expire_static_ones_do_not(redis_url, sto
     assert [r.id for r in await s.replicas()] == ["side", "static"]
     clock.advance(1.5)
     assert [r.id for r in await s.replicas()] == ["static"]
-    with pytest.raises(KeyError):
+    with pytest.raises(ReplicaNotFoundError):
         await s.set_status("side", A)
     await s.upsert_replica(spec("side", source="registry"))  # re-registers afresh (JOINING)
     side = next(r for r in await s.replicas() if r.id == "side")
@@ -436,7 +437,7 @@ async def test_fast_path_follows_a_session_another_gateway_moved(redis_url, stor
     )
     await g2.release(await g2.acquire(move2, RouteRequest("s")), Completion(ok=False))
     await g2.set_status("r2", ReplicaStatus.DRAINING)
-    with pytest.raises(StaleSession):
+    with pytest.raises(StaleSessionError):
         await g1.acquire(RouteDecision("r1", Reason.AFFINITY), RouteRequest("s"))
     snap = await g1.snapshot("s")
     assert snap.session is not None and snap.session.home == "r2" and snap.session.in_flight == ()

@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 import pytest
 
 from router.clock import VirtualClock
+from router.errors import ReplicaNotFoundError
 from router.model import (
     BindSession,
     Completion,
@@ -112,7 +113,7 @@ async def test_registry_lifecycle(env: Env) -> None:
     assert [r.id for r in await store.replicas()] == ["a", "b"]
     await store.remove_replica("a")
     assert [r.id for r in await store.replicas()] == ["b"]
-    with pytest.raises(KeyError):
+    with pytest.raises(ReplicaNotFoundError):
         await store.set_status("a", A)
     await store.remove_replica("nope")  # removing an unknown replica is a no-op
 
@@ -271,9 +272,9 @@ async def test_release_is_idempotent_and_never_negative(env: Env) -> None:
     assert r0 is not None and r0.in_flight == 0
 
 
-async def test_unknown_target_raises_keyerror(env: Env) -> None:
+async def test_unknown_target_raises_replica_not_found(env: Env) -> None:
     store = await fleet(env)
-    with pytest.raises(KeyError):
+    with pytest.raises(ReplicaNotFoundError):
         await store.acquire(plain("nope"), RouteRequest("s"))
     r = await store.replicas()
     assert sum(x.in_flight for x in r) == 0

@@ -1,7 +1,8 @@
 """Tracing: server span + decision attributes + upstream child span + W3C traceparent propagation.
 
-These run the tracing middleware and client trace config on real sockets (aiohttp on 127.0.0.1:0)
-with an in-memory span exporter; the gateway-level test lives in test_tracing_functional.py.
+These run the tracing middleware and the upstream tracer on real sockets (aiohttp on 127.0.0.1:0, the
+gateway's own ``ReplicaHttpClient`` towards the upstream) with an in-memory span exporter; the
+gateway-level test lives in test_tracing_functional.py.
 """
 
 from __future__ import annotations
@@ -16,6 +17,9 @@ from aiohttp.test_utils import TestServer
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
 
+from router.config import TimeoutsConfig
+from router.errors import UpstreamError
+from router.gateway.upstream import ReplicaHttpClient
 from router.observability.tracing import NOOP_TRACING, decision_attributes, make_tracing
 
 
@@ -31,16 +35,25 @@ async def _upstream(seen: list[dict[str, str]]) -> TestServer:
     return server
 
 
-async def _front(tracing: Any, upstream_url: str) -> tuple[TestServer, aiohttp.ClientSession]:
-    """A minimal proxy shaped like the gateway: middleware span, annotate decision, upstream call."""
-    session = aiohttp.ClientSession(trace_configs=list(tracing.trace_configs()))
+async def _front(tracing: Any, upstream_url: str) -> tuple[TestServer, ReplicaHttpClient]:
+    """A minimal proxy shaped like the gateway: middleware span, annotate decision, upstream call
+    with a client span around it (as ``handlers._Proxy._attempt`` does)."""
+    session = ReplicaHttpClient(TimeoutsConfig(connect_s=1.0, first_byte_s=2.0))
+    tracer = tracing.upstream_tracer()
 
     async def handler(request: web.Request) -> web.Response:
         tracing.annotate(
             decision_attributes("r1", "affinity", [("r0", 0.5), ("r1", 0.25)], session_key_source="header")
         )
-        async with session.post(upstream_url + "/v1/chat/completions", json={}) as resp:
-            body = await resp.read()
+        url = upstream_url + "/v1/chat/completions"
+        span = tracer.start("POST", url)
+        try:
+            resp = await session.send("r1", "POST", url, [("Content-Type", "application/json"), *span.headers], b"{}")
+        except UpstreamError as exc:
+            span.fail(exc)
+            raise
+        span.end(resp.status)
+        body = await resp.read(1 << 20)
         return web.Response(body=body, status=resp.status, headers={"X-Request-Id": "rid-1"})
 
     async def health(_r: web.Request) -> web.Response:
@@ -120,7 +133,7 @@ async def test_upstream_failure_marks_client_span_error() -> None:
 
 def test_noop_is_free_and_does_not_import_otel() -> None:
     assert NOOP_TRACING.enabled is False
-    assert NOOP_TRACING.middlewares() == () and NOOP_TRACING.trace_configs() == ()
+    assert NOOP_TRACING.middlewares() == () and NOOP_TRACING.upstream_tracer() is None
     assert make_tracing(False) is NOOP_TRACING
     NOOP_TRACING.annotate({"a": 1})
 

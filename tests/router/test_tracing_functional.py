@@ -9,6 +9,7 @@ import aiohttp
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
 
+from router.gateway.upstream import ReplicaHttpClient
 from tests.router.test_metrics_functional import Stack, send, stack_factory
 
 __all__ = ["stack_factory"]  # the fixture is shared with the metrics tests
@@ -20,6 +21,8 @@ async def test_trace_has_decision_and_reaches_the_replica(
     exporter = InMemorySpanExporter()
     st = await stack_factory(3, tracing_exporter=exporter)
     gw = st.gateway
+    # observing changes no code path: the same upstream client as with tracing off
+    assert type(gw.runtime.client) is ReplicaHttpClient and gw.runtime.tracer is not None
     async with aiohttp.ClientSession() as s:
         code, hdrs = await send(s, gw.url, "traced-session", 0)
         assert code == 200
@@ -64,6 +67,7 @@ async def test_trace_has_decision_and_reaches_the_replica(
 async def test_tracing_off_sends_no_traceparent(stack_factory: Callable[..., Awaitable[Stack]]) -> None:
     st = await stack_factory(2)
     assert st.surface.tracing.enabled is False
+    assert type(st.gateway.runtime.client) is ReplicaHttpClient and st.gateway.runtime.tracer is None
     async with aiohttp.ClientSession() as s:
         assert (await send(s, st.gateway.url, "plain", 0))[0] == 200
     assert all("traceparent" not in hd for r in st.replicas for hd in r.headers)

@@ -83,7 +83,7 @@ def test_no_eligible_replica_raises(policy: object) -> None:
 
 
 def test_uniform_hashing_matches_the_seed_sketch() -> None:
-    """DESIGN §7: uniform hashing, 50 replicas, 250 sessions -> P(≤1) ≈ 4 %, P(≥12) ≈ 0.5 %.
+    """The seed's sketch: uniform hashing, 50 replicas, 250 sessions -> P(≤1) ≈ 4 %, P(≥12) ≈ 0.5 %.
 
     Exact Binomial(250, 1/50) values: P(≤1) = 0.0391, P(≥12) = 0.0050. Over 300 runs there are
     15,000 replica samples; the standard error of the pooled fractions is ≈ sqrt(p(1-p)/15000),

@@ -19,11 +19,15 @@ import argparse
 import asyncio
 import json
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import aiohttp
+
+from loadtests.procs import read_urls, start_process, stop_process
 
 __all__ = ["cli_main"]
 
@@ -82,50 +86,49 @@ async def _cpu(http: aiohttp.ClientSession, url: str) -> float:
 
 
 async def _run(ns: argparse.Namespace) -> dict[str, Any]:
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "replica.emulator.cli", "--replicas", "1", "--profile", ns.profile,
-        "--time-scale", str(ns.time_scale), "--min-chunk-interval", "0", stdout=asyncio.subprocess.PIPE,
-    )
-    try:
-        assert proc.stdout is not None
-        url = (await asyncio.wait_for(proc.stdout.readline(), 30)).decode().strip()
-        if not url:
-            raise RuntimeError("the emulator did not start")
-        out: dict[str, Any] = {"profile": ns.profile, "time_scale": ns.time_scale, "workloads": {}}
-        timeout = aiohttp.ClientTimeout(total=ns.max_seconds + 60)
-        async with aiohttp.ClientSession(timeout=timeout) as http:
+    argv = [sys.executable, "-m", "replica.emulator.cli", "--replicas", "1", "--profile", ns.profile,
+            "--time-scale", str(ns.time_scale), "--min-chunk-interval", "0"]  # fmt: skip
+    with tempfile.TemporaryDirectory(prefix="kvroute-bench-emulator-") as tmp:
+        proc = await start_process("emulator", argv, log_dir=Path(tmp), pipe_stdout=True)
+        try:
+            await read_urls(proc, 1, 30.0)
+            return await _measure(ns, proc.url)
+        finally:
+            await stop_process(proc)
+
+
+async def _measure(ns: argparse.Namespace, url: str) -> dict[str, Any]:
+    out: dict[str, Any] = {"profile": ns.profile, "time_scale": ns.time_scale, "workloads": {}}
+    timeout = aiohttp.ClientTimeout(total=ns.max_seconds + 60)
+    async with aiohttp.ClientSession(timeout=timeout) as http:
+        c0 = await _cpu(http, url)
+        await asyncio.sleep(1.0)
+        idle = await _cpu(http, url) - c0
+        out["idle_cpu_ms_per_s"] = round(idle * 1000, 3)
+        workloads = [
+            _Workload("coding", ns.sessions, ns.coding_turns, 100_000, 700, 216),
+            _Workload("coding_nonstream", ns.sessions, ns.coding_turns, 100_000, 700, 216, stream=False),
+            _Workload("small", ns.sessions, ns.small_turns, 1_000, 50, 32),
+        ]
+        for w in workloads:
+            stats = {"requests": 0.0, "chunks": 0.0, "prompt_tokens": 0.0, "cached_tokens": 0.0}
             c0 = await _cpu(http, url)
-            await asyncio.sleep(1.0)
-            idle = await _cpu(http, url) - c0
-            out["idle_cpu_ms_per_s"] = round(idle * 1000, 3)
-            workloads = [
-                _Workload("coding", ns.sessions, ns.coding_turns, 100_000, 700, 216),
-                _Workload("coding_nonstream", ns.sessions, ns.coding_turns, 100_000, 700, 216, stream=False),
-                _Workload("small", ns.sessions, ns.small_turns, 1_000, 50, 32),
-            ]
-            for w in workloads:
-                stats = {"requests": 0.0, "chunks": 0.0, "prompt_tokens": 0.0, "cached_tokens": 0.0}
-                c0 = await _cpu(http, url)
-                t0 = time.monotonic()
-                await asyncio.wait_for(
-                    asyncio.gather(*(_session(http, url, w, s, stats) for s in range(w.sessions))), ns.max_seconds
-                )
-                wall = time.monotonic() - t0
-                cpu = await _cpu(http, url) - c0 - idle * wall  # minus the idle baseline
-                n = stats["requests"]
-                out["workloads"][w.name] = {
-                    "requests": int(n),
-                    "cpu_ms_per_request": round(cpu / n * 1000, 3),
-                    "sse_events_per_request": round(stats["chunks"] / n, 1),
-                    "prompt_tokens_mean": round(stats["prompt_tokens"] / n),
-                    "cached_fraction": round(stats["cached_tokens"] / max(1.0, stats["prompt_tokens"]), 4),
-                    "wall_s": round(wall, 2),
-                }
-        return out
-    finally:
-        if proc.returncode is None:
-            proc.terminate()
-            await proc.wait()
+            t0 = time.monotonic()
+            await asyncio.wait_for(
+                asyncio.gather(*(_session(http, url, w, s, stats) for s in range(w.sessions))), ns.max_seconds
+            )
+            wall = time.monotonic() - t0
+            cpu = await _cpu(http, url) - c0 - idle * wall  # minus the idle baseline
+            n = stats["requests"]
+            out["workloads"][w.name] = {
+                "requests": int(n),
+                "cpu_ms_per_request": round(cpu / n * 1000, 3),
+                "sse_events_per_request": round(stats["chunks"] / n, 1),
+                "prompt_tokens_mean": round(stats["prompt_tokens"] / n),
+                "cached_fraction": round(stats["cached_tokens"] / max(1.0, stats["prompt_tokens"]), 4),
+                "wall_s": round(wall, 2),
+            }
+    return out
 
 
 def cli_main(argv: list[str]) -> int:

@@ -1,15 +1,16 @@
-"""A lean upstream client: HTTP/1.1 keep-alive connections on asyncio ``Protocol`` objects, responses
-parsed by ``httptools`` (llhttp), behind the ``ReplicaClient`` / ``UpstreamResponse`` seam of
-``forward.py``. It exists because aiohttp's client costs about as much CPU per proxied request as
-the rest of the gateway (a ``ClientRequest``, a ``ClientResponse``, a URL object, a body-writer task,
-timer contexts and multidicts per request); this one writes one buffer and parses with one C call
-per ``data_received``.
+"""The gateway's HTTP client towards replicas: HTTP/1.1 keep-alive connections on asyncio ``Protocol``
+objects, responses parsed by ``httptools`` (llhttp), behind the ``ReplicaClient`` / ``UpstreamResponse``
+seam of ``forward.py``. It writes one buffer per request and parses with one C call per
+``data_received``: about two thirds of the CPU aiohttp's client spends per proxied request
+(docs/BENCHMARKS.md). A replica is a trusted peer, but its answers are still checked: a malformed
+response is a typed error, never a hang or a foreign exception (tests/router/test_upstream_malformed.py).
 
 Rules:
   1. Bodies byte for byte: the request body is written as given (one ``write`` with the head); the
      response body is handed on as it arrives (chunked transfer coding removed, nothing else
      touched). Hop-by-hop headers are the caller's business (``filter_*_headers``); this module
-     adds exactly ``Host`` and ``Content-Length``.
+     adds exactly ``Host`` and ``Content-Length``. A header name or value with CR, LF or NUL is
+     never written (``BadRequestError``).
   2. One request at a time per connection (no pipelining). A connection goes back to its replica's
      idle list only when its response was read to the end, the server did not ask to close it
      (``Connection: close``, HTTP/1.0) and no error happened on it. An idle connection older than
@@ -24,21 +25,27 @@ Rules:
   5. Errors are ``router.errors`` from the start (this module is the boundary for its own socket and
      parser errors): a failed connect raises ``UpstreamConnectError`` caused by
      ``forward.ConnectFailure`` (``is_connect_failure`` is true: it counts towards passive
-     ejection); a reused connection that drops before the response is ``UpstreamConnectError``
-     without it; a body that breaks off is ``UpstreamBrokenError``; every timeout is
+     ejection); a response that is not HTTP/1.x (bad status line, a head over ``MAX_HEAD_BYTES`` or
+     ``MAX_HEADERS``, a transfer coding other than ``chunked``, a protocol switch nobody asked for)
+     or a reused connection that drops before the response is ``UpstreamConnectError`` without it;
+     a body that breaks off or is malformed is ``UpstreamBrokenError``; every timeout is
      ``UpstreamTimeoutError``.
-  6. Timeouts: ``connect_s`` per new connection, ``first_byte_s`` from ``send`` to the status line
+  6. Framing is llhttp's: interim 1xx answers are skipped, 204 and 304 have no body whatever their
+     headers say, Content-Length with Transfer-Encoding or twice with different values is an error.
+     Header values that are not UTF-8 are passed on with U+FFFD in place of the bad bytes.
+  7. Timeouts: ``connect_s`` per new connection, ``first_byte_s`` from ``send`` to the status line
      (connect and pool wait included) and, for what is left of it, to the first body chunk;
      ``idle_read_s`` between later chunks.
-  7. Plain ``http://`` only: ``https://`` replicas go to the wrapped ``AiohttpReplicaClient`` (TLS is
-     its job). The small ``fetch`` probes (health, metrics, models) to ``http://`` replicas share
-     the pool, so ``max_connections`` bounds every connection to the replicas.
+  8. ``http://`` and ``https://`` (TLS with the system's CA store and host name check). The small
+     ``fetch`` probes (health, metrics, models) share the pool, so ``max_connections`` bounds every
+     connection to the replicas.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import ssl
 from collections.abc import Sequence
 from typing import Any, cast
 
@@ -46,14 +53,15 @@ import httptools
 
 from router.config import TimeoutsConfig
 from router.errors import (
+    BadRequestError,
     UpstreamBrokenError,
     UpstreamConnectError,
     UpstreamError,
     UpstreamTimeoutError,
 )
-from router.gateway.forward import AiohttpReplicaClient, ConnectFailure, UpstreamResponse, read_limited
+from router.gateway.forward import ConnectFailure, UpstreamResponse, read_limited
 
-__all__ = ["KEEPALIVE_S", "READ_BUFFER_BYTES", "RawReplicaClient"]
+__all__ = ["KEEPALIVE_S", "MAX_HEADERS", "MAX_HEAD_BYTES", "READ_BUFFER_BYTES", "ReplicaHttpClient"]
 
 KEEPALIVE_S = 4.0
 """An idle pooled connection older than this is closed rather than reused (rule 2)."""
@@ -61,33 +69,43 @@ KEEPALIVE_S = 4.0
 READ_BUFFER_BYTES = 256 * 1024
 """Body bytes buffered before the socket stops being read (the client reads slower than the replica writes)."""
 
+MAX_HEAD_BYTES = 64 * 1024
+"""A response head (status line + headers) longer than this is refused (rule 5)."""
+
+MAX_HEADERS = 256
+"""A response with more header lines than this is refused (rule 5)."""
+
 _IDLE, _HEAD, _BODY, _DONE, _CLOSED = range(5)
+_NO_BODY = frozenset({204, 304})
 
 
 class _Origin:
-    """What is fixed per replica base URL: address, Host header, pool key."""
+    """What is fixed per replica base URL: address, TLS, Host header, pool key."""
 
-    __slots__ = ("host", "host_header", "key", "port")
+    __slots__ = ("host", "host_header", "key", "port", "tls")
 
-    def __init__(self, host: str, port: int, host_header: bytes) -> None:
+    def __init__(self, host: str, port: int, host_header: bytes, tls: bool) -> None:
         self.host = host
         self.port = port
         self.host_header = host_header
-        self.key = (host, port)
+        self.tls = tls
+        self.key = (host, port, tls)
 
 
 def _origin(base: str) -> _Origin:
-    # base = "http://host[:port]"
-    netloc = base[7:]
+    # base = "http[s]://host[:port]"
+    tls = base.startswith("https://")
+    netloc = base[8:] if tls else base[7:]
+    default = 443 if tls else 80
     if netloc.startswith("["):  # IPv6 literal
         end = netloc.index("]")
         host = netloc[1:end]
         rest = netloc[end + 1 :]
-        port = int(rest[1:]) if rest.startswith(":") else 80
+        port = int(rest[1:]) if rest.startswith(":") else default
     else:
         host, _, p = netloc.partition(":")
-        port = int(p) if p else 80
-    return _Origin(host, port, netloc.encode("idna" if not netloc.isascii() else "ascii"))
+        port = int(p) if p else default
+    return _Origin(host, port, netloc.encode("idna" if not netloc.isascii() else "ascii"), tls)
 
 
 class _Connection(asyncio.Protocol):
@@ -101,7 +119,9 @@ class _Connection(asyncio.Protocol):
         "_cl",
         "_error",
         "_got_bytes",
+        "_head_bytes",
         "_head_waiter",
+        "_header_bytes",
         "_headers",
         "_loop",
         "_parser",
@@ -116,7 +136,9 @@ class _Connection(asyncio.Protocol):
         "transport",
     )
 
-    def __init__(self, pool: RawReplicaClient, key: tuple[str, int], loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(
+        self, pool: ReplicaHttpClient, key: tuple[str, int, bool], loop: asyncio.AbstractEventLoop
+    ) -> None:
         self._pool = pool
         self.key = key
         self._loop = loop
@@ -133,10 +155,16 @@ class _Connection(asyncio.Protocol):
         self._cl: int | None = None
         self._chunked = False
         self._got_bytes = False
+        self._head_bytes = 0  # bytes received while the head is incomplete
+        self._header_bytes = 0  # header lines parsed
         self.status = 0
         self.keep_alive = False
         self.reused = False
         self.idle_since = 0.0
+
+    @property
+    def where(self) -> str:
+        return f"replica {self.key[0]}:{self.key[1]}"
 
     # ---- asyncio.Protocol --------------------------------------------------------------------------
 
@@ -153,15 +181,26 @@ class _Connection(asyncio.Protocol):
                 self.close()
             return
         self._got_bytes = True
+        head = self._state == _HEAD
         try:
             self._parser.feed_data(data)
-        except httptools.HttpParserError as exc:
+            if head and self._state == _HEAD:
+                # a head still incomplete: llhttp buffers it, so it is bounded here (rule 5)
+                self._head_bytes += len(data)
+                if self._head_bytes > MAX_HEAD_BYTES:
+                    raise _BadResponse(f"response head over {MAX_HEAD_BYTES} bytes")
+        except (httptools.HttpParserError, httptools.HttpParserUpgrade, _BadResponse) as exc:
+            if isinstance(exc.__context__, _Unasked):
+                return  # the answer read is intact; the connection is out of step: never reused
+            cause = exc.__context__ if isinstance(exc.__context__, _BadResponse) else exc
+            if isinstance(exc, httptools.HttpParserUpgrade):
+                cause = _BadResponse("the replica switched protocols")
             err: UpstreamError
             if self._state == _HEAD:
-                err = UpstreamConnectError(f"replica {self.key[0]}:{self.key[1]}: bad HTTP response: {exc}")
+                err = UpstreamConnectError(f"{self.where}: bad HTTP response: {cause}")
             else:
-                err = UpstreamBrokenError(f"replica {self.key[0]}:{self.key[1]}: bad HTTP body: {exc}")
-            err.__cause__ = exc
+                err = UpstreamBrokenError(f"{self.where}: bad HTTP body: {cause}")
+            err.__cause__ = cause
             self._fail(err)
             self.close()
             return
@@ -177,7 +216,7 @@ class _Connection(asyncio.Protocol):
             self.keep_alive = False
             self._wake_body()
         elif state in (_HEAD, _BODY):
-            where = f"replica {self.key[0]}:{self.key[1]}"
+            where = self.where
             err: UpstreamError
             if state == _HEAD:
                 # a reused keep-alive connection the server closed at the wrong moment: retryable,
@@ -191,17 +230,28 @@ class _Connection(asyncio.Protocol):
 
     # ---- httptools callbacks -------------------------------------------------------------------------
 
+    def on_message_begin(self) -> None:
+        if self._state == _DONE:  # a second answer in the same read as the first: nobody asked for it
+            self.keep_alive = False
+            raise _Unasked
+
     def on_header(self, name: bytes, value: bytes) -> None:
-        n = name.decode("latin-1")
-        self._headers.append((n, value.decode("utf-8", "surrogateescape")))
+        # a head that arrives in one read is parsed whole before data_received can count it
+        self._header_bytes += len(name) + len(value) + 4
+        if self._header_bytes > MAX_HEAD_BYTES:
+            raise _BadResponse(f"response head over {MAX_HEAD_BYTES} bytes")
+        if len(self._headers) >= MAX_HEADERS:
+            raise _BadResponse(f"more than {MAX_HEADERS} response headers")
+        n = name.decode("latin-1")  # llhttp admits only token characters in names
+        self._headers.append((n, value.decode("utf-8", "replace")))
         low = n.lower()
         if low == "content-length":
-            try:
-                self._cl = int(value)
-            except ValueError:
-                self._cl = None
+            self._cl = int(value)  # llhttp has checked the digits and refused a second, different one
         elif low == "transfer-encoding":
-            self._chunked = b"chunked" in value.lower()
+            if value.strip().lower() != b"chunked":
+                # another coding would reach the client undecoded, without the header naming it
+                raise _BadResponse(f"unsupported transfer coding {value[:64]!r}")
+            self._chunked = True
 
     def on_headers_complete(self) -> None:
         self.status = self._parser.get_status_code()
@@ -209,7 +259,10 @@ class _Connection(asyncio.Protocol):
             self._headers = []
             self._cl = None
             self._chunked = False
+            self._head_bytes = self._header_bytes = 0
             return
+        if self.status in _NO_BODY:  # no body whatever the headers say (llhttp agrees)
+            self._cl, self._chunked = 0, False
         self.keep_alive = self._parser.should_keep_alive()
         self._state = _BODY
         w = self._head_waiter
@@ -250,6 +303,7 @@ class _Connection(asyncio.Protocol):
         self._cl = None
         self._chunked = False
         self._got_bytes = False
+        self._head_bytes = self._header_bytes = 0
         self.status = 0
         self._head_waiter = self._loop.create_future()
         assert self.transport is not None
@@ -271,7 +325,7 @@ class _Connection(asyncio.Protocol):
         if self._state != _BODY and self._state != _DONE:
             if self._error is not None:
                 raise self._error
-            raise UpstreamTimeoutError(f"replica {self.key[0]}:{self.key[1]}: no response in time")
+            raise UpstreamTimeoutError(f"{self.where}: no response in time")
 
     def take(self) -> bytes | None:
         """All buffered body bytes, ``b""`` if none yet, ``None`` at the end of the body."""
@@ -289,7 +343,7 @@ class _Connection(asyncio.Protocol):
         if self._state == _DONE:
             return None
         if self._state == _CLOSED:
-            raise UpstreamBrokenError(f"replica {self.key[0]}:{self.key[1]}: connection closed")
+            raise UpstreamBrokenError(f"{self.where}: connection closed")
         return b""
 
     async def wait_body(self, timeout_s: float) -> None:
@@ -302,7 +356,7 @@ class _Connection(asyncio.Protocol):
             self._body_waiter = None
         if not self._chunks and self._error is None and self._state == _BODY:
             raise UpstreamTimeoutError(
-                f"replica {self.key[0]}:{self.key[1]}: no data for {timeout_s:.3g} s (timed out)"
+                f"{self.where}: no data for {timeout_s:.3g} s (timed out)"
             )
 
     def finish(self) -> None:
@@ -320,15 +374,23 @@ class _Connection(asyncio.Protocol):
         if state != _CLOSED:
             self._state = _CLOSED
             if state == _HEAD:  # closed under a waiting request (client shut down): wake it
-                self._fail(UpstreamConnectError(f"replica {self.key[0]}:{self.key[1]}: connection closed"))
+                self._fail(UpstreamConnectError(f"{self.where}: connection closed"))
             elif state == _BODY:
-                self._fail(UpstreamBrokenError(f"replica {self.key[0]}:{self.key[1]}: connection closed"))
+                self._fail(UpstreamBrokenError(f"{self.where}: connection closed"))
             self._pool._closed(self)
 
     @property
     def usable(self) -> bool:
         t = self.transport
         return self._state == _IDLE and t is not None and not t.is_closing()
+
+
+class _BadResponse(Exception):
+    """Raised while parsing: the response breaks a rule llhttp does not check (module rule 5)."""
+
+
+class _Unasked(Exception):
+    """Raised while parsing: bytes of another answer follow the one asked for (stops the parser)."""
 
 
 def _expire(fut: asyncio.Future[None]) -> None:
@@ -397,11 +459,10 @@ class _RawUpstream:
             self._conn.close()
 
 
-class RawReplicaClient:
+class ReplicaHttpClient:
     """``ReplicaClient`` on a pool of ``httptools`` connections (create inside a running loop).
 
-    ``fallback`` serves ``https://`` replicas; by default an ``AiohttpReplicaClient``
-    with the same timeouts and limits is made (and closed with this client)."""
+    ``ssl_context``: for ``https://`` replicas (default: the system's CA store, host names checked)."""
 
     def __init__(
         self,
@@ -409,23 +470,20 @@ class RawReplicaClient:
         *,
         max_connections: int = 1024,
         max_connections_per_replica: int = 0,
-        fallback: AiohttpReplicaClient | None = None,
+        ssl_context: ssl.SSLContext | None = None,
     ) -> None:
         self._timeouts = timeouts
         self._max = max_connections
         self._max_per = max_connections_per_replica
         self._loop = asyncio.get_running_loop()
+        self._ssl = ssl_context
         self._origins: dict[str, _Origin] = {}
-        self._idle: dict[tuple[str, int], list[_Connection]] = {}
-        self._open: dict[tuple[str, int], int] = {}
+        self._idle: dict[tuple[str, int, bool], list[_Connection]] = {}
+        self._open: dict[tuple[str, int, bool], int] = {}
         self._total = 0
         self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
         self._all: set[_Connection] = set()
         self._closed_client = False
-        self._own_fallback = fallback is None
-        self.fallback = fallback or AiohttpReplicaClient(
-            timeouts, max_connections=max_connections, max_connections_per_replica=max_connections_per_replica
-        )
         self.connections_opened = 0  # for tests and stats: new TCP connections made
 
     # ---- pool --------------------------------------------------------------------------------------
@@ -457,7 +515,7 @@ class RawReplicaClient:
             if not w.done():
                 w.set_result(None)
 
-    def _evict_idle_elsewhere(self, key: tuple[str, int]) -> bool:
+    def _evict_idle_elsewhere(self, key: tuple[str, int, bool]) -> bool:
         for k, conns in self._idle.items():
             if k != key and conns:
                 conns[0].close()  # oldest first
@@ -501,9 +559,14 @@ class RawReplicaClient:
         self._open[key] = self._open.get(key, 0) + 1
         where = f"replica {origin.host}:{origin.port}"
         timeout = min(self._timeouts.connect_s, max(0.0, deadline - self._loop.time()))
+        tls: dict[str, Any] = {}
+        if origin.tls:
+            if self._ssl is None:
+                self._ssl = ssl.create_default_context()
+            tls = {"ssl": self._ssl, "server_hostname": origin.host}
         try:
             async with asyncio.timeout(timeout):
-                await self._loop.create_connection(lambda: conn, origin.host, origin.port)
+                await self._loop.create_connection(lambda: conn, origin.host, origin.port, **tls)
         except TimeoutError as exc:
             self._closed(conn)
             if conn.transport is not None:
@@ -527,12 +590,20 @@ class RawReplicaClient:
     ) -> _Connection:
         """Send one request on a pooled connection; returns it once the status line and headers
         arrived (by ``deadline``, loop time)."""
-        cut = url.find("/", 7)
+        if url.startswith("http://"):
+            cut = url.find("/", 7)
+        elif url.startswith("https://"):
+            cut = url.find("/", 8)
+        else:
+            raise UpstreamConnectError(f"replica URL {url[:64]!r}: not http:// or https://")
         base, path = (url, "/") if cut < 0 else (url[:cut], url[cut:])
         origin = self._origins.get(base)
         if origin is None:
             origin = self._origins[base] = _origin(base)
         head = "".join([f"{k}: {v}\r\n" for k, v in headers])
+        n = len(headers)
+        if head.count("\n") != n or head.count("\r") != n or "\x00" in head:  # one CRLF per line (rule 1)
+            raise BadRequestError("a header name or value holds a line break or NUL; not forwarded")
         raw_head = b"".join(
             (
                 f"{method} {path} HTTP/1.1\r\nHost: ".encode(),
@@ -553,8 +624,6 @@ class RawReplicaClient:
     async def send(
         self, replica_id: str, method: str, url: str, headers: Sequence[tuple[str, str]], body: bytes
     ) -> UpstreamResponse:
-        if not url.startswith("http://"):
-            return await self.fallback.send(replica_id, method, url, headers, body)
         t = self._timeouts
         deadline = self._loop.time() + t.first_byte_s
         conn = await self._exchange(url, method, headers, body, deadline)
@@ -566,9 +635,7 @@ class RawReplicaClient:
         self, replica_id: str, url: str, *, accept: str | None = None, timeout_s: float | None = None
     ) -> tuple[int, bytes]:
         """Probes ride the same bounded pool as requests (``max_connections`` counts every
-        connection to the replicas); ``https://`` goes to the fallback."""
-        if not url.startswith("http://"):
-            return await self.fallback.fetch(replica_id, url, accept=accept, timeout_s=timeout_s)
+        connection to the replicas)."""
         limit = timeout_s or self._timeouts.probe_s
         deadline = self._loop.time() + limit
         conn = await self._exchange(url, "GET", [("Accept", accept)] if accept else [], b"", deadline)
@@ -592,8 +659,6 @@ class RawReplicaClient:
         self._closed_client = True
         for conn in list(self._all):
             conn.close()
-        if self._own_fallback:
-            await self.fallback.close()
 
     def stats(self) -> dict[str, Any]:
         return {

@@ -1,6 +1,6 @@
 """Micro-benchmark of the observability hot path; prints JSON.
 
-    python -m router.observability.bench [--requests N] [--replicas R]
+    python -m loadtests.bench_observability [--requests N] [--replicas R]
 
 Measures, in this process and without the network: the cost per request of the metrics + stats
 hooks (one RequestRouted + one RequestFinished event), of rendering ``/metrics`` for R replicas, of
@@ -125,7 +125,7 @@ def run(requests: int = 20_000, replicas: int = 50) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m router.observability.bench", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m loadtests.bench_observability", description=__doc__)
     p.add_argument("--requests", type=int, default=20_000)
     p.add_argument("--replicas", type=int, default=50)
     ns = p.parse_args(argv)

@@ -1,4 +1,4 @@
-"""``RawReplicaClient`` (router/gateway/upstream_raw.py) against real servers on 127.0.0.1: a small
+"""``ReplicaHttpClient`` (router/gateway/upstream.py) against real servers on 127.0.0.1: a small
 scripted aiohttp server with one route per wire behaviour, and the replica emulator.
 
 Each test checks what reaches the wire or the socket (bytes, headers, connections opened and closed),
@@ -23,7 +23,7 @@ from replica.emulator.server import EmulatorConfig
 from router.config import TimeoutsConfig
 from router.errors import UpstreamBrokenError, UpstreamConnectError, UpstreamTimeoutError
 from router.gateway.forward import is_connect_failure
-from router.gateway.upstream_raw import RawReplicaClient
+from router.gateway.upstream import ReplicaHttpClient
 
 _PAYLOAD = bytes(range(256)) * 40  # not UTF-8: bytes must pass untouched
 
@@ -134,8 +134,8 @@ async def server() -> AsyncIterator[tuple[str, Script]]:
 
 
 @pytest.fixture
-async def client() -> AsyncIterator[RawReplicaClient]:
-    c = RawReplicaClient(TimeoutsConfig(connect_s=1.0, first_byte_s=2.0, idle_read_s=2.0))
+async def client() -> AsyncIterator[ReplicaHttpClient]:
+    c = ReplicaHttpClient(TimeoutsConfig(connect_s=1.0, first_byte_s=2.0, idle_read_s=2.0))
     yield c
     await c.close()
 
@@ -146,7 +146,7 @@ async def _body(resp: Any) -> bytes:
     return out
 
 
-async def test_keep_alive_connection_is_reused(server: tuple[str, Script], client: RawReplicaClient) -> None:
+async def test_keep_alive_connection_is_reused(server: tuple[str, Script], client: ReplicaHttpClient) -> None:
     url, script = server
     for i in range(3):
         resp = await client.send("r", "POST", url + "/echo", [("X-N", str(i))], b"body-%d" % i)
@@ -156,7 +156,7 @@ async def test_keep_alive_connection_is_reused(server: tuple[str, Script], clien
 
 
 async def test_only_host_and_content_length_are_added(
-    server: tuple[str, Script], client: RawReplicaClient
+    server: tuple[str, Script], client: ReplicaHttpClient
 ) -> None:
     url, script = server
     resp = await client.send("r", "POST", url + "/echo", [("X-A", "1"), ("x-a", "2")], _PAYLOAD)
@@ -168,7 +168,7 @@ async def test_only_host_and_content_length_are_added(
 
 
 async def test_content_length_and_chunked_bodies(
-    server: tuple[str, Script], client: RawReplicaClient
+    server: tuple[str, Script], client: ReplicaHttpClient
 ) -> None:
     url, _ = server
     resp = await client.send("r", "POST", url + "/cl", [], b"{}")
@@ -181,7 +181,7 @@ async def test_content_length_and_chunked_bodies(
     assert client.connections_opened == 1  # both ends were delimited: the connection was kept
 
 
-async def test_sse_is_relayed_as_it_arrives(server: tuple[str, Script], client: RawReplicaClient) -> None:
+async def test_sse_is_relayed_as_it_arrives(server: tuple[str, Script], client: ReplicaHttpClient) -> None:
     url, script = server
     resp = await client.send("r", "POST", url + "/sse", [], b"{}")
     chunks = resp.chunks().__aiter__()
@@ -193,7 +193,7 @@ async def test_sse_is_relayed_as_it_arrives(server: tuple[str, Script], client: 
     resp.release()
 
 
-async def test_connection_close_is_not_reused(server: tuple[str, Script], client: RawReplicaClient) -> None:
+async def test_connection_close_is_not_reused(server: tuple[str, Script], client: ReplicaHttpClient) -> None:
     url, script = server
     for _ in range(2):
         resp = await client.send("r", "POST", url + "/close", [], b"")
@@ -202,7 +202,7 @@ async def test_connection_close_is_not_reused(server: tuple[str, Script], client
 
 
 async def test_break_mid_body_is_broken_and_not_reused(
-    server: tuple[str, Script], client: RawReplicaClient
+    server: tuple[str, Script], client: ReplicaHttpClient
 ) -> None:
     url, _ = server
     resp = await client.send("r", "POST", url + "/cut", [], b"")
@@ -218,7 +218,7 @@ async def test_break_mid_body_is_broken_and_not_reused(
     assert client.connections_opened == 2
 
 
-async def test_connect_refused_is_a_connect_failure(client: RawReplicaClient) -> None:
+async def test_connect_refused_is_a_connect_failure(client: ReplicaHttpClient) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]  # bound, never listening: refused
@@ -229,7 +229,7 @@ async def test_connect_refused_is_a_connect_failure(client: RawReplicaClient) ->
 
 async def test_first_byte_and_idle_timeouts(server: tuple[str, Script]) -> None:
     url, script = server
-    client = RawReplicaClient(TimeoutsConfig(connect_s=0.2, first_byte_s=0.3, idle_read_s=0.3))
+    client = ReplicaHttpClient(TimeoutsConfig(connect_s=0.2, first_byte_s=0.3, idle_read_s=0.3))
     try:
         script.delay_s = 1.0  # "prefill" longer than first_byte_s
         loop = asyncio.get_running_loop()
@@ -252,7 +252,7 @@ async def test_first_byte_and_idle_timeouts(server: tuple[str, Script]) -> None:
         await client.close()
 
 
-async def test_abort_closes_the_socket(server: tuple[str, Script], client: RawReplicaClient) -> None:
+async def test_abort_closes_the_socket(server: tuple[str, Script], client: ReplicaHttpClient) -> None:
     url, script = server
     resp = await client.send("r", "POST", url + "/slow", [], b"")
     chunks = resp.chunks().__aiter__()
@@ -264,7 +264,7 @@ async def test_abort_closes_the_socket(server: tuple[str, Script], client: RawRe
     assert client.connections_opened == 2  # the aborted connection was never reused
 
 
-async def test_cancelled_send_closes_the_socket(server: tuple[str, Script], client: RawReplicaClient) -> None:
+async def test_cancelled_send_closes_the_socket(server: tuple[str, Script], client: ReplicaHttpClient) -> None:
     url, script = server
     script.delay_s = 0.3
     task = asyncio.create_task(client.send("r", "POST", url + "/slow", [], b""))
@@ -278,7 +278,7 @@ async def test_cancelled_send_closes_the_socket(server: tuple[str, Script], clie
 
 async def test_pool_is_bounded(server: tuple[str, Script]) -> None:
     url, script = server
-    client = RawReplicaClient(TimeoutsConfig(first_byte_s=3.0), max_connections=2)
+    client = ReplicaHttpClient(TimeoutsConfig(first_byte_s=3.0), max_connections=2)
     try:
         script.release.clear()
         streams = [await client.send("r", "POST", url + "/sse", [], b"") for _ in range(2)]
@@ -297,7 +297,7 @@ async def test_pool_is_bounded(server: tuple[str, Script]) -> None:
 
 async def test_per_replica_cap(server: tuple[str, Script]) -> None:
     url, script = server
-    client = RawReplicaClient(
+    client = ReplicaHttpClient(
         TimeoutsConfig(first_byte_s=0.3), max_connections=10, max_connections_per_replica=1
     )
     try:
@@ -329,7 +329,7 @@ def _chat(stream: bool) -> bytes:
     return json.dumps(obj).encode()
 
 
-async def test_against_the_emulator(emulator: str, client: RawReplicaClient) -> None:
+async def test_against_the_emulator(emulator: str, client: ReplicaHttpClient) -> None:
     hdrs = [("Content-Type", "application/json")]
     resp = await client.send("r", "POST", emulator + "/v1/chat/completions", hdrs, _chat(False))
     body = json.loads(await _body(resp))
@@ -354,7 +354,7 @@ def test_under_uvloop(tmp_path: Any) -> None:
         await runner.setup()
         await web.TCPSite(runner, "127.0.0.1", 0).start()
         url = f"http://127.0.0.1:{runner.addresses[0][1]}"
-        client = RawReplicaClient(TimeoutsConfig())
+        client = ReplicaHttpClient(TimeoutsConfig())
         try:
             a = await _body(await client.send("r", "POST", url + "/chunked", [], b""))
             b = await _body(await client.send("r", "POST", url + "/echo", [], b"uv"))
@@ -369,7 +369,7 @@ def test_under_uvloop(tmp_path: Any) -> None:
 
 async def test_closing_the_client_wakes_a_waiting_reader(server: tuple[str, Script]) -> None:
     url, script = server
-    client = RawReplicaClient(TimeoutsConfig(idle_read_s=30.0))
+    client = ReplicaHttpClient(TimeoutsConfig(idle_read_s=30.0))
     script.release.clear()
     resp = await client.send("r", "POST", url + "/sse", [], b"")
     chunks = resp.chunks().__aiter__()
@@ -383,7 +383,7 @@ async def test_closing_the_client_wakes_a_waiting_reader(server: tuple[str, Scri
 
 
 async def test_fetch_shares_the_pool_and_maps_errors(
-    server: tuple[str, Script], client: RawReplicaClient
+    server: tuple[str, Script], client: ReplicaHttpClient
 ) -> None:
     url, script = server
     assert await client.fetch("r", url + "/probe", accept="text/plain") == (200, b"ok text/plain")
@@ -394,3 +394,44 @@ async def test_fetch_shares_the_pool_and_maps_errors(
     script.delay_s = 1.0
     with pytest.raises(UpstreamTimeoutError):
         await client.fetch("r", url + "/probe", timeout_s=0.2)
+
+
+async def test_https_replica(tmp_path: Any) -> None:
+    """``https://`` replicas on the same client (TLS, host name checked); a certificate the client
+    does not trust is a connect failure, never a request sent in the clear."""
+    import ssl
+
+    from loadtests.redis_server import make_self_signed_cert
+
+    cert, key = make_self_signed_cert(tmp_path)
+    server_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    server_ctx.load_cert_chain(cert, key)
+    seen: list[bytes] = []
+
+    async def echo(request: web.Request) -> web.Response:
+        seen.append(await request.read())
+        return web.Response(body=_PAYLOAD, content_type="application/json")
+
+    app = web.Application()
+    app.router.add_post("/x", echo)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0, ssl_context=server_ctx)
+    await site.start()
+    url = f"https://127.0.0.1:{runner.addresses[0][1]}/x"
+    trusting = ReplicaHttpClient(TimeoutsConfig(connect_s=2.0), ssl_context=ssl.create_default_context(cafile=cert))
+    strict = ReplicaHttpClient(TimeoutsConfig(connect_s=2.0))  # the system's CA store only
+    try:
+        for _ in range(2):
+            resp = await trusting.send("r", "POST", url, [("Content-Type", "application/json")], b'{"a":1}')
+            assert resp.status == 200
+            assert b"".join([c async for c in resp.chunks()]) == _PAYLOAD
+            resp.release()
+        assert seen == [b'{"a":1}', b'{"a":1}'] and trusting.connections_opened == 1
+        with pytest.raises(UpstreamConnectError) as info:
+            await strict.send("r", "POST", url, [], b"{}")
+        assert is_connect_failure(info.value) and len(seen) == 2
+    finally:
+        await trusting.close()
+        await strict.close()
+        await runner.cleanup()

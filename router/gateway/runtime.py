@@ -1,15 +1,15 @@
-"""Typed application state of the gateway (``web.AppKey``), shared by ``app.py`` and ``handlers.py``.
+"""Typed application state of the gateway (``web.AppKey``) and the one mutable :class:`GatewayRuntime`.
 
 Everything that can change while the app runs (the upstream client created at start-up, the
-discovery loops, a policy swapped by the admin API, the draining flag, the ``/v1/models`` cache)
-lives on one mutable :class:`GatewayRuntime`, because an aiohttp app's own mapping is frozen once
-it starts.
+discovery loops, a policy swapped by the admin API, the draining flag, the ``/v1/models`` cache,
+the upstream tracer) lives on the runtime, because an aiohttp app's own mapping is frozen once it
+starts.
 """
 
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
@@ -18,14 +18,13 @@ from router.clock import Clock
 from router.config import GatewayConfig
 from router.events import Emitter
 from router.gateway.middleware import GatewayMiddleware
-from router.policy import Policy
+from router.policy.base import Policy
 from router.store.base import StateStore
 
 if TYPE_CHECKING:
     from router.discovery import Discovery
-    from router.gateway.dataplane import DataPlane
     from router.gateway.egress import EgressGuard
-    from router.gateway.forward import ReplicaClient
+    from router.gateway.forward import ReplicaClient, UpstreamTracer
 
 __all__ = ["CONFIG_KEY", "EMITTER_KEY", "MIDDLEWARE_KEY", "RUNTIME_KEY", "STORE_KEY", "GatewayRuntime"]
 
@@ -39,16 +38,13 @@ class GatewayRuntime:
     rng: random.Random
     emit: Emitter
     client: ReplicaClient | None = None  # set by the client cleanup_ctx
+    tracer: UpstreamTracer | None = None  # client spans + traceparent on every upstream request (tracing on)
     discovery: Discovery | None = None
     egress: EgressGuard | None = None  # replica URLs outside the allowed networks are refused (None = no check)
-    data_plane: DataPlane | None = None  # the raw listener (downstream.server: raw), set once it listens
     draining: bool = False  # shutting down: /ready answers 503
     models_body: dict[str, Any] | None = None
     models_at: float = float("-inf")
     in_flight: int = 0  # requests inside this gateway's handlers (graceful shutdown waits on it)
-    counters: dict[str, int] = field(
-        default_factory=lambda: {"requests": 0, "retries": 0, "client_disconnects": 0}
-    )
 
 
 CONFIG_KEY = web.AppKey("kvroute_config", GatewayConfig)

@@ -1,0 +1,253 @@
+"""``kvroute bench peers``: kvroute against sglang-router and vllm-router on the identical workload.
+
+Each target runs on a fresh emulated fleet (``loadtests.peers`` starts the routers, ``loadtests.demo``
+drives the load); ``--seeds`` repeats the comparison per seed and pairs the measures seed by seed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import tempfile
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from loadtests.peers import PEERS, find_binary
+
+__all__ = ["BENCH_TARGETS", "bench_peers_main", "run_peers_bench", "seeds_table", "summarise_seeds"]
+
+
+BENCH_TARGETS: tuple[str, ...] = (
+    "kvroute",
+    "sglang-cache_aware",
+    "sglang-manual",
+    "vllm-consistent_hash",
+    "vllm-sticky_least_loaded",
+)
+
+
+async def run_peers_bench(
+    targets: Sequence[str], scenario: object, *, out_dir: Path, say: Callable[[str], None]
+) -> dict[str, object]:
+    """Each target on a fresh emulated fleet, the identical workload; returns the JSON document."""
+    from loadtests.demo import DemoScenario, run_policy
+    from loadtests.report import plot_load, plot_ttft_cdf
+
+    assert isinstance(scenario, DemoScenario)
+    sessions = scenario.workload()
+    results: dict[str, dict[str, object]] = {}
+    skipped: dict[str, str] = {}
+    loads: dict[str, list[tuple[float, tuple[int, ...]]]] = {}
+    ttfts: dict[str, list[float]] = {}
+    warm = scenario.duration_s * scenario.warmup_frac / scenario.time_scale
+    with tempfile.TemporaryDirectory(prefix="kvroute-peers-") as tmp:
+        for t in targets:
+            spec = PEERS[t]
+            if find_binary(spec.binary) is None:
+                skipped[spec.name] = f"{spec.binary} not installed (pip install 'kvroute[peers]')"
+                say(f"skip {spec.name}: {skipped[spec.name]}")
+                continue
+            say(f"running {spec.name} ({scenario.duration_s:.0f} s){'; ' + spec.note if spec.note else ''}")
+            try:
+                res = await run_policy(spec, scenario, sessions, log_dir=Path(tmp), live=False)
+            except RuntimeError as exc:  # a router that failed to start: report, go on with the rest
+                skipped[spec.name] = f"failed to start: {str(exc).splitlines()[0]}"
+                say(f"skip {spec.name}: {skipped[spec.name]}")
+                continue
+            m = dict(res.measures)
+            m["router"] = spec.kind
+            m["policy"] = spec.policy
+            m["note"] = spec.note
+            results[spec.name] = m
+            loads[spec.name] = [s for s in res.load_samples if s[0] >= warm]
+            ttfts[spec.name] = [o.ttft_s for o in res.outcomes if o.ok and o.ttft_s is not None and o.t_start >= warm]
+    out_dir.mkdir(parents=True, exist_ok=True)
+    plots = {
+        "load": str(plot_load(loads, out_dir / "peers_load.png", title=f"{scenario.replicas} emulated replicas")),
+        "ttft_cdf": str(plot_ttft_cdf(ttfts, out_dir / "peers_ttft_cdf.png")),
+    }
+    return {"bench": "peers", "results": results, "skipped": skipped, "plots": plots}
+
+
+# measures compared seed by seed: (key, label, higher is better)
+_PAIRED: tuple[tuple[str, str, bool], ...] = (
+    ("chr", "CHR", True),
+    ("routing_loss", "routing loss", False),
+    ("ttft_p50_s", "TTFT p50 (s)", False),
+    ("ttft_p99_s", "TTFT p99 (s)", False),
+    ("dispersion", "dispersion", False),
+    ("dispersion_floor", "dispersion floor", False),
+    ("p_load_ge12", "P(load>=12)", False),
+    ("e2e_p99_s", "E2E p99 (s)", False),
+    ("requests", "requests", True),
+)
+
+
+def summarise_seeds(per_seed: Mapping[int, Mapping[str, Mapping[str, Any]]]) -> dict[str, Any]:
+    """Across seeds: each router's mean / min / max per measure, and for every other router how many
+    seeds kvroute did better on (paired: same seed, same workload), per measure."""
+    routers: list[str] = []
+    for results in per_seed.values():
+        routers += [r for r in results if r not in routers]
+    stats: dict[str, dict[str, dict[str, float]]] = {}
+    for r in routers:
+        stats[r] = {}
+        for key, _, _ in _PAIRED:
+            xs = [float(res[r][key]) for res in per_seed.values() if r in res and res[r].get(key) is not None]
+            if xs:
+                stats[r][key] = {"mean": sum(xs) / len(xs), "min": min(xs), "max": max(xs), "n": len(xs)}
+    ours = next((r for r in routers if r.startswith("kvroute")), None)
+    wins: dict[str, dict[str, str]] = {}
+    if ours is not None:
+        for r in routers:
+            if r == ours:
+                continue
+            wins[r] = {}
+            for key, _, higher in _PAIRED:
+                pairs = [
+                    (float(res[ours][key]), float(res[r][key]))
+                    for res in per_seed.values()
+                    if ours in res and r in res and res[ours].get(key) is not None and res[r].get(key) is not None
+                ]
+                better = sum(1 for a, b in pairs if (a > b if higher else a < b))
+                wins[r][key] = f"{better}/{len(pairs)}"
+    return {"seeds": sorted(per_seed), "stats": stats, "kvroute": ours, "kvroute_better_on_seeds": wins}
+
+
+def seeds_table(summary: Mapping[str, Any]) -> Any:
+    """A rich ``Table``: mean [min-max] per router and measure, and kvroute's paired wins."""
+    from rich.table import Table
+
+    stats: Mapping[str, Mapping[str, Mapping[str, float]]] = summary["stats"]
+    wins: Mapping[str, Mapping[str, str]] = summary["kvroute_better_on_seeds"]
+    table = Table(title=f"mean [min-max] over seeds {summary['seeds']}; 'kvroute better': seeds won, paired")
+    table.add_column("measure")
+    for r in stats:
+        table.add_column(r, justify="right")
+    for r in wins:
+        table.add_column(f"kvroute better than {r}", justify="right")
+    for key, label, _ in _PAIRED:
+        fmt = "{:.0f}" if key == "requests" else "{:.4f}" if key == "p_load_ge12" else "{:.3f}"
+        cells = []
+        for r in stats:
+            st = stats[r].get(key)
+            cells.append("-" if st is None else f"{fmt.format(st['mean'])} [{fmt.format(st['min'])}-{fmt.format(st['max'])}]")
+        table.add_row(label, *cells, *(wins[r].get(key, "-") for r in wins))
+    return table
+
+
+def bench_peers_main(argv: list[str]) -> int:
+    import argparse
+    from dataclasses import asdict
+
+    from rich.console import Console
+
+    from loadtests.demo import DemoScenario
+    from loadtests.report import comparison_table
+
+    d = DemoScenario()
+    p = argparse.ArgumentParser(
+        prog="kvroute bench peers",
+        description="kvroute and the peer routers one after another on the identical workload and fleet",
+    )
+    routers = sorted(k for k, spec in PEERS.items() if spec.kind != "floor")  # the floor is one replica
+    p.add_argument("--targets", default=",".join(BENCH_TARGETS), help=f"comma list from {routers}")
+    p.add_argument("--replicas", type=int, default=d.replicas)
+    p.add_argument("--duration", type=float, default=d.duration_s, help="wall seconds of load per router")
+    p.add_argument("--sessions", type=int, default=d.sessions)
+    p.add_argument("--time-scale", type=float, default=d.time_scale)
+    p.add_argument("--token-unit", type=int, default=d.token_unit)
+    p.add_argument("--profile", default=d.profile)
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument(
+        "--seeds",
+        help="comma list: one run per seed (the routers' order alternates from seed to seed), "
+        "OUT/seed-S/ per seed, and a mean [min-max] table with kvroute's paired wins",
+    )
+    p.add_argument("--hicache", action="store_true", help="give the replicas their HiCache host tier (2x HBM)")
+    p.add_argument("--workload", choices=["synthetic", "weka"], default="synthetic")
+    p.add_argument("--trace", help="WEKA requests .jsonl (default: the copy in the shared traces)")
+    p.add_argument(
+        "--policy-param",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a kvroute policy parameter (repeatable, passed to kvroute serve), e.g. thicc_threshold=4",
+    )
+    p.add_argument("--out", type=Path, default=Path("out/peers"), help="directory for plots")
+    p.add_argument("--json", type=Path, help="write the JSON here (default OUT/peers.json)")
+    ns = p.parse_args(argv)
+    targets = [t for t in ns.targets.split(",") if t]
+    unknown = [t for t in targets if t not in routers]
+    if unknown:
+        p.error(f"unknown targets {unknown}; choose from {routers}")
+    if ns.seeds is not None:
+        try:
+            seeds = [int(x) for x in ns.seeds.split(",") if x.strip()]
+        except ValueError:
+            p.error(f"--seeds: a comma list of integers, not {ns.seeds!r}")
+        if not seeds or len(set(seeds)) != len(seeds):
+            p.error("--seeds: give at least one seed, each once")
+        return _bench_peers_seeds(ns, targets, seeds)
+    scenario = _scenario(ns, ns.seed)
+    console = Console(stderr=True, width=160)
+    doc = asyncio.run(run_peers_bench(targets, scenario, out_dir=ns.out, say=console.print))
+    doc["scenario"] = asdict(scenario)
+    results = doc["results"]
+    assert isinstance(results, dict)
+    if results:
+        console.print(comparison_table(results, title="routers side by side (same workload, fresh fleet each)"))
+    path = ns.json or ns.out / "peers.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(doc, indent=2) + "\n")
+    console.print(f"wrote {path} and plots in {ns.out}")
+    print(json.dumps(doc, indent=2))
+    return 0
+
+
+def _scenario(ns: Any, seed: int) -> Any:
+    """The demo scenario that ``bench peers``' flags describe, with ``seed``."""
+    from loadtests.demo import demo_scenario
+
+    return demo_scenario(
+        replicas=ns.replicas, duration_s=ns.duration, sessions=ns.sessions, time_scale=ns.time_scale,
+        token_unit=ns.token_unit, profile=ns.profile, seed=seed, host_tier=ns.hicache,
+        workload_kind=ns.workload, trace=ns.trace, policy_params=tuple(ns.policy_param),
+    )
+
+
+def _bench_peers_seeds(ns: Any, targets: Sequence[str], seeds: Sequence[int]) -> int:
+    """``bench peers --seeds``: the single-seed bench once per seed, then the summary."""
+    from dataclasses import asdict
+
+    from rich.console import Console
+
+    from loadtests.report import comparison_table
+
+    console = Console(stderr=True, width=200)
+    per_seed: dict[int, dict[str, Any]] = {}
+    docs: dict[str, Any] = {}
+    for i, seed in enumerate(seeds):
+        scenario = _scenario(ns, seed)
+        order = list(targets) if i % 2 == 0 else list(reversed(targets))  # drift falls on every router alike
+        console.print(f"seed {seed} ({i + 1}/{len(seeds)}): {', '.join(order)}")
+        out = ns.out / f"seed-{seed}"
+        doc = asyncio.run(run_peers_bench(order, scenario, out_dir=out, say=console.print))
+        doc["scenario"] = asdict(scenario)
+        (out / "peers.json").write_text(json.dumps(doc, indent=2) + "\n")
+        results = doc["results"]
+        assert isinstance(results, dict)
+        if results:
+            console.print(comparison_table(results, title=f"seed {seed}"))
+        per_seed[seed] = results
+        docs[str(seed)] = doc
+    summary = summarise_seeds(per_seed)
+    console.print(seeds_table(summary))
+    path = ns.json or ns.out / "peers.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    full = {"bench": "peers", "seeds": list(seeds), "summary": summary, "per_seed": docs}
+    path.write_text(json.dumps(full, indent=2) + "\n")
+    console.print(f"wrote {path} (per seed: {ns.out}/seed-S/)")
+    print(json.dumps({"bench": "peers", "seeds": list(seeds), "summary": summary}, indent=2))
+    return 0
