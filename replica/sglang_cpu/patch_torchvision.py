@@ -3,8 +3,9 @@
 SGLang imports torchvision unconditionally. PyPI's ``torchvision`` wheel is a CUDA build whose
 compiled ops do not load against ``torch+cpu``; ``torchvision/_meta_registrations.py`` then fails at
 import in ``register_fake("torchvision::nms")`` (the operator does not exist). Nothing SGLang runs on
-a text model uses those ops, so the two fake registrations (nms, qnms) are guarded on ``torchvision.extension._has_ops()``. The edit is idempotent and fails loudly when
-the file no longer looks as expected (a new torchvision needs a new look).
+a text model uses those ops, so the two fake registrations (nms, qnms) are guarded on
+``torchvision.extension._has_ops()``. The edit is idempotent and fails loudly when the file no
+longer looks as expected (a new torchvision needs a new look).
 """
 
 from __future__ import annotations
