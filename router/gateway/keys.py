@@ -47,7 +47,7 @@ class GatewayRuntime:
     models_at: float = float("-inf")
     in_flight: int = 0  # requests inside this gateway's handlers (graceful shutdown waits on it)
     counters: dict[str, int] = field(
-        default_factory=lambda: {"requests": 0, "retries": 0, "client_disconnects": 0}
+        default_factory=lambda: {"requests": 0, "retries": 0, "client_disconnects": 0, "panic_routes": 0}
     )
 
 
