@@ -562,6 +562,5 @@ async def test_get_load_older_shapes_on_request(emulators: Any, http: aiohttp.Cl
         async with http.get(f"{rep.url}/get_load") as r:
             gl = await r.json()
         assert isinstance(gl, list) and set(gl[0]) >= {"dp_rank", "num_reqs", "num_waiting_reqs", "num_tokens"}
-    async with emulators(1, get_load_format="vllm") as (rep,):
-        async with http.get(f"{rep.url}/get_load") as r:
-            assert await r.json() == {"load": 0}
+    async with emulators(1, get_load_format="vllm") as (rep,), http.get(f"{rep.url}/get_load") as r:
+        assert await r.json() == {"load": 0}
