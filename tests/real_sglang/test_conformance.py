@@ -350,3 +350,47 @@ async def test_engine_killed_mid_stream_gives_an_sse_error_event(
             assert reps[0].status in (ReplicaStatus.ACTIVE, ReplicaStatus.DOWN)
         finally:
             stop_real_server(victim)
+
+
+async def test_a_busy_real_engine_is_not_ejected_and_a_down_one_is_still_tried(
+    fleet: list[RealServer], gateway_factory: Any
+) -> None:
+    """Both live findings, on a real engine. SGLang's /health takes >= 1 s (a one-token request
+    through the scheduler after a 1 s sleep), so with a 0.5 s probe every probe times out: while
+    requests keep being answered the replica stays ACTIVE (it used to be ejected again and again).
+    Silent for ``stall_after_s`` it goes DOWN, and a client is still served (panic routing), not
+    refused with 503 ``no_replica``."""
+    target = fleet[0]
+    gw = await gateway_factory(
+        [target.url],
+        health={"health_interval_s": 0.3, "scrape_interval_s": 1.0, "unhealthy_threshold": 2,
+                "stall_after_s": 3.0},
+        timeouts={**REAL_TIMEOUTS, "probe_s": 0.5},
+    )
+    discovery = gw.runtime.discovery
+    assert discovery is not None
+    # a 0.5 s probe never sees SGLang's /health answer, so the first good check that activates a
+    # joining replica never comes: take it as activated earlier (as with the default 2 s probe)
+    for r in await gw.store.replicas():
+        await gw.store.set_status(r.id, ReplicaStatus.ACTIVE)
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as s:
+        loop = asyncio.get_running_loop()
+        end = loop.time() + 6.0
+        n = 0
+        while loop.time() < end:  # ~6 s of requests, one after another
+            status, body, _ = await _post(
+                s, gw.url + "/generate", _request("/generate", False, _text(40, f"busy{n}"), max_tokens=16)
+            )
+            assert status == 200, body
+            assert await _status(gw, ReplicaStatus.ACTIVE)
+            n += 1
+        assert discovery.health_busy >= 5 and discovery.health_failures == 0, (n, discovery.health_busy)
+        # silence: probes keep timing out and nothing else shows the engine alive
+        await wait_for(lambda: _status(gw, ReplicaStatus.DOWN), timeout_s=10)
+        status, body, _ = await _post(s, gw.url + "/v1/completions", _request("/v1/completions", False, "hi"))
+        assert status == 200, body
+        assert gw.runtime.counters["panic_routes"] >= 1
+
+
+async def _status(gw: Any, want: ReplicaStatus) -> bool:
+    return all(r.status is want for r in await gw.store.replicas())
