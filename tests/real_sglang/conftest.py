@@ -1,8 +1,8 @@
-"""Two real SGLang 0.5.23 servers for the whole session (``loadtests/real_sglang.py``): each pinned
-to one CPU with ``OMP_NUM_THREADS=1``, a small KV pool (``POOL_TOKENS``), the tiny random Qwen2 of
-``replica/build_sglang_cpu_env.sh``. Started once (17-25 s), shared by every test here; a test that
-needs a server to die starts its own. Under CI a missing runtime or a server that does not start is
-a failure; elsewhere the tests skip with the reason.
+"""Real SGLang 0.5.23 servers for this package's tests (``loadtests/real_sglang.py``): two for the
+fleet, each pinned to one CPU with ``OMP_NUM_THREADS=1``, a small KV pool (``POOL_TOKENS``), the tiny
+random Qwen2 of ``replica/build_sglang_cpu_env.sh``, plus a spare one a test may kill. Started once,
+together (20-90 s on a busy machine), shared by every test here. Under CI a missing runtime or a
+server that does not start is a failure; elsewhere the tests skip with the reason.
 
 ``RecordingProxy`` sits between the gateway and an engine and keeps the bytes the engine sent, so a
 test can compare them with what the client received.
@@ -28,15 +28,17 @@ POOL_TOKENS = 12_000  # small enough that the cache test evicts, big enough for 
 CONTEXT_TOKENS = 8_192
 
 
-@pytest.fixture(scope="session")
-def real_fleet() -> Iterator[list[RealServer]]:
+@pytest.fixture(scope="package")
+def real_servers() -> Iterator[list[RealServer]]:
+    """Three servers started together (start-up dominates the wall time): the two of the fleet, one
+    on each CPU, and a third that a test may kill. Stopped when this package's tests are done."""
     why = runtime_missing()
     if why is not None:
         missing(why)
     with tempfile.TemporaryDirectory(prefix="kvroute-real-sglang-") as tmp:
         try:
             with real_sglang_fleet(
-                2, log_dir=Path(tmp), max_total_tokens=POOL_TOKENS, context_length=CONTEXT_TOKENS
+                3, log_dir=Path(tmp), max_total_tokens=POOL_TOKENS, context_length=CONTEXT_TOKENS
             ) as servers:
                 yield servers
         except RuntimeError as exc:
@@ -44,13 +46,23 @@ def real_fleet() -> Iterator[list[RealServer]]:
 
 
 @pytest.fixture
-def fleet(real_fleet: list[RealServer]) -> list[RealServer]:
-    """The session's servers with empty radix caches (each test starts cold)."""
-    for s in real_fleet:
+def fleet(real_servers: list[RealServer]) -> list[RealServer]:
+    """The two fleet servers with empty radix caches (each test starts cold)."""
+    servers = real_servers[:2]
+    for s in servers:
         if s.proc.poll() is not None:
             pytest.fail(f"real SGLang on :{s.port} died earlier in the session:\n{s.log_tail()}")
-    flush_caches([s.url for s in real_fleet])
-    return real_fleet
+    flush_caches([s.url for s in servers])
+    return servers
+
+
+@pytest.fixture
+def victim(real_servers: list[RealServer]) -> RealServer:
+    """The third server, for a test that kills it (only one may)."""
+    v = real_servers[2]
+    if v.proc.poll() is not None:
+        pytest.fail(f"the spare real SGLang on :{v.port} is already gone")
+    return v
 
 
 # ---- recording proxy -------------------------------------------------------------------------------
