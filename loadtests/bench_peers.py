@@ -7,7 +7,9 @@ drives the load); ``--seeds`` repeats the comparison per seed and pairs the meas
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import sys
 import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -28,9 +30,16 @@ BENCH_TARGETS: tuple[str, ...] = (
 
 
 async def run_peers_bench(
-    targets: Sequence[str], scenario: object, *, out_dir: Path, say: Callable[[str], None]
+    targets: Sequence[str],
+    scenario: object,
+    *,
+    out_dir: Path,
+    say: Callable[[str], None],
+    fleet_urls: Sequence[str] | None = None,
 ) -> dict[str, object]:
-    """Each target on a fresh emulated fleet, the identical workload; returns the JSON document."""
+    """Each target on a fresh emulated fleet, the identical workload; returns the JSON document.
+    ``fleet_urls``: real engines already running instead (``--fleet real-sglang``): every target
+    meets the same engines one after another, their caches flushed before each."""
     from loadtests.demo import DemoScenario, run_policy
     from loadtests.report import plot_load, plot_ttft_cdf
 
@@ -49,8 +58,14 @@ async def run_peers_bench(
                 say(f"skip {spec.name}: {skipped[spec.name]}")
                 continue
             say(f"running {spec.name} ({scenario.duration_s:.0f} s){'; ' + spec.note if spec.note else ''}")
+            if fleet_urls is not None:
+                from loadtests.real_sglang import flush_caches
+
+                await asyncio.to_thread(flush_caches, list(fleet_urls))  # every target starts cold
             try:
-                res = await run_policy(spec, scenario, sessions, log_dir=Path(tmp), live=False)
+                res = await run_policy(
+                    spec, scenario, sessions, log_dir=Path(tmp), live=False, fleet_urls=fleet_urls
+                )
             except RuntimeError as exc:  # a router that failed to start: report, go on with the rest
                 skipped[spec.name] = f"failed to start: {str(exc).splitlines()[0]}"
                 say(f"skip {spec.name}: {skipped[spec.name]}")
@@ -63,8 +78,9 @@ async def run_peers_bench(
             loads[spec.name] = [s for s in res.load_samples if s[0] >= warm]
             ttfts[spec.name] = [o.ttft_s for o in res.outcomes if o.ok and o.ttft_s is not None and o.t_start >= warm]
     out_dir.mkdir(parents=True, exist_ok=True)
+    kind = "real SGLang servers" if fleet_urls is not None else "emulated replicas"
     plots = {
-        "load": str(plot_load(loads, out_dir / "peers_load.png", title=f"{scenario.replicas} emulated replicas")),
+        "load": str(plot_load(loads, out_dir / "peers_load.png", title=f"{scenario.replicas} {kind}")),
         "ttft_cdf": str(plot_ttft_cdf(ttfts, out_dir / "peers_ttft_cdf.png")),
     }
     return {"bench": "peers", "results": results, "skipped": skipped, "plots": plots}
@@ -153,11 +169,28 @@ def bench_peers_main(argv: list[str]) -> int:
     )
     routers = sorted(k for k, spec in PEERS.items() if spec.kind != "floor")  # the floor is one replica
     p.add_argument("--targets", default=",".join(BENCH_TARGETS), help=f"comma list from {routers}")
-    p.add_argument("--replicas", type=int, default=d.replicas)
-    p.add_argument("--duration", type=float, default=d.duration_s, help="wall seconds of load per router")
-    p.add_argument("--sessions", type=int, default=d.sessions)
-    p.add_argument("--time-scale", type=float, default=d.time_scale)
-    p.add_argument("--token-unit", type=int, default=d.token_unit)
+    p.add_argument(
+        "--fleet",
+        choices=["emulated", "real-sglang"],
+        default="emulated",
+        help="emulated: a fresh emulated fleet per router; real-sglang: real SGLang 0.5.23 servers on this "
+        "machine's CPUs (kvroute launch --profile sglang-cpu-tiny, one core each, small KV pool), started "
+        "once and flushed before each router (docs/REAL_SGLANG.md)",
+    )
+    p.add_argument(
+        "--pool-tokens", type=int, default=REAL_POOL_TOKENS, help="real-sglang: each server's KV pool (tokens)"
+    )
+    p.add_argument("--replicas", type=int, help=f"default {d.replicas}; real-sglang: {REAL_DEFAULTS['replicas']}")
+    p.add_argument(
+        "--duration", type=float, help=f"wall seconds of load per router (default {d.duration_s:g}; "
+        f"real-sglang: {REAL_DEFAULTS['duration_s']:g})",
+    )
+    p.add_argument("--sessions", type=int, help=f"default {d.sessions}; real-sglang: {REAL_DEFAULTS['sessions']}")
+    p.add_argument("--time-scale", type=float, help=f"default {d.time_scale:g}; real-sglang: 1 (real time)")
+    p.add_argument(
+        "--token-unit", type=int, help=f"model tokens per workload token (default {d.token_unit}; "
+        f"real-sglang: {REAL_DEFAULTS['token_unit']}, so coding contexts fit the tiny servers)",
+    )
     p.add_argument("--profile", default=d.profile)
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument(
@@ -182,6 +215,18 @@ def bench_peers_main(argv: list[str]) -> int:
     unknown = [t for t in targets if t not in routers]
     if unknown:
         p.error(f"unknown targets {unknown}; choose from {routers}")
+    if ns.fleet == "real-sglang":
+        if ns.time_scale not in (None, 1.0):
+            p.error("--fleet real-sglang runs in real time: --time-scale must be 1")
+        for key, value in REAL_DEFAULTS.items():
+            attr = key.removesuffix("_s") if key == "duration_s" else key
+            if getattr(ns, attr) is None:
+                setattr(ns, attr, value)
+        from loadtests.real_sglang import runtime_missing
+
+        why = runtime_missing()
+        if why is not None:
+            p.error(why)
     if ns.seeds is not None:
         try:
             seeds = [int(x) for x in ns.seeds.split(",") if x.strip()]
@@ -189,11 +234,16 @@ def bench_peers_main(argv: list[str]) -> int:
             p.error(f"--seeds: a comma list of integers, not {ns.seeds!r}")
         if not seeds or len(set(seeds)) != len(seeds):
             p.error("--seeds: give at least one seed, each once")
-        return _bench_peers_seeds(ns, targets, seeds)
+        with _fleet(ns) as urls:
+            return _bench_peers_seeds(ns, targets, seeds, urls)
     scenario = _scenario(ns, ns.seed)
     console = Console(stderr=True, width=160)
-    doc = asyncio.run(run_peers_bench(targets, scenario, out_dir=ns.out, say=console.print))
+    with _fleet(ns) as urls:
+        doc = asyncio.run(
+            run_peers_bench(targets, scenario, out_dir=ns.out, say=console.print, fleet_urls=urls)
+        )
     doc["scenario"] = asdict(scenario)
+    doc["fleet"] = _fleet_doc(ns)
     results = doc["results"]
     assert isinstance(results, dict)
     if results:
@@ -206,18 +256,54 @@ def bench_peers_main(argv: list[str]) -> int:
     return 0
 
 
+# --fleet real-sglang: two tiny real servers (one core each) and a coding-agent workload scaled so
+# that its working set (~40 sessions x ~2.5k tokens at token unit 40) outgrows their 2 x 40k KV pools
+REAL_POOL_TOKENS = 40_000
+REAL_DEFAULTS: dict[str, Any] = {
+    "replicas": 2, "sessions": 40, "duration_s": 120.0, "token_unit": 40, "time_scale": 1.0,
+}
+
+
+@contextlib.contextmanager
+def _fleet(ns: Any) -> Any:
+    """The real SGLang servers of ``--fleet real-sglang`` (their URLs), or ``None`` (emulated)."""
+    if ns.fleet != "real-sglang":
+        yield None
+        return
+    from loadtests.real_sglang import real_sglang_fleet
+
+    log_dir = Path(ns.out) / "sglang-logs"
+    print(f"starting {ns.replicas} real SGLang servers (logs in {log_dir})", file=sys.stderr, flush=True)
+    with real_sglang_fleet(ns.replicas, log_dir=log_dir, max_total_tokens=ns.pool_tokens) as servers:
+        yield [s.url for s in servers]
+
+
+def _fleet_doc(ns: Any) -> dict[str, Any]:
+    if ns.fleet != "real-sglang":
+        return {"kind": "emulated", "profile": ns.profile}
+    return {
+        "kind": "real-sglang", "sglang": "0.5.23", "profile": "sglang-cpu-tiny", "servers": ns.replicas,
+        "pool_tokens_each": ns.pool_tokens, "cpu_per_server": 1,
+        "model": "tiny random Qwen2 (2 layers, hidden 256), --load-format dummy",
+    }
+
+
 def _scenario(ns: Any, seed: int) -> Any:
     """The demo scenario that ``bench peers``' flags describe, with ``seed``."""
     from loadtests.demo import demo_scenario
 
+    real = ns.fleet == "real-sglang"
     return demo_scenario(
         replicas=ns.replicas, duration_s=ns.duration, sessions=ns.sessions, time_scale=ns.time_scale,
         token_unit=ns.token_unit, profile=ns.profile, seed=seed, host_tier=ns.hicache,
         workload_kind=ns.workload, trace=ns.trace, policy_params=tuple(ns.policy_param),
+        page_size=1 if real else None,  # SGLang's page size on CPU (the ideal caches pages like it)
     )
 
 
-def _bench_peers_seeds(ns: Any, targets: Sequence[str], seeds: Sequence[int]) -> int:
+def _bench_peers_seeds(
+    ns: Any, targets: Sequence[str], seeds: Sequence[int], fleet_urls: Sequence[str] | None = None
+) -> int:
     """``bench peers --seeds``: the single-seed bench once per seed, then the summary."""
     from dataclasses import asdict
 
@@ -233,8 +319,11 @@ def _bench_peers_seeds(ns: Any, targets: Sequence[str], seeds: Sequence[int]) ->
         order = list(targets) if i % 2 == 0 else list(reversed(targets))  # drift falls on every router alike
         console.print(f"seed {seed} ({i + 1}/{len(seeds)}): {', '.join(order)}")
         out = ns.out / f"seed-{seed}"
-        doc = asyncio.run(run_peers_bench(order, scenario, out_dir=out, say=console.print))
+        doc = asyncio.run(
+            run_peers_bench(order, scenario, out_dir=out, say=console.print, fleet_urls=fleet_urls)
+        )
         doc["scenario"] = asdict(scenario)
+        doc["fleet"] = _fleet_doc(ns)
         (out / "peers.json").write_text(json.dumps(doc, indent=2) + "\n")
         results = doc["results"]
         assert isinstance(results, dict)
@@ -246,7 +335,7 @@ def _bench_peers_seeds(ns: Any, targets: Sequence[str], seeds: Sequence[int]) ->
     console.print(seeds_table(summary))
     path = ns.json or ns.out / "peers.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    full = {"bench": "peers", "seeds": list(seeds), "summary": summary, "per_seed": docs}
+    full = {"bench": "peers", "seeds": list(seeds), "fleet": _fleet_doc(ns), "summary": summary, "per_seed": docs}
     path.write_text(json.dumps(full, indent=2) + "\n")
     console.print(f"wrote {path} (per seed: {ns.out}/seed-S/)")
     print(json.dumps({"bench": "peers", "seeds": list(seeds), "summary": summary}, indent=2))

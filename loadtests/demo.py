@@ -213,14 +213,20 @@ async def run_policy(
     log_dir: Path,
     live: bool,
     fresh: bool | None = None,
+    fleet_urls: Sequence[str] | None = None,
 ) -> LoadResult:
     """Fresh fleet + fresh router ``spec`` + the load; returns the driver's result. With
     ``scenario.gateways`` > 1 (kvroute only) that many gateways share a fresh Redis and the driver
-    spreads requests over them round robin."""
+    spreads requests over them round robin. ``fleet_urls``: replicas already running (a real SGLang
+    fleet, its caches flushed by the caller) instead of a fresh emulated fleet."""
     async with contextlib.AsyncExitStack() as stack:
-        fleet = await stack.enter_async_context(
-            emulated_fleet(scenario.replicas, scenario.emulator_args(), log_dir=log_dir)
-        )
+        if fleet_urls is not None:
+            urls = list(fleet_urls)
+        else:
+            fleet = await stack.enter_async_context(
+                emulated_fleet(scenario.replicas, scenario.emulator_args(), log_dir=log_dir)
+            )
+            urls = fleet.urls
         extra: list[str] = scenario.kvroute_args() if spec.kind == "kvroute" else []
         env = scenario.kvroute_env() if spec.kind == "kvroute" else None
         n_gateways = scenario.gateways if spec.kind == "kvroute" else 1
@@ -233,11 +239,11 @@ async def run_policy(
             ids = ["--gateway-id", f"gw{i}"] if n_gateways > 1 else []
             routers.append(
                 await stack.enter_async_context(
-                    running_router(gw, fleet.urls, log_dir=log_dir, extra_args=extra + ids, env=env)
+                    running_router(gw, urls, log_dir=log_dir, extra_args=extra + ids, env=env)
                 )
             )
         config = scenario.load_config(
-            routers[0].url, fleet.urls, fresh=spec.fresh_connections if fresh is None else fresh
+            routers[0].url, urls, fresh=spec.fresh_connections if fresh is None else fresh
         )
         config = replace(config, extra_urls=tuple(r.url for r in routers[1:]))
         stats = LiveStats()

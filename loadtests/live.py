@@ -16,7 +16,7 @@ Theory of operation:
   * The session id goes in ``Modal-Session-Id``, ``x-session-id`` and ``X-SMG-Routing-Key`` so kvroute
     and both peer routers see it.
   * Per-replica load is sampled every ``sample_interval_s`` (wall) FROM THE REPLICAS (``/_emulator/state``,
-    else ``/metrics``: running + queued), never from the router under test.
+    a real SGLang's ``/v1/loads``, else ``/metrics``: running + queued), never from the router under test.
   * Ideal cached tokens: one infinite prefix cache holds every prompt whose turn finished, tokenized and
     paged as the emulator does (``loadtests.ideal``; page size ``page_size`` if given, else what the
     first replica's ``/server_info`` reports, else 1). A continuation's ideal is what its previous prompt
@@ -204,6 +204,14 @@ def _load_from_state(doc: Any) -> int:
     return int(running or 0) + int(queued or 0)
 
 
+def _load_from_loads(doc: Any) -> int:
+    """running + waiting summed over the DP ranks of a SGLang ``/v1/loads`` document."""
+    ranks = doc.get("loads") if isinstance(doc, dict) else None
+    if not isinstance(ranks, list):
+        raise TypeError("not a /v1/loads document")
+    return sum(int(r.get("num_running_reqs", 0)) + int(r.get("num_waiting_reqs", 0)) for r in ranks)
+
+
 def _load_from_metrics(text: str) -> int:
     total = 0.0
     for line in text.splitlines():
@@ -231,6 +239,10 @@ class LoadSampler:
                 if resp.status == 200:
                     return _load_from_state(await resp.json())
                 self._use_metrics[i] = True
+        # a real SGLang: /v1/loads is a few 100 ms behind; its /metrics gauges lag seconds
+        async with self._session.get(f"{url}/v1/loads", timeout=self._timeout) as resp:
+            if resp.status == 200:
+                return _load_from_loads(await resp.json())
         async with self._session.get(
             f"{url}/metrics", headers={"Accept": "text/plain"}, timeout=self._timeout
         ) as resp:

@@ -311,6 +311,7 @@ class Agent:
         self.clock = clock or SystemClock()
         self._source = source
         self._drain = asyncio.Event()
+        self._engine_answering = False  # the last /metrics scrape succeeded (busy vs dead)
         self._drained = asyncio.Event()
         self._status = AgentStatus(
             phase=AgentPhase.WAITING_ENGINE,
@@ -435,9 +436,11 @@ class Agent:
         """Scrape load and heartbeat the registry once; never raises."""
         try:
             load: EngineLoad | None = await self.probe.load(self.clock.now())
+            self._engine_answering = True
         except EngineProbeError as exc:
             log.debug("metrics scrape failed", extra={"error": str(exc)})
             load = None
+            self._engine_answering = False
         try:
             await self.registrar.heartbeat(spec, load, status)
         except RegistrationError as exc:
@@ -469,7 +472,13 @@ class Agent:
         """Deep health of the engine. A broken engine *leaves* the registry (rather than being marked
         down) so that the gateways' own, shallower health checks cannot readmit it while the sidecar
         knows better; it re-registers (as ``joining``) once healthy again."""
-        ok = await self.probe.healthy()
+        outcome = await self.probe.health()
+        ok = outcome == "ok"
+        if outcome == "timeout" and self._engine_answering:
+            # busy, not dead: /health waits behind the scheduler's work, yet the engine's HTTP
+            # server still answered the last /metrics scrape. A wedged front end fails both.
+            log.info("engine /health timed out while its /metrics answers: busy, kept")
+            return
         fails = 0 if ok else self._status.health_failures_in_row + 1
         self._set(health_failures_in_row=fails)
         phase = self._status.phase

@@ -6,18 +6,21 @@ Rules:
   2. sglang is never imported here (this module is reachable from the ``kvroute`` console script,
      which the gateway shares). ``--check`` validates a command with SGLang's own parser by running
      ``prepare_server_args`` in a *separate* interpreter that has sglang installed
-     (``--sglang-python`` or ``$KVROUTE_SGLANG_PYTHON``; see ``replica/build_sglang_cpu_env.sh``).
+     (``--sglang-python``, ``$KVROUTE_SGLANG_PYTHON``, else the CPU SGLang environment that
+     ``replica/build_sglang_cpu_env.sh`` builds under ``$KVROUTE_SGLANG_HOME``).
   3. Profiles are YAML files in ``replica/profiles/`` (or any path). Flag names are SGLang's, without
      the leading ``--``. ``true`` emits a bare flag, ``false``/``null`` omits it, mappings are
      emitted as compact JSON, lists as repeated values. String values may use ``${VAR}`` or
      ``${VAR:-default}``, expanded from the environment at launch (a missing ``${VAR}`` is an error
-     naming it).
+     naming it). ``${KVROUTE_SGLANG_HOME}`` always has a value: the variable, else
+     ``${XDG_CACHE_HOME:-~/.cache}/kvroute/sglang-cpu`` (:func:`sglang_home`).
 
 Profile schema::
 
     name: kimi-k2.6-b200-tp4
     description: one line
     module: sglang.launch_server      # run as ``python -m <module>``
+    python: path                      # optional interpreter (``--python`` wins); placeholders expand
     env: {NAME: value}                # exported to the server process
     args: {model-path: ..., tp-size: 4, enable-metrics: true, ...}
 """
@@ -42,6 +45,7 @@ from router.errors import ConfigError
 
 __all__ = [
     "PROFILES_DIR",
+    "SGLANG_HOME_ENV",
     "LaunchCommand",
     "LaunchProfile",
     "ParserCheck",
@@ -51,10 +55,14 @@ __all__ = [
     "cli_main",
     "load_profile",
     "render_flags",
+    "sglang_home",
+    "sglang_python",
+    "with_sglang_home",
 ]
 
 PROFILES_DIR = Path(__file__).resolve().parent / "profiles"
-SGLANG_PYTHON_ENV = "KVROUTE_SGLANG_PYTHON"
+SGLANG_PYTHON_ENV = "KVROUTE_SGLANG_PYTHON"  # an explicit sglang interpreter (overrides the home's)
+SGLANG_HOME_ENV = "KVROUTE_SGLANG_HOME"
 
 _FLAG_NAME = re.compile(r"^[a-z0-9][a-z0-9-]*$")
 _PLACEHOLDER = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
@@ -70,6 +78,7 @@ class LaunchProfile:
     env: tuple[tuple[str, str], ...] = ()
     args: tuple[tuple[str, ArgValue], ...] = ()  # in file order
     source: str = ""  # path it was read from
+    python: str = ""  # interpreter the profile wants ("" = the caller's --python)
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +106,32 @@ class ParserCheck:
 # ---- pure core -------------------------------------------------------------------------------------
 
 
+def sglang_home(environ: Mapping[str, str]) -> Path:
+    """Where ``replica/build_sglang_cpu_env.sh`` keeps the CPU SGLang runtime (venv + tiny model):
+    ``$KVROUTE_SGLANG_HOME``, else ``${XDG_CACHE_HOME:-~/.cache}/kvroute/sglang-cpu``."""
+    explicit = environ.get(SGLANG_HOME_ENV)
+    if explicit:
+        return Path(explicit)
+    cache = environ.get("XDG_CACHE_HOME") or str(Path(environ.get("HOME") or Path.home()) / ".cache")
+    return Path(cache) / "kvroute" / "sglang-cpu"
+
+
+def sglang_python(environ: Mapping[str, str]) -> str | None:
+    """An interpreter with sglang installed: ``$KVROUTE_SGLANG_PYTHON``, else the built runtime's
+    (only once its build finished: ``READY`` is written last), else ``None``."""
+    explicit = environ.get(SGLANG_PYTHON_ENV)
+    if explicit:
+        return explicit
+    home = sglang_home(environ)
+    py = home / "venv" / "bin" / "python"
+    return str(py) if (home / "READY").is_file() and py.exists() else None
+
+
+def with_sglang_home(environ: Mapping[str, str]) -> dict[str, str]:
+    """``environ`` with ``KVROUTE_SGLANG_HOME`` set to :func:`sglang_home` (profiles expand it)."""
+    return {**environ, SGLANG_HOME_ENV: str(sglang_home(environ))}
+
+
 def available_profiles(directory: Path = PROFILES_DIR) -> tuple[str, ...]:
     return tuple(sorted(p.stem for p in directory.glob("*.yaml")))
 
@@ -118,7 +153,7 @@ def parse_profile(data: Any, source: str = "<memory>") -> LaunchProfile:
     """Validate a decoded YAML document into a :class:`LaunchProfile` (errors name the key)."""
     if not isinstance(data, Mapping):
         raise ConfigError(f"{source}: a profile must be a mapping")
-    unknown = set(data) - {"name", "description", "module", "env", "args"}
+    unknown = set(data) - {"name", "description", "module", "python", "env", "args"}
     if unknown:
         raise ConfigError(f"{source}: unknown profile keys {sorted(unknown)}")
     name = data.get("name")
@@ -150,6 +185,9 @@ def parse_profile(data: Any, source: str = "<memory>") -> LaunchProfile:
             raise ConfigError(f"{source}: args.{k} has unsupported type {type(v).__name__}")
         args.append((k, v))
     description = data.get("description", "")
+    python = data.get("python", "")
+    if not isinstance(python, str):
+        raise ConfigError(f"{source}: 'python' must be a path")
     return LaunchProfile(
         name=name,
         description=str(description),
@@ -157,6 +195,7 @@ def parse_profile(data: Any, source: str = "<memory>") -> LaunchProfile:
         env=tuple(env),
         args=tuple(args),
         source=source,
+        python=python,
     )
 
 
@@ -326,6 +365,20 @@ def _parse_set(items: Sequence[str]) -> list[tuple[str, ArgValue]]:
     return out
 
 
+def _parse_cpus(text: str) -> set[int]:
+    """``0``, ``0,2`` or ``0-3`` (taskset -c's list form) -> a set of CPU numbers."""
+    cpus: set[int] = set()
+    try:
+        for part in text.split(","):
+            lo, sep, hi = part.strip().partition("-")
+            cpus.update(range(int(lo), int(hi) + 1) if sep else [int(lo)])
+    except ValueError:
+        raise ConfigError(f"--cpus expects a list like 0 or 0,1 or 0-3, got {text!r}") from None
+    if not cpus or min(cpus) < 0:
+        raise ConfigError(f"--cpus expects a list like 0 or 0,1 or 0-3, got {text!r}")
+    return cpus
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="kvroute launch",
@@ -343,7 +396,17 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--set", action="append", default=[], metavar="FLAG=VALUE", help="override one profile arg"
     )
-    p.add_argument("--python", default=sys.executable, help="interpreter that has sglang installed")
+    p.add_argument(
+        "--python",
+        default=None,
+        help="interpreter that has sglang installed (default: the profile's, else this one)",
+    )
+    p.add_argument(
+        "--cpus",
+        default=None,
+        metavar="LIST",
+        help="pin the server to these CPUs, e.g. 0 or 0,1 (like taskset -c; Linux only)",
+    )
     p.add_argument(
         "--check",
         action="store_true",
@@ -352,7 +415,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--sglang-python",
         default=None,
-        help=f"interpreter for --check (default ${SGLANG_PYTHON_ENV}, else --python)",
+        help=f"interpreter for --check (default ${SGLANG_PYTHON_ENV}, else the built CPU runtime's "
+        f"under ${SGLANG_HOME_ENV}, else --python)",
     )
     return p
 
@@ -364,7 +428,7 @@ def cli_main(argv: list[str]) -> int:
     else:
         own, extra = argv, []
     args = _parser().parse_args(own)
-    environ = dict(os.environ)
+    environ = with_sglang_home(os.environ)
     try:
         if args.list:
             for name in available_profiles(args.profiles_dir):
@@ -381,16 +445,20 @@ def cli_main(argv: list[str]) -> int:
             overrides.append(("port", args.port))
         if args.model_path is not None:
             overrides.append(("model-path", args.model_path))
-        command = build_command(
-            profile, python=args.python, environ=environ, overrides=overrides, extra=extra
+        python = args.python or (
+            expand_placeholders(profile.python, environ, f"{profile.source}: python")
+            if profile.python
+            else sys.executable
         )
+        cpus = _parse_cpus(args.cpus) if args.cpus is not None else None
+        command = build_command(profile, python=python, environ=environ, overrides=overrides, extra=extra)
     except ConfigError as exc:
         print(f"kvroute launch: {exc}", file=sys.stderr)
         return 2
 
     if args.check:
-        sglang_python = args.sglang_python or environ.get(SGLANG_PYTHON_ENV) or args.python
-        result = check_with_sglang(command, sglang_python)
+        sglang_py = args.sglang_python or sglang_python(environ) or python
+        result = check_with_sglang(command, sglang_py)
         print(result.output)
         return 0 if result.ok else 1
     if args.dry_run:
@@ -400,6 +468,12 @@ def cli_main(argv: list[str]) -> int:
             print(command.shell())
         return 0
     child_env = {**environ, **dict(command.env)}
+    if cpus is not None:
+        try:
+            os.sched_setaffinity(0, cpus)  # inherited through exec by the server and its children
+        except (OSError, AttributeError) as exc:
+            print(f"kvroute launch: cannot pin to CPUs {sorted(cpus)}: {exc}", file=sys.stderr)
+            return 2
     sys.stdout.flush()
     sys.stderr.flush()
     try:

@@ -17,7 +17,7 @@ from typing import Any
 
 import aiohttp
 
-from router.engine_metrics import MetricsParseError, parse_engine_metrics
+from router.engine_metrics import MetricsParseError, apply_v1_loads, parse_engine_metrics
 from router.errors import KvrouteError
 from router.model import EngineLoad, ReplicaSpec
 
@@ -54,15 +54,21 @@ class EngineProbe:
 
     async def healthy(self) -> bool:
         """``GET /health`` answered 200 (anything else, or no answer, is unhealthy)."""
+        return await self.health() == "ok"
+
+    async def health(self) -> str:
+        """``GET /health``: ``"ok"`` (200), ``"failed"`` (another status, or the connection was
+        refused/reset) or ``"timeout"`` (no answer in time). SGLang's ``/health`` runs a one-token
+        request through the scheduler, so a busy engine answers it late: a timeout alone is not
+        proof of death (``Agent._check_health``)."""
         try:
-            async with (
-                _map_errors("health"),
-                self._session.get(self._base + self._health_path, timeout=self._timeout) as r,
-            ):
+            async with self._session.get(self._base + self._health_path, timeout=self._timeout) as r:
                 await r.read()
-                return r.status == 200
-        except EngineProbeError:
-            return False
+                return "ok" if r.status == 200 else "failed"
+        except TimeoutError:
+            return "timeout"
+        except (aiohttp.ClientError, OSError):
+            return "failed"
 
     async def _json(self, path: str) -> dict[str, Any]:
         async with _map_errors(path), self._session.get(self._base + path, timeout=self._timeout) as r:
@@ -88,7 +94,19 @@ class EngineProbe:
                 if r.status != 200:
                     raise EngineProbeError(f"/metrics: HTTP {r.status} (is --enable-metrics on?)")
                 text = (await r.read()).decode("utf-8")
-            return parse_engine_metrics(text, now=now)
+            load = parse_engine_metrics(text, now=now)
+        return await self._with_loads(load)
+
+    async def _with_loads(self, load: EngineLoad) -> EngineLoad:
+        """``load`` completed from ``/v1/loads`` (waiting uncached tokens); unchanged when the
+        engine lacks the route or does not answer it sensibly (best effort: /metrics is the load)."""
+        try:
+            async with self._session.get(self._base + "/v1/loads", timeout=self._timeout) as r:
+                if r.status != 200:
+                    return load
+                return apply_v1_loads(load, json.loads(await r.read()))
+        except (TimeoutError, aiohttp.ClientError, OSError, ValueError, MetricsParseError):
+            return load
 
 
 # ---- pure ------------------------------------------------------------------------------------------

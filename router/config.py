@@ -118,10 +118,15 @@ class HealthConfig(BaseModel):
     # so their answers do not land on the event loop together (0: all at once)
     spread: float = Field(0.8, ge=0, le=0.95)
     unhealthy_threshold: int = Field(3, ge=1)  # consecutive failed checks: ACTIVE -> DOWN
+    # a probe that times out counts as failed only when the replica is also failing requests or has
+    # shown no sign of life (good probe, answered request) for this long: busy is not dead
+    stall_after_s: float = Field(30.0, gt=0)
     healthy_threshold: int = Field(2, ge=1)  # consecutive good checks: DOWN -> ACTIVE
     eject_on_connect_errors: int = Field(1, ge=0)  # passive: consecutive connect errors -> DOWN (0: off)
     health_path: str = "/health"
     metrics_path: str = "/metrics"
+    # JSON load report scraped with /metrics for what /metrics lacks (waiting uncached tokens); "" = off
+    loads_path: str = "/v1/loads"
 
 
 class DownstreamConfig(BaseModel):

@@ -6,12 +6,23 @@ Rules:
   2. State machine (pure, :func:`health_transition`): JOINING -> ACTIVE on the first good health
      check; ACTIVE -> DOWN after ``unhealthy_threshold`` consecutive failures; DOWN -> ACTIVE after
      ``healthy_threshold`` consecutive successes. DRAINING belongs to the operator: health never
-     changes it. A *panic* mode (route to unhealthy replicas when too few are healthy) is the
-     policy's job, not ours.
-  3. Passive ejection: the forwarder reports connect errors; ``eject_on_connect_errors`` of them in
+     changes it. When every replica is DOWN the gateway still tries them (panic routing,
+     ``router/gateway/handlers.py``) rather than refusing clients.
+  3. A busy engine is not a dead one. A probe has three outcomes (:class:`ProbeOutcome`): OK, FAILED
+     (an answer other than 200, or a refused/reset connection: the engine says it is unwell, or is
+     not there) and TIMEOUT (no answer in time). A real SGLang serving a deep queue answers
+     ``/health`` late (it runs a request through the scheduler), so a TIMEOUT alone is *busy*: it
+     counts towards ejection only with more evidence (the replica is *suspect*): requests the
+     gateway sent it failed (timeouts, 5xx, broken streams) since its last success, or it has shown
+     no sign of life (no good probe, no request answered) for ``stall_after_s``. A wedged engine
+     therefore goes DOWN after ``stall_after_s`` plus ``unhealthy_threshold`` probe periods; a busy
+     one that keeps answering requests stays ACTIVE and keeps its sessions' affinity.
+  3b. Passive ejection: the forwarder reports connect errors; ``eject_on_connect_errors`` of them in
      a row take an ACTIVE replica DOWN at once (readmitted by health checks like any DOWN replica).
   4. Polling is cheap: one shared client session, per-probe timeouts, jittered intervals, one
-     probe per replica at a time. ``/metrics`` is scraped with ``Accept: text/plain``.
+     probe per replica at a time. ``/metrics`` is scraped with ``Accept: text/plain``, then
+     ``/v1/loads`` (small JSON) for the figures ``/metrics`` lacks; SGLang 0.5.23 has no
+     ``/get_load`` (404), so it is never asked.
   5. Polling is smooth: a round starts every interval (not an interval after the last one ended)
      and starts its replicas' probes evenly over ``spread`` of it, in the store's order, so each
      replica keeps its phase and the answers do not reach the event loop together: each answer
@@ -22,6 +33,8 @@ Rules:
 from __future__ import annotations
 
 import asyncio
+import enum
+import json
 import logging
 import random
 from collections.abc import Awaitable, Callable, Sequence
@@ -30,40 +43,61 @@ from typing import TYPE_CHECKING
 
 from router.clock import Clock
 from router.config import HealthConfig
-from router.engine_metrics import MetricsParseError, parse_engine_metrics
-from router.errors import ReplicaNotFoundError, UpstreamError
+from router.engine_metrics import MetricsParseError, apply_v1_loads, parse_engine_metrics
+from router.errors import ReplicaNotFoundError, UpstreamError, UpstreamTimeoutError
 from router.events import Event, ReplicaActivated, ReplicaEjected, ReplicaReadmitted
-from router.model import ReplicaId, ReplicaState, ReplicaStatus
+from router.model import EngineLoad, ReplicaId, ReplicaState, ReplicaStatus
 from router.store.base import StateStore
 
 if TYPE_CHECKING:
     from router.gateway.egress import EgressGuard
     from router.gateway.forward import ReplicaClient
 
-__all__ = ["Discovery", "HealthTrack", "health_transition"]
+__all__ = ["Discovery", "HealthTrack", "ProbeOutcome", "health_transition"]
 
 log = logging.getLogger("kvroute.discovery")
 
 _METRICS_OFF_BACKOFF = 30  # rounds to skip after a 404 on /metrics (engine without --enable-metrics)
 
 
+class ProbeOutcome(enum.Enum):
+    OK = "ok"
+    FAILED = "failed"  # answered other than 200, or the connection was refused/reset
+    TIMEOUT = "timeout"  # no answer in time: busy or wedged, ambiguous on its own (rule 3)
+
+
 @dataclass(frozen=True, slots=True)
 class HealthTrack:
     ok_streak: int = 0
     fail_streak: int = 0
+    busy_streak: int = 0  # timeouts in a row that were not counted as failures
 
 
 def health_transition(
-    status: ReplicaStatus, track: HealthTrack, ok: bool, cfg: HealthConfig
+    status: ReplicaStatus,
+    track: HealthTrack,
+    outcome: ProbeOutcome | bool,
+    cfg: HealthConfig,
+    *,
+    suspect: bool = True,
 ) -> tuple[HealthTrack, ReplicaStatus | None]:
-    """PURE. The new track and the new status (``None`` = unchanged) after one health check."""
-    if ok:
+    """PURE. The new track and the new status (``None`` = unchanged) after one health check.
+
+    ``outcome``: ``True``/``False`` mean OK/FAILED. ``suspect``: the replica has failed requests
+    since its last success or shown no sign of life for ``stall_after_s`` (rule 3); without it a
+    TIMEOUT leaves the failure streak as it was (and breaks a success streak).
+    """
+    if isinstance(outcome, bool):
+        outcome = ProbeOutcome.OK if outcome else ProbeOutcome.FAILED
+    if outcome is ProbeOutcome.OK:
         track = HealthTrack(ok_streak=track.ok_streak + 1, fail_streak=0)
         if status is ReplicaStatus.JOINING:
             return track, ReplicaStatus.ACTIVE
         if status is ReplicaStatus.DOWN and track.ok_streak >= cfg.healthy_threshold:
             return track, ReplicaStatus.ACTIVE
         return track, None
+    if outcome is ProbeOutcome.TIMEOUT and not suspect:
+        return HealthTrack(ok_streak=0, fail_streak=track.fail_streak, busy_streak=track.busy_streak + 1), None
     track = HealthTrack(ok_streak=0, fail_streak=track.fail_streak + 1)
     if status is ReplicaStatus.ACTIVE and track.fail_streak >= cfg.unhealthy_threshold:
         return track, ReplicaStatus.DOWN
@@ -108,10 +142,14 @@ class Discovery:
         self._tracks: dict[ReplicaId, HealthTrack] = {}
         self._connect_errors: dict[ReplicaId, int] = {}
         self._metrics_off: dict[ReplicaId, int] = {}
+        self._loads_off: dict[ReplicaId, int] = {}
+        self._request_failures: dict[ReplicaId, int] = {}  # since the replica's last success
+        self._alive_at: dict[ReplicaId, float] = {}  # last sign of life: good probe or answered request
         self._lock = asyncio.Lock()  # status changes: health loop vs passive ejection
         self.scrapes_ok = 0
         self.scrapes_failed = 0
         self.health_failures = 0
+        self.health_busy = 0  # probe timeouts tolerated as "busy" (rule 3)
         self.health_rounds = 0
 
     # ---- passive signals from the forwarder ------------------------------------------------------
@@ -137,8 +175,26 @@ class Discovery:
                 )
 
     def on_success(self, replica_id: ReplicaId) -> None:
+        """The replica answered a request (response headers arrived): a sign of life."""
         if self._connect_errors.get(replica_id):
             self._connect_errors[replica_id] = 0
+        if self._request_failures.get(replica_id):
+            self._request_failures[replica_id] = 0
+        self._alive_at[replica_id] = self._clock.now()
+
+    def on_request_failure(self, replica_id: ReplicaId, detail: str = "") -> None:
+        """A request to the replica failed other than by a refused connection (timed out, 5xx,
+        stream broken): evidence that makes its probe timeouts count (rule 3)."""
+        self._request_failures[replica_id] = self._request_failures.get(replica_id, 0) + 1
+        log.debug("request to %s failed: %s", replica_id, detail)
+
+    def suspect(self, replica_id: ReplicaId) -> bool:
+        """Requests failed since its last success, or no sign of life for ``stall_after_s``."""
+        if self._request_failures.get(replica_id, 0) > 0:
+            return True
+        now = self._clock.now()
+        alive = self._alive_at.setdefault(replica_id, now)
+        return now - alive >= self._cfg.stall_after_s
 
     # ---- one round ---------------------------------------------------------------------------------
 
@@ -157,24 +213,37 @@ class Discovery:
         await _staggered([r for r in allowed if r.status is not ReplicaStatus.DOWN], spread_s, self._scrape_one)
 
     async def _check_one(self, r: ReplicaState) -> None:
-        ok = False
+        outcome = ProbeOutcome.FAILED
         detail = ""
         try:
             if self._egress is not None and not await self._egress.allowed(r.url):
                 detail = "URL outside the allowed networks: not probed"  # fails like a dead replica
             else:
                 status, _ = await self._client.fetch(r.id, r.url + self._cfg.health_path, timeout_s=self._probe_s)
-                ok = status == 200
-                detail = f"/health returned {status}"
+                outcome = ProbeOutcome.OK if status == 200 else ProbeOutcome.FAILED
+                detail = f"{self._cfg.health_path} returned {status}"
+        except UpstreamTimeoutError as exc:
+            outcome = ProbeOutcome.TIMEOUT
+            detail = str(exc)
         except UpstreamError as exc:
             detail = str(exc)
-        if not ok:
+        if outcome is ProbeOutcome.OK:
+            self._alive_at[r.id] = self._clock.now()
+        suspect = outcome is ProbeOutcome.TIMEOUT and self.suspect(r.id)
+        if outcome is ProbeOutcome.TIMEOUT and not suspect:
+            self.health_busy += 1
+        elif outcome is not ProbeOutcome.OK:
             self.health_failures += 1
+            if outcome is ProbeOutcome.TIMEOUT:
+                n = self._request_failures.get(r.id, 0)
+                detail += f" ({n} failed request(s) since its last success)" if n else (
+                    f" (no sign of life for {self._cfg.stall_after_s:g} s)"
+                )
         async with self._lock:
             # the round's view is enough to decide; re-read only before a change, so an operator's
             # concurrent drain (or a passive ejection) is never overwritten
             prev = self._tracks.get(r.id, HealthTrack())
-            track, new = health_transition(r.status, prev, ok, self._cfg)
+            track, new = health_transition(r.status, prev, outcome, self._cfg, suspect=suspect)
             self._tracks[r.id] = track
             if new is None:
                 return
@@ -182,7 +251,7 @@ class Discovery:
             if current is None:
                 return
             if current.status is not r.status:
-                track, new = health_transition(current.status, prev, ok, self._cfg)
+                track, new = health_transition(current.status, prev, outcome, self._cfg, suspect=suspect)
                 self._tracks[r.id] = track
                 if new is None:
                     return
@@ -229,8 +298,36 @@ class Discovery:
             self.scrapes_failed += 1
             log.debug("bad /metrics from %s: %s", r.id, exc)
             return
+        load = await self._with_loads(r, load)
         self.scrapes_ok += 1
         await self._store.report_engine_load(r.id, load)
+
+    async def _with_loads(self, r: ReplicaState, load: EngineLoad) -> EngineLoad:
+        """``load`` completed from ``/v1/loads`` (waiting uncached tokens); unchanged if the engine
+        has no such route (backs off like a missing ``/metrics``) or answers nonsense."""
+        path = self._cfg.loads_path
+        skip = self._loads_off.get(r.id, 0)
+        if not path or skip > 0:
+            if skip > 0:
+                self._loads_off[r.id] = skip - 1
+            return load
+        try:
+            status, body = await self._client.fetch(
+                r.id, r.url + path, accept="application/json", timeout_s=self._probe_s
+            )
+        except UpstreamError as exc:
+            log.debug("%s of %s failed: %s", path, r.id, exc)
+            return load
+        if status == 404:
+            self._loads_off[r.id] = _METRICS_OFF_BACKOFF
+            return load
+        if status != 200:
+            return load
+        try:
+            return apply_v1_loads(load, json.loads(body))
+        except (MetricsParseError, ValueError) as exc:
+            log.debug("bad %s from %s: %s", path, r.id, exc)
+            return load
 
     # ---- loops -------------------------------------------------------------------------------------
 
@@ -263,7 +360,14 @@ class Discovery:
 
     def _forget_missing(self, replicas: tuple[ReplicaState, ...]) -> None:
         ids = {r.id for r in replicas}
-        for d in (self._tracks, self._connect_errors, self._metrics_off):
+        for d in (
+            self._tracks,
+            self._connect_errors,
+            self._metrics_off,
+            self._loads_off,
+            self._request_failures,
+            self._alive_at,
+        ):
             for k in [k for k in d if k not in ids]:
                 del d[k]
 

@@ -1,4 +1,5 @@
-"""PURE: SGLang's Prometheus exposition (``GET /metrics``, ``Accept: text/plain``) -> ``EngineLoad``.
+"""PURE: SGLang's Prometheus exposition (``GET /metrics``, ``Accept: text/plain``) -> ``EngineLoad``,
+plus the figures only ``GET /v1/loads`` has (:func:`apply_v1_loads`: ``num_waiting_uncached_tokens``).
 
 Names are SGLang's own (``sglang:num_running_reqs`` ...); the underscore
 spelling (``sglang_num_running_reqs``, OpenMetrics / ``/v1/loads?format=prometheus``) is accepted too.
@@ -23,13 +24,15 @@ from __future__ import annotations
 import math
 import re
 from collections import defaultdict
-from collections.abc import Container, Iterable
+from collections.abc import Container, Iterable, Mapping
+from dataclasses import replace
+from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
 from router.model import EngineLoad
 
-__all__ = ["MetricsParseError", "parse_engine_metrics", "scrape_values"]
+__all__ = ["MetricsParseError", "apply_v1_loads", "parse_engine_metrics", "scrape_values"]
 
 _PREFIX = "sglang_"
 _RANK_LABELS = frozenset({"tp_rank", "pp_rank", "moe_ep_rank", "attn_tp_rank", "attn_cp_rank", "pid"})
@@ -126,3 +129,19 @@ def parse_engine_metrics(text: str, *, now: float = 0.0) -> EngineLoad:
         gen_throughput=max(0.0, v.get("gen_throughput", 0.0)),
         updated_at=now,
     )
+
+
+def apply_v1_loads(load: EngineLoad, doc: Any) -> EngineLoad:
+    """``load`` with the figures of one ``GET /v1/loads`` answer (SGLang 0.5.x: ``{"loads": [one
+    object per DP rank]}``) that ``/metrics`` lacks: ``num_waiting_uncached_tokens``, summed over
+    ranks. Raises :class:`MetricsParseError` if ``doc`` is not that shape; a rank without the key
+    adds 0 (an engine too old to report it)."""
+    ranks = doc.get("loads") if isinstance(doc, Mapping) else None
+    if not isinstance(ranks, list) or not all(isinstance(r, Mapping) for r in ranks):
+        raise MetricsParseError("not a /v1/loads document (no 'loads' list of objects)")
+    waiting = 0.0
+    for rank in ranks:
+        v = rank.get("num_waiting_uncached_tokens", 0)
+        if isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) and v > 0:
+            waiting += v
+    return replace(load, waiting_uncached_tokens=round(waiting))

@@ -104,6 +104,9 @@ class EngineLoad:
     host_capacity_tokens: int = 0
     cache_hit_rate: float = 0.0
     gen_throughput: float = 0.0
+    # /v1/loads num_waiting_uncached_tokens: prefill work queued behind the running batch (tokens not
+    # in its cache), what a new request waits for before its own prefill starts
+    waiting_uncached_tokens: int = 0
     updated_at: float = 0.0  # store clock; 0 = never scraped
 
 

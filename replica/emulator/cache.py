@@ -26,6 +26,12 @@ Rule 4 (host tier): with ``host_capacity_tokens > 0`` evicted device blocks are 
         a host node.
 Rule 5 (compression): on release a node with a single child of the same state is merged with it,
         so a long conversation does not grow a node per turn.
+Rule 6 (SGLang's granularity, ``evict_whole_nodes``, the emulator's default): SGLang 0.5.23's radix
+        cache never merges nodes (a conversation is a chain of one node per turn) and evicts whole
+        leaf nodes, LRU first, until enough is free, so it frees more than it needs: a session whose
+        newest turn was evicted keeps its older turns whole. With it, Rule 5 is off and eviction does
+        not split the front node. Checked against a real server by
+        ``tests/real_sglang/test_emulator_fidelity.py`` (per-request cached tokens agree exactly).
 
 Admission is all-or-nothing: :meth:`PrefixCache.try_lock` either pins/promotes/reserves
 everything a request needs or changes nothing and returns ``None``.
@@ -128,9 +134,17 @@ def _common(run: list[int], hashes: list[int], i: int) -> int:
 
 
 class PrefixCache:
-    def __init__(self, capacity_tokens: int, page_size: int = 64, host_capacity_tokens: int = 0) -> None:
+    def __init__(
+        self,
+        capacity_tokens: int,
+        page_size: int = 64,
+        host_capacity_tokens: int = 0,
+        *,
+        evict_whole_nodes: bool = False,
+    ) -> None:
         if capacity_tokens <= 0 or page_size <= 0 or host_capacity_tokens < 0:
             raise ValueError("capacity_tokens and page_size must be > 0, host_capacity_tokens >= 0")
+        self.evict_whole_nodes = evict_whole_nodes  # Rule 6
         self.capacity_tokens = capacity_tokens
         self.page_size = page_size
         self.host_capacity_tokens = host_capacity_tokens
@@ -327,7 +341,8 @@ class PrefixCache:
             node = node.parent
         self._reserved -= lease.reserved
         lease.reserved = 0
-        self._compress(lease.node)
+        if not self.evict_whole_nodes:
+            self._compress(lease.node)
 
     def flush(self) -> bool:
         """Drop every unpinned block on both tiers. Refused (False) while anything is running."""
@@ -370,7 +385,7 @@ class PrefixCache:
         while self.free_tokens < need and lru:
             node = next(iter(lru))
             want = -((self.free_tokens - need) // page)  # ceil((need - free) / page)
-            if len(node.hashes) > want:
+            if len(node.hashes) > want and not self.evict_whole_nodes:
                 head = self._split(node, len(node.hashes) - want)
                 self._lru_add(head)
                 lru.move_to_end(head, last=False)  # as old as the node it came from

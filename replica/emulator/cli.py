@@ -57,7 +57,13 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--stream-response-default-include-usage", action="store_true")
     g.add_argument("--incremental-streaming-output", action="store_true")
     g.add_argument("--default-max-tokens", type=int, default=128)
-    g.add_argument("--get-load-format", choices=("sglang", "vllm", "off"), default="sglang")
+    g.add_argument(
+        "--get-load-format",
+        choices=("sglang", "vllm", "off"),
+        default="off",
+        help="what /get_load answers: off = 404 as SGLang 0.5.23; sglang/vllm = older shapes for "
+        "power_of_two peers",
+    )
     g.add_argument("--startup-delay", type=float, default=0.0, help="/health is 503 for this many wall seconds")
     g.add_argument("--api-key", default=None)
     pf = p.add_argument_group("profile fields (override the chosen profile)")

@@ -43,6 +43,8 @@ class Profile:
     spec_accept_length: tokens accepted per request per decode step (1.0 = no speculation).
     host_reload_s_per_token: cost to load one host-tier token back to HBM.
     token_unit: each emulated token stands for this many model tokens (time + capacity).
+    evict_whole_nodes: evict whole radix nodes and never merge them, as SGLang 0.5.23 does
+        (``cache.py`` Rule 6); ``False`` = the finer model (evict exactly what is needed).
     """
 
     name: str = "kimi-k2.6-b200-tp4"
@@ -63,6 +65,7 @@ class Profile:
     spec_accept_length: float = 5.5
     host_reload_s_per_token: float = _FP8_KV_BYTES_PER_TOKEN / 50e9
     token_unit: int = 1
+    evict_whole_nodes: bool = True
 
     def __post_init__(self) -> None:
         problems = []
@@ -106,7 +109,12 @@ class Profile:
                 raise ValueError(f"unknown profile field {key!r}; known: {', '.join(sorted(types))}")
             if isinstance(value, str):
                 t = str(types[key])
-                value = int(float(value)) if t == "int" else float(value) if t == "float" else value
+                if t == "bool":
+                    if value.lower() not in {"true", "false", "1", "0", "yes", "no"}:
+                        raise ValueError(f"profile field {key!r} is a boolean, not {value!r}")
+                    value = value.lower() in {"true", "1", "yes"}
+                else:
+                    value = int(float(value)) if t == "int" else float(value) if t == "float" else value
             cast[key] = value
         return dataclasses.replace(self, **cast)
 

@@ -72,8 +72,9 @@ class EmulatorConfig:
     time_scale: wall seconds per modelled second (0.01 = 100x faster than the modelled GPU).
     default_max_tokens: output length when a request names none (then ``finish_reason`` is
         ``stop``; with an explicit max it is always ``length``: the emulator never stops early).
-    get_load_format: what the removed ``/get_load`` answers: ``sglang`` (older 0.5.x array,
-        what sglang-router's power_of_two polls), ``vllm`` (``{"load": N}``) or ``off`` (404).
+    get_load_format: what the removed ``/get_load`` answers: ``off`` (404, as SGLang 0.5.23 does;
+        the default), ``sglang`` (older 0.5.x array, what sglang-router's power_of_two polls) or
+        ``vllm`` (``{"load": N}``).
     startup_delay_s: ``/health`` answers 503 this long (wall) after start.
     """
 
@@ -89,7 +90,7 @@ class EmulatorConfig:
     stream_response_default_include_usage: bool = False
     incremental_streaming_output: bool = False
     default_max_tokens: int = 128
-    get_load_format: str = "sglang"
+    get_load_format: str = "off"
     startup_delay_s: float = 0.0
     api_key: str | None = None
     max_body_bytes: int = 64 * 1024 * 1024
@@ -189,7 +190,9 @@ class Replica:
     def __init__(self, config: EmulatorConfig) -> None:
         self.config = config
         prof = config.profile
-        self.cache = PrefixCache(prof.capacity_tokens, prof.page_size, prof.host_tokens)
+        self.cache = PrefixCache(
+            prof.capacity_tokens, prof.page_size, prof.host_tokens, evict_whole_nodes=prof.evict_whole_nodes
+        )
         self.engine = ReplicaEngine(prof, self.cache)
         self.metrics = ReplicaMetrics(config.model_name, self.engine.load, prof.host_tokens > 0)
         self.faults = Faults()
@@ -939,8 +942,9 @@ class _Handlers:
             "max_total_tokens": None, "chunked_prefill_size": max(1, prof.chunked_prefill_size // prof.token_unit),
             "max_prefill_tokens": 16384, "page_size": prof.page_size, "schedule_policy": "fcfs",
             "kv_cache_dtype": "fp8_e4m3", "quantization": "modelopt_fp4",
+            # SGLang reports its defaults (ratio 2.0, size 0 GB) whether HiCache is on or not
             "enable_hierarchical_cache": host, "hicache_ratio": (prof.host_capacity_tokens / prof.kv_capacity_tokens)
-            if host else None, "hicache_write_policy": "write_through",
+            if host else 2.0, "hicache_size": 0, "hicache_write_policy": "write_through",
             "speculative_algorithm": "DFLASH" if spec else None, "enable_metrics": True,
             "enable_cache_report": cfg.enable_cache_report, "stream_interval": max(1, cfg.stream_interval),
             "stream_response_default_include_usage": cfg.stream_response_default_include_usage,
@@ -959,7 +963,7 @@ class _Handlers:
             "launch_command": f"kvroute emulate --profile {prof.name} --time-scale {cfg.time_scale}",
             "status": rep.status, "max_total_num_tokens": load.capacity_tokens,
             "max_req_input_len": prof.max_context_tokens - 1, "startup_time": rep.startup_time,
-            "kv_events": None, "internal_states": [internal], "version": SGLANG_VERSION, "frontend": "python",
+            "kv_events_config": None, "internal_states": [internal], "version": SGLANG_VERSION, "frontend": "python",
             "emulator": {"name": cfg.name, "profile": dataclasses.asdict(prof), "time_scale": cfg.time_scale,
                          "token_unit": prof.token_unit},
         })

@@ -215,7 +215,10 @@ class _Decode:
 class ReplicaEngine:
     def __init__(self, profile: Profile, cache: PrefixCache | None = None, token_events: bool = False) -> None:
         self.profile = profile
-        self.cache = cache or PrefixCache(profile.capacity_tokens, profile.page_size, profile.host_tokens)
+        self.cache = cache or PrefixCache(
+            profile.capacity_tokens, profile.page_size, profile.host_tokens,
+            evict_whole_nodes=profile.evict_whole_nodes,
+        )
         self._token_events = token_events
         self._unit = profile.token_unit
         self._step_tokens = profile.spec_accept_length / profile.token_unit

@@ -31,7 +31,7 @@ import json
 import logging
 import re
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import orjson
@@ -65,6 +65,7 @@ from router.gateway.middleware import REQUEST_ID_HEADER, REQUEST_ID_KEY, read_bo
 from router.gateway.runtime import RUNTIME_KEY, GatewayRuntime
 from router.model import (
     AffinityBreak,
+    ClusterSnapshot,
     Completion,
     KeySource,
     Lease,
@@ -234,6 +235,20 @@ class _Progress:
     error_content_type: str = ""  # of the last replica error body (relayed when retries run out)
 
 
+def panic_snapshot(snap: ClusterSnapshot, excluded: frozenset[str]) -> ClusterSnapshot | None:
+    """PURE. ``snap`` with its DOWN replicas shown ACTIVE, for a request the policy could place
+    nowhere; ``None`` when no DOWN replica is left outside ``excluded``. Health is a guess (a slow
+    probe, a blip): when it rules out the whole fleet, the replicas are likelier alive than not,
+    and sending the request beats a certain 503 (Envoy's panic threshold). The policy still picks,
+    so a session goes back to its home and affinity survives a false alarm."""
+    if not any(r.status is ReplicaStatus.DOWN and r.id not in excluded for r in snap.replicas):
+        return None
+    shown = tuple(
+        replace(r, status=ReplicaStatus.ACTIVE) if r.status is ReplicaStatus.DOWN else r for r in snap.replicas
+    )
+    return replace(snap, replicas=shown)
+
+
 class _Proxy:
     """Routes and forwards one inference request."""
 
@@ -275,9 +290,15 @@ class _Proxy:
             try:
                 decision = self.rt.policy.route(req, snap, self.rt.rng)
             except NoReplicaError:
-                if last_error is not None:
-                    return await self._give_up(last_error)
-                raise
+                # every replica looks down: try them anyway rather than refuse the client (panic
+                # routing, as Envoy does); a refused connection still excludes one per attempt
+                panic = panic_snapshot(snap, req.excluded)
+                if panic is None:
+                    if last_error is not None:
+                        return await self._give_up(last_error)
+                    raise
+                decision = self.rt.policy.route(req, panic, self.rt.rng)
+                log.warning("no healthy replica: panic-routing to %s (DOWN)", decision.replica_id)
             try:
                 lease = await self.rt.store.acquire(decision, req)
             except StaleSessionError:  # another gateway moved the session: decide again on fresh state
@@ -310,8 +331,11 @@ class _Proxy:
                 if self.p.sent:
                     raise
                 last_error = exc
-                if is_connect_failure(exc) and self.rt.discovery is not None:
-                    await self.rt.discovery.on_connect_error(lease.replica_id, str(exc))
+                if self.rt.discovery is not None:
+                    if is_connect_failure(exc):
+                        await self.rt.discovery.on_connect_error(lease.replica_id, str(exc))
+                    else:  # answered badly or not in time: evidence against it (discovery rule 3)
+                        self.rt.discovery.on_request_failure(lease.replica_id, str(exc))
                 if not can_retry:
                     return await self._give_up(exc)
                 excluded.add(lease.replica_id)
@@ -457,6 +481,8 @@ class _Proxy:
                 self.p.error = exc.code
                 completion = self._completion(sniffer, ok=False)
                 log.warning("upstream %s broke mid-response: %s", lease.replica_id, exc)
+                if self.rt.discovery is not None:
+                    self.rt.discovery.on_request_failure(lease.replica_id, str(exc))
                 if sniffer.is_sse:
                     sep = b"" if last_tail == b"\n\n" else b"\n\n"
                     msg = f"upstream {lease.replica_id} failed mid-stream: {exc.code}"

@@ -26,3 +26,26 @@ def test_help_of_each_benchmark_exits_zero(name: str, capsys: pytest.CaptureFixt
 def test_unknown_benchmark_is_an_error(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli_main(["nope"]) == 2
     assert "unknown benchmark" in capsys.readouterr().err
+
+
+def test_peers_real_fleet_runs_in_real_time_and_needs_the_runtime(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: object
+) -> None:
+    from loadtests.peers import REAL_DEFAULTS, _scenario, bench_peers_main
+
+    with pytest.raises(SystemExit) as exc:
+        bench_peers_main(["--fleet", "real-sglang", "--time-scale", "0.1"])
+    assert exc.value.code == 2 and "real time" in capsys.readouterr().err
+    monkeypatch.setenv("KVROUTE_SGLANG_HOME", str(tmp_path))  # nothing built there
+    monkeypatch.delenv("KVROUTE_SGLANG_PYTHON", raising=False)
+    with pytest.raises(SystemExit) as exc:
+        bench_peers_main(["--fleet", "real-sglang"])
+    assert exc.value.code == 2 and "build_sglang_cpu_env.sh" in capsys.readouterr().err
+
+    class NS:  # what the parser leaves for a real fleet once the defaults are filled in
+        fleet, profile, hicache, workload, trace, policy_param = "real-sglang", "x", False, "synthetic", None, []
+        replicas, sessions, token_unit, time_scale = 2, 40, 40, 1.0
+        duration = REAL_DEFAULTS["duration_s"]
+
+    sc = _scenario(NS, 3)
+    assert (sc.replicas, sc.time_scale, sc.token_unit, sc.page_size, sc.seed) == (2, 1.0, 40, 1, 3)

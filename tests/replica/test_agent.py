@@ -90,11 +90,14 @@ class FakeEngine:
         }
     )
     health_calls: int = 0
+    health_delay_s: float = 0.0  # a busy SGLang answers /health late
     url: str = ""
 
     def app(self) -> web.Application:
         async def health(_: web.Request) -> web.Response:
             self.health_calls += 1
+            if self.health_delay_s:
+                await asyncio.sleep(self.health_delay_s)
             return web.Response(status=200 if self.healthy else 503)
 
         async def server_info(_: web.Request) -> web.Response:
@@ -331,6 +334,31 @@ async def test_unhealthy_engine_is_withdrawn_then_rejoins(
     await _until(rejoined, what="rejoin")
     await _until(agent.ready, what="ready again")
     assert agent.status.phase is AgentPhase.REGISTERED
+    agent.request_drain()
+    assert await asyncio.wait_for(task, 10) == 0
+
+
+async def test_busy_engine_is_kept_a_silent_one_withdrawn(
+    engine: FakeEngine, session: aiohttp.ClientSession
+) -> None:
+    """/health timing out while /metrics answers is a busy engine: kept. Both silent: withdrawn."""
+    store = MemoryStore(SystemClock())
+    cfg = _cfg(engine.url, probe_timeout_s=0.1)
+    agent = Agent(cfg, StoreRegistrar(store), EngineProbe(session, cfg.engine_url, timeout_s=0.1))
+    task = asyncio.create_task(agent.run())
+    await _until(agent.ready, what="registered")
+    engine.health_delay_s = 0.3
+    calls = engine.health_calls
+    await _until(lambda: engine.health_calls >= calls + 6, what="several slow health checks")
+    assert agent.status.phase is AgentPhase.REGISTERED and await _replica(store, cfg.id) is not None
+    assert agent.status.health_failures_in_row == 0
+    engine.metrics_on = False  # now /metrics fails too: nothing says the engine is alive
+
+    async def gone() -> bool:
+        return await _replica(store, cfg.id) is None
+
+    await _until(gone, what="withdrawn")
+    assert agent.status.phase is AgentPhase.ENGINE_DOWN
     agent.request_drain()
     assert await asyncio.wait_for(task, 10) == 0
 

@@ -209,3 +209,26 @@ def test_randomized_invariants() -> None:
     assert st.reserved_tokens == 0 and st.evictable_tokens == st.cached_tokens
     assert st.device_evicted_tokens > 0 and st.host_evicted_tokens > 0 and st.host_hit_tokens > 0
     assert c.flush() and c.stats().nodes == 0
+
+
+def test_whole_node_eviction_frees_whole_turns_and_keeps_older_ones() -> None:
+    """Rule 6 (SGLang 0.5.23): one node per turn, never merged; eviction takes whole LRU leaves, so it
+    may free more than needed, and a session whose newest turn went keeps its older turns whole."""
+    c = PrefixCache(capacity_tokens=40, page_size=PAGE, evict_whole_nodes=True)  # 10 blocks
+    t1 = chain(1, 3)
+    t2 = chain(1, 3, tuple(t1))  # turn 2 extends turn 1 by 3 blocks
+    b = chain(2, 2)
+    assert run(c, t1, 12) == 0
+    assert run(c, t2, 24) == 12
+    assert run(c, b, 8) == 0
+    assert c.stats().nodes == 3  # turn 1, turn 2's extension, b: no merging
+    assert c.free_tokens == 8
+    # needs 3 blocks (1 short): the LRU leaf is turn 2's 3-block extension, evicted whole
+    assert run(c, chain(3, 3), 12) == 0
+    assert c.match(t2).device_blocks == 3  # turn 1 survives whole
+    assert c.match(b).device_blocks == 2
+    assert c.stats().device_evicted_tokens == 12
+    split = PrefixCache(capacity_tokens=40, page_size=PAGE)  # the finer model evicts exactly 1 block
+    for h, total in ((t1, 12), (t2, 24), (b, 8), (chain(3, 3), 12)):
+        run(split, h, total)
+    assert split.stats().device_evicted_tokens == 4

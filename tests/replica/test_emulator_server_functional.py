@@ -301,8 +301,7 @@ async def test_info_endpoints(emu: Running, http: aiohttp.ClientSession) -> None
     async with http.get(f"{emu.url}/v1/loads?format=prometheus") as r:
         assert 'sglang_num_running_reqs{dp_rank="0"} 0.0' in await r.text()
     async with http.get(f"{emu.url}/get_load") as r:
-        gl = await r.json()
-    assert isinstance(gl, list) and set(gl[0]) >= {"dp_rank", "num_reqs", "num_waiting_reqs", "num_tokens"}
+        assert r.status == 404  # as SGLang 0.5.23 (tests/real_sglang checks it against the real one)
     for path in ("/health", "/health_generate", "/ready"):
         async with http.get(f"{emu.url}{path}") as r:
             assert r.status == 200 and await r.read() == b"", path
@@ -554,3 +553,14 @@ async def test_default_profile_ttft_over_http(http: aiohttp.ClientSession) -> No
         sums = {s.labels["is_streaming"]: s.value for s in fams["sglang:time_to_first_token_seconds"].samples
                 if s.name.endswith("_sum")}
         assert 4.0 + 0.05 < sums["true"] < 7.0 + 0.09  # histograms are in modelled seconds
+
+
+async def test_get_load_older_shapes_on_request(emulators: Any, http: aiohttp.ClientSession) -> None:
+    """/get_load is gone in SGLang 0.5.23 (404, the default); the older shapes stay available for
+    peers whose power_of_two still polls it."""
+    async with emulators(1, get_load_format="sglang") as (rep,):
+        async with http.get(f"{rep.url}/get_load") as r:
+            gl = await r.json()
+        assert isinstance(gl, list) and set(gl[0]) >= {"dp_rank", "num_reqs", "num_waiting_reqs", "num_tokens"}
+    async with emulators(1, get_load_format="vllm") as (rep,), http.get(f"{rep.url}/get_load") as r:
+        assert await r.json() == {"load": 0}

@@ -50,6 +50,7 @@ class FakeReplicaState:
     completed: int = 0
     seen_tokens: dict[str, int] = field(default_factory=dict)  # routing key -> prompt tokens cached
     metrics_delay_s: float = 0.0  # before answering /metrics
+    health_delay_s: float = 0.0  # before answering /health (a busy SGLang answers it late)
     scraped_at: list[float] = field(default_factory=list)  # loop time of each /metrics request
     checked_at: list[float] = field(default_factory=list)  # ... and of each /health request
 
@@ -295,6 +296,8 @@ class FakeReplica:
 
     async def _health(self, request: web.Request) -> web.Response:
         self.state.checked_at.append(asyncio.get_running_loop().time())
+        if self.state.health_delay_s:
+            await asyncio.sleep(self.state.health_delay_s)
         return web.Response(status=self.state.health_status)
 
     async def _metrics(self, request: web.Request) -> web.Response:

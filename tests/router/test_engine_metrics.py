@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 
-from router.engine_metrics import MetricsParseError, parse_engine_metrics, scrape_values
+from router.engine_metrics import MetricsParseError, apply_v1_loads, parse_engine_metrics, scrape_values
 from router.model import EngineLoad
 
 SAMPLE = (Path(__file__).parent / "fixtures" / "sglang_metrics_0.5.23.txt").read_text()
@@ -117,3 +118,24 @@ def test_unwanted_families_do_not_reach_the_parser_but_garbage_still_fails() -> 
     for garbage in ("<html><body>502 Bad Gateway</body></html>\n", histogram + "{} 1\n"):
         with pytest.raises(MetricsParseError):
             parse_engine_metrics(garbage)
+
+
+LOADS = json.loads((Path(__file__).parent / "fixtures" / "sglang_v1_loads_0.5.23.json").read_text())
+
+
+def test_v1_loads_adds_waiting_uncached_tokens() -> None:
+    """A real SGLang 0.5.23 ``/v1/loads`` (idle: 0), then the same with two DP ranks waiting."""
+    base = EngineLoad(running=2, capacity_tokens=40_000, updated_at=3.0)
+    assert apply_v1_loads(base, LOADS) == base
+    busy = {"loads": [dict(LOADS["loads"][0], num_waiting_uncached_tokens=1500, dp_rank=r) for r in (0, 1)]}
+    assert apply_v1_loads(base, busy) == EngineLoad(
+        running=2, capacity_tokens=40_000, waiting_uncached_tokens=3000, updated_at=3.0
+    )
+    # an engine too old to report it, or nonsense in the field: counts 0
+    assert apply_v1_loads(base, {"loads": [{"num_running_reqs": 1}, {"num_waiting_uncached_tokens": "x"}]}) == base
+
+
+@pytest.mark.parametrize("doc", [[], {"loads": {}}, {"loads": [1]}, {"nope": []}, None])
+def test_v1_loads_garbage_raises_our_error(doc: object) -> None:
+    with pytest.raises(MetricsParseError):
+        apply_v1_loads(EngineLoad(), doc)

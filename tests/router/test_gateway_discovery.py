@@ -11,7 +11,7 @@ import pytest
 
 from router.clock import SystemClock
 from router.config import HealthConfig, TimeoutsConfig
-from router.discovery import Discovery, HealthTrack, health_transition
+from router.discovery import Discovery, HealthTrack, ProbeOutcome, health_transition
 from router.events import ReplicaActivated, ReplicaEjected, ReplicaReadmitted
 from router.gateway.upstream import ReplicaHttpClient
 from router.model import ReplicaSpec, ReplicaStatus
@@ -46,6 +46,86 @@ def test_health_transition(
     want_status: ReplicaStatus | None,
 ) -> None:
     assert health_transition(status, track, ok, CFG) == (want_track, want_status)
+
+
+OK, FAILED, TIMEOUT = ProbeOutcome.OK, ProbeOutcome.FAILED, ProbeOutcome.TIMEOUT
+
+
+@pytest.mark.parametrize(
+    ("status", "track", "outcome", "suspect", "want_track", "want_status"),
+    [
+        # a timeout alone is "busy": the failure streak stays, a success streak breaks
+        (A, HealthTrack(0, 0), TIMEOUT, False, HealthTrack(0, 0, 1), None),
+        (A, HealthTrack(0, 2), TIMEOUT, False, HealthTrack(0, 2, 1), None),
+        (A, HealthTrack(0, 0, 40), TIMEOUT, False, HealthTrack(0, 0, 41), None),  # never ejects alone
+        (D, HealthTrack(1, 0), TIMEOUT, False, HealthTrack(0, 0, 1), None),
+        # with evidence (failed requests, or no sign of life for stall_after_s) it counts
+        (A, HealthTrack(0, 2), TIMEOUT, True, HealthTrack(0, 3), D),
+        (A, HealthTrack(0, 0, 7), TIMEOUT, True, HealthTrack(0, 1), None),
+        # an answer other than 200 (or a refused connection) counts whatever the evidence
+        (A, HealthTrack(0, 2), FAILED, False, HealthTrack(0, 3), D),
+        (A, HealthTrack(0, 1, 3), OK, False, HealthTrack(1, 0), None),
+        (J, HealthTrack(), TIMEOUT, False, HealthTrack(0, 0, 1), None),
+    ],
+)
+def test_health_transition_busy_is_not_dead(
+    status: ReplicaStatus,
+    track: HealthTrack,
+    outcome: ProbeOutcome,
+    suspect: bool,
+    want_track: HealthTrack,
+    want_status: ReplicaStatus | None,
+) -> None:
+    assert health_transition(status, track, outcome, CFG, suspect=suspect) == (want_track, want_status)
+
+
+async def test_a_slow_health_probe_alone_never_ejects(fake_replicas: Any) -> None:
+    """A replica that answers /health later than the probe timeout (as a busy SGLang does) stays ACTIVE
+    while it shows signs of life; a failed request, or a long silence, makes the timeouts count."""
+    (busy,) = await fake_replicas(1)
+    busy.state.health_delay_s = 0.3
+    store = MemoryStore(SystemClock())
+    await store.upsert_replica(ReplicaSpec(id=busy.id, url=busy.url), ReplicaStatus.ACTIVE)
+    log = EventLog()
+    client = ReplicaHttpClient(TimeoutsConfig(probe_s=0.1))
+    cfg = HealthConfig(unhealthy_threshold=2, healthy_threshold=1, stall_after_s=0.5)
+    d = Discovery(store, client, cfg, clock=SystemClock(), emit=log, rng=random.Random(1), probe_timeout_s=0.1)
+
+    async def status() -> ReplicaStatus:
+        return {r.id: r.status for r in await store.replicas()}[busy.id]
+
+    try:
+        for _ in range(4):
+            await d.check_health_once()
+            d.on_success(busy.id)  # it keeps answering requests meanwhile
+        assert await status() is A and d.health_busy == 4 and d.health_failures == 0
+        assert not log.of(ReplicaEjected)
+
+        # evidence: a request to it failed (timed out) since its last success
+        d.on_request_failure(busy.id, "timed out")
+        await d.check_health_once()
+        assert await status() is A
+        await d.check_health_once()
+        assert await status() is D
+        (ej,) = log.of(ReplicaEjected)
+        assert ej.cause == "health" and "failed request" in ej.detail
+
+        # back to health; then silence: no request answered, probes timing out for stall_after_s
+        busy.state.health_delay_s = 0.0
+        await d.check_health_once()
+        assert await status() is A
+        d.on_success(busy.id)
+        busy.state.health_delay_s = 0.3
+        await d.check_health_once()
+        await d.check_health_once()
+        assert await status() is A  # within the stall window: busy
+        await asyncio.sleep(0.5)
+        await d.check_health_once()
+        await d.check_health_once()
+        assert await status() is D
+        assert "no sign of life" in log.of(ReplicaEjected)[-1].detail
+    finally:
+        await client.close()
 
 
 async def test_rounds_against_real_replicas(fake_replicas: Any) -> None:

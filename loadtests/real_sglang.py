@@ -1,0 +1,211 @@
+"""Real SGLang servers on this machine's CPUs, for the conformance tests (``tests/real_sglang``) and
+``kvroute bench peers --fleet real-sglang``.
+
+Each server is ``kvroute launch --profile sglang-cpu-tiny`` (the runtime that
+``replica/build_sglang_cpu_env.sh`` builds under ``$KVROUTE_SGLANG_HOME``): a real SGLang 0.5.23
+serving a tiny random Qwen2, pinned to one CPU with ``OMP_NUM_THREADS=1`` and a small KV pool. It
+takes 17-25 s to answer ``/health`` and ~2.4 GiB of memory. Each runs in its own process group (the
+launcher execs SGLang, which starts its scheduler and detokenizer as children) and is stopped by that
+group's id: SIGTERM, then SIGKILL after a grace period. Nothing is stopped by name.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from replica.launch import sglang_python
+
+__all__ = [
+    "RealServer",
+    "flush_caches",
+    "get_json",
+    "real_sglang_fleet",
+    "runtime_missing",
+    "start_real_server",
+    "stop_real_server",
+    "wait_healthy",
+]
+
+PROFILE = "sglang-cpu-tiny"
+
+
+@dataclass
+class RealServer:
+    port: int
+    cpu: int
+    proc: subprocess.Popen[bytes]
+    log_path: Path
+    args: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def id(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def log_tail(self, n: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+
+def runtime_missing() -> str | None:
+    """Why no real server can start here (``None``: the runtime is built)."""
+    if sglang_python(os.environ) is None:
+        return (
+            "the CPU SGLang runtime is not built: run `bash replica/build_sglang_cpu_env.sh` "
+            "(or set KVROUTE_SGLANG_HOME / KVROUTE_SGLANG_PYTHON)"
+        )
+    return None
+
+
+def start_real_server(
+    port: int,
+    cpu: int,
+    *,
+    log_dir: Path,
+    max_total_tokens: int = 40_000,
+    context_length: int | None = None,
+    sets: Sequence[str] = (),
+    extra_flags: Sequence[str] = (),
+) -> RealServer:
+    """Start one server (returns at once; :func:`wait_healthy` waits for it)."""
+    argv = [sys.executable, "-m", "router.cli", "launch", "--profile", PROFILE, "--port", str(port),
+            "--cpus", str(cpu), "--set", f"max-total-tokens={max_total_tokens}"]
+    if context_length is not None:
+        argv += ["--set", f"context-length={context_length}"]
+    for s in sets:
+        argv += ["--set", s]
+    if extra_flags:
+        argv += ["--", *extra_flags]
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log_path = log_dir / f"sglang-{port}.log"
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(
+            argv,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"},
+            start_new_session=True,  # its own process group: stopped by that id, never by name
+        )
+    return RealServer(port=port, cpu=cpu, proc=proc, log_path=log_path, args=tuple(argv))
+
+
+def _get(url: str, timeout_s: float) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as r:
+            return int(r.status), r.read()
+    except urllib.error.HTTPError as exc:
+        return int(exc.code), exc.read()
+
+
+def wait_healthy(servers: Sequence[RealServer], timeout_s: float = 180.0) -> None:
+    """Until every server answers ``/health`` 200 (SGLang's takes >= 1 s: it runs a one-token request
+    through the scheduler). Raises ``RuntimeError`` with the log tail if one exits or is late."""
+    deadline = time.monotonic() + timeout_s
+    pending = list(servers)
+    while pending:
+        for s in list(pending):
+            if s.proc.poll() is not None:
+                raise RuntimeError(f"SGLang on :{s.port} exited with {s.proc.returncode}:\n{s.log_tail()}")
+            with contextlib.suppress(OSError):
+                if _get(s.url + "/health", 5.0)[0] == 200:
+                    pending.remove(s)
+        if pending and time.monotonic() > deadline:
+            tails = "\n".join(f"--- :{s.port}\n{s.log_tail()}" for s in pending)
+            raise RuntimeError(f"SGLang not healthy after {timeout_s:.0f}s:\n{tails}")
+        if pending:
+            time.sleep(0.5)
+
+
+def stop_real_server(s: RealServer, grace_s: float = 20.0) -> None:
+    """SIGTERM the server's process group, SIGKILL it after ``grace_s``."""
+    if s.proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(s.proc.pid, signal.SIGTERM)
+        try:
+            s.proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            pass
+    # the scheduler/detokenizer children may outlive the launcher: the group goes either way
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(s.proc.pid, signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        s.proc.wait(10)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@contextlib.contextmanager
+def real_sglang_fleet(
+    n: int,
+    *,
+    log_dir: Path,
+    max_total_tokens: int = 40_000,
+    context_length: int | None = None,
+    sets: Sequence[str] = (),
+    timeout_s: float = 240.0,
+) -> Iterator[list[RealServer]]:
+    """``n`` real servers, server i pinned to the i-th CPU this process may use (round robin),
+    started together; stopped (and their whole process groups) when the block exits."""
+    cpus = sorted(os.sched_getaffinity(0))
+    servers: list[RealServer] = []
+    try:
+        for i in range(n):
+            servers.append(
+                start_real_server(
+                    _free_port(), cpus[i % len(cpus)], log_dir=log_dir, max_total_tokens=max_total_tokens,
+                    context_length=context_length, sets=sets,
+                )
+            )
+        wait_healthy(servers, timeout_s)
+        yield servers
+    finally:
+        for s in servers:
+            stop_real_server(s)
+
+
+def flush_caches(urls: Sequence[str], timeout_s: float = 30.0) -> None:
+    """``POST /flush_cache`` on every server (SGLang flushes once nothing is running: retried)."""
+    deadline = time.monotonic() + timeout_s
+    for url in urls:
+        while True:
+            req = urllib.request.Request(url + "/flush_cache", method="POST", data=b"")
+            try:
+                with urllib.request.urlopen(req, timeout=10) as r:
+                    if r.status == 200:
+                        break
+            except (urllib.error.HTTPError, OSError):
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{url}/flush_cache did not succeed in {timeout_s:.0f}s")
+            time.sleep(0.5)
+
+
+def get_json(url: str, timeout_s: float = 10.0) -> Any:
+    status, body = _get(url, timeout_s)
+    if status != 200:
+        raise RuntimeError(f"GET {url}: HTTP {status}")
+    return json.loads(body)

@@ -1,0 +1,230 @@
+"""The emulator against the real engine (issue 21, item 3).
+
+Wire: every key, type and metric family (with its labels) that the gateway or the sidecar reads is
+fetched from a live real SGLang and from the emulator; any difference fails, printed as a diff.
+
+Cache: one request sequence (several sessions, growing contexts, a KV pool small enough to evict)
+goes to a real server and to the emulator configured with the same capacity and page size; the
+per-request ``cached_tokens`` must agree within 5 % (of the prompt) or the test fails with the table.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+from collections.abc import Iterator
+from typing import Any
+
+import aiohttp
+
+from loadtests.real_sglang import RealServer, flush_caches
+from replica.emulator.profiles import get_profile
+from replica.emulator.runner import running_emulators
+from replica.emulator.server import EmulatorConfig
+from router.engine_metrics import _WANTED
+from tests.real_sglang.conftest import CONTEXT_TOKENS, POOL_TOKENS
+
+
+def emulator_config(**changes: Any) -> EmulatorConfig:
+    """The emulator set up like the ``sglang-cpu-tiny`` servers here: same pool, page size 1, no host
+    tier, usage in every stream; time runs 100x faster than modelled (timing is not compared)."""
+    prof = get_profile("small-test").with_overrides(
+        kv_capacity_tokens=POOL_TOKENS, host_capacity_tokens=0, page_size=1, context_length=CONTEXT_TOKENS,
+        max_running_requests=64, chunked_prefill_size=4096, spec_accept_length=1.0,
+    )
+    cfg = EmulatorConfig(profile=prof, time_scale=0.01, stream_response_default_include_usage=True)
+    return dataclasses.replace(cfg, **changes)
+
+
+# ---- wire ------------------------------------------------------------------------------------------
+
+# (GET path, JSON paths the gateway or the sidecar reads; "[]" = every item of a list)
+READ_JSON: dict[str, tuple[str, ...]] = {
+    "/server_info": (
+        "max_total_num_tokens", "internal_states[].max_total_num_tokens", "served_model_name", "model_path",
+        "tp_size", "enable_hierarchical_cache", "hicache_ratio", "hicache_size", "page_size", "version",
+        "status", "kv_events_config",
+    ),
+    "/model_info": ("served_model_name", "model_path"),
+    "/v1/models": ("object", "data[].id", "data[].object"),
+    "/v1/loads": (
+        "loads[].num_running_reqs", "loads[].num_waiting_reqs", "loads[].num_waiting_uncached_tokens",
+        "loads[].max_total_num_tokens", "loads[].token_usage", "loads[].cache_hit_rate",
+    ),
+}
+# token counts: the readers want integers, not any number
+INT_PATHS = {"max_total_num_tokens", "internal_states[].max_total_num_tokens", "tp_size", "page_size",
+             "loads[].num_running_reqs", "loads[].num_waiting_reqs", "loads[].num_waiting_uncached_tokens",
+             "loads[].max_total_num_tokens", "usage.prompt_tokens", "usage.completion_tokens",
+             "usage.prompt_tokens_details.cached_tokens", "meta_info.prompt_tokens", "meta_info.cached_tokens",
+             "meta_info.completion_tokens"}
+USAGE_OPENAI = ("usage.prompt_tokens", "usage.completion_tokens", "usage.prompt_tokens_details.cached_tokens")
+USAGE_NATIVE = ("meta_info.prompt_tokens", "meta_info.cached_tokens", "meta_info.completion_tokens")
+
+
+def _values(doc: Any, path: str) -> Iterator[Any]:
+    head, _, rest = path.partition(".")
+    many = head.endswith("[]")
+    key = head.removesuffix("[]")
+    if not isinstance(doc, dict) or key not in doc:
+        yield _MISSING
+        return
+    v = doc[key]
+    items = (v if isinstance(v, list) else [_MISSING]) if many else [v]
+    for item in items:
+        if rest:
+            yield from _values(item, rest)
+        else:
+            yield item
+
+
+_MISSING = object()
+
+
+def _kind(v: Any, path: str) -> str:
+    if v is _MISSING:
+        return "missing"
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return "bool"
+    if isinstance(v, int | float):
+        return ("int" if isinstance(v, int) else "float") if path in INT_PATHS else "number"
+    return type(v).__name__
+
+
+def shape(doc: Any, paths: tuple[str, ...]) -> dict[str, str]:
+    return {p: "|".join(sorted({_kind(v, p) for v in _values(doc, p)})) for p in paths}
+
+
+def metric_labels(text: str) -> dict[str, str]:
+    """Wanted family -> its sample label names (sorted, joined), as scraped."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, set[str]] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            name = s.name.replace(":", "_").removeprefix("sglang_")
+            if name in _WANTED:
+                out.setdefault(name, set()).add(",".join(sorted(s.labels)))
+    return {k: " | ".join(sorted(v)) for k, v in out.items()}
+
+
+async def surface(base: str) -> dict[str, Any]:
+    """What the gateway and the sidecar read from one server, as kinds (never values)."""
+    got: dict[str, Any] = {}
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as s:
+        for path in ("/health", "/get_load", "/flush_cache"):
+            method = s.post if path == "/flush_cache" else s.get
+            async with method(base + path) as r:
+                got[f"GET {path} status" if path != "/flush_cache" else "POST /flush_cache status"] = r.status
+        for path, paths in READ_JSON.items():
+            async with s.get(base + path) as r:
+                got[f"{path} status"] = r.status
+                doc = await r.json(content_type=None)
+            for k, v in shape(doc, paths).items():
+                got[f"{path} {k}"] = v
+        async with s.get(base + "/metrics", headers={"Accept": "text/plain"}) as r:
+            got["/metrics content-type"] = r.headers["Content-Type"].split(";")[0]
+            for k, v in metric_labels(await r.text()).items():
+                got[f"/metrics {k} labels"] = v
+        text = "def fidelity(): return 42  # a prompt"
+        for route, body in (
+            ("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": text}], "max_tokens": 3}),
+            ("/v1/completions", {"model": "m", "prompt": text, "max_tokens": 3}),
+            ("/generate", {"text": text, "sampling_params": {"max_new_tokens": 3}}),
+        ):
+            paths = USAGE_NATIVE if route == "/generate" else USAGE_OPENAI
+            for stream in (False, True):
+                async with s.post(base + route, json={**body, "stream": stream}) as r:
+                    got[f"POST {route} stream={stream} content-type"] = r.headers["Content-Type"].split(";")[0]
+                    raw = await r.read()
+                if stream:
+                    events = [e[6:] for e in raw.split(b"\n\n") if e.startswith(b"data: ")]
+                    got[f"POST {route} stream=True ends with [DONE]"] = events[-1] == b"[DONE]"
+                    doc = json.loads(events[-2])  # the chunk the gateway learns usage from
+                else:
+                    doc = json.loads(raw)
+                for k, v in shape(doc, paths).items():
+                    got[f"POST {route} stream={stream} {k}"] = v
+    return got
+
+
+def wire_diff(real: dict[str, Any], emu: dict[str, Any]) -> list[str]:
+    return [
+        f"{k}: real {real.get(k, 'absent')!r} vs emulator {emu.get(k, 'absent')!r}"
+        for k in sorted(set(real) | set(emu))
+        if real.get(k, "absent") != emu.get(k, "absent")
+    ]
+
+
+async def test_wire_fidelity(fleet: list[RealServer]) -> None:
+    real = await surface(fleet[0].url)
+    async with running_emulators(1, config=emulator_config()) as (emu_rep,):
+        emu = await surface(emu_rep.url)
+    diff = wire_diff(real, emu)
+    print(json.dumps({"wire_diff": diff, "checked": len(real)}, indent=1))
+    assert real["GET /get_load status"] == 404  # SGLang 0.5.23 has no /get_load
+    assert len(real) >= 50
+    assert diff == [], "\n".join(diff)
+
+
+# ---- cache -----------------------------------------------------------------------------------------
+
+
+def cache_sequence(seed: int = 21) -> list[tuple[str, list[int]]]:
+    """Sessions with growing contexts, interleaved: each turn's input is the session's last input
+    plus the turn's new tokens (ids < 2048, the tiny model's vocabulary). Sized so that the sessions
+    together outgrow the pool (``POOL_TOKENS``) and the oldest are evicted."""
+    rng = random.Random(seed)
+    sessions = {f"s{i}": [rng.randrange(10, 2000) for _ in range(rng.randrange(500, 1500))] for i in range(6)}
+    seq: list[tuple[str, list[int]]] = []
+    for turn in range(6):
+        order = list(sessions)
+        rng.shuffle(order)
+        for sid in order:
+            if turn:
+                sessions[sid] = sessions[sid] + [rng.randrange(10, 2000) for _ in range(rng.randrange(200, 700))]
+            seq.append((sid, list(sessions[sid])))
+    return seq
+
+
+async def run_sequence(base: str, seq: list[tuple[str, list[int]]]) -> list[tuple[int, int]]:
+    """(prompt_tokens, cached_tokens) per request, one request at a time, one output token each."""
+    out = []
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as s:
+        for _, ids in seq:
+            body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 1, "temperature": 0}}
+            async with s.post(base + "/generate", json=body) as r:
+                assert r.status == 200, await r.text()
+                meta = (await r.json())["meta_info"]
+            out.append((meta["prompt_tokens"], meta["cached_tokens"]))
+    return out
+
+
+def cache_table(
+    seq: list[tuple[str, list[int]]], real: list[tuple[int, int]], emu: list[tuple[int, int]]
+) -> list[dict[str, Any]]:
+    rows = []
+    for i, ((sid, _), (p_real, c_real), (p_emu, c_emu)) in enumerate(zip(seq, real, emu, strict=True)):
+        rows.append({"i": i, "session": sid, "prompt": p_real, "prompt_emu": p_emu, "cached_real": c_real,
+                     "cached_emu": c_emu, "diff_pct": round(100.0 * abs(c_real - c_emu) / p_real, 2)})
+    return rows
+
+
+async def test_cache_fidelity(fleet: list[RealServer]) -> None:
+    seq = cache_sequence()
+    assert sum(len(ids) for _, ids in seq[-6:]) > POOL_TOKENS  # the last turns cannot all fit: evictions
+    flush_caches([fleet[0].url])
+    real = await run_sequence(fleet[0].url, seq)
+    async with running_emulators(1, config=emulator_config()) as (emu_rep,):
+        emu = await run_sequence(emu_rep.url, seq)
+    rows = cache_table(seq, real, emu)
+    print(json.dumps({"cache_table": rows}))
+    assert any(r["cached_real"] < 0.5 * r["prompt"] and r["i"] >= 5 for r in rows)  # real evictions happened
+    assert sum(r["cached_real"] for r in rows) > 0
+    bad = [r for r in rows if r["diff_pct"] > 5.0 or r["prompt"] != r["prompt_emu"]]
+    assert not bad, json.dumps(bad, indent=1)
+
+
