@@ -129,10 +129,16 @@ class KvEventSubscriber:
             while True:
                 ready = dict(await poller.poll())
                 if mon in ready:
-                    await self._on_monitor(parse_monitor_message(await mon.recv_multipart()))
+                    # ZMQ's readiness is edge-triggered: drain the queue, or a message can sit unseen
+                    while True:
+                        try:
+                            frames = await mon.recv_multipart(flags=zmq.NOBLOCK)
+                        except zmq.Again:
+                            break
+                        await self._on_monitor(parse_monitor_message(frames))
                 if sub in ready:
                     # drain what is queued before polling again (one poll per burst, not per batch)
-                    for _ in range(256):
+                    while True:
                         try:
                             frames = await sub.recv_multipart(flags=zmq.NOBLOCK)
                         except zmq.Again:
@@ -330,6 +336,7 @@ class KvEventsManager:
         self._replay_timeout_s = replay_timeout_s
         self._recheck = max(1, recheck_rounds)
         self._subs: dict[str, _Sub] = {}
+        self._dying: set[asyncio.Task[None]] = set()  # cancelled, not yet finished (closing sockets)
         self._none: dict[str, int] = {}  # replicas without a publisher: rounds until we look again
         self._round = 0
 
@@ -411,21 +418,20 @@ class KvEventsManager:
             del self._none[rid]
 
     async def close(self) -> None:
-        subs = list(self._subs.values())
-        self._subs.clear()
-        for s in subs:
+        for s in list(self._subs.values()):
             self._cancel(s)
-        for s in subs:
-            for t in s.tasks:
-                with contextlib.suppress(asyncio.CancelledError):
-                    await t
+        self._subs.clear()
+        for t in list(self._dying):
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
         if self._own_ctx:
-            self._ctx.term()
+            self._ctx.destroy(linger=0)
 
-    @staticmethod
-    def _cancel(sub: _Sub) -> None:
+    def _cancel(self, sub: _Sub) -> None:
         for t in sub.tasks:
             t.cancel()
+            self._dying.add(t)
+            t.add_done_callback(self._dying.discard)
 
 
 def _log_death(task: asyncio.Task[None]) -> None:

@@ -342,12 +342,16 @@ class ResidencyIndex:
             return None
         if len(ranks) == 1:
             return ranks[0].resident_tokens(session_id)
-        best: int | None = None
+        # a session lives on one rank: the rank holding it answers; an unknown rank leaves a 0 unknown
+        best = 0
+        unknown = False
         for r in ranks:
             v = r.resident_tokens(session_id)
-            if v is not None and (best is None or v > best):
+            if v is None:
+                unknown = True
+            elif v > best:
                 best = v
-        return best
+        return None if unknown and best == 0 else best
 
     def resident_on(self, session_id: str) -> tuple[tuple[str, int], ...]:
         out: list[tuple[str, int]] = []

@@ -359,7 +359,7 @@ class KvEventsPublisher:
         self._ctx = zmq.asyncio.Context()
         self._topic = config.topic.encode()
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_steps or None)
-        self._queue: asyncio.Queue[tuple[int, bytes] | None] = asyncio.Queue(maxsize=config.max_queue_size)
+        self._queue: asyncio.Queue[tuple[int, bytes, bool] | None] = asyncio.Queue(maxsize=config.max_queue_size)
         self._seq = 0
         self.published = 0
         self.dropped = 0
@@ -393,14 +393,16 @@ class KvEventsPublisher:
         if self._replay is not None:
             self._tasks.append(loop.create_task(self._replay_loop(), name="emulator-kv-events-replay"))
 
-    def publish(self, events: list[dict[str, Any]]) -> None:
+    def publish(self, events: list[dict[str, Any]], *, drop_live: bool = False) -> None:
+        """Queue one batch. ``drop_live`` (fault injection for tests): keep it for replay but never
+        send it live, as a subscriber behind a full high-water mark would miss it."""
         if not events:
             return
         seq = self._seq
         self._seq += 1
         payload = self._encode([time.time(), events, self.dp_rank])
         try:
-            self._queue.put_nowait((seq, payload))
+            self._queue.put_nowait((seq, payload, not drop_live))
         except asyncio.QueueFull:
             self.dropped += 1
 
@@ -409,10 +411,11 @@ class KvEventsPublisher:
             item = await self._queue.get()
             if item is None:
                 return
-            seq, payload = item
-            await self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload))
+            seq, payload, live = item
+            if live:
+                await self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload))
+                self.published += 1
             self._buffer.append((seq, payload))
-            self.published += 1
 
     async def _replay_loop(self) -> None:
         assert self._replay is not None
@@ -446,7 +449,7 @@ class KvEventsPublisher:
         self._pub.close(linger=0)
         if self._replay is not None:
             self._replay.close(linger=0)
-        self._ctx.term()
+        self._ctx.destroy(linger=0)
 
     def stats(self) -> dict[str, int]:
         return {"published": self.published, "dropped": self.dropped, "replays": self.replays, "next_seq": self._seq}
