@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import base64
+import json
+from array import array
+from pathlib import Path
+
 import msgspec
 import pytest
 
@@ -108,3 +113,75 @@ def test_descriptor_from_server_info() -> None:
     for bad in (None, {"publisher": "null"}, {**kv, "endpoint_port_base": 0}, {**kv, "endpoint_port_base": "x"}):
         assert parse_descriptor({"kv_events": bad}, "http://h:1") is None
     assert parse_descriptor({}, "http://h:1") is None
+
+
+# ---- bytes captured from a real SGLang 0.5.23 (CPU, page_size 1) ---------------------------------------
+# tests/router/fixtures/kv_events/: the whole replay buffer of a server that served sessions sess-A
+# (4 turns), sess-D (3 turns, then evicted by sess-E's 2,652-token prompt in a 3,000-token pool, then
+# one more turn: 7 tokens cached) and was flushed; and its /server_info (kv_events part).
+
+FIXTURES = Path(__file__).parent / "fixtures" / "kv_events"
+
+
+def real_frames() -> list[tuple[int, bytes]]:
+    out = []
+    for line in (FIXTURES / "sglang-0.5.23-cpu-frames.jsonl").read_text().splitlines():
+        d = json.loads(line)
+        out.append((d["seq"], base64.b64decode(d["payload"])))
+    return out
+
+
+def test_real_engine_frames_decode_and_replay() -> None:
+    frames = real_frames()
+    assert [s for s, _ in frames] == list(range(len(frames)))
+    r = ReplicaResidency()
+    seen_d = []
+    for seq, payload in frames:
+        batch = decode_batch(payload)
+        feed_batch(batch, r)
+        if seq == 0:
+            assert r.complete  # the engine's cache creation is sequence 0
+        v = r.resident_tokens("sess-D")
+        if v is not None and (not seen_d or seen_d[-1] != v):
+            seen_d.append(v)
+    assert r.unknown_parents == 0 and r.unknown_removals == 0 and r.removals >= 1
+    # sess-D: untracked (0 on a complete mirror), then each turn stores its prompt and then its output
+    # (372 / 383 ...: the engine reported 7, 376, 408 cached tokens); sess-E's prompt cut it to the 7
+    # template tokens it shares with everyone (its next turn: 7 cached), it grew again, then the flush
+    assert seen_d == [0, 372, 383, 404, 415, 432, 443, 7, 462, 473, 0]
+    assert r.resident_blocks == 0 and r.complete
+
+
+def test_real_engine_block_hashes_are_the_emulators_sha256_chain() -> None:
+    from replica.emulator.kv_events import event_hash, sglang_digests
+
+    digests: dict[int, bytes] = {}
+    checked = 0
+    for _, payload in real_frames():
+        for ev in msgspec.msgpack.decode(payload)[1]:
+            if ev["type"] != "BlockStored":
+                continue
+            assert ev["block_size"] == 1 and ev["medium"] == "GPU" and ev["lora_id"] is None
+            prior = None if ev["parent_block_hash"] is None else digests[ev["parent_block_hash"]]
+            ds = sglang_digests(array("I", ev["token_ids"]).tobytes(), 1, prior)
+            assert [event_hash(d) for d in ds] == ev["block_hashes"]
+            digests.update(zip(ev["block_hashes"], ds, strict=True))
+            checked += len(ds)
+    assert checked > 4000
+
+
+def test_real_engine_sessions_ride_on_their_stores() -> None:
+    sids = set()
+    for _, payload in real_frames():
+        for ev in msgspec.msgpack.decode(payload)[1]:
+            if ev["type"] == "BlockStored" and "session_id" in ev:
+                sids.add(ev["session_id"])
+    assert sids == {"sess-A", "sess-D", "sess-E"}
+
+
+def test_real_server_info_descriptor() -> None:
+    info = json.loads((FIXTURES / "sglang-0.5.23-cpu-server_info.json").read_text())
+    d = parse_descriptor(info, "http://127.0.0.1:31555")
+    assert d is not None
+    assert d.endpoint() == "tcp://127.0.0.1:31556" and d.replay_endpoint() == "tcp://127.0.0.1:31557"
+    assert d.block_size == info["page_size"] == 1
