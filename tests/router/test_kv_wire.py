@@ -117,8 +117,9 @@ def test_descriptor_from_server_info() -> None:
 
 # ---- bytes captured from a real SGLang 0.5.23 (CPU, page_size 1) ---------------------------------------
 # tests/router/fixtures/kv_events/: the whole replay buffer of a server that served sessions sess-A
-# (4 turns), sess-D (3 turns, then evicted by sess-E's 2,652-token prompt in a 3,000-token pool, then
-# one more turn: 7 tokens cached) and was flushed; and its /server_info (kv_events part).
+# (4 turns), sess-B (3 turns), sess-D (3 turns, then evicted by sess-E's 2,652-token prompt in a
+# 3,000-token pool, then one more turn: 7 tokens cached) and was flushed; and its /server_info
+# (kv_events part). Every request carried its ``session_id`` in the body.
 
 FIXTURES = Path(__file__).parent / "fixtures" / "kv_events"
 
@@ -176,7 +177,7 @@ def test_real_engine_sessions_ride_on_their_stores() -> None:
         for ev in msgspec.msgpack.decode(payload)[1]:
             if ev["type"] == "BlockStored" and "session_id" in ev:
                 sids.add(ev["session_id"])
-    assert sids == {"sess-A", "sess-D", "sess-E"}
+    assert sids == {"sess-A", "sess-B", "sess-D", "sess-E"}
 
 
 def test_real_server_info_descriptor() -> None:
