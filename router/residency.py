@@ -38,9 +38,12 @@ Memory and cost per event are measured by ``kvroute bench kv-events`` (docs/KV_E
 
 from __future__ import annotations
 
+import dataclasses
 from collections import OrderedDict
 from collections.abc import Iterable
 from typing import Protocol
+
+from router.model import ClusterSnapshot, SessionState
 
 __all__ = [
     "ESTIMATE",
@@ -50,6 +53,8 @@ __all__ = [
     "ResidencyIndex",
     "ResidencyView",
     "merged_source",
+    "snapshot_with_residency",
+    "with_residency",
 ]
 
 EVENTS = "events"  # every rank of the replica is complete (rule 3)
@@ -295,6 +300,25 @@ class ReplicaResidency:
                 pass
         if self._changed is not None:
             self._changed.add(sid)
+
+
+def with_residency(session: SessionState, view: ResidencyView | None) -> SessionState:
+    """``session`` with ``resident_tokens`` (on its home) and ``resident_on`` filled from ``view``."""
+    if view is None:
+        return session
+    sid = session.session_id
+    home = None if session.home is None else view.resident_tokens(session.home, sid)
+    on = view.resident_on(sid)
+    if home is None and not on:
+        return session
+    return dataclasses.replace(session, resident_tokens=home, resident_on=on)
+
+
+def snapshot_with_residency(snap: ClusterSnapshot, view: ResidencyView | None) -> ClusterSnapshot:
+    if view is None or snap.session is None:
+        return snap
+    s = with_residency(snap.session, view)
+    return snap if s is snap.session else dataclasses.replace(snap, session=s)
 
 
 def merged_source(sources: Iterable[str]) -> str:

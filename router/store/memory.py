@@ -35,6 +35,7 @@ from router.model import (
     SessionState,
     SetOverflow,
 )
+from router.residency import ResidencyView, with_residency
 from router.store.base import StoreConfig
 
 __all__ = ["PLACEMENT_REASONS", "MemoryCore", "MemoryStore"]
@@ -87,6 +88,8 @@ class MemoryCore:
     def __init__(self, clock: Clock, config: StoreConfig | None = None) -> None:
         self.clock = clock
         self.config = config or StoreConfig()
+        # exact residency from KV events (router/residency.py): fills SessionState.resident_* when set
+        self.residency: ResidencyView | None = None
         self._replicas: dict[ReplicaId, _Replica] = {}
         self._sessions: OrderedDict[str, _Session] = OrderedDict()  # ordered by last_seen
         self._seq = 0
@@ -251,9 +254,8 @@ class MemoryCore:
             model=rep.spec.model,
         )
 
-    @staticmethod
-    def _session_state(sid: str, s: _Session) -> SessionState:
-        return SessionState(
+    def _session_state(self, sid: str, s: _Session) -> SessionState:
+        st = SessionState(
             session_id=sid,
             home=s.home,
             overflow=s.overflow,
@@ -263,6 +265,7 @@ class MemoryCore:
             residency_mark=s.residency_mark,
             turns=s.turns,
         )
+        return st if self.residency is None else with_residency(st, self.residency)
 
     def replicas(self) -> tuple[ReplicaState, ...]:
         self._prune(self.clock.now())
@@ -399,6 +402,14 @@ class MemoryStore:
 
     def __init__(self, clock: Clock, config: StoreConfig | None = None) -> None:
         self.core = MemoryCore(clock, config)
+
+    @property
+    def residency(self) -> ResidencyView | None:
+        return self.core.residency
+
+    @residency.setter
+    def residency(self, view: ResidencyView | None) -> None:
+        self.core.residency = view
 
     async def snapshot(self, session_key: str | None) -> ClusterSnapshot:
         return self.core.snapshot(session_key)

@@ -72,6 +72,7 @@ from router.model import (
     SessionState,
     SetOverflow,
 )
+from router.residency import ResidencyView, snapshot_with_residency
 from router.store.base import StaleSessionError, StoreConfig
 from router.store.keys import KeySpace
 from router.store.memory import PLACEMENT_REASONS, MemoryCore
@@ -168,6 +169,7 @@ class RedisStore:
         self.config = config or StoreConfig()
         self.clock = clock or SystemClock()
         self.keys = KeySpace(self.config.key_prefix)
+        self.residency: ResidencyView | None = None  # fills SessionState.resident_* (router/residency.py)
         self._offset = time.time() - self.clock.now() if epoch_offset_s is None else epoch_offset_s
         self.op_timeout_s = op_timeout_s
         self.retry_min_s = retry_min_s
@@ -548,6 +550,11 @@ class RedisStore:
         )
 
     async def snapshot(self, session_key: str | None) -> ClusterSnapshot:
+        snap = await self._snapshot(session_key)
+        # exact residency (router/residency.py): from this gateway's subscribers or the Redis mirror
+        return snap if self.residency is None else snapshot_with_residency(snap, self.residency)
+
+    async def _snapshot(self, session_key: str | None) -> ClusterSnapshot:
         self._ensure_started()
         if not self.degraded:
             try:
