@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from router.gateway.dataplane import DataPlane
     from router.gateway.egress import EgressGuard
     from router.gateway.forward import ReplicaClient
+    from router.gateway.residency import ResidencyService
 
 __all__ = ["CONFIG_KEY", "EMITTER_KEY", "MIDDLEWARE_KEY", "RUNTIME_KEY", "STORE_KEY", "GatewayRuntime"]
 
@@ -42,6 +43,7 @@ class GatewayRuntime:
     discovery: Discovery | None = None
     egress: EgressGuard | None = None  # replica URLs outside the allowed networks are refused (None = no check)
     data_plane: DataPlane | None = None  # the raw listener (downstream.server: raw), set once it listens
+    residency: ResidencyService | None = None  # exact residency from KV events (kv_events), once started
     draining: bool = False  # shutting down: /ready answers 503
     models_body: dict[str, Any] | None = None
     models_at: float = float("-inf")
