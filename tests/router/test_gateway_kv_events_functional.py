@@ -131,7 +131,7 @@ async def test_gateway_subscribes_forwards_and_fills_snapshots(kv_emulators: lis
         # a session nobody has seen: 0 on a complete replica, and the emulators saw the injected id
         snap = await store.snapshot("never-seen")
         assert snap.session is None
-        home = [r for r in kv_emulators if r.url.removeprefix("http://") == sess["home"]][0]
+        home = next(r for r in kv_emulators if r.url.removeprefix("http://") == sess["home"])
         assert "sess-1" in home.replica.sessions
 
 
