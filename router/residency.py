@@ -41,6 +41,7 @@ from __future__ import annotations
 import dataclasses
 from collections import OrderedDict
 from collections.abc import Iterable
+from itertools import chain, repeat
 from typing import Protocol
 
 from router.model import ClusterSnapshot, SessionState
@@ -83,14 +84,9 @@ class ResidencyView(Protocol):
         ...
 
 
-class _Block:
-    __slots__ = ("end", "media", "parent", "tipped")
-
-    def __init__(self, parent: int | None, end: int, media: int) -> None:
-        self.parent = parent
-        self.end = end
-        self.media = media
-        self.tipped: list[str] | None = None  # sessions whose tip is this block
+# a block: (parent hash or None, end in tokens or -1, tiers mask); a plain tuple of ints is not
+# tracked by the garbage collector, which matters at a million blocks
+_Block = tuple[int | None, int, int]
 
 
 class ReplicaResidency:
@@ -105,7 +101,8 @@ class ReplicaResidency:
         self.max_blocks = max_blocks
         self.max_sessions = max_sessions
         self.blocks: dict[int, _Block] = {}
-        self.tips: OrderedDict[str, int] = OrderedDict()  # least recently changed first
+        self.tipped: dict[int, list[str]] = {}  # block -> sessions whose tip it is
+        self.tips: OrderedDict[str, int] = OrderedDict()  # session -> tip; least recently changed first
         self.complete = False
         self.stale = False  # set by a subscriber while it is not connected: answers are None
         # changes since the last ``take_changes`` (for the Redis writer); None = not tracked
@@ -132,9 +129,9 @@ class ReplicaResidency:
         if t == _UNKNOWN:
             return None
         b = self.blocks.get(t)
-        if b is None or b.end < 0:
+        if b is None or b[1] < 0:
             return None
-        return b.end
+        return b[1]
 
     @property
     def resident_blocks(self) -> int:
@@ -165,19 +162,23 @@ class ReplicaResidency:
                 base = _UNKNOWN_END
                 self.unknown_parents += 1
             else:
-                base = pb.end
-        prev = parent
+                base = pb[1]
+        n = len(hashes)
         step = block_tokens if block_tokens > 0 else 1
-        end = base
-        for i, h in enumerate(hashes):
-            b = blocks.get(h)
-            if b is None:
-                if base >= 0:
-                    end = base + min((i + 1) * step, total_tokens) if total_tokens else base + (i + 1) * step
-                blocks[h] = _Block(prev, end if base >= 0 else _UNKNOWN_END, medium)
-            else:
-                b.media |= medium
-            prev = h
+        if base < 0:
+            ends: Iterable[int] = repeat(_UNKNOWN_END, n)
+        else:
+            last = base + (total_tokens if total_tokens else n * step)
+            ends = chain(range(base + step, base + n * step, step), (last,)) if n else ()
+        if blocks.keys().isdisjoint(hashes):
+            # the common case, at C speed: a run of new blocks, each below the one before it
+            blocks.update(zip(hashes, zip(chain((parent,), hashes), ends, repeat(medium))))
+        else:  # some are known (stored again on another tier): add the tier to those
+            prev = parent
+            for h, e in zip(hashes, ends):
+                b = blocks.get(h)
+                blocks[h] = (prev, e, medium) if b is None else (b[0], b[1], b[2] | medium)
+                prev = h
         if session_id is not None and hashes:
             self._set_tip(session_id, hashes[-1])
         if len(blocks) > self.max_blocks:
@@ -194,30 +195,31 @@ class ReplicaResidency:
             if b is None:
                 self.unknown_removals += 1
                 continue
-            b.media &= ~medium
-            if b.media == 0:
+            m = b[2] & ~medium
+            blocks[h] = (b[0], b[1], m)
+            if not m:
                 gone.append(h)
         if not gone:
             return
-        # gone blocks stay in ``blocks`` (media 0) until every tip on them has moved (rule 2)
+        # gone blocks stay in ``blocks`` (tiers 0) until every tip on them has moved (rule 2)
+        tipped = self.tipped
         for h in gone:
-            b = blocks[h]
-            if not b.tipped:
+            sids = tipped.pop(h, None)
+            if not sids:
                 continue
-            p = b.parent
+            p = blocks[h][0]
             new = _ZERO
             while p is not None:
                 pb = blocks.get(p)
                 if pb is None:
                     new = _UNKNOWN
                     break
-                if pb.media:
+                if pb[2]:
                     new = p
                     break
-                p = pb.parent
-            for sid in b.tipped:
+                p = pb[0]
+            for sid in sids:
                 self._move_tip(sid, new)
-            b.tipped = None
         for h in gone:
             del blocks[h]
 
@@ -226,6 +228,7 @@ class ReplicaResidency:
         self.events += 1
         self.clears += 1
         self.blocks.clear()
+        self.tipped.clear()
         for sid in self.tips:
             self.tips[sid] = _ZERO
         self.complete = True
@@ -236,6 +239,7 @@ class ReplicaResidency:
     def reset_incomplete(self) -> None:
         """Events were lost (or the mirror overflowed): forget everything, rule 3."""
         self.blocks.clear()
+        self.tipped.clear()
         self.tips.clear()
         self.complete = False
         if self._changed is not None:
@@ -260,17 +264,8 @@ class ReplicaResidency:
             tips.move_to_end(sid)
             return
         if old is not None:
-            ob = self.blocks.get(old)
-            if ob is not None and ob.tipped:
-                try:
-                    ob.tipped.remove(sid)
-                except ValueError:
-                    pass
-        b = self.blocks[h]
-        if b.tipped is None:
-            b.tipped = [sid]
-        else:
-            b.tipped.append(sid)
+            self._untip(sid, old)
+        self.tipped.setdefault(h, []).append(sid)
         tips[sid] = h
         tips.move_to_end(sid)
         if self._changed is not None:
@@ -278,26 +273,27 @@ class ReplicaResidency:
         if len(tips) > self.max_sessions:
             self._drop_oldest_session()
 
+    def _untip(self, sid: str, h: int) -> None:
+        sids = self.tipped.get(h)
+        if sids:
+            try:
+                sids.remove(sid)
+            except ValueError:
+                return
+            if not sids:
+                del self.tipped[h]
+
     def _move_tip(self, sid: str, new: int) -> None:
         self.tips[sid] = new
         self.tips.move_to_end(sid)
         if new != _ZERO and new != _UNKNOWN:
-            b = self.blocks[new]
-            if b.tipped is None:
-                b.tipped = [sid]
-            else:
-                b.tipped.append(sid)
+            self.tipped.setdefault(new, []).append(sid)
         if self._changed is not None:
             self._changed.add(sid)
 
     def _drop_oldest_session(self) -> None:
         sid, t = self.tips.popitem(last=False)
-        b = self.blocks.get(t)
-        if b is not None and b.tipped:
-            try:
-                b.tipped.remove(sid)
-            except ValueError:
-                pass
+        self._untip(sid, t)
         if self._changed is not None:
             self._changed.add(sid)
 
