@@ -91,10 +91,9 @@ class _Server:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"SGLang exited with {self.proc.returncode}: {self.log.read_text()[-3000:]}")
-            with contextlib.suppress(OSError):
-                with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
-                    if r.status == 200:
-                        return
+            with contextlib.suppress(OSError), urllib.request.urlopen(self.url + "/health", timeout=5) as r:
+                if r.status == 200:
+                    return
             time.sleep(0.5)
         raise RuntimeError(f"SGLang not healthy in time: {self.log.read_text()[-3000:]}")
 
