@@ -336,6 +336,7 @@ class ResidencyIndex:
         self.max_sessions = max_sessions
         self.track_changes = track_changes
         self._reps: dict[str, list[ReplicaResidency]] = {}
+        self._order: tuple[str, ...] = ()  # replica ids, sorted (resident_on runs per request)
 
     def replica(self, replica_id: str, rank: int = 0, dp_size: int = 1) -> ReplicaResidency:
         """The mirror of one rank (created on first use; ``dp_size`` ranks per replica)."""
@@ -344,16 +345,18 @@ class ResidencyIndex:
             ranks = self._reps[replica_id] = [
                 ReplicaResidency(self.max_blocks, self.max_sessions, self.track_changes) for _ in range(dp_size)
             ]
+            self._order = tuple(sorted(self._reps))
         return ranks[rank]
 
     def ranks(self, replica_id: str) -> tuple[ReplicaResidency, ...]:
         return tuple(self._reps.get(replica_id, ()))
 
     def drop(self, replica_id: str) -> None:
-        self._reps.pop(replica_id, None)
+        if self._reps.pop(replica_id, None) is not None:
+            self._order = tuple(sorted(self._reps))
 
     def replica_ids(self) -> tuple[str, ...]:
-        return tuple(sorted(self._reps))
+        return self._order
 
     # ---- ResidencyView -----------------------------------------------------------------------
     def resident_tokens(self, replica_id: str, session_id: str) -> int | None:
@@ -375,7 +378,7 @@ class ResidencyIndex:
 
     def resident_on(self, session_id: str) -> tuple[tuple[str, int], ...]:
         out: list[tuple[str, int]] = []
-        for rid in sorted(self._reps):
+        for rid in self._order:
             v = self.resident_tokens(rid, session_id)
             if v:
                 out.append((rid, v))
