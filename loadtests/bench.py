@@ -1,4 +1,4 @@
-"""``kvroute bench <peers|overhead|emulator|redis|faults|soak|probes|kv-events>``: one entry for the benchmarks.
+"""``kvroute bench <peers|parity|overhead|emulator|redis|faults|soak|probes|kv-events>``: one entry for the benchmarks.
 
 Each benchmark prints JSON (and a table on stderr); modules are imported lazily so that
 ``kvroute bench overhead`` does not import matplotlib and ``bench emulator`` imports no router.
@@ -13,6 +13,7 @@ __all__ = ["BENCHES", "cli_main"]
 
 BENCHES: dict[str, tuple[str, str, str]] = {
     "peers": ("loadtests.peers", "bench_peers_main", "kvroute vs sglang-router and vllm-router, same workload"),
+    "parity": ("loadtests.parity", "cli_main", "the simulator against the live gateway, same workload"),
     "overhead": ("loadtests.overhead", "cli_main", "added latency and throughput: direct vs routers"),
     "emulator": ("replica.emulator.cpu_bench", "cli_main", "emulator CPU per request outside modelled time"),
     "redis": ("loadtests.bench_redis", "cli_main", "Redis round trips per request, Redis vs memory store"),

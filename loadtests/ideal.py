@@ -29,7 +29,7 @@ from typing import Any
 
 from replica.emulator.tokenizer import ChainMemo, encode_text, render_chat
 
-__all__ = ["InfiniteCache"]
+__all__ = ["InfiniteCache", "PooledCache"]
 
 
 class InfiniteCache:
@@ -58,3 +58,37 @@ class InfiniteCache:
 
     def insert(self, hashes: list[int]) -> None:
         self._blocks.update(hashes)
+
+
+class PooledCache:
+    """The fleet's KV as ONE shared LRU prefix cache of the same total size: ``pooled_chr``.
+
+    What no router can beat without more memory (DESIGN §7): every replica's HBM (and host tier)
+    pooled, LRU over the requests in the order they run. It is the emulator's own ``PrefixCache``
+    (radix runs, leaf-first eviction), so the same names evict the same way; a request's blocks
+    enter it when the caller inserts them (``insert``, at the same moment the ideal cache gets
+    them), and a hit follows the engine's rule (at most ``(prompt_tokens - 1) // page`` blocks).
+    Reservations of running requests are not modelled: the pool is a bound, not an engine.
+    """
+
+    def __init__(self, capacity_tokens: int, page_size: int, host_capacity_tokens: int = 0) -> None:
+        from replica.emulator.cache import PrefixCache
+
+        self.page_size = page_size
+        self._cache = PrefixCache(max(capacity_tokens, page_size), page_size, max(host_capacity_tokens, 0))
+
+    def hit(self, hashes: list[int], prompt_tokens: int) -> int:
+        """Tokens the pooled cache holds of this prompt's prefix now (same units as the pages)."""
+        cap = min(len(hashes), max(prompt_tokens - 1, 0) // self.page_size)
+        m = self._cache.match(hashes[:cap] if cap < len(hashes) else hashes)
+        return min(m.device_blocks + m.host_blocks, cap) * self.page_size
+
+    def insert(self, hashes: list[int]) -> None:
+        """The blocks of a finished request become the most recently used (oldest evicted first)."""
+        if not hashes:
+            return
+        got = self._cache.try_lock(hashes, len(hashes) * self.page_size)
+        if got is None:
+            return  # larger than the whole pool: nothing of it stays
+        lease, m = got
+        self._cache.release(lease, hashes[m.device_blocks + m.host_blocks :])

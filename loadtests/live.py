@@ -19,7 +19,7 @@ Theory of operation:
     else ``/metrics``: running + queued), never from the router under test.
   * Ideal cached tokens: one infinite prefix cache holds every prompt whose turn finished, tokenized and
     paged as the emulator does (``loadtests.ideal``; page size ``page_size`` if given, else what the
-    first replica's ``/get_server_info`` reports, else 1). A continuation's ideal is what its previous prompt
+    first replica's ``/server_info`` reports, else 1). A continuation's ideal is what its previous prompt
     shares with it in whole pages, a first turn's the shared system prefix once any turn sent it.
   * The run stops issuing requests at ``duration_s`` (wall) or ``max_requests``; in-flight requests get
     ``drain_s`` to finish, the rest are cancelled and counted as ``censored`` (not errors).
@@ -43,9 +43,9 @@ from typing import Any
 
 import aiohttp
 
-from loadtests.ideal import InfiniteCache
+from loadtests.ideal import InfiniteCache, PooledCache
 from loadtests.textgen import Conversation, emulated_tokens
-from loadtests.workloads import SessionSpec, turn_inputs
+from loadtests.workloads import SessionSpec, turn_inputs, turn_overlaps
 from router.eventloop import run as run_on_loop
 
 __all__ = [
@@ -86,7 +86,7 @@ class LoadConfig:
     stream: bool = True
     break_tolerance: float = 0.95  # cached < tolerance x ideal counts as an affinity break
     # emulated tokens per cache page of the replicas, for the ideal; None: the first replica's
-    # /get_server_info says (1 if it does not answer)
+    # /server_info says (1 if it does not answer)
     page_size: int | None = None
 
     def __post_init__(self) -> None:
@@ -104,6 +104,11 @@ class LoadConfig:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
 
 
+_Ctx = tuple[str, int, int, bool, int | None]
+"""(session id, ideal cached emulated tokens, prompt emulated tokens, continuation, pooled cached
+emulated tokens or None): what the driver knows of a request before it is sent."""
+
+
 @dataclass(frozen=True, slots=True)
 class Outcome:
     """One request as the client saw it (times in modelled seconds since the run started)."""
@@ -119,6 +124,7 @@ class Outcome:
     ideal_cached_tokens: int
     ok: bool
     break_reason: str | None
+    pooled_cached_tokens: int | None = None  # one shared LRU of the fleet's KV (model tokens)
     status: int = 0
     error: str | None = None
     side: bool = False  # an extra concurrent request of a thicc turn
@@ -238,17 +244,39 @@ class LoadSampler:
         return tuple(u.split("://", 1)[-1] for u in self._urls)
 
 
-async def _replica_page_size(session: aiohttp.ClientSession, replica_urls: Sequence[str]) -> int:
-    """The KV page size the first replica reports (SGLang's ``/get_server_info``); 1 if it does not."""
-    if not replica_urls:
-        return 1
-    try:
-        async with session.get(f"{replica_urls[0].rstrip('/')}/get_server_info") as resp:
-            info = await resp.json() if resp.status == 200 else {}
-    except (aiohttp.ClientError, TimeoutError, ValueError):
-        return 1
-    size = info.get("page_size") if isinstance(info, dict) else None
-    return size if isinstance(size, int) and size >= 1 else 1
+@dataclass(frozen=True, slots=True)
+class FleetKv:
+    """What the replicas report of their KV (``/server_info``), in their own tokens."""
+
+    page_size: int = 1
+    capacity_tokens: int = 0  # Σ max_total_num_tokens (HBM)
+    host_capacity_tokens: int = 0  # Σ HiCache host pools (hicache_ratio x HBM where enabled)
+
+
+async def _fleet_kv(session: aiohttp.ClientSession, replica_urls: Sequence[str]) -> FleetKv:
+    """Page size of the first replica and the fleet's summed KV capacity (SGLang's ``/server_info``:
+    ``page_size``, ``max_total_num_tokens``, ``enable_hierarchical_cache`` + ``hicache_ratio``). A
+    replica that does not answer adds nothing; page size 1 if none does."""
+    page = 0
+    cap = host = 0
+    for url in replica_urls:
+        try:
+            async with session.get(f"{url.rstrip('/')}/server_info") as resp:
+                info = await resp.json() if resp.status == 200 else {}
+        except (aiohttp.ClientError, TimeoutError, ValueError):
+            continue
+        if not isinstance(info, dict):
+            continue
+        size = info.get("page_size")
+        if not page and isinstance(size, int) and size >= 1:
+            page = size
+        hbm = info.get("max_total_num_tokens")
+        if isinstance(hbm, int) and hbm > 0:
+            cap += hbm
+            ratio = info.get("hicache_ratio")
+            if info.get("enable_hierarchical_cache") and isinstance(ratio, int | float) and ratio > 0:
+                host += int(hbm * ratio)
+    return FleetKv(page_size=page or 1, capacity_tokens=cap, host_capacity_tokens=host)
 
 
 # ---- the driver ------------------------------------------------------------------------------------
@@ -260,7 +288,7 @@ class _Run:
         config: LoadConfig,
         session: aiohttp.ClientSession,
         stats: LiveStats,
-        page_size: int,
+        kv: FleetKv,
     ) -> None:
         self.c = config
         self.http = session
@@ -269,7 +297,11 @@ class _Run:
         self.deadline = self.t0 + config.duration_s
         self.outcomes: list[Outcome] = []
         self.stopping = asyncio.Event()
-        self.ideal = InfiniteCache(page_size)
+        self.ideal = InfiniteCache(kv.page_size)
+        # no capacity known (no replica answered /server_info): no pooled figure
+        self.pooled = (
+            PooledCache(kv.capacity_tokens, kv.page_size, kv.host_capacity_tokens) if kv.capacity_tokens else None
+        )
         self.tasks: list[asyncio.Task[None]] = []
         self.last_replica: dict[str, str] = {}
         self.move_times: list[float] = []  # modelled t of each session home change
@@ -322,29 +354,32 @@ class _Run:
             return
         sid = str(spec.routing_key)
         inputs = turn_inputs(spec)
+        overlaps = turn_overlaps(spec)
         shared_model = int(spec.shared_prefix_tokens)
         conv: Conversation | None = None
-        prev_in = prev_out = 0  # model tokens of the previous turn
         for k, turn in enumerate(spec.turns):
             if k > 0 and not await self.sleep_modelled(min(float(turn.think_s), c.max_think_modelled_s)):
                 return
             if not self.may_issue():
                 return
-            continuation = conv is not None and not turn.reset and inputs[k] >= prev_in + prev_out
+            continuation = conv is not None and overlaps[k] > shared_model
             if conv is None or not continuation:
                 # a new context (first turn, compaction): shared prefix + new text
                 conv = Conversation(key=f"{spec.session_id}~{k}", shared_prefix_tokens=shared_model,
                                     token_unit=c.token_unit)
                 conv.add(max(inputs[k] - shared_model, 1))
             else:
-                conv.add(prev_out)  # the model's previous reply, then the new input
-                conv.add(max(inputs[k] - prev_in - prev_out, 0))
+                # the previous turn's context up to where this one departs from it (the trace may
+                # rewrite its tail), then what is new: the previous reply, tool results, user text
+                conv.truncate(overlaps[k] - shared_model)
+                conv.add(max(inputs[k] - shared_model - conv.history_model_tokens, 0))
             out = max(1, emulated_tokens(int(turn.output_tokens), c.token_unit))
             messages = conv.messages
             body = json.dumps(self._body(messages, out), separators=(",", ":")).encode()
             blocks, prompt_emul = self.ideal.blocks(messages, conv.key)
             main = spec.parent is None
-            ctx = (sid, self.ideal.hit(blocks, prompt_emul), prompt_emul, continuation)
+            pooled = self.pooled.hit(blocks, prompt_emul) if self.pooled is not None else None
+            ctx = (sid, self.ideal.hit(blocks, prompt_emul), prompt_emul, continuation, pooled)
             reqs = [self.request(body, ctx, side=False, main=main)]
             for _ in range(max(1, int(turn.parallel)) - 1):
                 if not self.may_issue():
@@ -352,7 +387,8 @@ class _Run:
                 reqs.append(self.request(body, ctx, side=True, main=False))
             await asyncio.gather(*reqs)
             self.ideal.insert(blocks)  # the next turn (of any session) may hit this prompt
-            prev_in, prev_out = inputs[k], int(turn.output_tokens)
+            if self.pooled is not None:
+                self.pooled.insert(blocks)
             for b in spec.branches:
                 if int(b.spawn_after_turn) == k:
                     self.spawn(b, float(b.start_s))
@@ -369,8 +405,9 @@ class _Run:
             body["stream_options"] = {"include_usage": True}
         return body
 
-    async def request(self, body: bytes, ctx: tuple[str, int, int, bool], *, side: bool, main: bool) -> None:
-        """Send one request; ``ctx`` = (session id, ideal cached and prompt emulated tokens, continuation)."""
+    async def request(self, body: bytes, ctx: _Ctx, *, side: bool, main: bool) -> None:
+        """Send one request; ``ctx`` = (session id, ideal cached and prompt emulated tokens,
+        continuation, pooled cached emulated tokens or None)."""
         c = self.c
         sid = ctx[0]
         self.issued += 1
@@ -420,7 +457,7 @@ class _Run:
 
     def _record(
         self,
-        ctx: tuple[str, int, int, bool],
+        ctx: _Ctx,
         replica: str | None,
         t_start: float,
         ttft: float | None,
@@ -433,7 +470,7 @@ class _Run:
         reason: str | None,
     ) -> None:
         c, u = self.c, self.c.token_unit
-        sid, ideal_emul, prompt_emul, continuation = ctx
+        sid, ideal_emul, prompt_emul, continuation, pooled_emul = ctx
         ok = error is None and status == 200
         prompt = int((usage or {}).get("prompt_tokens") or prompt_emul)
         details = (usage or {}).get("prompt_tokens_details") or {}
@@ -442,6 +479,9 @@ class _Run:
         # ideal_emul / prompt_emul are in the emulator's tokens (loadtests.ideal): equal to the
         # replica's own count on an emulated replica, scaled to a real engine's count otherwise
         ideal = min(round(ideal_emul * prompt / prompt_emul) if prompt_emul > 0 else 0, prompt)
+        pooled: int | None = None
+        if pooled_emul is not None:
+            pooled = min(round(pooled_emul * prompt / prompt_emul) if prompt_emul > 0 else 0, prompt) * u
         brk: str | None = None
         prev = self.last_replica.get(sid)
         # an affinity break: a continuation whose cached tokens fall short of its previous context
@@ -467,6 +507,7 @@ class _Run:
             cached_tokens=cached * u,
             output_tokens=output * u,
             ideal_cached_tokens=ideal * u,
+            pooled_cached_tokens=pooled if ok else 0,
             ok=ok,
             break_reason=brk,
             status=status,
@@ -505,8 +546,10 @@ async def run_load(
     ):
         sampler = LoadSampler(probe, config.replica_urls)
         stats.replica_names = await sampler.names()
-        page_size = config.page_size or await _replica_page_size(probe, config.replica_urls)
-        run = _Run(config, http, stats, page_size)
+        kv = await _fleet_kv(probe, config.replica_urls)
+        if config.page_size:
+            kv = FleetKv(config.page_size, kv.capacity_tokens, kv.host_capacity_tokens)
+        run = _Run(config, http, stats, kv)
 
         async def sample_loop() -> None:
             next_t = time.monotonic()
@@ -598,6 +641,7 @@ def _measures(
                 ideal_cached_tokens=o.ideal_cached_tokens,
                 ok=o.ok,
                 break_reason=o.break_reason,
+                pooled_cached_tokens=o.pooled_cached_tokens,
             )
         )
     for t, loads in samples:
@@ -658,7 +702,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--page-size", type=int,
         help="the replicas' KV page size in emulated tokens, for the ideal hit (default: the first replica's "
-        "/get_server_info, else 1)",
+        "/server_info, else 1)",
     )
     p.add_argument("--json", type=Path, help="write the DESIGN §7 measures here")
     p.add_argument("--no-progress", action="store_true")

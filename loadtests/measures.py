@@ -25,6 +25,15 @@ Definitions (exact, so that tests can pin them):
   * ``sessions_moved`` / ``sessions_moved_by_scaleup``: counted by the driver (home changes) via
     ``session_moved``; only moves at ``t >= warmup_s`` count.
   * ``gateway_overhead_*_ms``: percentiles of ``add_gateway_overhead`` samples; None when none.
+  * ``dispersion_floor`` = 1 - Σf² / Σf over sessions, f = the fraction of the measured window in
+    which the session had at least one request in flight (the union of its records'
+    ``[t_start, t_start + e2e_s]``, clipped to the window). It is the dispersion of sticky
+    placement if every replica's load were a sum of independent sessions with equal means (the
+    binomial floor): what the workload allows without moving warm sessions. None without records
+    or without a window end.
+  * ``pooled_chr`` = Σ pooled_cached / Σ input over ok records (``pooled_cached_tokens``: what one
+    shared LRU cache of the fleet's total KV would have hit, ``loadtests.ideal.PooledCache``);
+    ``routing_loss`` = ``pooled_chr - chr``. None when a record has no pooled figure.
 """
 
 from __future__ import annotations
@@ -57,6 +66,9 @@ MEASURE_FIELDS: tuple[str, ...] = (
     "gateway_overhead_p99_ms",
     "requests",
     "errors",
+    "dispersion_floor",
+    "pooled_chr",
+    "routing_loss",
 )
 
 
@@ -75,6 +87,7 @@ class RequestRecord:
     ideal_cached_tokens: int
     ok: bool = True
     break_reason: str | None = None
+    pooled_cached_tokens: int | None = None  # what one shared LRU of the fleet's KV would have hit
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:
@@ -175,8 +188,12 @@ class MeasureCollector:
         for r in ok:
             if r.ideal_cached_tokens > r.cached_tokens:
                 lost[r.break_reason or "none"] += r.ideal_cached_tokens - r.cached_tokens
+        chr_ = sum_cached / sum_in if sum_in else None
+        pooled: float | None = None
+        if sum_in and all(r.pooled_cached_tokens is not None for r in ok):
+            pooled = sum(r.pooled_cached_tokens or 0 for r in ok) / sum_in
         return {
-            "chr": sum_cached / sum_in if sum_in else None,
+            "chr": chr_,
             "ideal_chr": sum_ideal / sum_in if sum_in else None,
             "dispersion": dispersion,
             "p_load_le1": p_le1,
@@ -195,4 +212,35 @@ class MeasureCollector:
             "gateway_overhead_p99_ms": percentile(self._overhead_ms, 99),
             "requests": len(self._records),
             "errors": len(self._records) - len(ok),
+            "dispersion_floor": self._dispersion_floor(end),
+            "pooled_chr": pooled,
+            "routing_loss": None if pooled is None or chr_ is None else pooled - chr_,
         }
+
+    def _dispersion_floor(self, end: float | None) -> float | None:
+        """1 - Σf²/Σf over sessions (see the module docstring)."""
+        if end is None or end <= self.warmup_s:
+            return None
+        spans: dict[str, list[tuple[float, float]]] = {}
+        for r in self._records:
+            if r.session_id is None or not math.isfinite(r.e2e_s):
+                continue
+            lo, hi = max(r.t_start, self.warmup_s), min(r.t_start + r.e2e_s, end)
+            if hi > lo:
+                spans.setdefault(r.session_id, []).append((lo, hi))
+        window = end - self.warmup_s
+        fs: list[float] = []
+        for iv in spans.values():
+            iv.sort()
+            busy = 0.0
+            cur_lo, cur_hi = iv[0]
+            for lo, hi in iv[1:]:
+                if lo > cur_hi:
+                    busy += cur_hi - cur_lo
+                    cur_lo, cur_hi = lo, hi
+                else:
+                    cur_hi = max(cur_hi, hi)
+            busy += cur_hi - cur_lo
+            fs.append(busy / window)
+        total = sum(fs)
+        return 1.0 - sum(f * f for f in fs) / total if total > 0 else None

@@ -386,10 +386,13 @@ async def run_peers_bench(
 # measures compared seed by seed: (key, label, higher is better)
 _PAIRED: tuple[tuple[str, str, bool], ...] = (
     ("chr", "CHR", True),
+    ("routing_loss", "routing loss", False),
     ("ttft_p50_s", "TTFT p50 (s)", False),
     ("ttft_p99_s", "TTFT p99 (s)", False),
     ("dispersion", "dispersion", False),
+    ("dispersion_floor", "dispersion floor", False),
     ("p_load_ge12", "P(load>=12)", False),
+    ("e2e_p99_s", "E2E p99 (s)", False),
     ("requests", "requests", True),
 )
 

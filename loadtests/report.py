@@ -22,7 +22,10 @@ __all__ = ["comparison_table", "load_values", "plot_load", "plot_ttft_cdf", "rep
 _ROWS: tuple[tuple[str, str, str], ...] = (
     ("chr", "CHR", "{:.3f}"),
     ("ideal_chr", "ideal CHR", "{:.3f}"),
+    ("pooled_chr", "pooled CHR (one shared LRU)", "{:.3f}"),
+    ("routing_loss", "routing loss (pooled - CHR)", "{:.3f}"),
     ("dispersion", "dispersion (var/mean)", "{:.2f}"),
+    ("dispersion_floor", "dispersion floor (sticky)", "{:.2f}"),
     ("p_load_le1", "P(load<=1)", "{:.3f}"),
     ("p_load_ge12", "P(load>=12)", "{:.4f}"),
     ("ttft_p50_s", "TTFT p50 (s)", "{:.2f}"),

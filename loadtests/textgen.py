@@ -120,6 +120,24 @@ class Conversation:
             self._chunks.append(filler(f"{self.key}/{len(self._chunks)}", n))
             self._history_bytes = target
 
+    def truncate(self, model_tokens: int) -> None:
+        """Keep only the first ``model_tokens`` of history (a trace that rewrites the tail of its
+        context: the next turn reuses a prefix and replaces the rest). Never grows it."""
+        keep = min(self._bytes_for(max(model_tokens, 0)), self._history_bytes)
+        if keep >= self._history_bytes:
+            return
+        kept: list[str] = []
+        n = 0
+        for chunk in self._chunks:
+            if n + len(chunk) >= keep:
+                kept.append(chunk[: keep - n])
+                break
+            kept.append(chunk)
+            n += len(chunk)
+        self._chunks = [c for c in kept if c]
+        self._history_bytes = keep
+        self._history_model_tokens = min(self._history_model_tokens, max(model_tokens, 0))
+
     # kept for readability at call sites
     add_user = add
     add_assistant = add
@@ -129,6 +147,11 @@ class Conversation:
         out = [{"role": "system", "content": self._shared}] if self._shared else []
         out.append({"role": "user", "content": "".join(self._chunks)})
         return out
+
+    @property
+    def history_model_tokens(self) -> int:
+        """Model tokens of history so far (what ``add`` and ``truncate`` count)."""
+        return self._history_model_tokens
 
     @property
     def prompt_tokens(self) -> int:

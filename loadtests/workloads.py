@@ -54,6 +54,7 @@ __all__ = [
     "synthetic_sessions",
     "traces_dir",
     "turn_inputs",
+    "turn_overlaps",
     "with_arrivals",
     "workload_stats",
 ]
@@ -160,6 +161,36 @@ def turn_inputs(spec: SessionSpec) -> tuple[int, ...]:
             cur = prev_in + prev_out + t.new_tokens
         out.append(cur)
         prev_in, prev_out = cur, t.output_tokens
+    return tuple(out)
+
+
+def turn_overlaps(spec: SessionSpec) -> tuple[int, ...]:
+    """Per turn, the tokens of its prompt that continue the previous turn's prompt + output (0 for
+    turn 0 and for a context that starts over): what a prefix cache holding the previous turn serves.
+
+    With the trace's block hashes it is their common prefix (a trace rewrites the tail of its
+    context: reasoning stripped, tool results trimmed); without them, the previous prompt + output
+    unless the turn is a reset or does not extend it.
+    """
+    inputs = turn_inputs(spec)
+    out: list[int] = []
+    prev_in = prev_out = 0
+    prev_ids: list[int] | None = None
+    for k, t in enumerate(spec.turns):
+        ids = expand_runs(t.hash_runs) if t.hash_runs and spec.block_size else None
+        if k == 0 or t.reset:
+            overlap = 0
+        elif ids is not None and prev_ids is not None:
+            m = 0
+            for a, b in zip(ids, prev_ids, strict=False):
+                if a != b:
+                    break
+                m += 1
+            overlap = min(m * spec.block_size, inputs[k], prev_in)
+        else:
+            overlap = prev_in + prev_out if inputs[k] >= prev_in + prev_out else 0
+        out.append(overlap)
+        prev_in, prev_out, prev_ids = inputs[k], t.output_tokens, ids
     return tuple(out)
 
 

@@ -42,7 +42,8 @@ from aiohttp import web
 
 from router.errors import KvrouteError
 from router.events import Event, RequestFinished
-from router.model import Completion, KeySource, ReplicaStatus, RouteRequest, SessionState
+from router.model import Completion, KeySource, ReplicaStatus, SessionState
+from router.route_input import route_request
 
 __all__ = [
     "HANDOFF_KEY",
@@ -268,15 +269,13 @@ class HandoffManager:
                 if body is None:
                     self.stats.failed += 1
                     return
-                req = RouteRequest(
-                    session_key=sid,
-                    key_source=KeySource.HEADER,
-                    route=prompt.route,
-                    prompt_tokens_estimate=len(prompt.body) // 4,
-                )
                 snap = await rt.store.snapshot(sid)
                 if snap.session is None or snap.session.home != home or snap.session.in_flight_total:
                     return  # moved or busy meanwhile: the next scan decides again
+                req = route_request(
+                    sid, KeySource.HEADER, route=prompt.route, model=None, body_bytes=len(prompt.body),
+                    session=snap.session,
+                )
                 decision = rt.policy.route(req, snap, rt.rng)
                 if decision.replica_id == home:
                     self.stats.skipped_no_target += 1

@@ -31,6 +31,7 @@ __all__ = [
     "RouteRequest",
     "SessionState",
     "SetOverflow",
+    "capacities",
 ]
 
 ReplicaId = str
@@ -116,13 +117,26 @@ class ReplicaState:
     joined_at: float = 0.0  # when it first became ACTIVE (scale-up ramp)
     in_flight: int = 0  # requests in flight through all gateways (exact, immediate)
     engine: EngineLoad = field(default_factory=EngineLoad)
-    capacity_tokens: int = 0  # HBM KV capacity (spec or engine; 0 = unknown -> policy default)
-    host_capacity_tokens: int = 0
+    capacity_tokens: int = 0  # HBM KV capacity (``capacities``: engine first; 0 = unknown -> policy default)
+    host_capacity_tokens: int = 0  # HiCache host tier (``capacities``); 0 = none
+    residency_horizon_tokens: int = 0  # tokens written after which a session's cache was last seen gone
+    # (or still there) at this replica: engine feedback on the residency estimate; 0 = none yet
     sessions_active: int = 0  # sessions homed here and seen within the active window
     active_context_tokens: int = 0  # sum of their context tokens: the working set
     tokens_written: int = 0  # cumulative tokens our requests wrote into its cache (residency clock)
+    prefill_backlog_tokens: int = 0  # Σ prefill_tokens of the requests in flight here (exact, immediate)
     placed_recent: int = 0  # new sessions placed here within the ramp window
     model: str = ""
+
+
+def capacities(spec: ReplicaSpec, engine: EngineLoad) -> tuple[int, int]:
+    """``(HBM, host tier)`` KV capacity of a replica, by one precedence rule everywhere (the stores,
+    the admin view): what the engine itself reports on ``/metrics`` (``max_total_num_tokens``,
+    ``hicache_host_total_tokens``) wins over the registration (static config, admin API, or the
+    sidecar's reading of the engine's ``/server_info``); 0 when neither says."""
+    hbm = engine.capacity_tokens or spec.capacity_tokens
+    host = engine.host_capacity_tokens or spec.host_capacity_tokens
+    return max(0, hbm), max(0, host)
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,6 +151,7 @@ class SessionState:
     last_seen: float = 0.0
     residency_mark: int = 0  # home's tokens_written right after this session last wrote there
     turns: int = 0
+    bytes_per_token: float = 0.0  # body bytes / prompt tokens of its last turn at home; 0 = unknown
     # exact residency from the engines' KV events (router/residency.py, docs/KV_EVENTS.md), filled when
     # the snapshot is built; None / () = no exact knowledge (events off, incomplete, or not attributed)
     resident_tokens: int | None = None  # tokens of this session's last context resident on its home
@@ -162,6 +177,8 @@ class ClusterSnapshot:
     session: SessionState | None = None  # None: unknown session (or no key)
     seq: int = 0  # monotone request counter of the store (round robin cursor)
     sessions_active: int = 0  # fleet-wide sessions seen within the active window
+    serving_since: float | None = None  # when the store routed its first request; None = not yet.
+    # Replicas ACTIVE before it are the initial fleet; later ones joined by scale-up (rule 4).
 
     def replica(self, replica_id: ReplicaId | None) -> ReplicaState | None:
         if replica_id is None:
@@ -180,8 +197,9 @@ class RouteRequest:
     key_source: KeySource = KeySource.HEADER
     route: str = "/v1/chat/completions"
     model: str | None = None
-    prompt_tokens_estimate: int = 0  # rough (body bytes / 4); refined by responses
+    prompt_tokens_estimate: int = 0  # from the body size (router.route_input); refined by responses
     excluded: frozenset[ReplicaId] = frozenset()  # replicas that already failed this request
+    body_bytes: int = 0  # size of the request body
 
 
 # ---- effects: the policy describes, the store performs -------------------------------------------
@@ -220,6 +238,7 @@ class RouteDecision:
     effects: tuple[Effect, ...] = ()
     scores: tuple[tuple[ReplicaId, float], ...] = ()  # lower is better for kv_aware (expected delay)
     expected_break: AffinityBreak | None = None  # the cache loss this decision knowingly accepts
+    prefill_tokens: int = 0  # prompt tokens the target is expected to compute (not find cached)
 
 
 @dataclass(frozen=True, slots=True)
@@ -233,6 +252,7 @@ class Lease:
     acquired_at: float
     disagreement: bool = False  # the store overrode the decision (another gateway bound first)
     prev_context_tokens: int = 0  # session context known when the request started
+    prefill_tokens: int = 0  # counted in the replica's prefill backlog until release
 
 
 @dataclass(frozen=True, slots=True)
@@ -244,3 +264,4 @@ class Completion:
     cached_tokens: int | None = None
     completion_tokens: int | None = None
     started_output: bool = False  # at least one byte reached the client
+    prompt_bytes: int = 0  # size of the request body (with prompt_tokens: the session's bytes per token)

@@ -40,6 +40,7 @@ def replica(
     placed: int = 0,
     joined_at: float = 0.0,
     engine_updated_at: float = 1.0,
+    horizon: int = 0,
 ) -> ReplicaState:
     return ReplicaState(
         id=rid,
@@ -60,6 +61,7 @@ def replica(
         active_context_tokens=active_ctx,
         tokens_written=written,
         placed_recent=placed,
+        residency_horizon_tokens=horizon,
     )
 
 
@@ -96,10 +98,15 @@ def snapshot(
     now: float = 1000.0,
     seq: int = 0,
     sessions_active: int | None = None,
+    serving_since: float | None = 0.0,
 ) -> ClusterSnapshot:
+    """``serving_since`` 0: the store has routed since t = 0, so a replica with ``joined_at`` > 0
+    joined by scale-up."""
     reps = tuple(sorted(replicas, key=lambda r: r.id))
     total = sum(r.sessions_active for r in reps) if sessions_active is None else sessions_active
-    return ClusterSnapshot(now=now, replicas=reps, session=sess, seq=seq, sessions_active=total)
+    return ClusterSnapshot(
+        now=now, replicas=reps, session=sess, seq=seq, sessions_active=total, serving_since=serving_since
+    )
 
 
 def request(

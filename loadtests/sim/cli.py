@@ -175,14 +175,15 @@ def _print_table(results: list[SimResult], quiet: bool) -> None:
     from rich.table import Table
 
     t = Table(title="kvroute sim: DESIGN §7 measures per policy")
-    cols = ["policy", "chr", "ideal", "disp", "p≤1", "p≥12", "ttft p50", "ttft p99", "e2e p99",
+    cols = ["policy", "chr", "ideal", "pooled", "disp", "floor", "p≤1", "p≥12", "ttft p50", "ttft p99", "e2e p99",
             "moved", "by scale-up", "breaks", "cold prefill Mtok", "requests", "errors", "wall s"]
     for c in cols:
         t.add_column(c, justify="right" if c != "policy" else "left")
     for r in results:
         m = r.measures
         t.add_row(
-            r.policy, _fmt(m["chr"]), _fmt(m["ideal_chr"]), _fmt(m["dispersion"]), _fmt(m["p_load_le1"]),
+            r.policy, _fmt(m["chr"]), _fmt(m["ideal_chr"]), _fmt(m["pooled_chr"]), _fmt(m["dispersion"]),
+            _fmt(m["dispersion_floor"]), _fmt(m["p_load_le1"]),
             _fmt(m["p_load_ge12"], 4), _fmt(m["ttft_p50_s"]), _fmt(m["ttft_p99_s"]), _fmt(m["e2e_p99_s"]),
             str(m["sessions_moved"]), str(m["sessions_moved_by_scaleup"]),
             str(sum(m["affinity_breaks"].values())), f"{m['cold_prefill_tokens'] / 1e6:.1f}",

@@ -6,7 +6,7 @@ prompts share a block name exactly when they share the prefix through that block
 
 * synthetic chains (no ``hash_runs``): the context is append-only between resets, so block ``j``
   of a chain's epoch ``e`` is ``chain_base(uid, e) + j``; blocks lying entirely inside the shared
-  system+tools prefix get *global* names (``shared_base(prefix_tokens) + j``), so every session
+  system+tools prefix get *global* names (``shared_base + j``, prefix-stable), so every session
   with the same prefix hits them (cross-session sharing);
 * trace chains (``hash_runs``, trace block size ``B``): simulated block ``b`` ends at token
   ``(b+1)P - 1``, inside trace block ``t``; its name is ``scope_base + id_t * K + sub`` where
@@ -14,6 +14,14 @@ prompts share a block name exactly when they share the prefix through that block
   namespaced per routing key (WEKA: sub-agents share the parent's namespace); the first
   ``shared_prefix_tokens`` get global names as for synthetic chains (calibration §5: WEKA's
   hashes are session-local but every Claude Code session starts with ~15k shared tokens).
+
+With ``framing_tokens`` > 0 a synthetic chain is named as the live load driver renders it
+(``loadtests.textgen.Conversation``: the session's history is ONE growing user message): turn
+``k``'s prompt ends with the chat template's closing marker and generation prompt
+(``framing_tokens``), which the next turn replaces with more history, and the engine's generated
+output is not the text the driver sends back as the reply. So the next turn reuses turn ``k``'s
+prompt only up to the page holding the marker; those tail pages and the output's pages get names of
+their own (they fill the cache, and never hit).
 
 ``ChainNamer.names(k)`` gives the prompt's block names of turn ``k`` and
 ``ChainNamer.full_names(k)`` the names of prompt + output (what the engine caches when the request
@@ -32,7 +40,9 @@ __all__ = ["ChainNamer", "IdealCache", "check_page_size"]
 _CHAIN_SPAN = 1 << 24  # blocks per chain epoch (2^24 x page tokens: never reached)
 _EPOCH_SPAN = 1 << 12
 _SHARED_BASE = 1 << 62
+_TAIL_BASE = 1 << 61
 _SCOPE_BASE = 1 << 56
+_TURN_SPAN = 1 << 12  # turns per chain in tail names
 
 
 def _aligned(page_size: int, block_size: int) -> bool:
@@ -53,16 +63,19 @@ def check_page_size(specs: Iterable[SessionSpec], page_size: int) -> None:
         raise ValueError(f"page size {page_size} must be a multiple or a divisor of the trace block size {bad[0]}")
 
 
-def _shared_name(prefix_tokens: int, j: int) -> int:
-    return _SHARED_BASE + prefix_tokens * _CHAIN_SPAN + j
+def _shared_name(j: int) -> int:
+    """Block ``j`` of the shared system + tools prefix. The prefix is prefix-stable (as the live
+    driver's ``loadtests.textgen.shared_prefix`` is): sessions whose shared prefixes differ in length
+    share the shorter one."""
+    return _SHARED_BASE + j
 
 
 class ChainNamer:
     """Names of the blocks of every turn of one chain (a session or one of its branches)."""
 
-    __slots__ = ("_epochs", "_inputs", "_k", "_memo", "_scope_base", "_spec", "_uid", "page")
+    __slots__ = ("_epochs", "_framing", "_inputs", "_k", "_memo", "_scope_base", "_spec", "_uid", "page")
 
-    def __init__(self, spec: SessionSpec, uid: int, scope_uid: int, page_size: int) -> None:
+    def __init__(self, spec: SessionSpec, uid: int, scope_uid: int, page_size: int, framing_tokens: int = 0) -> None:
         if not _aligned(page_size, spec.block_size):
             raise ValueError(
                 f"page size {page_size} must be a multiple or a divisor of the trace block size {spec.block_size}"
@@ -70,6 +83,7 @@ class ChainNamer:
         self._spec = spec
         self._uid = uid
         self.page = page_size
+        self._framing = max(0, framing_tokens)
         self._inputs = turn_inputs(spec)
         self._scope_base = 0 if spec.hash_scope == "global" else _SCOPE_BASE + scope_uid * (1 << 40)
         self._k = max(1, spec.block_size // page_size) if spec.block_size else 1
@@ -90,9 +104,8 @@ class ChainNamer:
         page = self.page
         n = n_tokens // page
         shared = min(n, self._spec.shared_prefix_tokens // page)
-        sp = self._spec.shared_prefix_tokens
         base = (self._uid * _EPOCH_SPAN + self._epochs[k]) * _CHAIN_SPAN
-        out = [_shared_name(sp, j) for j in range(shared)]
+        out = [_shared_name(j) for j in range(shared)]
         out.extend(range(base + shared, base + n))
         return out
 
@@ -109,8 +122,7 @@ class ChainNamer:
         shared = 0
         if spec.hash_scope != "global":
             shared = min(n, spec.shared_prefix_tokens // page)
-            sp = spec.shared_prefix_tokens
-            out.extend(_shared_name(sp, j) for j in range(shared))
+            out.extend(_shared_name(j) for j in range(shared))
         # walk the runs: trace block index t -> id
         run_i = 0
         run_start_idx = 0  # trace index of the current run's first block
@@ -127,19 +139,31 @@ class ChainNamer:
             append(base + tid * kk + sub)
         return out
 
+    def _tail(self, k: int, names: list[int], blocks: int) -> list[int]:
+        """``names`` up to the page holding turn ``k``'s closing marker, then names of this turn's own
+        up to ``blocks`` (``framing_tokens``: what the next turn does not reuse)."""
+        content = min(len(names), max(0, (self._inputs[k] - self._framing) // self.page))
+        tail = _TAIL_BASE + (self._uid * _TURN_SPAN + k % _TURN_SPAN) * _CHAIN_SPAN
+        return names[:content] + list(range(tail + content, tail + blocks))
+
     def names(self, k: int) -> list[int]:
         """Block names of turn ``k``'s prompt (full pages only)."""
         got = self._memo.pop(k, None)
-        if got is not None:
-            return got
-        if self._spec.turns[k].hash_runs and self._spec.block_size:
-            return self._trace(k, self._inputs[k])
-        return self._synthetic(k, self._inputs[k])
+        if got is None:
+            if self._spec.turns[k].hash_runs and self._spec.block_size:
+                got = self._trace(k, self._inputs[k])
+            else:
+                got = self._synthetic(k, self._inputs[k])
+        if self._framing:
+            return self._tail(k, got, self._inputs[k] // self.page)
+        return got
 
     def full_names(self, k: int, prompt: Sequence[int]) -> list[int]:
         """Names of the blocks of prompt + output of turn ``k`` (``prompt`` = ``names(k)``)."""
         spec = self._spec
         total = (self._inputs[k] + spec.turns[k].output_tokens) // self.page
+        if self._framing:
+            return self._tail(k, list(prompt), total)
         if not (spec.turns[k].hash_runs and spec.block_size):
             return self._synthetic(k, self._inputs[k] + spec.turns[k].output_tokens)
         if k + 1 >= len(spec.turns):

@@ -33,13 +33,13 @@ class SimReplica:
     requests: set[str] = field(default_factory=set)
 
     @classmethod
-    def make(cls, index: int, profile: Profile, *, by_scaleup: bool = False) -> SimReplica:
-        rid = f"r{index:03d}"
+    def make(cls, index: int, profile: Profile, *, by_scaleup: bool = False, rid: str | None = None) -> SimReplica:
+        rid = rid or f"r{index:03d}"
         cache = PrefixCache(profile.capacity_tokens, profile.page_size, profile.host_tokens)
         spec = ReplicaSpec(
             id=rid,
             url=f"sim://{rid}",
-            model=profile.model_name,
+            model="",  # as a statically configured replica: the gateway learns no model name
             capacity_tokens=profile.capacity_tokens,
             host_capacity_tokens=profile.host_tokens,
             tp_size=profile.tp_size,

@@ -36,6 +36,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from loadtests.ideal import PooledCache
 from loadtests.measures import MeasureCollector, RequestRecord
 from loadtests.sim.engine import EventLoop
 from loadtests.sim.prompts import ChainNamer, IdealCache, check_page_size
@@ -52,10 +53,10 @@ from router.model import (
     Lease,
     Reason,
     ReplicaStatus,
-    RouteRequest,
 )
 from router.policy import Policy, classify_break, make_policy
 from router.policy.params import PolicyParams
+from router.route_input import route_request
 from router.store.base import StoreConfig
 from router.store.memory import MemoryCore
 
@@ -64,6 +65,19 @@ __all__ = ["DEFAULT_PAGE_SIZE", "FailureEvent", "ScaleEvent", "SimConfig", "SimR
 DEFAULT_PAGE_SIZE = 512
 """Simulated cache page (tokens). Coarser than SGLang's so a 100k prompt is ~200 blocks, not
 1,600: the cache work per request drops 8x, at a cost of < 0.5 % of the cached tokens."""
+
+
+CHAT_ROUTE = "/v1/chat/completions"
+
+SIM_BYTES_PER_TOKEN = 4
+"""The simulated request body: what the live driver sends for a prompt of N tokens (the emulator's
+tokenizer reads 4 bytes a token) plus the chat request's JSON framing (``SIM_BODY_FRAMING_BYTES``),
+so the gateway's estimate from the body size (``router.route_input``) is fed the same facts."""
+SIM_BODY_FRAMING_BYTES = 160
+
+
+def body_bytes(prompt_tokens: int) -> int:
+    return SIM_BYTES_PER_TOKEN * prompt_tokens + SIM_BODY_FRAMING_BYTES
 
 
 def default_profile(page_size: int = DEFAULT_PAGE_SIZE) -> Profile:
@@ -98,6 +112,13 @@ class SimConfig:
     drain_s: float = 120.0  # after duration_s, in-flight requests get this long to finish
     lanes: int = 0  # > 0: keep this many sessions alive (a finished one is replaced by the next spec)
     lane_ramp_s: float = 30.0  # lanes: the initial sessions start spread over this window
+    # lanes as the live driver runs them (``loadtests.live``): lane i runs specs i, i + L, i + 2L, ...
+    # back to back, the first at its own ``start_s``, each next one as soon as the previous
+    # session's main chain ended (its sub-agents may still run)
+    striped_lanes: bool = False
+    # > 0: name prompts as the live driver renders them (``loadtests.sim.prompts``): a turn's closing
+    # marker (this many tokens) and its output are not reused by the next turn (synthetic chains only)
+    turn_framing_tokens: int = 0
     start_mid_session: bool = False  # initial sessions start at a random turn (no cold-start transient)
     health_interval_s: float = 5.0  # scale-up: JOINING -> ACTIVE after this
     fail_detect_s: float = 2.0  # a failed replica is marked DOWN after this
@@ -106,6 +127,7 @@ class SimConfig:
     failures: tuple[FailureEvent, ...] = ()
     store: StoreConfig = field(default_factory=StoreConfig)
     seed: int = 0
+    replica_ids: tuple[str, ...] = ()  # ids of the first replicas (default r000, r001, ...)
 
     def __post_init__(self) -> None:
         if self.replicas < 1 or self.gateways < 1:
@@ -116,6 +138,8 @@ class SimConfig:
             raise ValueError("intervals must be > 0 and state_lag_s >= 0")
         if self.max_attempts < 1:
             raise ValueError("max_attempts must be >= 1")
+        if self.striped_lanes and self.lanes < 1:
+            raise ValueError("striped_lanes needs lanes >= 1")
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,6 +187,7 @@ class _Chain:
 class _Req:
     __slots__ = (
         "attempt",
+        "body_bytes",
         "cached",
         "chain",
         "excluded",
@@ -173,6 +198,7 @@ class _Req:
         "lease",
         "names",
         "output_tokens",
+        "pooled",
         "replica",
         "rid",
         "t_first",
@@ -188,6 +214,7 @@ class _Req:
         self.full = full
         self.t_start = t
         self.input_tokens = chain.namer.inputs[turn]
+        self.body_bytes = body_bytes(self.input_tokens)
         self.output_tokens = chain.spec.turns[turn].output_tokens
         self.attempt = 0
         self.excluded: frozenset[str] = frozenset()
@@ -196,6 +223,7 @@ class _Req:
         self.t_first: float | None = None
         self.cached = 0
         self.ideal = 0
+        self.pooled = 0
         self.gw = 0
 
 
@@ -213,7 +241,7 @@ class _Gateway:
 
 
 class _Sim:
-    def __init__(self, specs: Sequence[SessionSpec], cfg: SimConfig) -> None:
+    def __init__(self, specs: Sequence[SessionSpec], cfg: SimConfig, policy: Policy | None = None) -> None:
         self.cfg = cfg
         self.specs = specs
         self.loop = EventLoop()
@@ -221,10 +249,12 @@ class _Sim:
         self.core = MemoryCore(self.clock, cfg.store)
         self.page = cfg.profile.page_size
         self.ideal = IdealCache(self.page)
+        prof = cfg.profile
+        self.pooled = PooledCache(cfg.replicas * prof.capacity_tokens, self.page, cfg.replicas * prof.host_tokens)
         self.measures = MeasureCollector(warmup_s=cfg.warmup_s, end_s=cfg.duration_s, replicas=cfg.replicas)
         self.rng = random.Random(f"sim:{cfg.seed}")
         self.gateways = [
-            _Gateway(g, make_policy(cfg.policy, cfg.policy_params), random.Random(f"gw:{cfg.seed}:{g}"))
+            _Gateway(g, policy or make_policy(cfg.policy, cfg.policy_params), random.Random(f"gw:{cfg.seed}:{g}"))
             for g in range(cfg.gateways)
         ]
         self.reps: dict[str, SimReplica] = {}
@@ -248,7 +278,9 @@ class _Sim:
     # ---- fleet ---------------------------------------------------------------------------------
 
     def add_replica(self, t: float, *, active: bool, by_scaleup: bool) -> SimReplica:
-        rep = SimReplica.make(len(self.order), self.cfg.profile, by_scaleup=by_scaleup)
+        i = len(self.order)
+        ids = self.cfg.replica_ids
+        rep = SimReplica.make(i, self.cfg.profile, by_scaleup=by_scaleup, rid=ids[i] if i < len(ids) else None)
         self.order.append(rep)
         self.reps[rep.id] = rep
         status = ReplicaStatus.ACTIVE if active else ReplicaStatus.JOINING
@@ -350,7 +382,7 @@ class _Sim:
                 self._root_done(t, root)
             return
         self.uid += 1
-        namer = ChainNamer(spec, self.uid, root.uid, self.page)
+        namer = ChainNamer(spec, self.uid, root.uid, self.page, self.cfg.turn_framing_tokens)
         if self.cfg.gateway_assign == "sticky":
             gw = zlib.crc32(root.spec.routing_key.encode()) % self.cfg.gateways
         else:
@@ -385,12 +417,18 @@ class _Sim:
     def _chain_done(self, t: float, chain: _Chain) -> None:
         chain.namer.forget()
         chain.root.open -= 1
+        if self.cfg.striped_lanes and chain.spec.parent is None:
+            nxt = chain.root.index + self.cfg.lanes
+            if t < self.end and nxt < len(self.specs):
+                self._schedule_start(t, nxt)
         if chain.root.open == 0:
             self._root_done(t, chain.root)
 
     def _root_done(self, t: float, root: _Root) -> None:
         self.stats["sessions_finished"] += 1
         self.live_roots -= 1
+        if self.cfg.striped_lanes:
+            return  # the lane went on when the main chain ended
         if self.cfg.lanes > 0 and t < self.end and self.next_root < len(self.specs):
             self.next_root += 1
             self._schedule_start(t, self.next_root - 1)
@@ -442,8 +480,8 @@ class _Sim:
         req.gw = gw.index
         key = chain.key
         snap = self._view(gw, t, key)
-        request = RouteRequest(session_key=key, key_source=KeySource.HEADER,
-                               prompt_tokens_estimate=req.input_tokens, excluded=req.excluded)
+        request = route_request(key, KeySource.HEADER, route=CHAT_ROUTE, model=None,
+                                body_bytes=req.body_bytes, session=snap.session, excluded=req.excluded)
         try:
             decision = gw.policy.route(request, snap, gw.rng)
         except NoReplicaError:
@@ -467,6 +505,7 @@ class _Sim:
             return
         req.replica = rep
         req.ideal = self.ideal.hit_tokens(req.names, req.input_tokens)
+        req.pooled = self.pooled.hit(req.names, req.input_tokens)
         n = len(req.names)
         ereq = EngineRequest(req.rid, req.input_tokens, req.names, req.output_tokens, tuple(req.full[n:]))
         try:
@@ -582,10 +621,12 @@ class _Sim:
                 cached_tokens=req.cached,
                 completion_tokens=req.output_tokens,
                 started_output=True,
+                prompt_bytes=req.body_bytes,
             )
             if lease is not None:
                 break_reason = self._break(req, lease, completion)
             self.ideal.add(req.full, req.ideal // self.page)
+            self.pooled.insert(req.full)
         else:
             completion = Completion(ok=False, started_output=req.t_first is not None)
         self._release(req, completion)
@@ -603,6 +644,7 @@ class _Sim:
                 ideal_cached_tokens=req.ideal,
                 ok=ok,
                 break_reason=break_reason,
+                pooled_cached_tokens=req.pooled if ok else 0,
             )
         )
         chain = req.chain
@@ -628,7 +670,10 @@ class _Sim:
         wall0 = time.perf_counter()
         for _ in range(cfg.replicas):
             self.add_replica(0.0, active=True, by_scaleup=False)
-        if cfg.lanes > 0:
+        if cfg.striped_lanes:
+            for i in range(min(cfg.lanes, len(self.specs))):
+                self._schedule_start(float(self.specs[i].start_s), i)
+        elif cfg.lanes > 0:
             n = min(cfg.lanes, len(self.specs))
             for i in range(n):
                 self._schedule_start(cfg.lane_ramp_s * i / max(1, n), i)
@@ -663,9 +708,10 @@ class _Sim:
         )
 
 
-def run_sim(specs: Sequence[SessionSpec], config: SimConfig) -> SimResult:
-    """Simulate ``specs`` on the fleet of ``config`` with ``config.policy``. Deterministic.
+def run_sim(specs: Sequence[SessionSpec], config: SimConfig, *, policy: Policy | None = None) -> SimResult:
+    """Simulate ``specs`` on the fleet of ``config`` with ``config.policy`` (or the ``policy`` object
+    given: every gateway calls it, e.g. a recording wrapper in the parity test). Deterministic.
 
     ``ValueError`` up front if the cache page does not align with the trace's hash blocks."""
     check_page_size(specs, config.profile.page_size)
-    return _Sim(specs, config).run()
+    return _Sim(specs, config, policy).run()

@@ -47,6 +47,7 @@ from router.model import (
 )
 from router.observability.stats import RollingStats
 from router.policy import Policy
+from router.policy.kv_aware import cache_surely_gone, residency_horizon
 from router.policy.params import PolicyParams
 from router.residency import OFF, with_residency
 from router.store.base import StateStore
@@ -145,7 +146,6 @@ class AdminSettings:
     insecure: bool = False  # serve the admin API without a token (local demo only)
     allowed_networks: tuple[str, ...] = DEFAULT_ALLOWED_NETWORKS
     resolve_timeout_s: float = 1.0
-    default_capacity_tokens: int = 850_000  # when neither the spec nor the engine says (PolicyParams default)
     extra_status: Callable[[], Mapping[str, Any]] | None = field(default=None, compare=False)
 
     @property
@@ -153,11 +153,13 @@ class AdminSettings:
         return bool(self.token) or self.insecure
 
 
-def residency_view(session: SessionState, home: ReplicaState | None, default_capacity: int) -> dict[str, Any]:
-    """How likely the session's prefix is still cached on its home (DESIGN §3 rule 6).
+def residency_view(session: SessionState, home: ReplicaState | None, params: PolicyParams) -> dict[str, Any]:
+    """How likely the session's prefix is still cached on its home: the policy's own rule 6
+    (``kv_aware.cache_surely_gone``), so the view and the routing agree.
 
-    Tokens written into the home's cache since this session last wrote there, against the home's
-    capacity (HBM + host tier, LRU): below capacity the prefix is probably still resident.
+    ``pressure`` = tokens written into the home's cache since this session last wrote there, over
+    the home's residency horizon (``kv_aware.residency_horizon``: what the engine's answers showed,
+    else HBM + host tier); above 1 the policy treats the prefix as gone.
     """
     if home is None or session.home is None:
         return {
@@ -166,18 +168,17 @@ def residency_view(session: SessionState, home: ReplicaState | None, default_cap
             "capacity_tokens": None,
             "pressure": None,
         }
-    cap = (
-        home.capacity_tokens or home.engine.capacity_tokens or default_capacity
-    ) + home.host_capacity_tokens
+    horizon = residency_horizon(home, params)
     since = max(0, home.tokens_written - session.residency_mark) if session.residency_mark else None
     if since is None:
-        return {"estimate": "unknown", "tokens_written_since": None, "capacity_tokens": cap, "pressure": None}
-    pressure = (since + session.context_tokens) / cap if cap > 0 else None
-    estimate = "resident" if pressure is not None and pressure <= 1.0 else "likely_evicted"
+        return {"estimate": "unknown", "tokens_written_since": None, "capacity_tokens": round(horizon),
+                "pressure": None}  # fmt: skip
+    pressure = since / horizon if horizon > 0 else None
+    estimate = "likely_evicted" if cache_surely_gone(session, home, params) else "resident"
     return {
         "estimate": estimate,
         "tokens_written_since": since,
-        "capacity_tokens": cap,
+        "capacity_tokens": round(horizon),
         "pressure": None if pressure is None else round(pressure, 6),
     }
 
@@ -511,7 +512,7 @@ def make_admin_app(
                 "context_tokens": s.context_tokens,
                 "turns": s.turns,
                 "last_seen_s_ago": round(max(0.0, now - s.last_seen), 3),
-                "residency": residency_view(s, home, holder.params.default_capacity_tokens),
+                "residency": residency_view(s, home, holder.params),
                 "resident_exact": _exact_residency(s, getattr(store, "residency", None)),
             }
         )

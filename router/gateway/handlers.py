@@ -23,6 +23,7 @@ Rules:
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import json
 import logging
@@ -71,6 +72,7 @@ from router.model import (
 from router.policy.breaks import classify_break
 from router.policy.params import PolicyParams
 from router.policy.prefix_key import prefix_key
+from router.route_input import route_request
 from router.store.base import StaleSessionError
 
 __all__ = [
@@ -281,8 +283,16 @@ class _Proxy:
         attempt = 0
         stale = 0
         while True:
-            req = self.req if not excluded else _with_excluded(self.req, excluded)
-            snap = await self.rt.store.snapshot(req.session_key)
+            snap = await self.rt.store.snapshot(self.req.session_key)
+            req = self.req = route_request(
+                self.req.session_key,
+                self.req.key_source,
+                route=self.req.route,
+                model=self.req.model,
+                body_bytes=self.req.body_bytes,
+                session=snap.session,
+                excluded=frozenset(excluded),
+            )
             try:
                 decision = self.rt.policy.route(req, snap, self.rt.rng)
             except NoReplicaError:
@@ -484,13 +494,7 @@ class _Proxy:
         finally:
             if upstream is not None and not done:
                 upstream.abort()  # closes the connection: the engine aborts the request
-            completion = Completion(
-                ok=completion.ok,
-                prompt_tokens=completion.prompt_tokens,
-                cached_tokens=completion.cached_tokens,
-                completion_tokens=completion.completion_tokens,
-                started_output=self.p.sent,
-            )
+            completion = dataclasses.replace(completion, started_output=self.p.sent)
             try:
                 store = self.rt.store
                 if getattr(store, "never_suspends", False):
@@ -532,6 +536,7 @@ class _Proxy:
                 prompt_tokens=usage.prompt_tokens,
                 cached_tokens=usage.cached_tokens,
                 completion_tokens=usage.completion_tokens,
+                prompt_bytes=len(self.body),
             )
         if not ok:
             return Completion(ok=False)
@@ -566,17 +571,6 @@ def _decision_headers(replica_id: str, reason: Reason) -> list[tuple[str, str]]:
     if "\r" in replica_id or "\n" in replica_id:
         return [(REASON_HEADER, str(reason))]
     return [(REPLICA_HEADER, replica_id), (REASON_HEADER, str(reason))]
-
-
-def _with_excluded(req: RouteRequest, excluded: set[str]) -> RouteRequest:
-    return RouteRequest(
-        session_key=req.session_key,
-        key_source=req.key_source,
-        route=req.route,
-        model=req.model,
-        prompt_tokens_estimate=req.prompt_tokens_estimate,
-        excluded=frozenset(excluded),
-    )
 
 
 @functools.lru_cache(maxsize=8)
@@ -628,13 +622,7 @@ async def serve_inference(
         body = await read_body()
         prog.t0 = clock.now()  # the client's upload time is not ours
         key, source, model = _routing_key(session_id, body, route, rt.policy)
-        req = RouteRequest(
-            session_key=key,
-            key_source=source,
-            route=route,
-            model=model,
-            prompt_tokens_estimate=len(body) // 4,
-        )
+        req = route_request(key, source, route=route, model=model, body_bytes=len(body), session=None)
         fwd = _forward_headers(headers, remote, cfg, session_id, request_id)
         proxy = _Proxy(downstream, request_id, rt, body, req, fwd, prog)
         try:

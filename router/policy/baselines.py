@@ -1,7 +1,9 @@
 """Baseline policies shipped for comparison in every benchmark (DESIGN §3, last paragraph).
 
-None of them binds sessions or uses affinity state; all skip excluded, JOINING, DOWN and DRAINING
-replicas, and raise ``NoReplicaError`` when nothing is left. Same signature as ``kv_aware``.
+All skip excluded, JOINING, DOWN and DRAINING replicas, and raise ``NoReplicaError`` when nothing is
+left. Same signature as ``kv_aware``. Only ``sticky_least_loaded`` binds sessions (the sticky
+policy the peer routers ship: vllm-router's ``sticky_least_loaded``, sglang-router's ``manual`` with
+``min_load``); the others keep no affinity state.
 """
 
 from __future__ import annotations
@@ -9,7 +11,15 @@ from __future__ import annotations
 import random
 
 from router.errors import NoReplicaError
-from router.model import ClusterSnapshot, Reason, ReplicaState, ReplicaStatus, RouteDecision, RouteRequest
+from router.model import (
+    BindSession,
+    ClusterSnapshot,
+    Reason,
+    ReplicaState,
+    ReplicaStatus,
+    RouteDecision,
+    RouteRequest,
+)
 from router.policy.hashing import hrw_top
 
 __all__ = [
@@ -17,10 +27,12 @@ __all__ = [
     "LEAST_LOADED",
     "RANDOM",
     "ROUND_ROBIN",
+    "STICKY_LEAST_LOADED",
     "HashPolicy",
     "LeastLoadedPolicy",
     "RandomPolicy",
     "RoundRobinPolicy",
+    "StickyLeastLoadedPolicy",
     "eligible",
 ]
 
@@ -28,6 +40,7 @@ RANDOM = "random"
 ROUND_ROBIN = "round_robin"
 LEAST_LOADED = "least_loaded"
 HASH = "hash"
+STICKY_LEAST_LOADED = "sticky_least_loaded"
 
 
 def eligible(request: RouteRequest, snapshot: ClusterSnapshot) -> list[ReplicaState]:
@@ -85,3 +98,24 @@ class HashPolicy:
         top = hrw_top(request.session_key, (r.id for r in cands))
         assert top is not None
         return RouteDecision(top, Reason.HASH)
+
+
+class StickyLeastLoadedPolicy:
+    """A session stays on its home while the home is ACTIVE; a new session (or one whose home is
+    gone) binds to the replica with the fewest requests in flight, ties broken by the rng."""
+
+    name = STICKY_LEAST_LOADED
+
+    def route(self, request: RouteRequest, snapshot: ClusterSnapshot, rng: random.Random) -> RouteDecision:
+        cands = eligible(request, snapshot)
+        sess = snapshot.session
+        home = sess.home if sess is not None and sess.session_id == request.session_key else None
+        if home is not None and any(r.id == home for r in cands):
+            return RouteDecision(home, Reason.AFFINITY)
+        least = min(r.in_flight for r in cands)
+        ties = [r for r in cands if r.in_flight == least]
+        target = ties[rng.randrange(len(ties))].id
+        if request.session_key is None:
+            return RouteDecision(target, Reason.LEAST_LOADED)
+        reason = Reason.PLACED_NEW if home is None else Reason.REASSIGNED_GONE
+        return RouteDecision(target, reason, (BindSession(request.session_key, target, home, reason),))

@@ -10,7 +10,33 @@ from __future__ import annotations
 
 from router.model import AffinityBreak, Completion, KeySource, Lease, Reason
 
-__all__ = ["classify_break"]
+__all__ = ["classify_break", "continues_context", "found_resident"]
+
+CONTINUES_FRACTION = 0.95
+"""A request *continues* its session's context when its prompt is at least this fraction of it. The
+parent chain's next turn carries the whole context (a little less when the engine strips the last
+turn's reasoning); a sub-agent's turn or a rewritten (compacted) history is a new, smaller prompt
+whose low cache hit says nothing about eviction."""
+
+
+def continues_context(prev_context_tokens: int, prompt_tokens: int) -> bool:
+    return prev_context_tokens > 0 and prompt_tokens >= CONTINUES_FRACTION * prev_context_tokens
+
+
+def found_resident(
+    prev_context_tokens: int,
+    prompt_tokens: int,
+    cached_tokens: int,
+    *,
+    page_tokens: int = 64,
+    rel_tolerance: float = 0.02,
+) -> bool | None:
+    """Engine feedback on residency (rule 6): was the session's previous context still cached where
+    this request ran? ``None`` when the request does not continue that context (no evidence)."""
+    if not continues_context(prev_context_tokens, prompt_tokens):
+        return None
+    expected = min(prev_context_tokens, prompt_tokens)
+    return cached_tokens >= expected - (page_tokens + rel_tolerance * expected)
 
 _BY_REASON: dict[Reason, AffinityBreak] = {
     Reason.THICC_SPLIT: AffinityBreak.THICC_SPLIT,
@@ -36,19 +62,22 @@ def classify_break(
 ) -> AffinityBreak | None:
     """The break's reason, or ``None`` when the cache was (close enough to) fully reused.
 
-    Expected reuse is ``min(prev_context_tokens, prompt_tokens)`` (a shorter prompt means the client
-    rewrote its history: it cannot all be cached). Tolerance: one partial page (``page_tokens``) plus
-    ``rel_tolerance`` of the expectation, for re-tokenised or stripped reasoning at the tail. Nothing
-    is classified when the request failed, the engine did not report cached tokens, or the session
-    had no previous context.
+    Only a request that continues the session's context (``continues_context``) is judged; its
+    expected reuse is ``min(prev_context_tokens, prompt_tokens)``. Tolerance: one partial page
+    (``page_tokens``) plus ``rel_tolerance`` of the expectation, for re-tokenised or stripped
+    reasoning at the tail. Nothing is classified when the request failed, the engine did not report
+    cached tokens, or the session had no previous context.
     """
     if not completion.ok or completion.prompt_tokens is None or completion.cached_tokens is None:
         return None
-    expected = min(lease.prev_context_tokens, completion.prompt_tokens)
-    if expected <= 0:
-        return None
-    tolerance = page_tokens + rel_tolerance * expected
-    if completion.cached_tokens >= expected - tolerance:
+    resident = found_resident(
+        lease.prev_context_tokens,
+        completion.prompt_tokens,
+        completion.cached_tokens,
+        page_tokens=page_tokens,
+        rel_tolerance=rel_tolerance,
+    )
+    if resident is None or resident:
         return None
     if lease.disagreement:  # another gateway bound the session elsewhere first
         return AffinityBreak.GATEWAY_DISAGREEMENT

@@ -20,6 +20,7 @@ of the session id. Everything is a pure function of (request, snapshot, rng).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 from collections.abc import Callable, Sequence
@@ -40,6 +41,7 @@ from router.model import (
     SessionState,
     SetOverflow,
 )
+from router.policy.breaks import continues_context
 from router.policy.hashing import hrw_weight
 from router.policy.params import PolicyParams
 
@@ -51,17 +53,24 @@ _GONE = frozenset({ReplicaStatus.DOWN, ReplicaStatus.JOINING})
 
 
 def hbm_capacity(replica: ReplicaState, params: PolicyParams) -> int:
-    return replica.capacity_tokens or replica.engine.capacity_tokens or params.default_capacity_tokens
+    """The store fills ``capacity_tokens`` by one precedence rule (``router.model.capacities``)."""
+    return replica.capacity_tokens or params.default_capacity_tokens
 
 
 def total_capacity(replica: ReplicaState, params: PolicyParams) -> int:
     """HBM + host tier (HiCache): what LRU eviction is measured against."""
-    host = max(replica.host_capacity_tokens, replica.engine.host_capacity_tokens)
-    return hbm_capacity(replica, params) + host
+    return hbm_capacity(replica, params) + replica.host_capacity_tokens
+
+
+def residency_horizon(replica: ReplicaState, params: PolicyParams) -> float:
+    """Tokens a replica may write after a session's last turn before that session's cache is gone:
+    what the engine's own answers showed (``residency_horizon_tokens``, rule 6 feedback), else its
+    whole cache (HBM + host) times ``residency_slack`` (LRU)."""
+    return float(replica.residency_horizon_tokens) or params.residency_slack * total_capacity(replica, params)
 
 
 def cache_surely_gone(session: SessionState, home: ReplicaState, params: PolicyParams) -> bool:
-    """Rule 6: has the home written more than its whole cache (HBM + host) since this session?
+    """Rule 6: has the home written more than its residency horizon since this session?
 
     A residency mark of 0 means the session has not finished a turn on this home yet: unknown,
     so assume resident (never move a session because of missing information).
@@ -69,7 +78,7 @@ def cache_surely_gone(session: SessionState, home: ReplicaState, params: PolicyP
     if session.residency_mark <= 0:
         return False
     written_since = home.tokens_written - session.residency_mark
-    return written_since > params.residency_slack * total_capacity(home, params)
+    return written_since > residency_horizon(home, params)
 
 
 def move_cost_tokens(
@@ -92,13 +101,31 @@ def move_cost_tokens(
     resident = 1.0
     if session.residency_mark > 0:
         written = home.tokens_written - session.residency_mark
-        resident -= min(1.0, max(0.0, written / (params.residency_slack * total_capacity(home, params))))
+        resident -= min(1.0, max(0.0, written / residency_horizon(home, params)))
     displaced = 0.0
     if target is not None:
         room = params.move_headroom * total_capacity(target, params)
         over = target.active_context_tokens + ctx - room
         displaced = min(1.0, max(0.0, over / ctx))
     return ctx * resident * (1.0 + displaced)
+
+
+def expected_prefill_tokens(decision: RouteDecision, request: RouteRequest, session: SessionState | None) -> int:
+    """Prompt tokens the chosen replica will compute for this request (its prefill backlog).
+
+    At the session's home, a request that continues the session's context computes only what it
+    adds; every other request (a new session, a re-homed or evicted one, an overflow, a prompt
+    that does not continue the context) computes its whole prompt, as far as the gateway knows.
+    """
+    est = request.prompt_tokens_estimate
+    if (
+        session is not None
+        and decision.replica_id == session.home
+        and decision.reason is Reason.AFFINITY
+        and continues_context(session.context_tokens, est)
+    ):
+        return max(0, est - session.context_tokens)
+    return est
 
 
 def load_score(replica: ReplicaState, context_tokens: int, params: PolicyParams) -> float:
@@ -129,7 +156,7 @@ class _View:
     session_cap: int
     mean_sessions: float  # active sessions per ACTIVE replica
     ramp_share: int
-    first_join: float
+    serving_since: float | None  # replicas ACTIVE since before it are the initial fleet
 
 
 class KvAwarePolicy:
@@ -141,6 +168,12 @@ class KvAwarePolicy:
     # ---- entry -----------------------------------------------------------------------------------
 
     def route(self, request: RouteRequest, snapshot: ClusterSnapshot, rng: random.Random) -> RouteDecision:
+        d = self._route(request, snapshot, rng)
+        sess = snapshot.session
+        own = sess if sess is not None and sess.session_id == request.session_key else None
+        return dataclasses.replace(d, prefill_tokens=expected_prefill_tokens(d, request, own))
+
+    def _route(self, request: RouteRequest, snapshot: ClusterSnapshot, rng: random.Random) -> RouteDecision:
         view = self._view(request, snapshot)
         sid = request.session_key
         sess = snapshot.session
@@ -244,7 +277,7 @@ class KvAwarePolicy:
                 return RouteDecision(
                     sticky.id, Reason.THICC_SPLIT, (), ((sticky.id, load_score(sticky, 0, p)),)
                 )
-        if idle and not view.panic and self._load_move_wanted(home, view, over):
+        if idle and (over or self._load_move_wanted(home, view)):
             decision = self._try_move(
                 view,
                 request,
@@ -255,12 +288,12 @@ class KvAwarePolicy:
                 AffinityBreak.OVERLOAD_SPILL,
                 avoid=frozenset({old_home}),
             )
-            # over the hard bound the target must also be under it; either way the move must pay
-            # for the cache it throws away (round 6: a burst on home is not worth a big re-prefill)
-            if (
-                decision is not None
-                and (not over or self._relieves(decision, snapshot, view))
-                and self._pays(sess, home, snapshot.replica(decision.replica_id), ctx, view)
+            # over the hard bound the session leaves for any replica under it (rule 1: the bound is
+            # hard); a softer strain moves it only if the move pays for the cache it throws away
+            if decision is not None and (
+                self._relieves(decision, snapshot, view)
+                if over
+                else self._pays(sess, home, snapshot.replica(decision.replica_id), ctx, view)
             ):
                 return decision
         if p.collapse_idle_only and not idle:
@@ -269,15 +302,13 @@ class KvAwarePolicy:
             kept = self._collapse(sess, keep_only=tuple(o for o in sess.overflow if sess.in_flight_at(o) > 0))
         return RouteDecision(home.id, Reason.AFFINITY, kept, ((home.id, load_score(home, 0, p)),))
 
-    def _load_move_wanted(self, home: ReplicaState, view: _View, over: bool) -> bool:
-        """Rule 5's trigger at the operator's ``load_moves`` level: 2 over the hard bound or strained,
-        1 over the hard bound only, 0 never; and never while the fleet is crowded (round 7)."""
+    def _load_move_wanted(self, home: ReplicaState, view: _View) -> bool:
+        """Rule 5's soft trigger (under the hard bound) at the operator's ``load_moves`` level: 2 when
+        home is strained, else never; and never while the fleet is crowded (round 7)."""
         p = self.params
-        if 0 < p.load_moves_max_sessions < view.mean_sessions:
+        if view.panic or 0 < p.load_moves_max_sessions < view.mean_sessions:
             return False  # a crowded fleet: no load moves at all
-        if p.load_moves >= 2:
-            return over or self._strained(home, view)
-        return p.load_moves == 1 and over
+        return p.load_moves >= 2 and self._strained(home, view)
 
     def _strained(self, home: ReplicaState, view: _View) -> bool:
         """Rule 5's soft trigger: home persistently busier than the fleet (in a light fleet, also
@@ -474,7 +505,8 @@ class KvAwarePolicy:
                     cands,
                     lambda r: not self._fresh(r, view, snapshot) or r.placed_recent < view.ramp_share,
                 )
-        scored = [(r, load_score(r, ctx, p)) for r in cands]
+        # a placement's prompt starts computing behind the target's prefill backlog
+        scored = [(r, load_score(r, ctx, p) + r.prefill_backlog_tokens / p.prefill_tokens_per_unit) for r in cands]
         best = min(s for _, s in scored)
         ties = [r for r, s in scored if s <= best + p.score_quantum]
         if len(ties) == 1:
@@ -488,26 +520,23 @@ class KvAwarePolicy:
         return target, tuple((r.id, s) for r, s in scored)
 
     def _young(self, replica: ReplicaState, view: _View, snapshot: ClusterSnapshot) -> bool:
-        """Joined after the initial fleet less than ``rehome_delay_s`` ago: takes no re-homed
-        session yet, so a scale-up moves no existing session (rule 4)."""
-        return (
-            replica.joined_at > view.first_join
-            and snapshot.now - replica.joined_at < self.params.rehome_delay_s
-        )
+        """Joined by scale-up less than ``rehome_delay_s`` ago: takes no re-homed session yet, so a
+        scale-up moves no existing session (rule 4)."""
+        return _joined_since(replica, view, snapshot, self.params.rehome_delay_s)
 
     def _fresh(self, replica: ReplicaState, view: _View, snapshot: ClusterSnapshot) -> bool:
-        """Joined after the initial fleet and less than ``fresh_window_s`` ago (rule 4)."""
-        return (
-            replica.joined_at > view.first_join
-            and snapshot.now - replica.joined_at < self.params.fresh_window_s
-        )
+        """Joined by scale-up less than ``fresh_window_s`` ago (rule 4)."""
+        return _joined_since(replica, view, snapshot, self.params.fresh_window_s)
 
     def _view(self, request: RouteRequest, snapshot: ClusterSnapshot) -> _View:
         p = self.params
         live = [r for r in snapshot.replicas if r.id not in request.excluded and r.status not in _GONE]
         active = [r for r in live if r.status is ReplicaStatus.ACTIVE]
-        non_excluded = [r for r in snapshot.replicas if r.id not in request.excluded]
-        panic = len(active) < p.panic_threshold * len(non_excluded)
+        # a JOINING replica has never served: a scale-up that more than doubles the fleet is no panic
+        counted = [
+            r for r in snapshot.replicas if r.id not in request.excluded and r.status is not ReplicaStatus.JOINING
+        ]
+        panic = len(active) < p.panic_threshold * len(counted)
         pool = tuple(live if panic else active) or tuple(live)
         if not pool:
             raise NoReplicaError("no replica is ACTIVE or DRAINING outside the excluded set")
@@ -519,7 +548,6 @@ class KvAwarePolicy:
         cap = math.ceil((1.0 + p.bounded_load_epsilon) * (sessions + 1) / n)
         recent = sum(r.placed_recent for r in fleet)
         share = max(1, math.ceil(p.ramp_cap_factor * (recent + 1) / n))
-        first = min(r.joined_at for r in fleet)
         return _View(
             pool=pool,
             panic=panic,
@@ -528,8 +556,18 @@ class KvAwarePolicy:
             session_cap=cap,
             mean_sessions=sessions / n,
             ramp_share=share,
-            first_join=first,
+            serving_since=snapshot.serving_since,
         )
+
+
+def _joined_since(replica: ReplicaState, view: _View, snapshot: ClusterSnapshot, window_s: float) -> bool:
+    """Became ACTIVE after the store started routing (a scale-up, not the initial fleet, whose
+    replicas turn ACTIVE one by one in the first health round) and less than ``window_s`` ago."""
+    return (
+        view.serving_since is not None
+        and replica.joined_at > view.serving_since
+        and snapshot.now - replica.joined_at < window_s
+    )
 
 
 def _usable_overflows(

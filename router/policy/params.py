@@ -111,6 +111,10 @@ class PolicyParams:
     """Weight of (working set + this session's context) / HBM capacity beyond working_set_limit."""
     working_set_limit: float = 0.9
     """Fraction of HBM capacity the active working set may fill before the replica is penalised."""
+    prefill_tokens_per_unit: int = 10_000
+    """Prompt tokens waiting to be computed at a replica (its prefill backlog) that weigh as one
+    request in flight: a cold 100k-token prefill ahead of a request delays its first token as much
+    as ten warm turns do."""
     score_quantum: float = 0.5
     """Scores within one quantum tie; ties go to the rendezvous-hash winner so gateways agree."""
 
@@ -153,6 +157,7 @@ _POSITIVE_INT = {
     "reassign_tokens_per_gain",
     "default_capacity_tokens",
     "prefix_block_chars",
+    "prefill_tokens_per_unit",
     "prefix_blocks",
 }
 _FRACTION = {"panic_threshold", "saturation_fraction"}

@@ -6,7 +6,13 @@ from collections.abc import Callable, Mapping
 from types import MappingProxyType
 
 from router.policy import Policy
-from router.policy.baselines import HashPolicy, LeastLoadedPolicy, RandomPolicy, RoundRobinPolicy
+from router.policy.baselines import (
+    HashPolicy,
+    LeastLoadedPolicy,
+    RandomPolicy,
+    RoundRobinPolicy,
+    StickyLeastLoadedPolicy,
+)
 from router.policy.kv_aware import KvAwarePolicy
 from router.policy.params import PolicyParams
 
@@ -21,6 +27,7 @@ POLICIES: Mapping[str, PolicyFactory] = MappingProxyType(
         "round_robin": lambda params: RoundRobinPolicy(),
         "least_loaded": lambda params: LeastLoadedPolicy(),
         "hash": lambda params: HashPolicy(),
+        "sticky_least_loaded": lambda params: StickyLeastLoadedPolicy(),
     }
 )
 

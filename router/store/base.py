@@ -26,8 +26,16 @@ from router.model import (
     RouteRequest,
     SessionState,
 )
+from router.policy.breaks import found_resident
 
-__all__ = ["StaleSessionError", "StateStore", "StoreConfig"]
+__all__ = [
+    "PLAUSIBLE_EVICTION",
+    "StaleSessionError",
+    "StateStore",
+    "StoreConfig",
+    "learn_horizon",
+    "residency_feedback",
+]
 
 
 class StaleSessionError(KeyError):
@@ -43,6 +51,43 @@ class StoreConfig:
     lease_ttl_s: float = 10.0  # Redis: a gateway's in-flight counts die this long after its last heartbeat
     replica_ttl_s: float = 5.0  # Redis: registry entries written by sidecars expire after this
     key_prefix: str = "kvroute"  # Redis key prefix
+
+
+PLAUSIBLE_EVICTION = 0.5
+"""A miss lowers a replica's residency horizon only when at least this fraction of the current
+horizon (or of its capacity, before any is learned) was written since the session's last turn: an
+LRU pool does not drop a session's prefix after far less than it holds, and a request whose prompt
+differs from its session's context in ways the usage cannot show (a rewritten tool result, a
+sub-agent's turn of the same size) must not drag the horizon down. Repeated misses still walk it
+down by up to half a step each."""
+
+
+def residency_feedback(lease: Lease, completion: Completion) -> bool | None:
+    """Rule 6 feedback of one response that ran on the session's home: was the session's previous
+    context still cached there? ``True``: all of it (``found_resident``); ``False``: not even half of
+    it; ``None``: no clear evidence (failed, no usage reported, a request that does not continue the
+    session's context (``router.policy.breaks.continues_context``), or a partial hit)."""
+    if not completion.ok or completion.prompt_tokens is None or completion.cached_tokens is None:
+        return None
+    found = found_resident(lease.prev_context_tokens, completion.prompt_tokens, completion.cached_tokens)
+    if found is None or found:
+        return found
+    expected = min(lease.prev_context_tokens, completion.prompt_tokens)
+    return False if completion.cached_tokens < 0.5 * expected else None
+
+
+def learn_horizon(horizon: int, written_since: int, found: bool, capacity_tokens: int = 0) -> int:
+    """A replica's residency horizon after one observation (0 = none learned: the policy uses its
+    capacity, ``capacity_tokens`` = HBM + host here, 0 if unknown). A session's cache found gone after
+    ``written_since`` tokens puts the horizon below that (if plausible: ``PLAUSIBLE_EVICTION``); one
+    still there puts a learned horizon at least that high."""
+    if written_since <= 0:
+        return horizon
+    if not found:
+        ref = horizon or capacity_tokens
+        below = horizon == 0 or written_since < horizon
+        return written_since if below and written_since >= PLAUSIBLE_EVICTION * ref else horizon
+    return written_since if 0 < horizon < written_since else horizon
 
 
 @runtime_checkable

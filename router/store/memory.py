@@ -34,9 +34,10 @@ from router.model import (
     RouteRequest,
     SessionState,
     SetOverflow,
+    capacities,
 )
 from router.residency import ResidencyView, with_residency
-from router.store.base import StoreConfig
+from router.store.base import StoreConfig, learn_horizon, residency_feedback
 
 __all__ = ["PLACEMENT_REASONS", "MemoryCore", "MemoryStore"]
 
@@ -64,6 +65,8 @@ class _Replica:
     in_flight: int = 0
     engine: EngineLoad = field(default_factory=EngineLoad)
     tokens_written: int = 0
+    prefill_backlog: int = 0
+    horizon: int = 0  # residency horizon learned from the engine's answers (rule 6 feedback)
     placements: deque[float] = field(default_factory=deque)
     # sessions homed here, ordered by last_seen (oldest first): sid -> (last_seen, context_tokens)
     active: OrderedDict[str, tuple[float, int]] = field(default_factory=OrderedDict)
@@ -77,9 +80,11 @@ class _Session:
     overflow: tuple[ReplicaId, ...] = ()
     in_flight: dict[ReplicaId, int] = field(default_factory=dict)
     context_tokens: int = 0
+    context_at: float = 0.0  # when ``context_tokens`` was last raised (or set)
     last_seen: float = 0.0
     residency_mark: int = 0
     turns: int = 0
+    bytes_per_token: float = 0.0
 
 
 class MemoryCore:
@@ -93,6 +98,7 @@ class MemoryCore:
         self._replicas: dict[ReplicaId, _Replica] = {}
         self._sessions: OrderedDict[str, _Session] = OrderedDict()  # ordered by last_seen
         self._seq = 0
+        self._serving_since: float | None = None  # the first acquire: later ACTIVE replicas scaled up
         self._lease_ids = itertools.count(1)
         self._leases: dict[str, Lease] = {}
         # ---- caches of the read path (see the module docstring) ----
@@ -236,8 +242,7 @@ class MemoryCore:
 
     @staticmethod
     def _build_state(rep: _Replica) -> ReplicaState:
-        cap = rep.spec.capacity_tokens or rep.engine.capacity_tokens
-        host = rep.spec.host_capacity_tokens or rep.engine.host_capacity_tokens
+        cap, host = capacities(rep.spec, rep.engine)
         return ReplicaState(
             id=rep.spec.id,
             url=rep.spec.url,
@@ -250,8 +255,10 @@ class MemoryCore:
             sessions_active=len(rep.active),
             active_context_tokens=rep.active_context,
             tokens_written=rep.tokens_written,
+            prefill_backlog_tokens=rep.prefill_backlog,
             placed_recent=len(rep.placements),
             model=rep.spec.model,
+            residency_horizon_tokens=rep.horizon,
         )
 
     def _session_state(self, sid: str, s: _Session) -> SessionState:
@@ -264,6 +271,7 @@ class MemoryCore:
             last_seen=s.last_seen,
             residency_mark=s.residency_mark,
             turns=s.turns,
+            bytes_per_token=s.bytes_per_token,
         )
         return st if self.residency is None else with_residency(st, self.residency)
 
@@ -289,6 +297,7 @@ class MemoryCore:
             session=sess,
             seq=self._seq,
             sessions_active=self._n_active,
+            serving_since=self._serving_since,
         )
 
     # ---- hot path ----------------------------------------------------------------------------
@@ -296,6 +305,8 @@ class MemoryCore:
     def acquire(self, decision: RouteDecision, request: RouteRequest) -> Lease:
         now = self.clock.now()
         self._seq += 1
+        if self._serving_since is None:
+            self._serving_since = now
         target = decision.replica_id
         disagreement = False
         sid = request.session_key
@@ -330,6 +341,7 @@ class MemoryCore:
         if rep is None:
             raise KeyError(target)
         rep.in_flight += 1
+        rep.prefill_backlog += decision.prefill_tokens
         self._dirty(rep)
         prev_ctx = 0
         if sess is not None and sid is not None:
@@ -347,6 +359,7 @@ class MemoryCore:
             acquired_at=now,
             disagreement=disagreement,
             prev_context_tokens=prev_ctx,
+            prefill_tokens=decision.prefill_tokens,
         )
         self._leases[lease.lease_id] = lease
         return lease
@@ -356,16 +369,21 @@ class MemoryCore:
             return  # double release is a no-op: load must never go negative
         now = self.clock.now()
         rep = self._replicas.get(lease.replica_id)
+        s = self._sessions.get(lease.session_id) if lease.session_id is not None else None
+        if rep is not None and s is not None and s.home == lease.replica_id and s.residency_mark > 0:
+            found = residency_feedback(lease, completion)
+            if found is not None:
+                since = rep.tokens_written - s.residency_mark
+                hbm, host = capacities(rep.spec, rep.engine)
+                rep.horizon = learn_horizon(rep.horizon, since, found, hbm + host if hbm else 0)
         if rep is not None:
             rep.in_flight = max(0, rep.in_flight - 1)
+            rep.prefill_backlog = max(0, rep.prefill_backlog - lease.prefill_tokens)
             if completion.prompt_tokens is not None:
                 new = completion.prompt_tokens - (completion.cached_tokens or 0)
                 rep.tokens_written += max(0, new) + (completion.completion_tokens or 0)
             self._dirty(rep)
-        if lease.session_id is None:
-            return
-        s = self._sessions.get(lease.session_id)
-        if s is None:
+        if lease.session_id is None or s is None:
             return
         n = s.in_flight.get(lease.replica_id, 0) - 1
         if n > 0:
@@ -377,8 +395,13 @@ class MemoryCore:
         if completion.ok and completion.prompt_tokens is not None:
             ctx = completion.prompt_tokens + (completion.completion_tokens or 0)
             if lease.replica_id == s.home:
-                s.context_tokens = max(s.context_tokens, ctx) if s.in_flight else ctx
+                if ctx >= s.context_tokens or now - s.context_at > self.config.active_window_s:
+                    # a smaller context (a sub-agent's, or the main chain after a compaction) replaces
+                    # the session's only once its larger one has not been seen for a whole window
+                    s.context_tokens, s.context_at = ctx, now
                 s.turns += 1
+                if completion.prompt_tokens > 0 and completion.prompt_bytes > 0:
+                    s.bytes_per_token = completion.prompt_bytes / completion.prompt_tokens
                 if rep is not None:
                     s.residency_mark = rep.tokens_written
         if s.home is not None and (home := self._replicas.get(s.home)) is not None:

@@ -71,9 +71,10 @@ from router.model import (
     RouteRequest,
     SessionState,
     SetOverflow,
+    capacities,
 )
 from router.residency import ResidencyView, snapshot_with_residency
-from router.store.base import StaleSessionError, StoreConfig
+from router.store.base import PLAUSIBLE_EVICTION, StaleSessionError, StoreConfig, residency_feedback
 from router.store.keys import KeySpace
 from router.store.memory import PLACEMENT_REASONS, MemoryCore
 
@@ -112,7 +113,9 @@ def _merge_inflight(
 
 def _load_scripts() -> dict[str, str]:
     lua = resources.files("router.store").joinpath("lua")
-    prelude = lua.joinpath("_lib.lua").read_text()
+    # constants shared with the memory store are defined once, in Python
+    consts = f"local PLAUSIBLE_EVICTION = {PLAUSIBLE_EVICTION!r}\n"
+    prelude = consts + lua.joinpath("_lib.lua").read_text()
     return {name: prelude + "\n" + lua.joinpath(f"{name}.lua").read_text() for name in _SCRIPTS}
 
 
@@ -212,7 +215,8 @@ class RedisStore:
         if replica_refresh_s < 0:
             raise ValueError(f"replica_refresh_s must be >= 0: {replica_refresh_s}")
         self.replica_refresh_s = replica_refresh_s
-        self._table: tuple[tuple[ReplicaState, ...], int, int] | None = None  # replicas, seq, active
+        # replicas, seq, active sessions, serving since
+        self._table: tuple[tuple[ReplicaState, ...], int, int, float | None] | None = None
         self._table_at = 0.0  # event-loop time the table arrived
         self._table_sent = 0  # refresh generations
         self._table_applied = 0
@@ -492,9 +496,10 @@ class RedisStore:
         return eng
 
     def _replica_state(self, row: list[Any]) -> ReplicaState:
-        rid, spec_raw, status, joined, engine_raw, tw, actctx, nact, nplc, inflight = row
+        rid, spec_raw, status, joined, engine_raw, tw, actctx, nact, nplc, inflight, horizon = row
         spec = self._spec(rid, spec_raw)
         engine = self._engine(engine_raw)
+        cap, host = capacities(spec, engine)
         return ReplicaState(
             id=rid,
             url=spec.url,
@@ -502,17 +507,18 @@ class RedisStore:
             joined_at=self._local(joined),
             in_flight=int(inflight),
             engine=engine,
-            capacity_tokens=spec.capacity_tokens or engine.capacity_tokens,
-            host_capacity_tokens=spec.host_capacity_tokens or engine.host_capacity_tokens,
+            capacity_tokens=cap,
+            host_capacity_tokens=host,
             sessions_active=int(nact),
             active_context_tokens=int(actctx),
             tokens_written=int(tw),
             placed_recent=int(nplc),
             model=spec.model,
+            residency_horizon_tokens=int(horizon),
         )
 
     def _session_state(self, row: list[Any]) -> SessionState:
-        sid, home, ovf, ctx, seen, mark, turns, pl = row
+        sid, home, ovf, ctx, seen, mark, turns, pl, bpt = row
         per = sorted((str(pl[i]), int(pl[i + 1])) for i in range(0, len(pl), 2))
         return SessionState(
             session_id=sid,
@@ -523,6 +529,7 @@ class RedisStore:
             last_seen=self._local(seen),
             residency_mark=int(mark),
             turns=int(turns),
+            bytes_per_token=float(bpt),
         )
 
     def _remember(self, s: SessionState) -> None:
@@ -536,7 +543,7 @@ class RedisStore:
     async def _redis_snapshot(self, session_key: str | None) -> ClusterSnapshot:
         now = self.clock.now()
         c = self.config
-        seq, rows, srow, active = await self._eval(
+        seq, rows, srow, active, t0 = await self._eval(
             "snapshot",
             [self._fleet(now), c.active_window_s, c.ramp_window_s, c.session_ttl_s, session_key or ""],
         )
@@ -546,7 +553,12 @@ class RedisStore:
         if session is not None and session.home is not None:
             self._remember(session)
         return ClusterSnapshot(
-            now=now, replicas=replicas, session=session, seq=int(seq), sessions_active=int(active)
+            now=now,
+            replicas=replicas,
+            session=session,
+            seq=int(seq),
+            sessions_active=int(active),
+            serving_since=self._local(t0) if t0 else None,
         )
 
     async def snapshot(self, session_key: str | None) -> ClusterSnapshot:
@@ -729,6 +741,10 @@ class RedisStore:
             completion.prompt_tokens or 0,
             completion.cached_tokens or 0,
             completion.completion_tokens or 0,
+            completion.prompt_bytes,
+            self.config.active_window_s,
+            {None: "", True: "1", False: "0"}[residency_feedback(lease, completion)],
+            self._cache_capacity(lease.replica_id),
         ]
         if self.fast:
             args.append("F")
@@ -743,6 +759,13 @@ class RedisStore:
         except StoreError as exc:
             self.fallback_total += 1
             self._fail(exc)
+
+    def _cache_capacity(self, rid: ReplicaId) -> int:
+        """HBM + host of a replica as last seen (0 = unknown): the reference of ``learn_horizon``."""
+        for r in self._last_replicas:
+            if r.id == rid:
+                return r.capacity_tokens + r.host_capacity_tokens if r.capacity_tokens else 0
+        return 0
 
     # ---- fast path: local replica table + session cache (rule 6) ---------------------------------
 
@@ -813,7 +836,7 @@ class RedisStore:
         self._deltas.append(cut)  # deltas recorded from here on may not be in this reply
         now = self.clock.now()
         c = self.config
-        seq, rows, srow, active = await self._eval(
+        seq, rows, srow, active, t0 = await self._eval(
             "snapshot",
             [self._fleet(now), c.active_window_s, c.ramp_window_s, c.session_ttl_s, session_key or "",
              self.gateway_id],
@@ -823,7 +846,7 @@ class RedisStore:
         replicas = tuple(self._replica_state(r) for r in rows)
         if gen > self._table_applied:
             self._table_applied = gen
-            self._table = (replicas, int(seq), int(active))
+            self._table = (replicas, int(seq), int(active), self._local(t0) if t0 else None)
             self._table_at = asyncio.get_running_loop().time()
             self._clean = max(self._clean, dirty)
             self._seq_local = 0
@@ -895,13 +918,14 @@ class RedisStore:
             else:
                 self._cache.move_to_end(session_key)
         assert self._table is not None
-        _, seq, active = self._table
+        _, seq, active, since = self._table
         return ClusterSnapshot(
             now=now,
             replicas=self._composed_replicas(),
             session=self._with_own(session) if session is not None else None,
             seq=seq + self._seq_local,
             sessions_active=active,
+            serving_since=since,
         )
 
     async def _refresh_loop(self) -> None:

@@ -75,3 +75,32 @@ def test_the_last_token_is_always_computed() -> None:
 def test_page_size_must_be_positive() -> None:
     with pytest.raises(ValueError, match="page_size"):
         InfiniteCache(0)
+
+
+def test_pooled_cache_is_one_lru_of_the_fleets_size() -> None:
+    from loadtests.ideal import PooledCache
+
+    pool = PooledCache(capacity_tokens=40, page_size=4)  # 10 blocks
+    a = list(range(100, 106))  # 6 blocks
+    b = list(range(200, 206))
+    assert pool.hit(a, 25) == 0
+    pool.insert(a)
+    assert pool.hit(a, 25) == 24  # every block, capped at (25 - 1) // 4
+    assert pool.hit(a, 9) == 8  # the last token is always computed
+    pool.insert(b)  # 12 blocks wanted: a's tail (its least recent part) is evicted first
+    assert pool.hit(b, 25) == 24
+    assert pool.hit(a, 25) == 16  # a keeps a 4-block prefix: eviction never leaves a hole
+    pool.insert(a)  # a is used again: now b's tail goes
+    assert pool.hit(a, 25) == 24 and pool.hit(b, 25) == 16
+    pool.insert(list(range(300, 330)))  # larger than the whole pool: ignored, nothing changes
+    assert pool.hit(a, 25) == 24
+
+
+def test_pooled_cache_host_tier_extends_the_pool() -> None:
+    from loadtests.ideal import PooledCache
+
+    pool = PooledCache(capacity_tokens=24, page_size=4, host_capacity_tokens=24)  # 6 + 6 blocks
+    a, b = list(range(100, 106)), list(range(200, 206))
+    pool.insert(a)
+    pool.insert(b)  # a demoted to the host tier, still a hit
+    assert pool.hit(a, 25) == 24 and pool.hit(b, 25) == 24

@@ -63,7 +63,7 @@ async def test_cached_tokens_grow_across_turns_and_measures_are_complete() -> No
     for o in alpha[1:]:
         # a warm continuation on a replica with room for everything hits exactly the ideal: its
         # previous prompt up to the closing marker, in whole pages (4 emulated tokens, read from the
-        # replica's /get_server_info)
+        # replica's /server_info)
         assert o.cached_tokens == o.ideal_cached_tokens > 0
         assert o.ideal_cached_tokens % (4 * UNIT) == 0
         assert o.input_tokens > o.cached_tokens

@@ -69,3 +69,19 @@ def test_shared_prefixes_of_different_sizes_share_their_common_part() -> None:
     short, long = shared_prefix(9_000 * BYTES_PER_TOKEN), shared_prefix(20_000 * BYTES_PER_TOKEN)
     assert len(short) == 36_000 and len(long) == 80_000
     assert long.startswith(short)
+
+
+def test_truncate_keeps_a_prefix_and_the_next_turn_extends_it() -> None:
+    from loadtests.textgen import Conversation
+
+    c = Conversation(key="s~0", shared_prefix_tokens=0, token_unit=1)
+    c.add(100)
+    before = c.messages[-1]["content"]
+    c.truncate(60)
+    assert c.history_model_tokens == 60
+    kept = c.messages[-1]["content"]
+    assert before.startswith(kept) and len(kept) < len(before)
+    c.add(50)
+    assert c.history_model_tokens == 110 and c.messages[-1]["content"].startswith(kept)
+    c.truncate(500)  # never grows
+    assert c.history_model_tokens == 110

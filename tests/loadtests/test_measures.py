@@ -75,3 +75,40 @@ def test_uniform_load_has_zero_dispersion_and_throughput_uses_replicas_arg() -> 
     assert r["dispersion"] == 0.0
     assert r["p_load_le1"] == 0.0
     assert r["throughput_tok_s_per_replica"] == pytest.approx(200 / 4.0 / 2)
+
+
+def test_dispersion_floor_is_the_binomial_floor_of_the_sessions_busy_fractions() -> None:
+    # window [0, 100): session a busy 10..30 and 20..40 (union 30 s: f = 0.3), b busy 50..150
+    # (clipped to 50 s: f = 0.5), c busy 0..10 (f = 0.1)
+    m = MeasureCollector(warmup_s=0.0, end_s=100.0)
+    m.add(RequestRecord("a", "r0", 10.0, 1.0, 20.0, 100, 0, 1, 0))
+    m.add(RequestRecord("a", "r0", 20.0, 1.0, 20.0, 100, 0, 1, 0))
+    m.add(RequestRecord("b", "r1", 50.0, 1.0, 100.0, 100, 0, 1, 0))
+    m.add(RequestRecord("c", "r1", 0.0, 1.0, 10.0, 100, 0, 1, 0))
+    fs = [0.3, 0.5, 0.1]
+    assert m.result()["dispersion_floor"] == pytest.approx(1 - sum(f * f for f in fs) / sum(fs))
+
+
+def test_dispersion_floor_of_one_always_busy_session_is_zero_and_none_without_window() -> None:
+    m = MeasureCollector(warmup_s=0.0, end_s=10.0)
+    m.add(RequestRecord("a", "r0", 0.0, 1.0, 10.0, 100, 0, 1, 0))
+    assert m.result()["dispersion_floor"] == pytest.approx(0.0)
+    assert MeasureCollector().result()["dispersion_floor"] is None
+
+
+def test_pooled_chr_and_routing_loss() -> None:
+    m = MeasureCollector()
+    m.add(rec(0.0, 1.0, 2.0, 1000, 600, 1, 900, pooled_cached_tokens=800))
+    m.add(rec(1.0, 1.0, 2.0, 1000, 900, 1, 950, pooled_cached_tokens=900))
+    m.add(rec(2.0, 1.0, 2.0, 500, 0, 0, 0, ok=False, pooled_cached_tokens=0))  # not ok: ignored
+    r = m.result()
+    assert r["pooled_chr"] == pytest.approx(1700 / 2000)
+    assert r["routing_loss"] == pytest.approx(1700 / 2000 - 1500 / 2000)
+
+
+def test_pooled_chr_is_none_when_a_record_has_no_pooled_figure() -> None:
+    m = MeasureCollector()
+    m.add(rec(0.0, 1.0, 2.0, 1000, 600, 1, 900, pooled_cached_tokens=800))
+    m.add(rec(1.0, 1.0, 2.0, 1000, 900, 1, 950))
+    r = m.result()
+    assert r["pooled_chr"] is None and r["routing_loss"] is None

@@ -188,3 +188,18 @@ def test_traces_dir_prefers_env_then_the_shared_folder_beside_the_checkout(tmp_p
     assert traces_dir({"KVROUTE_TRACES": str(tmp_path)}) == tmp_path
     found = traces_dir({})
     assert (found / "weka_cc_kvtester_requests.jsonl").is_file()
+
+
+def test_turn_overlaps_follow_the_trace_hashes_or_the_append_convention() -> None:
+    from loadtests.workloads import SessionSpec, Turn, turn_overlaps
+
+    synthetic = SessionSpec("s", 0.0, 100, (Turn(50, 10, 0.0), Turn(20, 5, 1.0), Turn(30, 5, 1.0, reset=True)))
+    assert turn_overlaps(synthetic) == (0, 160, 0)  # 100 + 50 + 10; a reset starts over
+    # a trace (block 10): turn 1 keeps blocks 1-3 of turn 0 and rewrites the rest
+    trace = SessionSpec(
+        "t", 0.0, 0,
+        (Turn(0, 5, 0.0, input_tokens=50, hash_runs=((1, 5),)),
+         Turn(0, 5, 1.0, input_tokens=60, hash_runs=((1, 3), (9, 3)))),
+        block_size=10,
+    )  # fmt: skip
+    assert turn_overlaps(trace) == (0, 30)

@@ -6,6 +6,7 @@ errors as OpenAI-style JSON, and a PATCH that changes the next routing decision.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -315,11 +316,15 @@ def test_residency_estimate() -> None:
     fresh = SessionState(session_id="s", home="r", residency_mark=4500, context_tokens=500)
     gone = SessionState(session_id="s", home="r", residency_mark=2000, context_tokens=500)
     never = SessionState(session_id="s", home="r", residency_mark=0)
-    assert residency_view(fresh, home, 850_000)["estimate"] == "resident"
-    assert residency_view(fresh, home, 850_000)["pressure"] == 0.5
-    assert residency_view(gone, home, 850_000)["estimate"] == "likely_evicted"
-    assert residency_view(never, home, 850_000)["estimate"] == "unknown"
-    assert residency_view(fresh, None, 850_000)["estimate"] == "unknown"
+    p = PolicyParams()
+    assert residency_view(fresh, home, p)["estimate"] == "resident"
+    assert residency_view(fresh, home, p)["pressure"] == 0.25  # 500 written of a 2,000-token cache
+    assert residency_view(gone, home, p)["estimate"] == "likely_evicted"
+    assert residency_view(never, home, p)["estimate"] == "unknown"
+    assert residency_view(fresh, None, p)["estimate"] == "unknown"
+    # the engine's answers showed this home's sessions gone after 400 tokens: the view follows
+    learned = dataclasses.replace(home, residency_horizon_tokens=400)
+    assert residency_view(fresh, learned, p)["estimate"] == "likely_evicted"
 
 
 async def test_config_get_patch_and_validation(admin: tuple[TestClient, MemoryStore, Any]) -> None:

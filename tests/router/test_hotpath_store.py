@@ -76,6 +76,7 @@ class NaiveCore(MemoryCore):
             session=self.session(session_key) if session_key else None,
             seq=self._seq,
             sessions_active=sum(len(r.active) for r in self._replicas.values()),
+            serving_since=self._serving_since,
         )
 
 

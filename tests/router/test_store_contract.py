@@ -123,12 +123,16 @@ async def test_engine_load_and_capacity_fallback(env: Env) -> None:
     await store.upsert_replica(spec("b", capacity_tokens=7, host_capacity_tokens=9), A)
     load = EngineLoad(running=3, queued=2, kv_util=0.5, capacity_tokens=500, host_capacity_tokens=900,
                       cache_hit_rate=0.75, gen_throughput=123.5, updated_at=1000.25)  # fmt: skip
+    await store.upsert_replica(spec("c", capacity_tokens=7, host_capacity_tokens=9), A)
     await store.report_engine_load("a", load)
     await store.report_engine_load("b", load)
     await store.report_engine_load("ghost", load)  # unknown: ignored
-    a, b = await store.replicas()
+    a, b, c = await store.replicas()
     assert a.engine == load and (a.capacity_tokens, a.host_capacity_tokens) == (500, 900)
-    assert (b.capacity_tokens, b.host_capacity_tokens) == (7, 9)  # spec wins over engine
+    # one precedence rule (router.model.capacities): the engine's own report wins over a
+    # registration's figures, which stand only while the engine says nothing
+    assert (b.capacity_tokens, b.host_capacity_tokens) == (500, 900)
+    assert (c.capacity_tokens, c.host_capacity_tokens) == (7, 9)
 
 
 # ---- hot path ------------------------------------------------------------------------------------
@@ -219,23 +223,31 @@ async def test_overflow_split_and_context_learning(env: Env) -> None:
     await store.release(home, done(800, completion=0))
     snap = await store.snapshot("s")
     assert snap.session is not None and (snap.session.context_tokens, snap.session.turns) == (800, 1)
-    # two concurrent turns at home: the larger context wins while one is still in flight
+    # the parent's turn and a sub-agent's at home: the sub-agent finishing last does not shrink the
+    # session's context to its own (the parent's is still at home and comes back)
     a = await store.acquire(plain("r0"), RouteRequest("s"))
     b = await store.acquire(plain("r0"), RouteRequest("s"))
     await store.release(a, done(2000, completion=0))
     await store.release(b, done(1500, completion=0))
     snap = await store.snapshot("s")
-    assert (
-        snap.session is not None and snap.session.context_tokens == 1500
-    )  # last finisher, nothing in flight
+    assert snap.session is not None and snap.session.context_tokens == 2000
     a = await store.acquire(plain("r0"), RouteRequest("s"))
-    b = await store.acquire(plain("r0"), RouteRequest("s"))
-    await store.release(a, done(900, completion=0))
+    await store.release(a, done(900, completion=0))  # alone, but the larger context was just seen
     snap = await store.snapshot("s")
-    assert snap.session is not None and snap.session.context_tokens == 1500  # max while b in flight
+    assert snap.session is not None and snap.session.context_tokens == 2000
+    b = await store.acquire(plain("r0"), RouteRequest("s"))
     await store.release(b, done(1600, ok=False))  # failed: no learning
     snap = await store.snapshot("s")
-    assert snap.session is not None and (snap.session.context_tokens, snap.session.turns) == (1500, 4)
+    assert snap.session is not None and (snap.session.context_tokens, snap.session.turns) == (2000, 4)
+    # a compaction: once the larger context has not been seen for a whole active window, a smaller
+    # one replaces it
+    env.clock.advance(StoreConfig().active_window_s + 1)
+    a = await store.acquire(plain("r0"), RouteRequest("s"))
+    await store.release(a, Completion(ok=True, prompt_tokens=700, cached_tokens=0, completion_tokens=0,
+                                      prompt_bytes=2870))
+    snap = await store.snapshot("s")
+    assert snap.session is not None and (snap.session.context_tokens, snap.session.turns) == (700, 5)
+    assert snap.session.bytes_per_token == pytest.approx(4.1)  # learned from the turn's body and usage
     # clearing overflow
     lease = await store.acquire(
         RouteDecision("r0", Reason.AFFINITY, (SetOverflow("s", ()),)), RouteRequest("s")
@@ -450,3 +462,49 @@ def order(
     """Same sessions in last_seen order (Redis breaks ties by id, memory by touch order)."""
     keep = [s for s in v if now is None or cfg is None or is_live(s, now, cfg)]
     return sorted(keep, key=lambda s: (s.last_seen, s.session_id))
+
+
+async def test_serving_since_is_the_first_routed_request(env: Env) -> None:
+    store = await fleet(env)
+    assert (await store.snapshot(None)).serving_since is None  # nothing routed yet
+    env.clock.advance(3)
+    await store.acquire(bind("s1", "r0"), RouteRequest("s1"))
+    env.clock.advance(2)
+    await store.acquire(bind("s2", "r1"), RouteRequest("s2"))
+    snap = await store.snapshot(None)
+    assert snap.serving_since == pytest.approx(1003.0)
+    await store.upsert_replica(spec("r9"), A)  # turns ACTIVE after the first request: a scale-up
+    r9 = (await store.snapshot(None)).replica("r9")
+    assert r9 is not None and snap.serving_since is not None and r9.joined_at > snap.serving_since
+
+
+async def test_engine_feedback_moves_the_residency_horizon(env: Env) -> None:
+    store = await fleet(env)
+
+    async def turn(sid: str, prompt: int, cached: int, first: bool = False) -> None:
+        decision = bind(sid, "r0") if first else plain("r0")
+        lease = await store.acquire(decision, RouteRequest(sid))
+        await store.release(lease, done(prompt, cached=cached, completion=0))
+
+    async def horizon() -> int:
+        r0 = (await store.snapshot(None)).replica("r0")
+        assert r0 is not None
+        return r0.residency_horizon_tokens
+
+    await turn("s", 800, 0, first=True)  # r0 wrote 800; s's mark = 800
+    await turn("t", 5000, 0, first=True)  # written 5,800
+    assert await horizon() == 0  # no evidence yet: the policy uses the capacity
+    await turn("s", 900, 0)  # s continues its context and finds it gone after 5,000 written
+    assert await horizon() == 5000
+    await turn("t", 11_000, 5000)  # t finds its own (900 written since): below the horizon, no news
+    assert await horizon() == 5000
+    await turn("s", 1000, 900)  # s finds its cache still there after 6,000 written: the horizon rises
+    assert await horizon() == 6000
+    await turn("u", 100, 0, first=True)  # a first turn is no evidence
+    await turn("s", 200, 0)  # nor a prompt that does not continue s's context (a sub-agent's)
+    assert await horizon() == 6000
+    await turn("t", 11_500, 11_000)  # 500 more written
+    await turn("s", 1100, 0)  # a miss after 600 written: implausible for a 6,000-token horizon
+    assert await horizon() == 6000
+    await turn("s", 1200, 900)  # half a hit is no clear evidence either way
+    assert await horizon() == 6000

@@ -84,13 +84,13 @@ local function session_row(sid, now, ttl, alive, skip)
   local pl = {}
   for rid, n in pairs(per) do pl[#pl + 1] = rid; pl[#pl + 1] = n end
   return {sid, fields['home'] or '', fields['ovf'] or '', fields['ctx'] or '0', fields['seen'] or '0',
-          fields['mark'] or '0', fields['turns'] or '0', pl}
+          fields['mark'] or '0', fields['turns'] or '0', pl, fields['bpt'] or '0'}
 end
 
 -- One replica's row (pruning its active-session and placement windows), or nil if gone.
 local function replica_row(rid, now, aw, rw, inflight)
   local rk = K('r:' .. rid)
-  local v = redis.call('HMGET', rk, 'spec', 'status', 'joined', 'engine', 'tw', 'exp')
+  local v = redis.call('HMGET', rk, 'spec', 'status', 'joined', 'engine', 'tw', 'exp', 'hz')
   if not v[1] then
     redis.call('SREM', K('replicas'), rid)
     return nil
@@ -114,7 +114,7 @@ local function replica_row(rid, now, aw, rw, inflight)
   end
   redis.call('ZREMRANGEBYSCORE', K('plc:' .. rid), '-inf', '(' .. string.format('%.17g', now - rw))
   return {rid, v[1], v[2], v[3] or '0', v[4] or '', v[5] or '0', redis.call('HGET', rk, 'actctx') or '0',
-          redis.call('ZCARD', ak), redis.call('ZCARD', K('plc:' .. rid)), inflight[rid] or 0}
+          redis.call('ZCARD', ak), redis.call('ZCARD', K('plc:' .. rid)), inflight[rid] or 0, v[7] or '0'}
 end
 
 -- Per-replica in-flight summed over live gateways (but ``skip``, optional).

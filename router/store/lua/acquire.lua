@@ -28,6 +28,7 @@ if (not sc) or tonumber(sc) < tms then
 end
 local alive = nil
 local seq = redis.call('INCR', K('seq'))
+redis.call('SET', K('t0'), NOW, 'NX')  -- serving since: replicas ACTIVE later joined by scale-up
 
 local ready = {}
 local function ensure_session(s)

@@ -1,7 +1,7 @@
 -- snapshot: every replica (with in-flight summed over live gateways) plus one session. One round trip.
 -- ARGV: base, now, active_window_s, ramp_window_s, session_ttl_s, sid ('' = none),
 --       [skip gid: leave this gateway's in-flight out of every count (the fast path adds its own)]
--- Returns {seq, {replica rows}, session row or {}, sessions_active}
+-- Returns {seq, {replica rows}, session row or {}, sessions_active, serving since ('' = not yet)}
 local NOW = ARGV[2]
 local now, aw, rw, ttl, sid = tonumber(NOW), tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5]), ARGV[6]
 local skip = ARGV[7] or ''
@@ -19,4 +19,4 @@ for _, rid in ipairs(ids) do
 end
 local sess = {}
 if sid ~= '' then sess = session_row(sid, now, ttl, alive, skip) or {} end
-return {redis.call('GET', K('seq')) or '0', reps, sess, active}
+return {redis.call('GET', K('seq')) or '0', reps, sess, active, redis.call('GET', K('t0')) or ''}

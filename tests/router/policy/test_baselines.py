@@ -106,3 +106,32 @@ def test_uniform_hashing_matches_the_seed_sketch() -> None:
     samples = n_rep * runs
     assert abs(le1 / samples - 0.0391) < 0.008
     assert abs(ge12 / samples - 0.0050) < 0.003
+
+
+def test_sticky_least_loaded_binds_new_sessions_to_the_least_loaded_and_keeps_them() -> None:
+    from router.model import BindSession
+    from router.policy.baselines import StickyLeastLoadedPolicy
+    from tests.builders import session
+
+    pol = StickyLeastLoadedPolicy()
+    fresh = snapshot(replica("a", in_flight=3), replica("b", in_flight=1), replica("c", in_flight=2))
+    d = pol.route(request(), fresh, random.Random(0))
+    assert (d.replica_id, d.reason, d.effects) == (
+        "b",
+        Reason.PLACED_NEW,
+        (BindSession("s1", "b", None, Reason.PLACED_NEW),),
+    )
+    # bound to a: stays there however busy it is, while it is ACTIVE
+    bound = snapshot(replica("a", in_flight=9), replica("b"), sess=session("s1", "a"))
+    d = pol.route(request(), bound, random.Random(0))
+    assert (d.replica_id, d.reason, d.effects) == ("a", Reason.AFFINITY, ())
+    # its home gone: rebound (compare-and-set on the old home) to the least loaded
+    gone = snapshot(
+        replica("a", status=S.DOWN), replica("b", in_flight=2), replica("c"), sess=session("s1", "a")
+    )
+    d = pol.route(request(), gone, random.Random(0))
+    assert (d.replica_id, d.reason) == ("c", Reason.REASSIGNED_GONE)
+    assert d.effects == (BindSession("s1", "c", "a", Reason.REASSIGNED_GONE),)
+    # no key: least loaded, nothing bound
+    d = pol.route(request(None), fresh, random.Random(0))
+    assert (d.replica_id, d.reason, d.effects) == ("b", Reason.LEAST_LOADED, ())

@@ -281,6 +281,37 @@ CASES: dict[str, Case] = {
         (bind(B, A, Reason.REASSIGNED_GONE),),
         AffinityBreak.REPLICA_GONE,
     ),
+    "initial_fleet_turned_active_a_millisecond_apart_is_not_young": Case(
+        # static replicas turn ACTIVE one by one in the first health round (0.000 s, 0.001 s), before
+        # the store routed anything (5.0 s): D is part of the initial fleet and takes the re-homed s1
+        snapshot(
+            replica(A, status=S.DOWN),
+            replica(B, in_flight=2),
+            replica(D, joined_at=0.001),
+            sess=session("s1", A),
+            serving_since=5.0,
+        ),
+        request(),
+        D,
+        Reason.REASSIGNED_GONE,
+        (bind(D, A, Reason.REASSIGNED_GONE),),
+        AffinityBreak.REPLICA_GONE,
+    ),
+    "initial_fleet_is_not_ramp_capped": Case(
+        # the same: D (0.001 s) took 3 of the last placements, it is no fresh replica
+        snapshot(
+            replica(A, in_flight=1, placed=1),
+            replica(B, in_flight=2, placed=1),
+            replica(C, in_flight=2, placed=1),
+            replica(D, joined_at=0.001, placed=3),
+            now=60.0,
+            serving_since=5.0,
+        ),
+        request(),
+        D,
+        Reason.PLACED_NEW,
+        (bind(D, None, Reason.PLACED_NEW),),
+    ),
     "young_replica_rehomes_when_nothing_else_can": Case(
         snapshot(replica(A, status=S.DOWN), replica(B), replica(D, joined_at=700.0), sess=session("s1", A)),
         request(excluded={B}),
@@ -543,16 +574,14 @@ CASES: dict[str, Case] = {
         request(),
         *_MOVED_TO_B,
     ),
-    "overload_idle_big_warm_session_stays": Case(
-        # the same hot home (hard bound 8, A at 9), but a move must still pay for its re-prefill:
-        # gain 9 - 0 - 0.25 = 8.75; a unit of gain buys 25k × (mean 3.33 / 4) = 20.8k tokens, so
-        # 200k resident tokens need 1.5 + 9.6 = 11.1: it stays and the burst at home drains
+    "overload_idle_big_warm_session_leaves_too": Case(
+        # the same hot home (hard bound 8, A at 9) with a big warm session: the bound is hard at
+        # a turn start (rule 1), whatever the move's re-prefill costs
         snapshot(
             replica(A, in_flight=9), replica(B), replica(C, in_flight=1), sess=session("s1", A, ctx=200_000)
         ),
         request(),
-        A,
-        Reason.AFFINITY,
+        *_MOVED_TO_B,
     ),
     "overload_idle_stays_when_no_one_is_under_the_bound": Case(
         # hard bound = max(8, 1.0 * mean 9.33) = 9.33: B and C would be over it with one more
@@ -602,13 +631,11 @@ CASES: dict[str, Case] = {
         *_MOVED_TO_B,
         params=PolicyParams(saturation_fraction=0),
     ),
-    "load_moves_off_the_hot_home_keeps_its_session": Case(
-        # load_moves = 0 (round 7): the over-bound home of "overload_idle_reassigns" keeps the idle
-        # session; only a gone, draining or evicting home moves it
+    "load_moves_off_still_leaves_a_home_over_the_hard_bound": Case(
+        # load_moves = 0 turns soft moves off; the hard bound stays hard (rule 1)
         _hot_home(),
         request(),
-        A,
-        Reason.AFFINITY,
+        *_MOVED_TO_B,
         params=PolicyParams(load_moves=0),
     ),
     "load_moves_off_the_busy_home_keeps_its_session": Case(
@@ -646,13 +673,12 @@ CASES: dict[str, Case] = {
         AffinityBreak.REPLICA_GONE,
         params=PolicyParams(load_moves=0),
     ),
-    "crowded_fleet_keeps_the_session_on_its_hot_home": Case(
-        # the hot home of "overload_idle_reassigns" in a crowded fleet: 39 active sessions on 3
-        # replicas = 13 per replica > load_moves_max_sessions 12, so no load move (round 7)
+    "crowded_fleet_still_leaves_a_home_over_the_hard_bound": Case(
+        # the hot home of "overload_idle_reassigns" in a crowded fleet (13 sessions per replica >
+        # load_moves_max_sessions 12): no soft move, but the hard bound is hard
         _hot_home(sessions=13),
         request(),
-        A,
-        Reason.AFFINITY,
+        *_MOVED_TO_B,
     ),
     "crowded_fleet_limit_at_exactly_12_still_moves": Case(
         # 36 sessions on 3 replicas = 12 per replica: not above the limit, the session leaves
@@ -881,6 +907,33 @@ CASES: dict[str, Case] = {
         (),
         AffinityBreak.EVICTED,
     ),
+    "evicted_by_the_engines_residency_horizon": Case(
+        # A wrote 300k since s1's turn: within its 850k cache, but the engine's answers showed its
+        # sessions' caches gone after 200k (rule 6 feedback): placed afresh by load
+        snapshot(
+            replica(A, written=400_000, in_flight=3, horizon=200_000),
+            replica(B, in_flight=1),
+            replica(C, in_flight=2),
+            sess=session("s1", A, mark=100_000),
+        ),
+        request(),
+        B,
+        Reason.PLACED_EVICTED,
+        (bind(B, A, Reason.PLACED_EVICTED),),
+        AffinityBreak.EVICTED,
+    ),
+    "resident_by_the_estimate_without_feedback": Case(
+        # the same without feedback: 300k < 850k, resident, home
+        snapshot(
+            replica(A, written=400_000, in_flight=3),
+            replica(B, in_flight=1),
+            replica(C, in_flight=2),
+            sess=session("s1", A, mark=100_000),
+        ),
+        request(),
+        A,
+        Reason.AFFINITY,
+    ),
     "evicted_mid_turn_stays_home": Case(
         snapshot(
             replica(A, written=2_000_000, in_flight=3),
@@ -912,6 +965,20 @@ CASES: dict[str, Case] = {
         C,
         Reason.PLACED_NEW,
         (bind(C, None, Reason.PLACED_NEW),),
+    ),
+    "joining_replicas_do_not_make_a_panic": Case(
+        # a scale-up from 2 to 5: 2 ACTIVE of 5 registered is not "fewer than half healthy", so the
+        # hard bound still holds and s1 leaves its over-bound home at its turn start
+        snapshot(
+            replica(A, in_flight=9),
+            replica(B),
+            replica("j1", status=S.JOINING),
+            replica("j2", status=S.JOINING),
+            replica("j3", status=S.JOINING),
+            sess=session("s1", A),
+        ),
+        request(),
+        *_MOVED_TO_B,
     ),
     "no_panic_below_threshold": Case(
         snapshot(

@@ -71,7 +71,7 @@ def test_dict_round_trip() -> None:
 
 
 def test_registry_names_and_factories() -> None:
-    assert set(POLICIES) == {"kv_aware", "random", "round_robin", "least_loaded", "hash"}
+    assert set(POLICIES) == {"kv_aware", "random", "round_robin", "least_loaded", "hash", "sticky_least_loaded"}
     params = PolicyParams().with_changes(thicc_threshold=7)
     for name in POLICIES:
         policy: Policy = make_policy(name, params)

@@ -167,7 +167,11 @@ def done(prompt: int | None = 101_000, cached: int | None = 100_000, ok: bool = 
             KeySource.HEADER,
             None,
         ),  # history rewritten, all cached
-        (lease(), done(prompt=20_000, cached=5_000), KeySource.HEADER, AffinityBreak.EVICTED),
+        # a prompt smaller than the session's context (a sub-agent's turn, a compacted history) does
+        # not continue it: its low hit says nothing about eviction
+        (lease(), done(prompt=20_000, cached=5_000), KeySource.HEADER, None),
+        (lease(), done(prompt=90_000, cached=5_000), KeySource.HEADER, None),
+        (lease(), done(prompt=96_000, cached=5_000), KeySource.HEADER, AffinityBreak.EVICTED),
         (lease(), done(cached=None), KeySource.HEADER, None),  # engine did not report
         (lease(), done(ok=False, cached=0), KeySource.HEADER, None),
         (lease(prev=100), done(prompt=500, cached=40), KeySource.HEADER, None),  # within one partial page

@@ -1,0 +1,251 @@
+"""``kvroute bench parity``: does the simulator predict the live gateway?
+
+For each workload and seed, the same scenario (``loadtests.demo.DemoScenario``: fleet, workload,
+seed, durations) runs twice:
+
+  * live: ``kvroute serve`` (kv_aware, embedded store) in front of ``kvroute emulate`` replicas,
+    driven by the live load driver, exactly as ``kvroute bench peers --targets kvroute`` runs it;
+  * simulated: ``kvroute sim``'s model of the same (``sim_config``): the same session specs, the same
+    lanes (striped as the live driver runs them), the same profile in model tokens (the live fleet
+    runs ``token_unit`` model tokens per emulated token and ``time_scale`` wall seconds per modelled
+    second), the same warm-up, sampling and scrape intervals, the same policy parameters, and prompts
+    named as the driver renders them (``turn_framing_tokens``: each turn's closing marker and the
+    engine's output are not reused by the next turn).
+
+The DESIGN §7 measures of both are compared: CHR within ``CHR_ABS`` (absolute), dispersion within
+``DISPERSION_REL`` and TTFT p99 within ``TTFT_P99_REL`` (relative to live). JSON: ``{"rows": [{
+"workload", "seed", "sim", "live", "within_bounds", "checks"}], ...}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from loadtests.demo import DemoScenario, demo_scenario
+from loadtests.sim.run import SimConfig, run_sim
+from loadtests.textgen import BYTES_PER_TOKEN
+from loadtests.workloads import SessionSpec
+from replica.emulator.profiles import get_profile
+from replica.emulator.tokenizer import encode_text, render_chat
+from router.policy.params import PolicyParams
+
+__all__ = [
+    "CHR_ABS",
+    "DISPERSION_REL",
+    "TTFT_P99_REL",
+    "WORKLOADS",
+    "cli_main",
+    "compare",
+    "run_sim_for",
+    "sim_config",
+]
+
+CHR_ABS = 0.01
+DISPERSION_REL = 0.20
+TTFT_P99_REL = 0.30
+
+# the two standard live scenarios (docs/BENCHMARKS.md): synthetic coding-agent sessions on a KV-bound
+# fleet (HBM only), and 80 real Claude Code sessions (WEKA) with the HiCache host tier
+WORKLOADS: dict[str, dict[str, Any]] = {
+    "synthetic": {"workload_kind": "synthetic", "sessions": 75, "host_tier": False},
+    "weka": {"workload_kind": "weka", "sessions": 80, "host_tier": True},
+}
+
+COMPARED = ("chr", "ideal_chr", "pooled_chr", "routing_loss", "dispersion", "dispersion_floor", "p_load_ge12",
+            "ttft_p50_s", "ttft_p99_s", "e2e_p99_s", "requests", "errors", "sessions_moved")  # fmt: skip
+
+
+def _page(scenario: DemoScenario, specs: Sequence[SessionSpec]) -> int:
+    """The live fleet's page in model tokens, rounded to a multiple of the traces' block size (the
+    simulator names blocks by the trace's hash ids, so its pages must align with them)."""
+    page = scenario.page_size * scenario.token_unit
+    blocks = {c.block_size for s in specs for c in s.walk() if c.block_size}
+    if not blocks:
+        return page
+    b = max(blocks)
+    return max(b, round(page / b) * b)
+
+
+def _cap_turn_think(specs: Sequence[SessionSpec], cap_s: float) -> list[SessionSpec]:
+    """The live driver waits ``min(think_s, cap)`` before a chain's turns; a branch still starts at its
+    own ``start_s`` (``loadtests.live._Run.chain``)."""
+
+    def cap(s: SessionSpec) -> SessionSpec:
+        turns = tuple(replace(t, think_s=min(t.think_s, cap_s)) if t.think_s > cap_s else t for t in s.turns)
+        return replace(s, turns=turns, branches=tuple(cap(b) for b in s.branches))
+
+    return [cap(s) for s in specs]
+
+
+def framing_tokens(token_unit: int) -> int:
+    """Model tokens of what ends a rendered prompt and is not reused by the next turn: the emulator's
+    chat template closes the one user message and adds the generation prompt."""
+    body = "abcd" * 64
+    head = "<|im_user|>user<|im_middle|>"
+    whole = encode_text(render_chat([{"role": "user", "content": body}])).num_tokens
+    return (whole - len((head + body).encode()) // BYTES_PER_TOKEN) * token_unit
+
+
+def sim_config(scenario: DemoScenario) -> tuple[SimConfig, list[SessionSpec]]:
+    """The simulator's model of one live ``bench peers`` run of kvroute (module docstring)."""
+    specs = _cap_turn_think(scenario.workload(), scenario.max_think_modelled_s)
+    ts = scenario.time_scale
+    profile = get_profile(scenario.profile).with_overrides(page_size=_page(scenario, specs))
+    if not scenario.host_tier:
+        profile = profile.with_overrides(host_capacity_tokens=0)
+    params = PolicyParams()
+    for kv in scenario.policy_params:
+        key, _, value = kv.partition("=")
+        params = params.with_changes(**{key.strip(): float(value)})
+    modelled = scenario.duration_s / ts
+    cfg = SimConfig(
+        replicas=scenario.replicas,
+        policy="kv_aware",
+        policy_params=params,
+        profile=profile,
+        scrape_interval_s=max(0.05, 1.0 * ts) / ts,  # loadtests.demo: KVROUTE_HEALTH__SCRAPE_INTERVAL_S
+        sample_interval_s=scenario.sample_interval_s / ts,
+        warmup_s=modelled * scenario.warmup_frac,
+        duration_s=modelled,
+        drain_s=scenario.drain_s / ts,
+        lanes=scenario.sessions,
+        striped_lanes=True,
+        turn_framing_tokens=framing_tokens(scenario.token_unit),
+        start_mid_session=False,
+        seed=scenario.seed,
+    )
+    return cfg, specs
+
+
+def run_sim_for(scenario: DemoScenario, policy: str = "kv_aware") -> dict[str, Any]:
+    cfg, specs = sim_config(scenario)
+    return run_sim(specs, replace(cfg, policy=policy)).measures
+
+
+def _rel(sim: float | None, live: float | None) -> float | None:
+    if sim is None or live is None or live == 0:
+        return None
+    return abs(sim - live) / abs(live)
+
+
+def compare(sim: dict[str, Any], live: dict[str, Any]) -> dict[str, Any]:
+    """The three parity checks (module docstring); each is None when a figure is missing."""
+    chr_diff = None if sim.get("chr") is None or live.get("chr") is None else abs(sim["chr"] - live["chr"])
+    checks = {
+        "chr_abs_diff": chr_diff,
+        "chr_ok": None if chr_diff is None else chr_diff <= CHR_ABS,
+        "dispersion_rel_diff": _rel(sim.get("dispersion"), live.get("dispersion")),
+        "ttft_p99_rel_diff": _rel(sim.get("ttft_p99_s"), live.get("ttft_p99_s")),
+    }
+    d, t = checks["dispersion_rel_diff"], checks["ttft_p99_rel_diff"]
+    checks["dispersion_ok"] = None if d is None else d <= DISPERSION_REL
+    checks["ttft_p99_ok"] = None if t is None else t <= TTFT_P99_REL
+    return checks
+
+
+async def _live(scenario: DemoScenario, log_dir: Path) -> dict[str, Any]:
+    from loadtests.demo import run_policy
+    from loadtests.peers import PEERS
+
+    log_dir.mkdir(parents=True, exist_ok=True)
+    result = await run_policy(PEERS["kvroute"], scenario, scenario.workload(), log_dir=log_dir, live=False)
+    return dict(result.measures)
+
+
+def _pick(m: dict[str, Any]) -> dict[str, Any]:
+    return {k: m.get(k) for k in COMPARED}
+
+
+def run_parity(
+    workloads: Sequence[str],
+    seeds: Sequence[int],
+    *,
+    duration_s: float,
+    log_dir: Path,
+    say: Callable[[str], None] = lambda _: None,
+) -> dict[str, Any]:
+    rows: list[dict[str, Any]] = []
+    for workload in workloads:
+        for seed in seeds:
+            scenario = demo_scenario(seed=seed, duration_s=duration_s, **WORKLOADS[workload])
+            say(f"{workload} seed {seed}: simulating")
+            sim = run_sim_for(scenario)
+            say(f"{workload} seed {seed}: live ({scenario.duration_s:.0f} s)")
+            live = asyncio.run(_live(scenario, log_dir / f"{workload}-{seed}"))
+            checks = compare(sim, live)
+            within = all(checks[k] is True for k in ("chr_ok", "dispersion_ok", "ttft_p99_ok"))
+            rows.append(
+                {
+                    "workload": workload,
+                    "seed": seed,
+                    "sim": _pick(sim),
+                    "live": _pick(live),
+                    "within_bounds": within,
+                    "checks": checks,
+                }
+            )
+            say(
+                f"  chr sim {_f(sim.get('chr'))} live {_f(live.get('chr'))} | dispersion "
+                f"{_f(sim.get('dispersion'))} / {_f(live.get('dispersion'))} | TTFT p99 "
+                f"{_f(sim.get('ttft_p99_s'))} / {_f(live.get('ttft_p99_s'))} s -> {'ok' if within else 'OUT'}"
+            )
+    return {
+        "bench": "parity",
+        "bounds": {"chr_abs": CHR_ABS, "dispersion_rel": DISPERSION_REL, "ttft_p99_rel": TTFT_P99_REL},
+        "scenarios": {w: WORKLOADS[w] for w in workloads},
+        "duration_s": duration_s,
+        "rows": rows,
+        "within_bounds": sum(1 for r in rows if r["within_bounds"]),
+    }
+
+
+def _f(x: Any) -> str:
+    return "-" if x is None else f"{x:.3f}"
+
+
+def cli_main(argv: list[str]) -> int:
+    d = DemoScenario()
+    p = argparse.ArgumentParser(
+        prog="kvroute bench parity",
+        description="the simulator against the live gateway, same workload, seed and fleet",
+    )
+    p.add_argument("--workload", default="weka,synthetic", help=f"comma list of {sorted(WORKLOADS)}")
+    p.add_argument("--seeds", default="1,2,3", help="comma list of seeds")
+    p.add_argument("--duration", type=float, default=d.duration_s, help="wall seconds of live load per run")
+    p.add_argument("--json", type=Path, help="write the JSON here too")
+    p.add_argument("--log-dir", type=Path, default=Path("out/parity"), help="gateway and emulator logs")
+    ns = p.parse_args(argv)
+    workloads = [w.strip() for w in ns.workload.split(",") if w.strip()]
+    bad = [w for w in workloads if w not in WORKLOADS]
+    if bad or not workloads:
+        p.error(f"--workload: choose from {sorted(WORKLOADS)}")
+    try:
+        seeds = [int(s) for s in ns.seeds.split(",") if s.strip()]
+    except ValueError:
+        p.error(f"--seeds: a comma list of integers, not {ns.seeds!r}")
+    if not seeds:
+        p.error("--seeds: give at least one seed")
+    if ns.duration <= 0:
+        p.error("--duration must be > 0")
+    doc = run_parity(workloads, seeds, duration_s=ns.duration, log_dir=ns.log_dir,
+                     say=lambda m: print(m, file=sys.stderr, flush=True))  # fmt: skip
+    text = json.dumps(doc, indent=2, default=_json_default)
+    if ns.json is not None:
+        ns.json.parent.mkdir(parents=True, exist_ok=True)
+        ns.json.write_text(text + "\n")
+    print(text)
+    return 0
+
+
+def _json_default(o: object) -> object:
+    if dataclasses.is_dataclass(o) and not isinstance(o, type):
+        return dataclasses.asdict(o)
+    raise TypeError(f"not JSON serialisable: {type(o).__name__}")
