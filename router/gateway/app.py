@@ -180,7 +180,7 @@ def make_app(
         assert rt.client is not None
         from router.gateway.residency import make_residency
 
-        rt.residency = make_residency(config, store, rt.client)
+        rt.residency = make_residency(config, store, rt.client, egress=rt.egress)
         yield
         if rt.residency is not None:
             svc, rt.residency = rt.residency, None

@@ -27,6 +27,7 @@ from router.residency import OFF, ResidencyIndex, ResidencyView
 from router.store.base import StateStore
 
 if TYPE_CHECKING:
+    from router.gateway.egress import EgressGuard
     from router.gateway.forward import ReplicaClient
 
 __all__ = ["ResidencyService", "make_residency", "with_session_id"]
@@ -74,7 +75,12 @@ class ResidencyService:
 
 
 def make_residency(
-    config: GatewayConfig, store: StateStore, client: ReplicaClient, *, clock_sleep: Any = asyncio.sleep
+    config: GatewayConfig,
+    store: StateStore,
+    client: ReplicaClient,
+    *,
+    egress: EgressGuard | None = None,
+    clock_sleep: Any = asyncio.sleep,
 ) -> ResidencyService | None:
     """Build and start (on the running loop) what ``kv_events`` asks for; ``None`` when it is off.
     ``ConfigError`` when ``subscribe`` is asked for without the ``kvevents`` extra."""
@@ -97,7 +103,8 @@ def make_residency(
 
     async def follow_registry() -> None:
         while True:
-            replicas = await store.replicas()
+            # only replicas whose URL the egress rules allow (the ZMQ endpoints are on their hosts)
+            replicas = [r for r in await store.replicas() if egress is None or await egress.allowed(r.url)]
             await manager.refresh([(r.id, r.url) for r in replicas])
             await clock_sleep(kv.refresh_s)
 

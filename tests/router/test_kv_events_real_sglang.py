@@ -194,6 +194,8 @@ async def test_resident_prefix_matches_the_engines_cached_tokens(server: _Server
             # the next prompt repeats the last one (all of it resident) and then re-renders the answer
             # (its re-tokenised text may part from what the engine cached after the prompt)
             assert u["prompt_tokens"] <= cached <= resident, (turn, u, cached, resident)
+            print(f"turn {turn}: prompt {u['prompt_tokens']} + {u['completion_tokens']}, resident {resident}, "
+                  f"next turn cached {cached}")
             checked += 1
         before = await _settled(gw, "real-A", d["usage"]["prompt_tokens"] + d["usage"]["completion_tokens"] - 1)
         # another session's long prompt fills most of the 3,000-token pool: A loses its tail
@@ -208,6 +210,7 @@ async def test_resident_prefix_matches_the_engines_cached_tokens(server: _Server
                 {"role": "user", "content": "one more question"}]
         d = await _chat(http, gw, "real-A", msgs)
         assert d["usage"]["prompt_tokens_details"]["cached_tokens"] == after  # exactly what was left
+        print(f"evicted: resident {before} -> {after}; next turn cached {after} of {d['usage']['prompt_tokens']}")
         assert checked == 3
         subs = svc.manager.stats()[rid]["ranks"][0]
         assert subs["gaps"] == 0 and subs["decode_errors"] == 0 and subs["rebuilds"] == 1
