@@ -487,7 +487,7 @@ def bench_peers_main(argv: list[str]) -> int:
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="a kvroute policy parameter (repeatable, passed to kvroute serve), e.g. reassign_load_ref=0",
+        help="a kvroute policy parameter (repeatable, passed to kvroute serve), e.g. thicc_threshold=4",
     )
     p.add_argument("--out", type=Path, default=Path("out/peers"), help="directory for plots")
     p.add_argument("--json", type=Path, help="write the JSON here (default OUT/peers.json)")

@@ -124,7 +124,6 @@ class ReplicaState:
     sessions_active: int = 0  # sessions homed here and seen within the active window
     active_context_tokens: int = 0  # sum of their context tokens: the working set
     tokens_written: int = 0  # cumulative tokens our requests wrote into its cache (residency clock)
-    prefill_backlog_tokens: int = 0  # Σ prefill_tokens of the requests in flight here (exact, immediate)
     placed_recent: int = 0  # new sessions placed here within the ramp window
     model: str = ""
 
@@ -238,7 +237,6 @@ class RouteDecision:
     effects: tuple[Effect, ...] = ()
     scores: tuple[tuple[ReplicaId, float], ...] = ()  # lower is better for kv_aware (expected delay)
     expected_break: AffinityBreak | None = None  # the cache loss this decision knowingly accepts
-    prefill_tokens: int = 0  # prompt tokens the target is expected to compute (not find cached)
 
 
 @dataclass(frozen=True, slots=True)
@@ -252,7 +250,6 @@ class Lease:
     acquired_at: float
     disagreement: bool = False  # the store overrode the decision (another gateway bound first)
     prev_context_tokens: int = 0  # session context known when the request started
-    prefill_tokens: int = 0  # counted in the replica's prefill backlog until release
 
 
 @dataclass(frozen=True, slots=True)

@@ -55,7 +55,6 @@ def policy_params(draw: st.DrawFn) -> PolicyParams:
         panic_threshold=draw(st.floats(0.0, 1.0)),
         score_quantum=draw(st.floats(0.01, 2.0)),
         w_sessions=draw(st.floats(0.0, 1.0)),
-        reassign_tokens_per_gain=draw(st.sampled_from([1, 50_000, 10**9])),
     )
 
 

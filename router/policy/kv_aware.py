@@ -6,11 +6,15 @@ DESIGN.md §3 rules, applied in this order for a request of a known session (doc
   retry     home in ``request.excluded``               -> overflow or placement, no rebind (RETRY)
   draining  home DRAINING and session idle             -> reassign (REASSIGNED_DRAINING)
   evicted   session idle and its cache surely gone     -> place afresh by load (PLACED_EVICTED)
-  thicc     ≥ thicc_threshold in flight at home, or
-            home over the hard bound mid-turn          -> sticky overflow replica (THICC_SPLIT)
-  overload  session idle, home over the hard bound, or
-            persistently overloaded and the move cheap -> reassign (REASSIGNED_OVERLOAD)
+  thicc     ≥ thicc_threshold in flight at home (a request that does not continue the session's
+            context), or home over the hard bound mid-turn -> sticky overflow replica (THICC_SPLIT)
+  overload  session idle and home over the hard bound  -> reassign to a replica under it
+                                                          (REASSIGNED_OVERLOAD)
   affinity  otherwise                                  -> home (AFFINITY); idle overflows collapse
+
+A warm session is never moved for load below the hard bound: the move's cold prefill (seconds for a
+coding session's context) lands on one request and stalls the target's others, which costs more at
+the tail than the busier home (docs/POLICY.md, "Load moves").
 
 New sessions (and prefix-keyed requests, rule 7) are placed by expected delay among ACTIVE replicas,
 filtered by the hard bound, the bounded-load session cap and the fresh-replica ramp cap (each filter
@@ -20,7 +24,6 @@ of the session id. Everything is a pure function of (request, snapshot, rng).
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import random
 from collections.abc import Callable, Sequence
@@ -45,7 +48,7 @@ from router.policy.breaks import continues_context
 from router.policy.hashing import hrw_weight
 from router.policy.params import PolicyParams
 
-__all__ = ["KV_AWARE", "KvAwarePolicy", "cache_surely_gone", "load_score", "move_cost_tokens"]
+__all__ = ["KV_AWARE", "KvAwarePolicy", "cache_surely_gone", "load_score", "residency_horizon"]
 
 KV_AWARE = "kv_aware"
 
@@ -65,8 +68,8 @@ def total_capacity(replica: ReplicaState, params: PolicyParams) -> int:
 def residency_horizon(replica: ReplicaState, params: PolicyParams) -> float:
     """Tokens a replica may write after a session's last turn before that session's cache is gone:
     what the engine's own answers showed (``residency_horizon_tokens``, rule 6 feedback), else its
-    whole cache (HBM + host) times ``residency_slack`` (LRU)."""
-    return float(replica.residency_horizon_tokens) or params.residency_slack * total_capacity(replica, params)
+    whole cache (HBM + host: an LRU drops what is older than its capacity)."""
+    return float(replica.residency_horizon_tokens or total_capacity(replica, params))
 
 
 def cache_surely_gone(session: SessionState, home: ReplicaState, params: PolicyParams) -> bool:
@@ -81,65 +84,16 @@ def cache_surely_gone(session: SessionState, home: ReplicaState, params: PolicyP
     return written_since > residency_horizon(home, params)
 
 
-def move_cost_tokens(
-    session: SessionState, home: ReplicaState, target: ReplicaState | None, params: PolicyParams
-) -> float:
-    """Rule 5's price of moving an idle session from ``home`` to ``target``, in tokens.
-
-    What the move throws away is the part of the context still cached at home: all of it just after
-    the session wrote there, nothing once home has written its whole cache (HBM + host) since (LRU,
-    linear in between; an unknown mark counts as fully resident). Re-prefilling it at a target whose
-    KV cannot also hold it evicts other sessions' contexts, which they re-prefill in turn: the part
-    beyond ``move_headroom`` of the target's cache counts twice. The homed working set is not all
-    the cache holds (overflow sub-agents, the growth of each session's next turn, the LRU's own
-    slack), so the headroom is below 1. With a host tier the target has room and nothing is
-    doubled; without one (or on a full fleet) moves cost up to twice as much, so fewer happen.
-    """
-    ctx = session.context_tokens
-    if ctx <= 0:
-        return 0.0
-    resident = 1.0
-    if session.residency_mark > 0:
-        written = home.tokens_written - session.residency_mark
-        resident -= min(1.0, max(0.0, written / residency_horizon(home, params)))
-    displaced = 0.0
-    if target is not None:
-        room = params.move_headroom * total_capacity(target, params)
-        over = target.active_context_tokens + ctx - room
-        displaced = min(1.0, max(0.0, over / ctx))
-    return ctx * resident * (1.0 + displaced)
-
-
-def expected_prefill_tokens(decision: RouteDecision, request: RouteRequest, session: SessionState | None) -> int:
-    """Prompt tokens the chosen replica will compute for this request (its prefill backlog).
-
-    At the session's home, a request that continues the session's context computes only what it
-    adds; every other request (a new session, a re-homed or evicted one, an overflow, a prompt
-    that does not continue the context) computes its whole prompt, as far as the gateway knows.
-    """
-    est = request.prompt_tokens_estimate
-    if (
-        session is not None
-        and decision.replica_id == session.home
-        and decision.reason is Reason.AFFINITY
-        and continues_context(session.context_tokens, est)
-    ):
-        return max(0, est - session.context_tokens)
-    return est
-
-
 def load_score(replica: ReplicaState, context_tokens: int, params: PolicyParams) -> float:
     """Expected delay of one more session of ``context_tokens`` here, in requests-in-flight units.
 
-    In-flight (exact) + engine queue + KV utilisation + the active sessions bound here (they come
-    back) + a penalty once the working set with this session exceeds ``working_set_limit`` of HBM.
+    Requests in flight (exact, all gateways) + the active sessions bound here (closed-loop sessions
+    come back: ``w_sessions`` each) + a penalty once the working set with this session exceeds
+    ``working_set_limit`` of HBM (where a replica starts evicting its own sessions).
     """
-    cap = hbm_capacity(replica, params)
-    ws = (replica.active_context_tokens + max(0, context_tokens)) / cap
+    ws = (replica.active_context_tokens + max(0, context_tokens)) / hbm_capacity(replica, params)
     return (
-        params.w_in_flight * replica.in_flight
-        + params.w_queue * replica.engine.queued
-        + params.w_kv_util * min(1.0, max(0.0, replica.engine.kv_util))
+        replica.in_flight
         + params.w_sessions * replica.sessions_active
         + params.w_working_set * max(0.0, ws - params.working_set_limit)
     )
@@ -154,7 +108,6 @@ class _View:
     mean_in_flight: float  # over ACTIVE replicas
     hard_bound: float
     session_cap: int
-    mean_sessions: float  # active sessions per ACTIVE replica
     ramp_share: int
     serving_since: float | None  # replicas ACTIVE since before it are the initial fleet
 
@@ -168,12 +121,6 @@ class KvAwarePolicy:
     # ---- entry -----------------------------------------------------------------------------------
 
     def route(self, request: RouteRequest, snapshot: ClusterSnapshot, rng: random.Random) -> RouteDecision:
-        d = self._route(request, snapshot, rng)
-        sess = snapshot.session
-        own = sess if sess is not None and sess.session_id == request.session_key else None
-        return dataclasses.replace(d, prefill_tokens=expected_prefill_tokens(d, request, own))
-
-    def _route(self, request: RouteRequest, snapshot: ClusterSnapshot, rng: random.Random) -> RouteDecision:
         view = self._view(request, snapshot)
         sid = request.session_key
         sess = snapshot.session
@@ -264,20 +211,14 @@ class KvAwarePolicy:
             return RouteDecision(target.id, Reason.PLACED_EVICTED, effects, scores, AffinityBreak.EVICTED)
 
         over = home.in_flight >= view.hard_bound and not view.panic
-        est = request.prompt_tokens_estimate
         # the parent chain's next turn carries the whole session context: its cache is at home
-        extends = bool(p.keep_extending) and 0 < sess.context_tokens <= est
+        extends = continues_context(sess.context_tokens, request.prompt_tokens_estimate)
         thicc = sess.in_flight_at(home.id) >= p.thicc_threshold
         if (thicc and not extends) or (over and not idle):
             brk = AffinityBreak.OVERLOAD_SPILL if over else AffinityBreak.THICC_SPLIT
             return self._spill(view, request, snapshot, sess, home, rng, Reason.THICC_SPLIT, brk)
-        if p.short_to_overflow and not idle and 0 < est < sess.context_tokens:
-            sticky = self._overflow_with_room(view, snapshot, sess, home)
-            if sticky is not None:  # a sub-agent turn: where the earlier sub-agent turns went
-                return RouteDecision(
-                    sticky.id, Reason.THICC_SPLIT, (), ((sticky.id, load_score(sticky, 0, p)),)
-                )
-        if idle and (over or self._load_move_wanted(home, view)):
+        if idle and over:
+            # rule 1: the bound is hard; the session leaves for a replica under it, if there is one
             decision = self._try_move(
                 view,
                 request,
@@ -288,75 +229,16 @@ class KvAwarePolicy:
                 AffinityBreak.OVERLOAD_SPILL,
                 avoid=frozenset({old_home}),
             )
-            # over the hard bound the session leaves for any replica under it (rule 1: the bound is
-            # hard); a softer strain moves it only if the move pays for the cache it throws away
-            if decision is not None and (
-                self._relieves(decision, snapshot, view)
-                if over
-                else self._pays(sess, home, snapshot.replica(decision.replica_id), ctx, view)
-            ):
+            if decision is not None and self._relieves(decision, snapshot, view):
                 return decision
-        if p.collapse_idle_only and not idle:
-            kept: tuple[Effect, ...] = ()  # the fan-out is not over: its overflows stay
-        else:
-            kept = self._collapse(sess, keep_only=tuple(o for o in sess.overflow if sess.in_flight_at(o) > 0))
+        kept = self._collapse(sess, keep_only=tuple(o for o in sess.overflow if sess.in_flight_at(o) > 0))
         return RouteDecision(home.id, Reason.AFFINITY, kept, ((home.id, load_score(home, 0, p)),))
-
-    def _load_move_wanted(self, home: ReplicaState, view: _View) -> bool:
-        """Rule 5's soft trigger (under the hard bound) at the operator's ``load_moves`` level: 2 when
-        home is strained, else never; and never while the fleet is crowded (round 7)."""
-        p = self.params
-        if view.panic or 0 < p.load_moves_max_sessions < view.mean_sessions:
-            return False  # a crowded fleet: no load moves at all
-        return p.load_moves >= 2 and self._strained(home, view)
-
-    def _strained(self, home: ReplicaState, view: _View) -> bool:
-        """Rule 5's soft trigger: home persistently busier than the fleet (in a light fleet, also
-        short of cache: ``light_move_pressure``), or thrashing (its sessions' working set exceeds
-        even HBM + host tier). Whether a session moves is then a cost/benefit."""
-        p = self.params
-        bound = p.reassign_factor * view.mean_in_flight + p.reassign_margin
-        busy = home.in_flight >= bound
-        # persistence: the engine's own (polled, so older) figures showed the overload too
-        eng = home.engine
-        persistent = eng.updated_at == 0.0 or eng.queued > 0 or eng.running >= bound
-        cap = total_capacity(home, p)
-        thrashing = home.active_context_tokens > p.thrash_factor * cap
-        if busy and p.light_move_pressure > 0 and view.mean_in_flight < p.reassign_load_ref:
-            # the lighter the fleet, the fuller home's cache must be (rounds 9-10)
-            lightness = 1.0 - view.mean_in_flight / p.reassign_load_ref
-            busy = home.active_context_tokens > p.light_move_pressure * lightness * cap
-        return ((busy and persistent) or thrashing) and not self._saturated(view)
-
-    def _saturated(self, view: _View) -> bool:
-        """Most engines in the pool have requests waiting: nowhere has idle capacity, and a move's
-        cold prefill would only add work (round 6)."""
-        frac = self.params.saturation_fraction
-        if frac <= 0.0:
-            return False
-        waiting = sum(1 for r in view.pool if r.engine.queued > 0)
-        return waiting >= frac * len(view.pool)
 
     @staticmethod
     def _relieves(decision: RouteDecision, snapshot: ClusterSnapshot, view: _View) -> bool:
         """A move off an over-the-bound home only helps if the target is under the bound."""
         target = snapshot.replica(decision.replica_id)
         return target is not None and target.in_flight + 1 < view.hard_bound
-
-    def _pays(
-        self, sess: SessionState, home: ReplicaState, target: ReplicaState | None, ctx: int, view: _View
-    ) -> bool:
-        """Rule 5's cost/benefit: the more a move re-prefills (and evicts at the target), the
-        bigger the gain in expected delay it must bring."""
-        if target is None:
-            return False
-        p = self.params
-        # home's score already carries this session; the alternative's with it added
-        gain = load_score(home, 0, p) - load_score(target, ctx, p) - p.w_sessions
-        per_gain = float(p.reassign_tokens_per_gain)
-        if p.reassign_load_ref > 0:
-            per_gain *= min(1.0, view.mean_in_flight / p.reassign_load_ref)
-        return gain >= p.reassign_min_gain + move_cost_tokens(sess, home, target, p) / max(per_gain, 1.0)
 
     # ---- moves, spills, placement ---------------------------------------------------------------
 
@@ -397,15 +279,6 @@ class KvAwarePolicy:
             return self._move(view, request, snapshot, sess, rng, reason, brk, avoid)
         except NoReplicaError:
             return None
-
-    def _overflow_with_room(
-        self, view: _View, snapshot: ClusterSnapshot, sess: SessionState, home: ReplicaState
-    ) -> ReplicaState | None:
-        """The session's first overflow replica that may take one more of its requests."""
-        for r in _usable_overflows(view, snapshot, sess, home):
-            if sess.in_flight_at(r.id) < self.params.thicc_threshold:
-                return r
-        return None
 
     def _spill(
         self,
@@ -505,8 +378,7 @@ class KvAwarePolicy:
                     cands,
                     lambda r: not self._fresh(r, view, snapshot) or r.placed_recent < view.ramp_share,
                 )
-        # a placement's prompt starts computing behind the target's prefill backlog
-        scored = [(r, load_score(r, ctx, p) + r.prefill_backlog_tokens / p.prefill_tokens_per_unit) for r in cands]
+        scored = [(r, load_score(r, ctx, p)) for r in cands]
         best = min(s for _, s in scored)
         ties = [r for r, s in scored if s <= best + p.score_quantum]
         if len(ties) == 1:
@@ -554,7 +426,6 @@ class KvAwarePolicy:
             mean_in_flight=mean,
             hard_bound=hard,
             session_cap=cap,
-            mean_sessions=sessions / n,
             ramp_share=share,
             serving_since=snapshot.serving_since,
         )

@@ -65,7 +65,6 @@ class _Replica:
     in_flight: int = 0
     engine: EngineLoad = field(default_factory=EngineLoad)
     tokens_written: int = 0
-    prefill_backlog: int = 0
     horizon: int = 0  # residency horizon learned from the engine's answers (rule 6 feedback)
     placements: deque[float] = field(default_factory=deque)
     # sessions homed here, ordered by last_seen (oldest first): sid -> (last_seen, context_tokens)
@@ -255,7 +254,6 @@ class MemoryCore:
             sessions_active=len(rep.active),
             active_context_tokens=rep.active_context,
             tokens_written=rep.tokens_written,
-            prefill_backlog_tokens=rep.prefill_backlog,
             placed_recent=len(rep.placements),
             model=rep.spec.model,
             residency_horizon_tokens=rep.horizon,
@@ -341,7 +339,6 @@ class MemoryCore:
         if rep is None:
             raise KeyError(target)
         rep.in_flight += 1
-        rep.prefill_backlog += decision.prefill_tokens
         self._dirty(rep)
         prev_ctx = 0
         if sess is not None and sid is not None:
@@ -359,7 +356,6 @@ class MemoryCore:
             acquired_at=now,
             disagreement=disagreement,
             prev_context_tokens=prev_ctx,
-            prefill_tokens=decision.prefill_tokens,
         )
         self._leases[lease.lease_id] = lease
         return lease
@@ -378,7 +374,6 @@ class MemoryCore:
                 rep.horizon = learn_horizon(rep.horizon, since, found, hbm + host if hbm else 0)
         if rep is not None:
             rep.in_flight = max(0, rep.in_flight - 1)
-            rep.prefill_backlog = max(0, rep.prefill_backlog - lease.prefill_tokens)
             if completion.prompt_tokens is not None:
                 new = completion.prompt_tokens - (completion.cached_tokens or 0)
                 rep.tokens_written += max(0, new) + (completion.completion_tokens or 0)

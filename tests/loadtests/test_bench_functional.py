@@ -157,14 +157,14 @@ def test_peers_bench_over_seeds(tmp_path: Path) -> None:
     proc = subprocess.run(
         [KVROUTE, "bench", "peers", "--targets", "kvroute,kvroute-hash", "--seeds", "3,4", "--replicas", "2",
          "--duration", "3", "--sessions", "6", "--time-scale", "0.05", "--out", str(tmp_path),
-         "--policy-param", "reassign_load_ref=0"],
+         "--policy-param", "thicc_threshold=4"],
         check=False, capture_output=True, text=True, timeout=180,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     doc = json.loads((tmp_path / "peers.json").read_text())
     assert doc["seeds"] == [3, 4] and set(doc["per_seed"]) == {"3", "4"}
     # the policy parameter reached the scenario, whose kvroute_args pass it to `kvroute serve`
-    assert doc["per_seed"]["3"]["scenario"]["policy_params"] == ["reassign_load_ref=0"]
+    assert doc["per_seed"]["3"]["scenario"]["policy_params"] == ["thicc_threshold=4"]
     for seed in ("3", "4"):
         assert (tmp_path / f"seed-{seed}" / "peers.json").exists()
         assert (tmp_path / f"seed-{seed}" / "peers_load.png").exists()

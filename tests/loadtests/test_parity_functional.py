@@ -107,7 +107,6 @@ TOKEN_FIELDS = {
     "active_context_tokens",
     "context_tokens",
     "residency_mark",
-    "prefill_backlog_tokens",
 }
 CLOCK_FIELDS = {"now", "joined_at", "last_seen", "updated_at", "serving_since"}  # each driver's own clock
 POLLED_FIELDS = {"running", "queued", "kv_util", "cache_hit_rate", "gen_throughput", "host_used_tokens"}

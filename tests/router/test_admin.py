@@ -336,13 +336,13 @@ async def test_config_get_patch_and_validation(admin: tuple[TestClient, MemorySt
         and body["generation"] == 0
     )
     resp = await client.patch(
-        "/admin/config", headers=AUTH, json={"params": {"thicc_threshold": 5, "w_queue": 2.5}}
+        "/admin/config", headers=AUTH, json={"params": {"thicc_threshold": 5, "w_sessions": 0.5}}
     )
     assert resp.status == 200, await resp.text()
     body = await resp.json()
     assert (
         body["params"]["thicc_threshold"] == 5
-        and body["params"]["w_queue"] == 2.5
+        and body["params"]["w_sessions"] == 0.5
         and body["generation"] == 1
     )
     assert surface.holder.params.thicc_threshold == 5
@@ -351,7 +351,7 @@ async def test_config_get_patch_and_validation(admin: tuple[TestClient, MemorySt
         ({"params": {"thicc_threshold": "many"}}, "thicc_threshold"),
         ({"params": {"thicc_threshold": 0}}, "thicc_threshold"),
         ({"params": {"panic_threshold": 7.0}}, "panic_threshold"),
-        ({"params": {"w_queue": -1}}, "w_queue"),
+        ({"params": {"w_sessions": -1}}, "w_sessions"),
         ({"params": [1]}, "params"),
         ({"policy": "magic"}, "policy"),
         ({"policy": 3}, "policy"),

@@ -157,13 +157,6 @@ CASES: dict[str, Case] = {
         Reason.PLACED_NEW,
         (bind(B, None, Reason.PLACED_NEW),),
     ),
-    "new_engine_queue_counts": Case(
-        snapshot(replica(A, in_flight=1), replica(B, queued=3)),
-        request(),
-        A,
-        Reason.PLACED_NEW,
-        (bind(A, None, Reason.PLACED_NEW),),
-    ),
     "new_avoids_full_working_set": Case(
         snapshot(replica(A, active_ctx=1_600_000), replica(B, in_flight=2)),
         request(prompt=50_000),
@@ -437,20 +430,6 @@ CASES: dict[str, Case] = {
         (SetOverflow("s1", (B,)),),
         AffinityBreak.THICC_SPLIT,
     ),
-    "thicc_extending_spills_when_keep_extending_off": Case(
-        snapshot(
-            replica(A, in_flight=3),
-            replica(B),
-            replica(C, in_flight=1),
-            sess=session("s1", A, in_flight={A: 3}),
-        ),
-        request(prompt=52_000),
-        B,
-        Reason.THICC_SPLIT,
-        (SetOverflow("s1", (B,)),),
-        AffinityBreak.THICC_SPLIT,
-        params=P.with_changes(keep_extending=0),
-    ),
     "thicc_extending_spills_over_hard_bound": Case(
         # mean in-flight 10/3 -> hard bound 8; home at 9: load safety beats the cache
         snapshot(
@@ -466,82 +445,7 @@ CASES: dict[str, Case] = {
         AffinityBreak.OVERLOAD_SPILL,
     ),
     # ---- short_to_overflow (opt-in): sub-agent turns go where earlier sub-agent turns went
-    "short_request_goes_to_sticky_overflow": Case(
-        snapshot(
-            replica(A, in_flight=1),
-            replica(B, in_flight=1),
-            replica(C),
-            sess=session("s1", A, overflow=(B,), in_flight={A: 1, B: 1}),
-        ),
-        request(prompt=8_000),
-        B,
-        Reason.THICC_SPLIT,
-        params=P.with_changes(short_to_overflow=1),
-    ),
-    "short_request_home_when_short_to_overflow_off": Case(
-        snapshot(
-            replica(A, in_flight=1),
-            replica(B, in_flight=1),
-            replica(C),
-            sess=session("s1", A, overflow=(B,), in_flight={A: 1, B: 1}),
-        ),
-        request(prompt=8_000),
-        A,
-        Reason.AFFINITY,
-    ),
-    "short_request_home_when_overflow_full": Case(
-        snapshot(
-            replica(A, in_flight=1),
-            replica(B, in_flight=3),
-            replica(C),
-            sess=session("s1", A, overflow=(B,), in_flight={A: 1, B: 3}),
-        ),
-        request(prompt=8_000),
-        A,
-        Reason.AFFINITY,
-        params=P.with_changes(short_to_overflow=1),
-    ),
-    "extending_request_home_with_short_to_overflow": Case(
-        snapshot(
-            replica(A, in_flight=1),
-            replica(B, in_flight=1),
-            replica(C),
-            sess=session("s1", A, overflow=(B,), in_flight={A: 1, B: 1}),
-        ),
-        request(prompt=60_000),
-        A,
-        Reason.AFFINITY,
-        params=P.with_changes(short_to_overflow=1),
-    ),
-    "short_request_of_idle_session_goes_home_and_collapses": Case(
-        snapshot(replica(A), replica(B), replica(C), sess=session("s1", A, overflow=(B,))),
-        request(prompt=8_000),
-        A,
-        Reason.AFFINITY,
-        (SetOverflow("s1", ()),),
-        params=P.with_changes(short_to_overflow=1),
-    ),
     # ---- collapse_idle_only (opt-in): overflows stay until the fan-out is over
-    "collapse_idle_only_keeps_overflows_mid_fanout": Case(
-        snapshot(
-            replica(A, in_flight=1),
-            replica(B),
-            replica(C, in_flight=1),
-            sess=session("s1", A, overflow=(B, C), in_flight={A: 1, C: 1}),
-        ),
-        request(),
-        A,
-        Reason.AFFINITY,
-        params=P.with_changes(collapse_idle_only=1),
-    ),
-    "collapse_idle_only_collapses_idle_session": Case(
-        snapshot(replica(A), replica(B), replica(C), sess=session("s1", A, overflow=(B, C))),
-        request(),
-        A,
-        Reason.AFFINITY,
-        (SetOverflow("s1", ()),),
-        params=P.with_changes(collapse_idle_only=1),
-    ),
     "overload_mid_turn_spills": Case(
         # mean in-flight 3 -> hard bound max(8, 6) = 8; A is at 9
         snapshot(
@@ -593,258 +497,12 @@ CASES: dict[str, Case] = {
         Reason.AFFINITY,
         params=P.with_changes(hard_bound_factor=1.0),
     ),
-    "soft_overload_moves_cheap_session": Case(
-        # mean 7/3: soft bound 1.0 * 2.33 + 1.0 = 3.33 < 6 and the engine reports a queue
-        _busy_home(active_ctx=BUSY_WS, queued=2),
-        request(),
-        *_MOVED_TO_B,
-    ),
-    "soft_overload_persistent_by_engine_running": Case(
-        _busy_home(active_ctx=BUSY_WS, running=6),
-        request(),
-        *_MOVED_TO_B,
-    ),
-    "soft_overload_moves_bigger_session_for_bigger_gain": Case(
-        # needed gain = 1.5 + 100k / 25k = 5.5; A scores 8, B 0 (+0.25 for the session it gains);
-        # mean in flight 4 = reassign_load_ref: the full 25k tokens per unit of gain
-        snapshot(
-            replica(A, in_flight=6, active_ctx=BUSY_WS, queued=2),
-            replica(B),
-            replica(C, in_flight=6),
-            sess=session("s1", A, ctx=100_000),
-        ),
-        request(),
-        *_MOVED_TO_B,
-    ),
-    "soft_overload_stops_when_the_fleet_is_saturated": Case(
-        # as above, but every engine reports a queue (3 of 3 >= saturation_fraction 0.75): no idle
-        # capacity anywhere, a move would only add a cold prefill; the gain (8 - 1 - 0.25) would pay
-        _SATURATED_FLEET,
-        request(),
-        A,
-        Reason.AFFINITY,
-    ),
-    "soft_overload_saturation_test_off": Case(
-        # saturation_fraction = 0: the same saturated fleet moves the session (gain 6.75 >= 5.5)
-        _SATURATED_FLEET,
-        request(),
-        *_MOVED_TO_B,
-        params=PolicyParams(saturation_fraction=0),
-    ),
-    "load_moves_off_still_leaves_a_home_over_the_hard_bound": Case(
-        # load_moves = 0 turns soft moves off; the hard bound stays hard (rule 1)
-        _hot_home(),
-        request(),
-        *_MOVED_TO_B,
-        params=PolicyParams(load_moves=0),
-    ),
-    "load_moves_off_the_busy_home_keeps_its_session": Case(
-        # and the soft move of "soft_overload_light_fleet_scaling_off" does not happen either
-        _LIGHT_FLEET,
-        request(),
-        A,
-        Reason.AFFINITY,
-        params=PolicyParams(reassign_load_ref=0, load_moves=0),
-    ),
-    "load_moves_1_leaves_the_hot_home": Case(
-        # load_moves = 1: a home over the hard bound still loses the idle session ...
-        _hot_home(),
-        request(),
-        *_MOVED_TO_B,
-        params=PolicyParams(load_moves=1),
-    ),
-    "load_moves_1_keeps_it_on_a_busy_home": Case(
-        # ... but a home merely busy (6 against mean + 1 = 3.3, under the hard bound 8) keeps it
-        _LIGHT_FLEET,
-        request(),
-        A,
-        Reason.AFFINITY,
-        params=PolicyParams(reassign_load_ref=0, load_moves=1),
-    ),
-    "load_moves_off_a_gone_home_still_moves": Case(
-        # failure moves are not load moves: a DOWN home's session is re-placed
-        snapshot(
-            replica(A, status=ReplicaStatus.DOWN), replica(B), replica(C, in_flight=1), sess=session("s1", A)
-        ),
-        request(),
-        B,
-        Reason.REASSIGNED_GONE,
-        (bind(B, A, Reason.REASSIGNED_GONE),),
-        AffinityBreak.REPLICA_GONE,
-        params=PolicyParams(load_moves=0),
-    ),
-    "crowded_fleet_still_leaves_a_home_over_the_hard_bound": Case(
-        # the hot home of "overload_idle_reassigns" in a crowded fleet (13 sessions per replica >
-        # load_moves_max_sessions 12): no soft move, but the hard bound is hard
-        _hot_home(sessions=13),
-        request(),
-        *_MOVED_TO_B,
-    ),
-    "crowded_fleet_limit_at_exactly_12_still_moves": Case(
-        # 36 sessions on 3 replicas = 12 per replica: not above the limit, the session leaves
-        _hot_home(sessions=12),
-        request(),
-        *_MOVED_TO_B,
-    ),
-    "crowded_fleet_limit_off": Case(
-        # load_moves_max_sessions = 0: the crowded fleet moves it like any other
-        _hot_home(sessions=13),
-        request(),
-        *_MOVED_TO_B,
-        params=PolicyParams(load_moves_max_sessions=0),
-    ),
-    "soft_overload_light_fleet_prices_the_move_higher": Case(
-        # the same home and target in a light fleet (mean 7/3): a unit of gain buys 25k × 7/12 =
-        # 14.6k tokens, so the 100k session needs 1.5 + 6.86 = 8.36 > its gain of 7.75: it stays
-        _LIGHT_FLEET,
-        request(),
-        A,
-        Reason.AFFINITY,
-    ),
-    "soft_overload_light_fleet_scaling_off": Case(
-        # reassign_load_ref = 0: the light fleet prices moves like a busy one (need 5.5): it moves
-        _LIGHT_FLEET,
-        request(),
-        *_MOVED_TO_B,
-        params=PolicyParams(reassign_load_ref=0),
-    ),
-    "soft_overload_gain_too_small_for_size": Case(
-        # needed gain = 1.5 + 150k / 25k = 7.5; A scores 6, B 1.25 with the session: gain 4.75
-        snapshot(
-            replica(A, in_flight=6, active_ctx=BUSY_WS, running=6),
-            replica(B, in_flight=1),
-            replica(C, in_flight=1),
-            sess=session("s1", A, ctx=150_000),
-        ),
-        request(),
-        A,
-        Reason.AFFINITY,
-    ),
-    "soft_overload_mostly_evicted_context_is_cheap": Case(
-        # like soft_overload_gain_too_small_for_size (gain 4.75), but home wrote 75 % of its cache
-        # since: 37.5k of the 150k are still resident, needed = 1.5 + 37.5k / 25k = 3.0
-        snapshot(
-            replica(A, in_flight=6, active_ctx=BUSY_WS, running=6, written=737_500),
-            replica(B, in_flight=1),
-            replica(C, in_flight=2),
-            sess=session("s1", A, ctx=150_000, mark=100_000),
-        ),
-        request(),
-        *_MOVED_TO_B,
-    ),
-    "soft_overload_target_with_room_moves": Case(
-        # needed = 1.5 + 60k / 25k = 3.9; B scores 1 with the session (460k of 850k: under the
-        # 0.6 move headroom, 510k, and no working-set penalty), gain 6 - 1 - 0.25 = 4.75
-        snapshot(
-            replica(A, in_flight=6, active_ctx=BUSY_WS, running=6),
-            replica(B, in_flight=1, active_ctx=400_000),
-            sess=session("s1", A, ctx=60_000),
-        ),
-        request(),
-        *_MOVED_TO_B,
-    ),
-    "soft_overload_target_past_headroom_doubles_the_price": Case(
-        # B would hold 760k of 850k: 250k past the 0.6 headroom (510k), so all 60k count twice:
-        # needed = 1.5 + 120k / 25k = 6.3 > gain 6 - 1 - 0.25 = 4.75
-        snapshot(
-            replica(A, in_flight=6, active_ctx=BUSY_WS, running=6),
-            replica(B, in_flight=1, active_ctx=700_000),
-            sess=session("s1", A, ctx=60_000),
-        ),
-        request(),
-        A,
-        Reason.AFFINITY,
-    ),
-    "soft_overload_target_under_full_headroom_moves": Case(
-        # the same with move_headroom 1.0 (before round 4): 760k fits in 850k, nothing doubled,
-        # needed 3.9 <= gain 4.75
-        snapshot(
-            replica(A, in_flight=6, active_ctx=BUSY_WS, running=6),
-            replica(B, in_flight=1, active_ctx=700_000),
-            sess=session("s1", A, ctx=60_000),
-        ),
-        request(),
-        *_MOVED_TO_B,
-        params=P.with_changes(move_headroom=1.0),
-    ),
-    "soft_overload_full_target_doubles_the_price": Case(
-        # B's KV would hold 900k, past the 510k headroom by more than the 60k: they evict other
-        # sessions, so they count twice: needed = 1.5 + 120k / 25k = 6.3 > gain 6 - 1.635 - 0.25 = 4.1
-        snapshot(
-            replica(A, in_flight=6, active_ctx=BUSY_WS, running=6),
-            replica(B, in_flight=1, active_ctx=840_000),
-            sess=session("s1", A, ctx=60_000),
-        ),
-        request(),
-        A,
-        Reason.AFFINITY,
-    ),
-    "light_fleet_soft_move_needs_cache_pressure": Case(
-        # soft_overload_moves_cheap_session's fleet (mean 7/3), but home's sessions fill only 500k
-        # of its 850k: a soft move needs > 1.5 × (1 − 7/12) × 850k = 531.25k: it stays
-        _busy_home(queued=2, active_ctx=500_000),
-        request(),
-        A,
-        Reason.AFFINITY,
-    ),
-    "light_fleet_pressure_counts_the_host_tier": Case(
-        # 600k would be pressure on 850k of HBM, not with an 850k host tier: needs > 1.0625M
-        _busy_home(queued=2, active_ctx=BUSY_WS, host=850_000),
-        request(),
-        A,
-        Reason.AFFINITY,
-    ),
-    "light_fleet_pressure_test_off": Case(
-        # light_move_pressure = 0: the 500k home of light_fleet_soft_move_needs_cache_pressure
-        # loses the session as before round 10
-        _busy_home(queued=2, active_ctx=500_000),
-        request(),
-        *_MOVED_TO_B,
-        params=PolicyParams(light_move_pressure=0),
-    ),
-    "light_fleet_pressure_fades_at_the_reference_load": Case(
-        # at mean 4 in flight (= reassign_load_ref) no pressure is needed: the empty-cache home of
-        # soft_overload_moves_bigger_session_for_bigger_gain still loses its 100k session
-        snapshot(
-            replica(A, in_flight=6, queued=2),
-            replica(B),
-            replica(C, in_flight=6),
-            sess=session("s1", A, ctx=100_000),
-        ),
-        request(),
-        *_MOVED_TO_B,
-    ),
     "light_fleet_over_the_hard_bound_needs_no_pressure": Case(
         # the pressure test is for soft moves: the empty-cache home of overload_idle_reassigns,
         # over the hard bound in a light fleet (mean 10/3), still loses the idle session
         _hot_home(),
         request(),
         *_MOVED_TO_B,
-    ),
-    "soft_overload_not_persistent_stays": Case(
-        _busy_home(active_ctx=BUSY_WS),
-        request(),
-        A,
-        Reason.AFFINITY,
-    ),
-    "thrashing_home_moves_cheap_session": Case(
-        snapshot(
-            replica(A, in_flight=2, active_ctx=2_000_000, sessions=8),
-            replica(B, sessions=2),
-            sess=session("s1", A, ctx=10_000),
-        ),
-        request(),
-        *_MOVED_TO_B,
-    ),
-    "host_tier_holds_working_set_no_thrash": Case(
-        snapshot(
-            replica(A, in_flight=2, active_ctx=2_000_000, sessions=8, host=1_700_000),
-            replica(B, sessions=2),
-            sess=session("s1", A, ctx=10_000),
-        ),
-        request(),
-        A,
-        Reason.AFFINITY,
     ),
     "draining_home_idle_reassigns": Case(
         snapshot(
@@ -1006,9 +664,17 @@ def test_decision(name: str) -> None:
 
 
 def test_placement_scores_are_expected_delay() -> None:
-    snap = snapshot(replica(A, in_flight=2), replica(B), replica(C, in_flight=1, queued=2, kv_util=0.5))
+    # in flight + 0.25 per active session bound here; the engine's polled queue and KV use play no
+    # part (the exact in-flight count already holds them)
+    snap = snapshot(
+        replica(A, in_flight=2),
+        replica(B, sessions=1),
+        replica(C, in_flight=1, queued=2, kv_util=0.5),
+        sessions_active=12,  # the bounded-load cap (6 per replica) filters nobody here
+    )
     d = KvAwarePolicy().route(request(), snap, random.Random(0))
-    assert d.scores == ((A, 2.0), (B, 0.0), (C, 1.0 + 2.0 + 0.5))
+    assert d.scores == ((A, 2.0), (B, 0.25), (C, 1.0))
+    assert d.replica_id == B
 
 
 def test_ties_go_to_the_rendezvous_winner_of_the_session() -> None:
@@ -1058,21 +724,20 @@ def test_no_replica_raises(snap: ClusterSnapshot) -> None:
 
 
 @pytest.mark.parametrize(
-    ("written", "mark", "host", "slack", "gone"),
+    ("written", "mark", "host", "horizon", "gone"),
     [
-        (1_000_000, 100_000, 0, 1.0, True),  # 900k written since > 850k
-        (900_000, 100_000, 0, 1.0, False),  # 800k < 850k
-        (1_000_000, 100_000, 0, 1.2, False),  # slack 1.2 -> 1.02M
-        (3_000_000, 100_000, 1_700_000, 1.0, True),  # 2.9M > 850k + 1.7M
-        (2_000_000, 100_000, 1_700_000, 1.0, False),
-        (5_000_000, 0, 0, 1.0, False),  # unknown mark: assume resident
+        (1_000_000, 100_000, 0, 0, True),  # 900k written since > 850k
+        (900_000, 100_000, 0, 0, False),  # 800k < 850k
+        (900_000, 100_000, 0, 700_000, True),  # the engine's answers put the horizon at 700k
+        (1_000_000, 100_000, 0, 1_000_000, False),  # ... or at 1M
+        (3_000_000, 100_000, 1_700_000, 0, True),  # 2.9M > 850k + 1.7M
+        (2_000_000, 100_000, 1_700_000, 0, False),
+        (5_000_000, 0, 0, 0, False),  # unknown mark: assume resident
     ],
 )
-def test_residency_estimate(written: int, mark: int, host: int, slack: float, gone: bool) -> None:
-    params = P.with_changes(residency_slack=slack)
-    assert (
-        cache_surely_gone(session("s1", A, mark=mark), replica(A, written=written, host=host), params) is gone
-    )
+def test_residency_estimate(written: int, mark: int, host: int, horizon: int, gone: bool) -> None:
+    home = replica(A, written=written, host=host, horizon=horizon)
+    assert cache_surely_gone(session("s1", A, mark=mark), home, P) is gone
 
 
 def test_default_capacity_when_unknown() -> None:
