@@ -18,7 +18,9 @@ Rule 2 (tips): each session points at the deepest block it stored (its *tip*); t
         resident prefix is the tip's end. A radix cache evicts leaves first, so a session loses its
         tail before its head: when its tip goes, the tip moves up to the nearest ancestor still
         resident (root: nothing left, an exact 0). Only the tip is ever looked at, so a session
-        costs one dict entry whatever its length.
+        costs one dict entry whatever its length. A tip never moves back down on someone else's
+        store: shared blocks another session stores again after this one lost them are credited
+        at this session's own next store. So the answer never exceeds what the engine holds.
 Rule 3 (completeness): a publisher is *complete* when every block in its cache is known to us: we
         have applied every batch since an empty cache (``AllBlocksCleared``, which SGLang emits when
         its cache is created or flushed, or a rebuild from sequence 0 through the replay socket).
