@@ -663,6 +663,11 @@ async def run_sidecar(
             session, cfg.engine_url, timeout_s=cfg.probe_timeout_s, health_path=cfg.health_path
         )
         agent = Agent(cfg, registrar, probe, clock, source=source)
+        kv_task = None
+        if cfg.kv_events and isinstance(registrar, StoreRegistrar):
+            kv_task = asyncio.get_running_loop().create_task(
+                _share_residency(cfg, session, registrar.store), name="kvroute-sidecar-kv-events"
+            )
         runner = web.AppRunner(make_probe_app(agent), access_log=None)
         await runner.setup()
         site = web.TCPSite(runner, cfg.listen_host, cfg.listen_port)
@@ -680,8 +685,51 @@ async def run_sidecar(
             if install_signals:
                 for sig in (signal.SIGTERM, signal.SIGINT):
                     loop.remove_signal_handler(sig)
+            if kv_task is not None:
+                kv_task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await kv_task
             await runner.cleanup()
             await registrar.close()
+
+
+async def _share_residency(cfg: AgentConfig, session: aiohttp.ClientSession, store: StateStore) -> None:
+    """Follow this engine's KV events and write its exact residency to Redis, for the gateways in
+    ``kv_events.mode: redis`` (router/store/residency.py). Runs until cancelled."""
+    from router.kv_events import KvEventsManager
+    from router.residency import ResidencyIndex
+    from router.store.residency import RedisResidencyWriter
+
+    client = getattr(store, "client", None)
+    if client is None:
+        log.warning("--kv-events: the registry is not Redis; residency is not shared")
+        return
+
+    async def server_info(rid: str, url: str) -> dict[str, Any] | None:
+        try:
+            async with session.get(url, timeout=aiohttp.ClientTimeout(total=cfg.probe_timeout_s)) as r:
+                if r.status != 200:
+                    return None
+                body = await r.json(content_type=None)
+        except (aiohttp.ClientError, TimeoutError, ValueError):
+            return None
+        return body if isinstance(body, dict) else None
+
+    index = ResidencyIndex(track_changes=True)
+    manager = KvEventsManager(index, server_info)
+    writer = RedisResidencyWriter(client, index, keys=getattr(store, "keys", None), writer_id=f"sidecar-{cfg.id}")
+    flush = asyncio.get_running_loop().create_task(writer.run(), name="kvroute-sidecar-residency-writer")
+    try:
+        while True:
+            # the engine as this sidecar reaches it, under the replica id the gateways know
+            await manager.refresh([(cfg.id, cfg.engine_url)])
+            await asyncio.sleep(5.0)
+    finally:
+        flush.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await flush
+        await writer.close()
+        await manager.close()
 
 
 def cli_main(argv: list[str]) -> int:

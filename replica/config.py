@@ -44,6 +44,7 @@ class AgentConfig:
     drain_grace_s: float = 1.0  # in-flight must stay 0 this long (gateways' snapshots catch up)
     capacity_tokens: int = 0  # override /server_info max_total_num_tokens (0 = from the engine)
     host_capacity_tokens: int = 0  # override the HiCache host tier size (0 = from the engine)
+    kv_events: bool = False  # follow the engine's KV events, share its residency through Redis
 
     @property
     def advertised(self) -> str:
@@ -106,6 +107,9 @@ def build_arg_parser() -> argparse.ArgumentParser:
     a("--drain-grace", dest="drain_grace_s", type=float, help="seconds in-flight must stay 0")
     a("--capacity-tokens", type=int, help="override the engine's KV capacity")
     a("--host-capacity-tokens", type=int, help="override the host-tier KV capacity")
+    a("--kv-events", action="store_true", default=None,
+      help="subscribe to the engine's KV events (its /server_info kv_events) and share its exact residency "
+      "through Redis (needs --redis and the kvevents extra; docs/KV_EVENTS.md)")
     return p
 
 
@@ -139,6 +143,8 @@ def _cast(name: str, raw: str, origin: str) -> Any:
             return int(raw)
         if kind == "float":
             return float(raw)
+        if kind == "bool":
+            return raw.strip().lower() in {"1", "true", "yes", "on"}
     except ValueError as exc:
         raise ConfigError(f"{origin}: expected a number, got {raw!r}") from exc
     return raw or None if "None" in kind else raw
@@ -172,6 +178,8 @@ def validate(cfg: AgentConfig) -> AgentConfig:
             raise ConfigError(f"--{name.removesuffix('_s').replace('_', '-')} must be >= 0")
     if not cfg.replica_ttl_s > cfg.heartbeat_interval_s:
         raise ConfigError("--replica-ttl must be larger than --heartbeat-interval (else entries flap)")
+    if cfg.kv_events and cfg.redis_url is None:
+        raise ConfigError("--kv-events shares residency through Redis: needs --redis")
     if cfg.unhealthy_after < 1:
         raise ConfigError("--unhealthy-after must be >= 1")
     if cfg.capacity_tokens < 0 or cfg.host_capacity_tokens < 0:

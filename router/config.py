@@ -55,6 +55,7 @@ __all__ = [
     "DownstreamConfig",
     "GatewayConfig",
     "HealthConfig",
+    "KvEventsSettings",
     "LimitsConfig",
     "StoreSettings",
     "TimeoutsConfig",
@@ -137,6 +138,25 @@ class DownstreamConfig(BaseModel):
     # an idle client connection closes after this long; so does one whose request head is not whole
     # this long after the connection opened or its last response
     keepalive_s: float = Field(75.0, gt=0)
+
+
+class KvEventsSettings(BaseModel):
+    """Exact cache residency from the replicas' KV events (docs/KV_EVENTS.md)."""
+
+    model_config = _FROZEN
+
+    # auto: subscribe to every replica whose /server_info advertises a ZMQ publisher (kv_events), when
+    # the kvevents extra (pyzmq, msgspec) is installed; subscribe: the same, a missing extra is an
+    # error; redis: read what writers (sidecars, or a gateway with publish) share through Redis; off
+    mode: Literal["auto", "subscribe", "redis", "off"] = "auto"
+    publish: bool = False  # write the residency of the replicas we subscribe to into Redis
+    forward_session_id: bool = True  # add the session id to bodies sent to subscribed replicas
+    refresh_s: float = Field(5.0, gt=0)  # registry -> subscriptions (new replicas, removed ones)
+    replay_timeout_s: float = Field(2.0, gt=0)
+    max_blocks_per_replica: int = Field(3_000_000, gt=0)
+    max_sessions_per_replica: int = Field(200_000, gt=0)
+    flush_s: float = Field(0.05, gt=0)  # publish: how often changes are written
+    ttl_s: float = Field(3.0, gt=0)  # publish: a silent writer's replicas expire after this
 
 
 _STORE_DEFAULTS = StoreConfig()
@@ -234,6 +254,7 @@ class GatewayConfig(BaseSettings):
     tls_cert: str | None = None  # PEM certificate (chain) of the listener: HTTPS when set with tls_key
     tls_key: str | None = None  # PEM private key of the listener
     warm_handoff: bool = False  # warm the next home of a draining replica's idle sessions (router/handoff.py)
+    kv_events: KvEventsSettings = Field(default_factory=KvEventsSettings)  # type: ignore[arg-type]
 
     @classmethod
     def settings_customise_sources(
@@ -340,6 +361,15 @@ class GatewayConfig(BaseSettings):
             path = getattr(self, name)
             if path is not None and not os.path.isfile(path):
                 raise ValueError(f"{name}: {path!r} is not a readable file")
+        return self
+
+    @model_validator(mode="after")
+    def _kv_events_redis(self) -> GatewayConfig:
+        kv = self.kv_events
+        if kv.mode == "redis" and self.redis_url is None:
+            raise ValueError("kv_events.mode: 'redis' reads residency shared through Redis: set redis_url")
+        if kv.publish and (self.redis_url is None or kv.mode not in ("auto", "subscribe")):
+            raise ValueError("kv_events.publish: needs redis_url and kv_events.mode auto or subscribe")
         return self
 
     @field_validator("otel_endpoint")

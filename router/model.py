@@ -154,6 +154,10 @@ class SessionState:
     residency_mark: int = 0  # home's tokens_written right after this session last wrote there
     turns: int = 0
     bytes_per_token: float = 0.0  # body bytes / prompt tokens of its last turn at home; 0 = unknown
+    # exact residency from the engines' KV events (router/residency.py, docs/KV_EVENTS.md), filled when
+    # the snapshot is built; None / () = no exact knowledge (events off, incomplete, or not attributed)
+    resident_tokens: int | None = None  # tokens of this session's last context resident on its home
+    resident_on: tuple[tuple[ReplicaId, int], ...] = ()  # every replica known to hold > 0 of it, sorted
 
     def in_flight_at(self, replica_id: ReplicaId) -> int:
         for rid, n in self.in_flight:

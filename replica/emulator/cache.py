@@ -35,6 +35,14 @@ Rule 6 (SGLang's granularity, ``evict_whole_nodes``, the emulator's default): SG
 
 Admission is all-or-nothing: :meth:`PrefixCache.try_lock` either pins/promotes/reserves
 everything a request needs or changes nothing and returns ``None``.
+
+Rule 7 (listener): an optional :class:`CacheListener` hears every change of what is cached, as
+        SGLang's radix cache reports it in KV events: runs of blocks stored (with the block they
+        hang below, their position in the chain, the tier and the ``owner`` the request was admitted
+        with), removed from a tier, and the whole cache cleared. A tier move is a store on the new
+        tier followed by a removal from the old one, so a block is never absent in between.
+        ``replica/emulator/kv_events.py`` turns these into SGLang's event stream; the simulator can
+        feed ``router.residency`` with them directly.
 """
 
 from __future__ import annotations
@@ -42,8 +50,28 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
-__all__ = ["CacheStats", "Lease", "Match", "PrefixCache"]
+__all__ = ["DEVICE", "HOST", "CacheListener", "CacheStats", "Lease", "Match", "PrefixCache"]
+
+# tiers, as bits (the same values as SGLang's GPU / CPU_PINNED in router.kv_wire.MEDIUM_BITS)
+DEVICE = 1
+HOST = 2
+
+
+class CacheListener(Protocol):
+    """Hears what the cache stores and drops (Rule 6). Calls happen inside cache operations: they
+    must not call back into the cache."""
+
+    def stored(self, parent: int | None, hashes: list[int], depth: int, tier: int, owner: object) -> None:
+        """``hashes`` (a chain) now live on ``tier`` below block ``parent`` (``None``: the root).
+        ``depth``: blocks before the first one in the chain (-1 on a tier move, where ``owner`` is
+        ``None``); ``owner``: what the storing request was admitted with."""
+        ...
+
+    def removed(self, hashes: list[int], tier: int) -> None: ...
+
+    def cleared(self) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,13 +137,14 @@ class _Node:
 class Lease:
     """What one admitted request holds: the deepest node of its pinned path + reserved slots."""
 
-    __slots__ = ("blocks", "node", "released", "reserved")
+    __slots__ = ("blocks", "node", "owner", "released", "reserved")
 
-    def __init__(self, node: _Node, blocks: int, reserved: int) -> None:
+    def __init__(self, node: _Node, blocks: int, reserved: int, owner: object = None) -> None:
         self.node = node
         self.blocks = blocks  # blocks on the pinned path
         self.reserved = reserved
         self.released = False
+        self.owner = owner  # passed to the listener with what this request stores (Rule 7)
 
 
 def _common(run: list[int], hashes: list[int], i: int) -> int:
@@ -141,10 +170,12 @@ class PrefixCache:
         host_capacity_tokens: int = 0,
         *,
         evict_whole_nodes: bool = False,
+        listener: CacheListener | None = None,
     ) -> None:
         if capacity_tokens <= 0 or page_size <= 0 or host_capacity_tokens < 0:
             raise ValueError("capacity_tokens and page_size must be > 0, host_capacity_tokens >= 0")
         self.evict_whole_nodes = evict_whole_nodes  # Rule 6
+        self.listener = listener  # Rule 7
         self.capacity_tokens = capacity_tokens
         self.page_size = page_size
         self.host_capacity_tokens = host_capacity_tokens
@@ -241,10 +272,13 @@ class PrefixCache:
         )
 
     # ---- mutations -----------------------------------------------------------------------
-    def try_lock(self, hashes: Sequence[int], total_tokens: int) -> tuple[Lease, Match] | None:
+    def try_lock(
+        self, hashes: Sequence[int], total_tokens: int, owner: object = None
+    ) -> tuple[Lease, Match] | None:
         """Admit a request whose prompt has (matchable) block ``hashes`` and which will occupy
         ``total_tokens`` slots in all (prompt + output). Pins the device prefix, promotes the host
-        continuation, reserves the rest; or returns ``None`` and changes nothing."""
+        continuation, reserves the rest; or returns ``None`` and changes nothing. ``owner`` goes to
+        the listener with every block this request stores."""
         hl = hashes if isinstance(hashes, list) else list(hashes)
         path = self._walk(hl)
         m = self._count(path)
@@ -266,6 +300,8 @@ class PrefixCache:
             node.host = False
             node.pins = 1
             self._dev_blocks += len(node.hashes)
+            if self.listener is not None:
+                self._moved(node, HOST, DEVICE)
         reserve = total_tokens - m.tokens
         self._reserved += reserve
         self._lookup += len(hl) * self.page_size
@@ -273,7 +309,7 @@ class PrefixCache:
         self._host_hit += m.host_tokens
         self._admitted += 1
         deepest = path[-1][0] if path else self._root
-        return Lease(deepest, m.device_blocks + m.host_blocks, reserve), m
+        return Lease(deepest, m.device_blocks + m.host_blocks, reserve, owner), m
 
     def insert(self, lease: Lease, hashes: Sequence[int]) -> None:
         """Blocks a running request has just computed (following its pinned path): cached and
@@ -297,6 +333,8 @@ class PrefixCache:
                 self._dev_blocks += k
                 lease.reserved -= k * page
                 self._reserved -= k * page
+                if self.listener is not None:
+                    self._moved(child, HOST, DEVICE)
             else:
                 self._pin(child)
             node = child
@@ -311,6 +349,8 @@ class PrefixCache:
             self._dev_blocks += rest
             lease.reserved -= rest * page
             self._reserved -= rest * page
+            if self.listener is not None:
+                self.listener.stored(self._parent_hash(new), new.hashes, lease.blocks, DEVICE, lease.owner)
             lease.blocks += rest
             node = new
         lease.node = node
@@ -332,6 +372,8 @@ class PrefixCache:
                 self._dev_blocks += n
                 lease.reserved -= n * page
                 self._reserved -= n * page
+                if self.listener is not None:
+                    self.listener.stored(self._parent_hash(new), new.hashes, lease.blocks, DEVICE, lease.owner)
                 self._lru_add(new)  # older than its parent, which is appended below (Rule 3)
         while node is not self._root:
             assert node.parent is not None
@@ -352,9 +394,20 @@ class PrefixCache:
         self._lru.clear()
         self._host_lru.clear()
         self._dev_blocks = self._evictable_blocks = self._host_blocks = self._nodes = 0
+        if self.listener is not None:
+            self.listener.cleared()
         return True
 
     # ---- internals -----------------------------------------------------------------------
+    def _parent_hash(self, node: _Node) -> int | None:
+        p = node.parent
+        return None if p is None or p is self._root else p.hashes[-1]
+
+    def _moved(self, node: _Node, old: int, new: int) -> None:
+        assert self.listener is not None
+        self.listener.stored(self._parent_hash(node), node.hashes, -1, new, None)
+        self.listener.removed(node.hashes, old)
+
     def _lru_add(self, node: _Node) -> None:
         self._lru[node] = None
         self._evictable_blocks += len(node.hashes)
@@ -398,8 +451,12 @@ class PrefixCache:
                 node.host = True
                 self._host_lru[node] = None
                 self._host_blocks += n
+                if self.listener is not None:
+                    self._moved(node, DEVICE, HOST)
                 self._trim_host()
             else:
+                if self.listener is not None:
+                    self.listener.removed(node.hashes, DEVICE)
                 self._detach(node)
 
     def _trim_host(self) -> None:
@@ -414,6 +471,8 @@ class PrefixCache:
             del hl[node]
             self._host_blocks -= len(node.hashes)
             self._host_evicted += len(node.hashes)
+            if self.listener is not None:
+                self.listener.removed(node.hashes, HOST)
             self._detach(node)
 
     def _detach(self, node: _Node) -> None:

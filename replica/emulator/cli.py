@@ -19,6 +19,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from replica.emulator.kv_events import KvEventsConfig
 from replica.emulator.profiles import PROFILES, Profile, get_profile
 from replica.emulator.runner import Running, running_emulators, start_emulators, stop_emulators
 from replica.emulator.server import EmulatorConfig
@@ -66,6 +67,10 @@ def parser() -> argparse.ArgumentParser:
     )
     g.add_argument("--startup-delay", type=float, default=0.0, help="/health is 503 for this many wall seconds")
     g.add_argument("--api-key", default=None)
+    g.add_argument("--kv-events-config", default=None, metavar="JSON",
+                   help="SGLang's KV-event publisher config, e.g. '{\"publisher\":\"zmq\",\"endpoint\":"
+                        "\"tcp://*:5557\",\"replay_endpoint\":\"tcp://*:5558\"}'; replica i adds 2i to both "
+                        "ports; a '*' port binds a free one (docs/EMULATOR.md)")
     pf = p.add_argument_group("profile fields (override the chosen profile)")
     for f in _PROFILE_FLAGS:
         t = str(f.type)
@@ -100,7 +105,15 @@ def build_config(ns: argparse.Namespace) -> EmulatorConfig:
         get_load_format=ns.get_load_format,
         startup_delay_s=ns.startup_delay,
         api_key=ns.api_key,
+        kv_events_config=_kv_events(ns.kv_events_config),
     )
+
+
+def _kv_events(raw: str | None) -> str | None:
+    if raw is None:
+        return None
+    KvEventsConfig.from_cli(raw)  # a bad config is a usage error, before anything starts
+    return raw
 
 
 def _stop_event() -> asyncio.Event:

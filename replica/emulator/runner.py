@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
+from replica.emulator.kv_events import for_replica as kv_events_for_replica
 from replica.emulator.server import REPLICA_KEY, EmulatorConfig, Replica, make_emulator_app
 
 __all__ = ["Running", "running_emulators", "start_emulators", "stop_emulators"]
@@ -63,7 +64,10 @@ async def start_emulators(
         for i in range(n):
             port = 0 if base_port == 0 else base_port + i
             name = f"replica-{first_index + i}"
-            cfg = dataclasses.replace(base, name=name, host=host, port=port)
+            kv = base.kv_events_config
+            if kv is not None:  # each replica publishes on its own ports
+                kv = kv_events_for_replica(kv, first_index + i)
+            cfg = dataclasses.replace(base, name=name, host=host, port=port, kv_events_config=kv)
             app = make_emulator_app(cfg)
             runner = web.AppRunner(app, access_log=None, handle_signals=False)
             await runner.setup()

@@ -34,6 +34,8 @@ import mmh3
 from aiohttp import web
 
 from replica.emulator.cache import PrefixCache
+from replica.emulator.kv_events import KvEventRecorder, KvEventsConfig, KvEventsPublisher
+from replica.emulator.kv_events import Source as KvSource
 from replica.emulator.metrics import CONTENT_TYPE, ReplicaMetrics
 from replica.emulator.profiles import Profile
 from replica.emulator.timemodel import EngineRequest, Finished, FirstToken, ReplicaEngine, Started
@@ -94,6 +96,7 @@ class EmulatorConfig:
     startup_delay_s: float = 0.0
     api_key: str | None = None
     max_body_bytes: int = 64 * 1024 * 1024
+    kv_events_config: str | None = None  # SGLang's --kv-events-config JSON (replica/emulator/kv_events.py)
 
     def __post_init__(self) -> None:
         if self.time_scale <= 0:
@@ -190,8 +193,18 @@ class Replica:
     def __init__(self, config: EmulatorConfig) -> None:
         self.config = config
         prof = config.profile
+        # KV events (SGLang's --kv-events-config): the cache's listener queues them, poll() publishes
+        self.kv_config = None if config.kv_events_config is None else KvEventsConfig.from_cli(config.kv_events_config)
+        self.kv_recorder = (
+            KvEventRecorder(prof.page_size) if self.kv_config is not None and self.kv_config.enabled else None
+        )
+        self.kv_publisher: KvEventsPublisher | None = None
         self.cache = PrefixCache(
-            prof.capacity_tokens, prof.page_size, prof.host_tokens, evict_whole_nodes=prof.evict_whole_nodes
+            prof.capacity_tokens,
+            prof.page_size,
+            prof.host_tokens,
+            evict_whole_nodes=prof.evict_whole_nodes,
+            listener=self.kv_recorder,
         )
         self.engine = ReplicaEngine(prof, self.cache)
         self.metrics = ReplicaMetrics(config.model_name, self.engine.load, prof.host_tokens > 0)
@@ -225,7 +238,10 @@ class Replica:
 
     # ---- engine driving ------------------------------------------------------------------
     def poll(self) -> None:
-        for ev in self.engine.advance(self.model_now()):
+        evs = self.engine.advance(self.model_now())
+        if self.kv_recorder is not None:
+            self.publish_kv_events()
+        for ev in evs:
             fl = self.flights.get(ev.rid)
             if fl is None:
                 continue
@@ -236,6 +252,11 @@ class Replica:
                 fl.first.set()
             elif isinstance(ev, Finished):
                 self._finish(fl, ev)
+
+    def publish_kv_events(self) -> None:
+        """One batch with what the cache reported since the last one (one per engine step run)."""
+        if self.kv_recorder is not None and self.kv_publisher is not None:
+            self.kv_publisher.publish(self.kv_recorder.take())
 
     def _finish(self, fl: _Flight, ev: Finished) -> None:
         fl.finished = ev
@@ -274,6 +295,10 @@ class Replica:
                     handle.cancel()
 
     def start(self) -> None:
+        if self.kv_recorder is not None and self.kv_config is not None:
+            self.kv_publisher = KvEventsPublisher(self.kv_config)
+            self.kv_publisher.start()
+            self.publish_kv_events()  # the cache's creation: AllBlocksCleared is sequence 0, as in SGLang
         self._task = asyncio.get_running_loop().create_task(self.run(), name=f"emulator-{self.config.name}")
         self.status = "ready"
 
@@ -287,6 +312,10 @@ class Replica:
                 await self._task
             except asyncio.CancelledError:
                 pass
+        if self.kv_publisher is not None:
+            self.publish_kv_events()
+            await self.kv_publisher.close()
+            self.kv_publisher = None
 
     def submit(self, parsed: _Parsed, stream: bool, is_health: bool = False) -> _Flight:
         prof = self.config.profile
@@ -297,6 +326,7 @@ class Replica:
         step = prof.page_size * BYTES_PER_TOKEN
         raw = prompt.raw
         b0 = len(raw) // step
+        tail = b""
         if n_out and (len(raw) + n_out * BYTES_PER_TOKEN) // step > b0 and b0 == len(hashes):
             tail = raw[b0 * step :] + output_text(n_out, _text_seed(parsed.rid)).encode()
             extra = block_hashes(tail, prof.page_size, prev_hash=hashes[b0 - 1] if b0 else None,
@@ -306,8 +336,11 @@ class Replica:
         fl.is_health = is_health
         if parsed.rid in self.flights:
             raise _ClientError(f"Duplicate request ID {parsed.rid}")
+        owner = None
+        if self.kv_recorder is not None:  # the tokens of the blocks it may store, for the events
+            owner = KvSource(raw[: b0 * step] + tail if extra else prompt.data, parsed.session_id)
         try:
-            self.engine.submit(EngineRequest(parsed.rid, prompt.num_tokens, hashes, n_out, extra), now)
+            self.engine.submit(EngineRequest(parsed.rid, prompt.num_tokens, hashes, n_out, extra, owner), now)
         except ValueError as exc:
             raise _ClientError(str(exc)) from None
         self.flights[parsed.rid] = fl
@@ -345,6 +378,9 @@ class Replica:
             "cpu_s": time.process_time(),  # this process's CPU (all replicas in it): for `kvroute bench emulator`
             "load": dataclasses.asdict(load),
             "cache": {**dataclasses.asdict(st), "hit_rate": st.hit_rate},
+            "kv_events": None if self.kv_publisher is None else {
+                **self.kv_publisher.stats(), "recorder_blocks": self.kv_recorder.blocks if self.kv_recorder else 0,
+            },
             "faults": self.faults.to_json(),
         }
 
@@ -963,7 +999,13 @@ class _Handlers:
             "launch_command": f"kvroute emulate --profile {prof.name} --time-scale {cfg.time_scale}",
             "status": rep.status, "max_total_num_tokens": load.capacity_tokens,
             "max_req_input_len": prof.max_context_tokens - 1, "startup_time": rep.startup_time,
-            "kv_events_config": None, "internal_states": [internal], "version": SGLANG_VERSION, "frontend": "python",
+            "kv_events_config": rep.kv_config.raw if rep.kv_config is not None else None,
+            "kv_events": rep.kv_config.describe(
+                prof.page_size,
+                rep.kv_publisher.bound if rep.kv_publisher else None,
+                rep.kv_publisher.bound_replay if rep.kv_publisher else None,
+            ) if rep.kv_config is not None else None,
+            "internal_states": [internal], "version": SGLANG_VERSION, "frontend": "python",
             "emulator": {"name": cfg.name, "profile": dataclasses.asdict(prof), "time_scale": cfg.time_scale,
                          "token_unit": prof.token_unit},
         })
@@ -1028,6 +1070,7 @@ class _Handlers:
         rep.poll()
         if rep.engine.load().running or rep.engine.load().queued or not rep.cache.flush():
             return web.Response(status=400, text="Cache not flushed: there are running or waiting requests.\n")
+        rep.publish_kv_events()
         return web.Response(text="Cache flushed.\nPlease check backend logs for more details. (When there are "
                                  "running or waiting requests, the operation will not be performed.)\n")
 

@@ -80,6 +80,7 @@ class EngineRequest:
 
     block_hashes: chained hashes of the prompt's full ``page_size`` blocks.
     extra_hashes: hashes of further blocks of prompt+output, cached when it finishes normally.
+    owner: passed to the cache's listener with the blocks this request stores (``cache`` Rule 6).
     """
 
     rid: str
@@ -87,6 +88,7 @@ class EngineRequest:
     block_hashes: Sequence[int]
     output_tokens: int
     extra_hashes: Sequence[int] = ()
+    owner: object = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -370,7 +372,7 @@ class ReplicaEngine:
         req = r.req
         page = self.cache.page_size
         n_match = min(len(req.block_hashes), (req.prompt_tokens - 1) // page)
-        got = self.cache.try_lock(req.block_hashes[:n_match], req.prompt_tokens + req.output_tokens)
+        got = self.cache.try_lock(req.block_hashes[:n_match], req.prompt_tokens + req.output_tokens, req.owner)
         if got is None:
             return None
         self._waiting.popleft()

@@ -49,6 +49,7 @@ from router.observability.stats import RollingStats
 from router.policy.base import Policy
 from router.policy.kv_aware import cache_surely_gone, residency_horizon
 from router.policy.params import PolicyParams
+from router.residency import OFF, with_residency
 from router.store.base import StateStore
 
 __all__ = [
@@ -183,7 +184,7 @@ def residency_view(session: SessionState, home: ReplicaState | None, params: Pol
 
 
 def replica_view(
-    r: ReplicaState, now: float, *, sessions_bound: int | None = None, breaks: int = 0
+    r: ReplicaState, now: float, *, sessions_bound: int | None = None, breaks: int = 0, residency_source: str = "off"
 ) -> dict[str, Any]:
     e = r.engine
     return {
@@ -205,7 +206,17 @@ def replica_view(
         "tokens_written": r.tokens_written,
         "placed_recent": r.placed_recent,
         "affinity_breaks": breaks,
+        # exact residency from KV events (docs/KV_EVENTS.md): events (complete), estimate, off
+        "residency_source": residency_source,
     }
+
+
+def _exact_residency(s: SessionState, view: Any) -> dict[str, Any]:
+    """What the KV events say about a session: tokens on its home (``None``: not known exactly) and
+    on every replica known to hold some of it."""
+    if view is not None:
+        s = with_residency(s, view)
+    return {"home_tokens": s.resident_tokens, "on": dict(s.resident_on)}
 
 
 def _load_histogram(loads: Iterable[int]) -> dict[str, int]:
@@ -368,7 +379,9 @@ def make_admin_app(
     async def _view(r: ReplicaState, now: float) -> dict[str, Any]:
         # counting bound sessions walks them in the store: capped so a poll stays cheap
         bound = len(await store.sessions_on(r.id, limit=SESSIONS_BOUND_CAP))
-        return replica_view(r, now, sessions_bound=bound, breaks=stats.breaks_for(r.id))
+        view = getattr(store, "residency", None)
+        source = OFF if view is None else view.source(r.id)
+        return replica_view(r, now, sessions_bound=bound, breaks=stats.breaks_for(r.id), residency_source=source)
 
     async def get_stats(request: web.Request) -> web.Response:
         now = clock.now()
@@ -500,6 +513,7 @@ def make_admin_app(
                 "turns": s.turns,
                 "last_seen_s_ago": round(max(0.0, now - s.last_seen), 3),
                 "residency": residency_view(s, home, holder.params),
+                "resident_exact": _exact_residency(s, getattr(store, "residency", None)),
             }
         )
 

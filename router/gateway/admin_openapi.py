@@ -77,6 +77,12 @@ def openapi_spec() -> dict[str, Any]:
             "tokens_written": {"type": "integer", "minimum": 0},
             "placed_recent": {"type": "integer", "minimum": 0},
             "affinity_breaks": {"type": "integer", "minimum": 0},
+            "residency_source": {
+                "type": "string",
+                "enum": ["events", "estimate", "off"],
+                "description": "exact residency from KV events: events (complete), estimate (subscribed, "
+                "incomplete or disconnected), off (not followed)",
+            },
         },
     }
     point = {
@@ -181,6 +187,14 @@ def openapi_spec() -> dict[str, Any]:
                     "tokens_written_since": _nullable({"type": "integer", "minimum": 0}),
                     "capacity_tokens": _nullable({"type": "integer", "minimum": 0}),
                     "pressure": _nullable({"type": "number", "minimum": 0}),
+                },
+            },
+            "resident_exact": {
+                "type": "object",
+                "required": ["home_tokens", "on"],
+                "properties": {
+                    "home_tokens": _nullable({"type": "integer", "minimum": 0}),
+                    "on": _counts(),
                 },
             },
         },

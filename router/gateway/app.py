@@ -158,7 +158,18 @@ def make_app(
             with contextlib.suppress(asyncio.CancelledError):
                 await t
 
-    app.cleanup_ctx.extend([client_ctx, registry_ctx, discovery_ctx])
+    async def residency_ctx(app: web.Application) -> AsyncIterator[None]:
+        # exact residency from the replicas' KV events (router/gateway/residency.py)
+        assert rt.client is not None
+        from router.gateway.residency import make_residency
+
+        rt.residency = make_residency(config, store, rt.client, egress=rt.egress)
+        yield
+        if rt.residency is not None:
+            svc, rt.residency = rt.residency, None
+            await svc.close()
+
+    app.cleanup_ctx.extend([client_ctx, registry_ctx, discovery_ctx, residency_ctx])
     for fn in extra_setup:
         fn(app)
     return app

@@ -62,6 +62,7 @@ from router.gateway.forward import (
     response_drop_set,
 )
 from router.gateway.middleware import REQUEST_ID_HEADER, REQUEST_ID_KEY, read_body_limited
+from router.gateway.residency import with_session_id
 from router.gateway.runtime import RUNTIME_KEY, GatewayRuntime
 from router.model import (
     AffinityBreak,
@@ -270,6 +271,7 @@ class _Proxy:
         self.fwd_headers = fwd_headers
         self.p = prog
         self.request_id = request_id
+        self._tagged: bytes | None = None  # the body with the session id (kv_events.forward_session_id)
 
     async def run(self) -> None:
         excluded: set[str] = set()
@@ -400,7 +402,7 @@ class _Proxy:
             headers = self.fwd_headers if span is None else [*self.fwd_headers, *span.headers]
             t = clock.now()
             try:
-                upstream = await client.send(lease.replica_id, "POST", target, headers, self.body)
+                upstream = await client.send(lease.replica_id, "POST", target, headers, self._body_for(lease))
             except BaseException as exc:
                 if span is not None:
                     span.fail(exc)
@@ -518,6 +520,23 @@ class _Proxy:
                 self.rt.emit(StoreDegraded(at=self.rt.clock.now(), error=str(exc)))
             if completion.ok:
                 self._record_break(lease, completion)
+
+    def _body_for(self, lease: Lease) -> bytes:
+        """The body, with the session id in it for a replica whose KV events we follow: SGLang then
+        names the session on the blocks the request stores (docs/KV_EVENTS.md)."""
+        svc = self.rt.residency
+        sid = self.req.session_key
+        if (
+            svc is None
+            or sid is None
+            or self.req.key_source is not KeySource.HEADER
+            or not self.cfg.kv_events.forward_session_id
+            or not svc.subscribed(lease.replica_id)
+        ):
+            return self.body
+        if self._tagged is None:
+            self._tagged = with_session_id(self.body, sid)
+        return self._tagged
 
     def _completion(self, sniffer: UsageSniffer | None, ok: bool) -> Completion:
         usage = sniffer.result() if sniffer is not None else None

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from router.discovery import Discovery
     from router.gateway.egress import EgressGuard
     from router.gateway.forward import ReplicaClient, UpstreamTracer
+    from router.gateway.residency import ResidencyService
 
 __all__ = ["CONFIG_KEY", "EMITTER_KEY", "MIDDLEWARE_KEY", "RUNTIME_KEY", "STORE_KEY", "GatewayRuntime"]
 
@@ -41,6 +42,7 @@ class GatewayRuntime:
     tracer: UpstreamTracer | None = None  # client spans + traceparent on every upstream request (tracing on)
     discovery: Discovery | None = None
     egress: EgressGuard | None = None  # replica URLs outside the allowed networks are refused (None = no check)
+    residency: ResidencyService | None = None  # exact residency from KV events (kv_events), once started
     draining: bool = False  # shutting down: /ready answers 503
     models_body: dict[str, Any] | None = None
     models_at: float = float("-inf")

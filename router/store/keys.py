@@ -26,6 +26,16 @@ Keys (``P`` = ``{prefix}:``):
     P gw                   zset    gateway id -> lease expiry (Redis server ms, from TIME)
     P gw:<gid>:if          hash    replica -> in-flight count of that gateway (ignored once its
                                    lease has expired; deleted by the next live gateway's heartbeat)
+
+Exact residency shared by KV-event writers (one per replica: its sidecar, or a gateway; see
+``router/store/residency.py`` and docs/KV_EVENTS.md):
+
+    P res:<rid>            hash    session -> tokens of it resident on rid (known values only)
+    P ress                 hash    rid -> "<source>|<expiry, Redis ms>|<writer>" (events / estimate)
+    P resx                 stream  every change: n (counter), r (replica), k (d = delta, r = reset
+                                   first), s (source), t (ttl ms), d (JSON [[session, tokens|null]...]);
+                                   capped (MAXLEN ~), readers resync on a gap in n
+    P resn                 string  the counter of resx entries
 """
 
 from __future__ import annotations
@@ -85,6 +95,21 @@ class KeySpace:
 
     def gateway_inflight(self, gid: str) -> str:
         return f"{self.base}gw:{gid}:if"
+
+    def residency(self, rid: str) -> str:
+        return f"{self.base}res:{rid}"
+
+    @property
+    def residency_sources(self) -> str:
+        return self.base + "ress"
+
+    @property
+    def residency_stream(self) -> str:
+        return self.base + "resx"
+
+    @property
+    def residency_counter(self) -> str:
+        return self.base + "resn"
 
     def slot_tag(self) -> str:
         """The hash tag Redis Cluster hashes for every key above."""

@@ -37,6 +37,7 @@ from router.model import (
     SetOverflow,
     capacities,
 )
+from router.residency import ResidencyView, with_residency
 from router.store.base import StoreConfig, learn_horizon, residency_feedback
 
 __all__ = ["PLACEMENT_REASONS", "MemoryCore", "MemoryStore"]
@@ -92,6 +93,8 @@ class MemoryCore:
     def __init__(self, clock: Clock, config: StoreConfig | None = None) -> None:
         self.clock = clock
         self.config = config or StoreConfig()
+        # exact residency from KV events (router/residency.py): fills SessionState.resident_* when set
+        self.residency: ResidencyView | None = None
         self._replicas: dict[ReplicaId, _Replica] = {}
         self._sessions: OrderedDict[str, _Session] = OrderedDict()  # ordered by last_seen
         self._seq = 0
@@ -257,9 +260,8 @@ class MemoryCore:
             residency_horizon_tokens=rep.horizon,
         )
 
-    @staticmethod
-    def _session_state(sid: str, s: _Session) -> SessionState:
-        return SessionState(
+    def _session_state(self, sid: str, s: _Session) -> SessionState:
+        st = SessionState(
             session_id=sid,
             home=s.home,
             overflow=s.overflow,
@@ -270,6 +272,7 @@ class MemoryCore:
             turns=s.turns,
             bytes_per_token=s.bytes_per_token,
         )
+        return st if self.residency is None else with_residency(st, self.residency)
 
     def replicas(self) -> tuple[ReplicaState, ...]:
         self._prune(self.clock.now())
@@ -418,6 +421,14 @@ class MemoryStore:
 
     def __init__(self, clock: Clock, config: StoreConfig | None = None) -> None:
         self.core = MemoryCore(clock, config)
+
+    @property
+    def residency(self) -> ResidencyView | None:
+        return self.core.residency
+
+    @residency.setter
+    def residency(self, view: ResidencyView | None) -> None:
+        self.core.residency = view
 
     async def snapshot(self, session_key: str | None) -> ClusterSnapshot:
         return self.core.snapshot(session_key)

@@ -37,6 +37,7 @@ from router.model import (
     SessionState,
     SetOverflow,
 )
+from router.residency import ResidencyView, snapshot_with_residency
 from router.store.base import StoreConfig, residency_feedback
 from router.store.keys import KeySpace
 from router.store.memory import PLACEMENT_REASONS
@@ -85,6 +86,7 @@ class RedisStore:
         if "|" in self.gateway_id:
             raise ValueError(f"gateway id must not contain '|': {self.gateway_id!r}")
         self.config = config or StoreConfig()
+        self.residency: ResidencyView | None = None  # fills SessionState.resident_* (router/residency.py)
         self.clock = clock or SystemClock()
         self.retry_min_s = retry_min_s
         self.retry_max_s = retry_max_s
@@ -375,6 +377,11 @@ class RedisStore:
         )
 
     async def snapshot(self, session_key: str | None) -> ClusterSnapshot:
+        snap = await self._snapshot(session_key)
+        # exact residency (router/residency.py): from this gateway's subscribers or the Redis mirror
+        return snap if self.residency is None else snapshot_with_residency(snap, self.residency)
+
+    async def _snapshot(self, session_key: str | None) -> ClusterSnapshot:
         self._ensure_started()
         if not self.degraded:
             try:

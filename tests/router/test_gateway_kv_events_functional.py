@@ -1,0 +1,197 @@
+"""The gateway with exact residency (router/gateway/residency.py): it subscribes to the emulators that
+publish KV events, forwards the session id so the engine names the session on its blocks, fills
+``SessionState.resident_tokens`` in its snapshots, and shows ``residency_source`` per replica; with
+Redis, one gateway publishes what it sees and another reads it."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import random
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+import pytest
+
+from replica.emulator.profiles import get_profile
+from replica.emulator.runner import Running, start_emulators, stop_emulators
+from replica.emulator.server import EmulatorConfig
+from router.clock import SystemClock
+from router.config import GatewayConfig
+from router.gateway.residency import with_session_id
+from router.gateway.serve import RunningGateway, make_store, start_gateway
+from router.observability.surface import operator_surface_from_config
+from router.store.memory import MemoryStore
+from tests.router.conftest import fast_config, wait_for
+
+KV = json.dumps({"publisher": "zmq", "endpoint": "tcp://127.0.0.1:*", "replay_endpoint": "tcp://127.0.0.1:*"})
+
+
+@pytest.mark.parametrize(
+    ("body", "want"),
+    [
+        (b'{"a":1}', b'{"session_id":"s1","a":1}'),
+        (b'  {\n "a":1}', b'  {"session_id":"s1",\n "a":1}'),
+        (b"{}", b'{"session_id":"s1"}'),
+        (b"{ }", b'{"session_id":"s1" }'),
+        (b'{"session_id":"mine","a":1}', b'{"session_id":"mine","a":1}'),  # the client's own wins
+        (b'{"session_params":{"id":"x"}}', b'{"session_params":{"id":"x"}}'),  # SGLang refuses both
+        (b"[1,2]", b"[1,2]"),
+        (b"", b""),
+    ],
+)
+def test_with_session_id(body: bytes, want: bytes) -> None:
+    out = with_session_id(body, "s1")
+    assert out == want
+    if out.strip().startswith(b"{"):
+        json.loads(out)
+
+
+def test_with_session_id_escapes() -> None:
+    assert json.loads(with_session_id(b'{"x":1}', 'a"b\\c'))["session_id"] == 'a"b\\c'
+
+
+@pytest.fixture
+async def kv_emulators() -> AsyncIterator[list[Running]]:
+    prof = get_profile("small-test").with_overrides(kv_capacity_tokens=2048, host_capacity_tokens=0)
+    reps = await start_emulators(2, config=EmulatorConfig(profile=prof, time_scale=0.002, kv_events_config=KV))
+    try:
+        yield reps
+    finally:
+        await stop_emulators(reps)
+
+
+@contextlib.asynccontextmanager
+async def gateway(cfg: GatewayConfig, store: Any = None) -> AsyncIterator[RunningGateway]:
+    clock = SystemClock()
+    surface = operator_surface_from_config(cfg)
+    gw = await start_gateway(
+        cfg,
+        store if store is not None else MemoryStore(clock, cfg.store.to_store_config()),
+        clock=clock,
+        rng=random.Random(7),
+        extra_setup=[surface.setup],
+    )
+    try:
+        yield gw
+    finally:
+        await gw.close()
+
+
+async def chat(http: aiohttp.ClientSession, url: str, sid: str, msgs: list[dict[str, str]]) -> dict[str, Any]:
+    body = {"model": "emulated/small-test", "messages": msgs, "max_tokens": 8}
+    async with http.post(url + "/v1/chat/completions", json=body, headers={"Modal-Session-Id": sid}) as r:
+        assert r.status == 200, await r.text()
+        return await r.json()  # type: ignore[no-any-return]
+
+
+def synced(gw: RunningGateway, reps: list[Running]) -> bool:
+    """Every emulator's published batches have been applied by the gateway's subscribers."""
+    svc = gw.runtime.residency
+    assert svc is not None and svc.manager is not None
+    st = svc.manager.stats()
+    for rep in reps:
+        rid = rep.url.removeprefix("http://")
+        pub = rep.replica.kv_publisher
+        assert pub is not None
+        if rid not in st or st[rid]["ranks"][0]["last_seq"] != pub.stats()["next_seq"] - 1:
+            return False
+    return True
+
+
+async def test_gateway_subscribes_forwards_and_fills_snapshots(kv_emulators: list[Running]) -> None:
+    urls = [r.url for r in kv_emulators]
+    cfg = fast_config(urls, admin_insecure=True, kv_events={"refresh_s": 0.2})
+    async with gateway(cfg) as gw, aiohttp.ClientSession() as http:
+        store = gw.store
+        await wait_for(lambda: gw.runtime.residency is not None and len(gw.runtime.residency.manager.subscribed()) == 2)
+        await wait_for(lambda: all(gw.runtime.residency.view.source(u.removeprefix("http://")) == "events" for u in urls))
+        async with http.get(gw.url + "/admin/stats") as r:
+            stats = await r.json()
+        assert {v["residency_source"] for v in stats["replicas"]} == {"events"}
+
+        msgs = [{"role": "user", "content": "explain the radix cache " * 12}]
+        d = await chat(http, gw.url, "sess-1", msgs)
+        for i in range(4):
+            await wait_for(lambda: synced(gw, kv_emulators))
+            snap = await store.snapshot("sess-1")
+            assert snap.session is not None and snap.session.home is not None
+            resident = snap.session.resident_tokens
+            assert resident is not None and resident > 0  # the engine named the session: the gateway forwarded it
+            assert snap.session.resident_on == ((snap.session.home, resident),)
+            msgs = [*msgs, {"role": "assistant", "content": d["choices"][0]["message"]["content"]},
+                    {"role": "user", "content": f"and then {i} " * 6}]
+            d = await chat(http, gw.url, "sess-1", msgs)
+            assert d["usage"]["prompt_tokens_details"]["cached_tokens"] == resident
+        async with http.get(gw.url + "/admin/sessions/sess-1") as r:
+            sess = await r.json()
+        assert sess["resident_exact"]["home_tokens"] == (await store.snapshot("sess-1")).session.resident_tokens  # type: ignore[union-attr]
+        # a session nobody has seen: 0 on a complete replica, and the emulators saw the injected id
+        snap = await store.snapshot("never-seen")
+        assert snap.session is None
+        home = next(r for r in kv_emulators if r.url.removeprefix("http://") == sess["home"])
+        assert "sess-1" in home.replica.sessions
+
+
+async def test_gateway_without_events_stays_off(emulators_plain: list[Running]) -> None:
+    cfg = fast_config([r.url for r in emulators_plain], admin_insecure=True, kv_events={"refresh_s": 0.1})
+    async with gateway(cfg) as gw, aiohttp.ClientSession() as http:
+        d = await chat(http, gw.url, "s", [{"role": "user", "content": "hello"}])
+        assert d["usage"]["prompt_tokens"] > 0
+        snap = await gw.store.snapshot("s")
+        assert snap.session is not None and snap.session.resident_tokens is None and snap.session.resident_on == ()
+        async with http.get(gw.url + "/admin/stats") as r:
+            assert {v["residency_source"] for v in (await r.json())["replicas"]} == {"off"}
+        # no session id was added to the bodies: nobody follows these replicas' events
+        assert all(not r.replica.sessions or r.replica.sessions == {"s"} for r in emulators_plain)
+
+
+@pytest.fixture
+async def emulators_plain() -> AsyncIterator[list[Running]]:
+    reps = await start_emulators(1, config=EmulatorConfig(profile=get_profile("small-test"), time_scale=0.002))
+    try:
+        yield reps
+    finally:
+        await stop_emulators(reps)
+
+
+async def test_kv_events_off_does_not_subscribe(kv_emulators: list[Running]) -> None:
+    cfg = fast_config([r.url for r in kv_emulators], kv_events={"mode": "off"})
+    async with gateway(cfg) as gw:
+        assert gw.runtime.residency is None
+
+
+async def test_one_gateway_publishes_another_reads_through_redis(kv_emulators: list[Running], redis_url: str) -> None:
+    urls = [r.url for r in kv_emulators]
+    clock = SystemClock()
+    cfg_a = fast_config(urls, redis_url=redis_url, gateway_id="gw-a",
+                        kv_events={"refresh_s": 0.2, "publish": True, "flush_s": 0.02})
+    cfg_b = fast_config(urls, redis_url=redis_url, gateway_id="gw-b", admin_insecure=True,
+                        kv_events={"mode": "redis"})
+    async with gateway(cfg_a, make_store(cfg_a, clock)) as a, gateway(cfg_b, make_store(cfg_b, clock)) as b, \
+            aiohttp.ClientSession() as http:
+        await wait_for(lambda: a.runtime.residency is not None and len(a.runtime.residency.manager.subscribed()) == 2)
+        msgs = [{"role": "user", "content": "shared through redis " * 10}]
+        await chat(http, a.url, "sess-r", msgs)
+        await wait_for(lambda: synced(a, kv_emulators))
+        sa = (await a.store.snapshot("sess-r")).session
+        assert sa is not None and sa.resident_tokens
+        want = sa.resident_tokens
+
+        async def b_sees() -> bool:
+            sb = (await b.store.snapshot("sess-r")).session
+            return sb is not None and sb.resident_tokens == want
+
+        for _ in range(500):
+            if await b_sees():
+                break
+            await asyncio.sleep(0.01)
+        assert await b_sees()
+        bsvc = b.runtime.residency
+        assert bsvc is not None and bsvc.mode == "redis"
+        assert {bsvc.view.source(u.removeprefix("http://")) for u in urls} == {"events"}
+        async with http.get(b.url + "/admin/stats") as r:
+            body = await r.json()
+        assert all("residency_source" in v for v in body["replicas"])

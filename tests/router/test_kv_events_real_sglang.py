@@ -1,0 +1,234 @@
+"""Exact residency against a real SGLang 0.5.23 (CPU, tiny random Qwen2, page_size 1), through the
+gateway: the gateway reads the engine's ``/server_info.kv_events``, subscribes, forwards the session
+id (so the engine names the session on the blocks it stores), and its snapshot's
+``resident_tokens`` for a session must agree with the ``cached_tokens`` the engine reports on that
+session's next turn: never less than what the next prompt shares with the last one while the session
+is resident, and exactly equal once another session's prompt has evicted part of it (a 3,000-token
+pool). Then the engine is restarted on the same ports: the subscriber rebuilds from its sequence 0.
+
+Needs the CPU SGLang runtime (``replica/build_sglang_cpu_env.sh``: ``$KVROUTE_SGLANG_HOME``, default
+``~/.cache/kvroute/sglang-cpu``, or ``$KVROUTE_SGLANG_PYTHON``); a failure under CI when missing, a
+skip elsewhere. One server, pinned to one CPU, ~20-40 s per start.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.request
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from router.clock import SystemClock
+from router.gateway.serve import RunningGateway, start_gateway
+from router.residency import EVENTS
+from router.store.memory import MemoryStore
+from tests.ci import missing
+from tests.router.conftest import fast_config, wait_for
+
+pytestmark = pytest.mark.slow
+
+POOL = 3000
+
+
+def _sglang_python() -> str | None:
+    explicit = os.environ.get("KVROUTE_SGLANG_PYTHON")
+    if explicit:
+        return explicit
+    home = Path(os.environ.get("KVROUTE_SGLANG_HOME") or Path.home() / ".cache" / "kvroute" / "sglang-cpu")
+    py = home / "venv" / "bin" / "python"
+    return str(py) if (home / "READY").is_file() and py.exists() else None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class _Server:
+    def __init__(self, python: str, port: int, kv_port: int, replay_port: int, log: Path) -> None:
+        self.python, self.port, self.kv_port, self.replay_port, self.log = python, port, kv_port, replay_port, log
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        home = Path(self.python).parents[2]
+        kv = {"publisher": "zmq", "endpoint": f"tcp://127.0.0.1:{self.kv_port}", "bind": True,
+              "replay_endpoint": f"tcp://127.0.0.1:{self.replay_port}"}
+        cpus = sorted(os.sched_getaffinity(0))
+        argv = [
+            "taskset", "-c", str(cpus[-1]), self.python, "-m", "sglang.launch_server",
+            "--model-path", str(home / "model" / "tiny-qwen2"), "--load-format", "dummy", "--device", "cpu",
+            "--attention-backend", "torch_native", "--sampling-backend", "pytorch", "--disable-cuda-graph",
+            "--skip-server-warmup", "--disable-overlap-schedule", "--grammar-backend", "none",
+            "--dtype", "bfloat16", "--max-total-tokens", str(POOL), "--context-length", "4096",
+            "--enable-metrics", "--enable-cache-report", "--sleep-on-idle",
+            "--host", "127.0.0.1", "--port", str(self.port), "--kv-events-config", json.dumps(kv),
+        ]
+        env = {**os.environ, "SGLANG_USE_CPU_ENGINE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+               "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+        with self.log.open("ab") as out:
+            # its own process group: stopped by that id, never by name
+            self.proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         env=env, start_new_session=True)
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"SGLang exited with {self.proc.returncode}: {self.log.read_text()[-3000:]}")
+            with contextlib.suppress(OSError), urllib.request.urlopen(self.url + "/health", timeout=5) as r:
+                if r.status == 200:
+                    return
+            time.sleep(0.5)
+        raise RuntimeError(f"SGLang not healthy in time: {self.log.read_text()[-3000:]}")
+
+    def stop(self) -> None:
+        p, self.proc = self.proc, None
+        if p is None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.pid, signal.SIGTERM)
+        try:
+            p.wait(20)
+        except subprocess.TimeoutExpired:
+            pass
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            p.wait(10)
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[_Server]:
+    py = _sglang_python()
+    if py is None:
+        missing("the CPU SGLang runtime is not built (replica/build_sglang_cpu_env.sh, $KVROUTE_SGLANG_HOME)")
+    with tempfile.TemporaryDirectory(prefix="kvroute-kv-events-") as tmp:
+        s = _Server(py, _free_port(), _free_port(), _free_port(), Path(tmp) / "sglang.log")
+        try:
+            s.start()
+        except RuntimeError as exc:
+            s.stop()
+            missing(f"real SGLang did not start: {exc}")
+        try:
+            yield s
+        finally:
+            s.stop()
+
+
+@contextlib.asynccontextmanager
+async def gateway(url: str) -> AsyncIterator[RunningGateway]:
+    cfg = fast_config([url], kv_events={"mode": "subscribe", "refresh_s": 0.5},
+                      timeouts={"first_byte_s": 60.0, "idle_read_s": 60.0, "probe_s": 5.0})
+    clock = SystemClock()
+    gw = await start_gateway(cfg, MemoryStore(clock, cfg.store.to_store_config()), clock=clock,
+                             rng=random.Random(1))
+    try:
+        yield gw
+    finally:
+        await gw.close()
+
+
+async def _chat(http: aiohttp.ClientSession, gw: RunningGateway, sid: str, msgs: list[dict[str, str]],
+                max_tokens: int = 12) -> dict[str, Any]:
+    body = {"model": "tiny", "messages": msgs, "max_tokens": max_tokens}
+    async with http.post(gw.url + "/v1/chat/completions", json=body, headers={"Modal-Session-Id": sid}) as r:
+        assert r.status == 200, await r.text()
+        return await r.json()  # type: ignore[no-any-return]
+
+
+async def _resident(gw: RunningGateway, sid: str) -> int | None:
+    snap = await gw.store.snapshot(sid)
+    return None if snap.session is None else snap.session.resident_tokens
+
+
+async def _settled(gw: RunningGateway, sid: str, at_least: int) -> int:
+    """The session's resident tokens once the engine's batch for its last request arrived."""
+    deadline = time.monotonic() + 20
+    while True:
+        v = await _resident(gw, sid)
+        if v is not None and v >= at_least:
+            return v
+        if time.monotonic() > deadline:
+            raise AssertionError(f"resident tokens of {sid}: {v}, expected >= {at_least}")
+        await _sleep()
+
+
+async def _sleep() -> None:
+    await asyncio.sleep(0.05)
+
+
+async def test_resident_prefix_matches_the_engines_cached_tokens(server: _Server) -> None:
+    async with gateway(server.url) as gw, aiohttp.ClientSession() as http:
+        rid = f"127.0.0.1:{server.port}"
+        svc = gw.runtime.residency
+        assert svc is not None
+        await wait_for(lambda: svc.view.source(rid) == EVENTS, 30)
+        # a session grows turn by turn: what the events say is resident covers the next turn's hit
+        msgs = [{"role": "user", "content": "Tell me how a radix cache keeps prefixes. " * 12}]
+        d = await _chat(http, gw, "real-A", msgs)
+        checked = 0
+        for turn in range(3):
+            u = d["usage"]
+            # the engine caches the prompt at prefill, then prompt + output (but its last token) at the end
+            resident = await _settled(gw, "real-A", u["prompt_tokens"] + u["completion_tokens"] - 1)
+            msgs = [*msgs, {"role": "assistant", "content": d["choices"][0]["message"]["content"]},
+                    {"role": "user", "content": f"and then what happens at step {turn}?"}]
+            d = await _chat(http, gw, "real-A", msgs)
+            cached = d["usage"]["prompt_tokens_details"]["cached_tokens"]
+            # the next prompt repeats the last one (all of it resident) and then re-renders the answer
+            # (its re-tokenised text may part from what the engine cached after the prompt)
+            assert u["prompt_tokens"] <= cached <= resident, (turn, u, cached, resident)
+            print(f"turn {turn}: prompt {u['prompt_tokens']} + {u['completion_tokens']}, resident {resident}, "
+                  f"next turn cached {cached}")
+            checked += 1
+        before = await _settled(gw, "real-A", d["usage"]["prompt_tokens"] + d["usage"]["completion_tokens"] - 1)
+        # another session's long prompt fills most of the 3,000-token pool: A loses its tail
+        await _chat(http, gw, "real-B", [{"role": "user", "content": "Filler text that evicts the other session. " * 170}], 4)
+        deadline = time.monotonic() + 20
+        after = await _resident(gw, "real-A")
+        while (after is None or after >= before) and time.monotonic() < deadline:
+            await _sleep()
+            after = await _resident(gw, "real-A")
+        assert after is not None and after < d["usage"]["prompt_tokens"], (before, after)
+        msgs = [*msgs, {"role": "assistant", "content": d["choices"][0]["message"]["content"]},
+                {"role": "user", "content": "one more question"}]
+        d = await _chat(http, gw, "real-A", msgs)
+        assert d["usage"]["prompt_tokens_details"]["cached_tokens"] == after  # exactly what was left
+        print(f"evicted: resident {before} -> {after}; next turn cached {after} of {d['usage']['prompt_tokens']}")
+        assert checked == 3
+        subs = svc.manager.stats()[rid]["ranks"][0]
+        assert subs["gaps"] == 0 and subs["decode_errors"] == 0 and subs["rebuilds"] == 1
+
+
+async def test_an_engine_restart_is_rebuilt_from_sequence_zero(server: _Server) -> None:
+    async with gateway(server.url) as gw, aiohttp.ClientSession() as http:
+        rid = f"127.0.0.1:{server.port}"
+        svc = gw.runtime.residency
+        assert svc is not None
+        await wait_for(lambda: svc.view.source(rid) == EVENTS, 30)
+        d = await _chat(http, gw, "real-C", [{"role": "user", "content": "remember me " * 20}])
+        await _settled(gw, "real-C", d["usage"]["prompt_tokens"] + d["usage"]["completion_tokens"] - 1)
+        server.stop()
+        await wait_for(lambda: svc.view.source(rid) != EVENTS, 30)  # disconnected: not exact any more
+        assert await _resident(gw, "real-C") is None
+        server.start()  # same ports: its sequence numbers start again at 0, its cache is empty
+        await wait_for(lambda: svc.view.source(rid) == EVENTS, 60)
+        assert await _resident(gw, "real-C") == 0
+        st = svc.manager.stats()[rid]["ranks"][0]
+        assert st["rebuilds"] >= 2 and st["disconnects"] >= 1

@@ -1,0 +1,187 @@
+"""The residency index (router/residency.py): stores, evictions, tiers, completeness, bounds."""
+
+from __future__ import annotations
+
+import pytest
+
+from router.residency import ESTIMATE, EVENTS, OFF, ReplicaResidency, ResidencyIndex, merged_source
+
+GPU, CPU = 1, 2
+
+
+def chain(start: int, n: int) -> list[int]:
+    return list(range(start, start + n))
+
+
+def complete(**kw: int) -> ReplicaResidency:
+    r = ReplicaResidency(**kw)
+    r.cleared()  # an empty cache we know all of
+    return r
+
+
+def test_a_session_store_from_the_root_is_exact() -> None:
+    r = complete()
+    r.stored(None, chain(100, 4), 16, 64, GPU, "s1")
+    assert r.resident_tokens("s1") == 64
+    # the next turn continues below the tip: a partial last page counts its tokens only
+    r.stored(103, chain(200, 3), 16, 40, GPU, "s1")
+    assert r.resident_tokens("s1") == 64 + 40
+    assert r.resident_blocks == 7
+
+
+def test_tail_eviction_moves_the_tip_up_and_full_eviction_is_zero() -> None:
+    r = complete()
+    r.stored(None, chain(100, 4), 16, 64, GPU, "s1")
+    r.stored(103, chain(200, 2), 16, 32, GPU, "s1")
+    r.removed([200, 201], GPU)  # leaf first, as a radix cache evicts
+    assert r.resident_tokens("s1") == 64
+    r.removed([102, 103], GPU)  # the tail of the first run (a split node)
+    assert r.resident_tokens("s1") == 32
+    r.removed([100, 101], GPU)
+    assert r.resident_tokens("s1") == 0
+    assert r.resident_blocks == 0
+
+
+def test_removal_lists_in_forward_order_within_one_event() -> None:
+    # SGLang lists a node's pages first to last, and coalesces consecutive removals into one event
+    r = complete()
+    r.stored(None, chain(1, 3), 1, 3, GPU, "a")
+    r.stored(3, chain(10, 3), 1, 3, GPU, "b")
+    r.removed([10, 11, 12, 2, 3], GPU)
+    assert r.resident_tokens("b") == 1
+    assert r.resident_tokens("a") == 1
+
+
+def test_shared_prefix_sessions_each_keep_their_own_tip() -> None:
+    r = complete()
+    r.stored(None, chain(1, 4), 16, 64, GPU, "a")  # system prompt, stored by a
+    r.stored(4, chain(10, 2), 16, 32, GPU, "a")
+    r.stored(4, chain(20, 5), 16, 80, GPU, "b")  # b matched a's prompt and stored its own part
+    assert r.resident_tokens("a") == 96
+    assert r.resident_tokens("b") == 144
+    r.removed([20, 21, 22, 23, 24], GPU)
+    assert (r.resident_tokens("a"), r.resident_tokens("b")) == (96, 64)
+
+
+def test_a_block_stays_while_any_tier_holds_it() -> None:
+    r = complete()
+    r.stored(None, chain(1, 2), 16, 32, GPU, "s")
+    r.stored(None, chain(1, 2), 16, 32, CPU, None)  # written through to host
+    r.removed([1, 2], GPU)
+    assert r.resident_tokens("s") == 32  # still on host
+    r.removed([2], CPU)
+    assert r.resident_tokens("s") == 16
+
+
+def test_untracked_sessions_read_zero_only_when_complete() -> None:
+    r = ReplicaResidency()
+    assert r.resident_tokens("nobody") is None
+    r.cleared()
+    assert r.resident_tokens("nobody") == 0
+
+
+def test_a_parent_we_never_saw_makes_the_answer_unknown() -> None:
+    r = ReplicaResidency()  # incomplete: joined late
+    r.stored(999, chain(1, 2), 16, 32, GPU, "late")
+    assert r.resident_tokens("late") is None
+    r.stored(None, chain(50, 2), 16, 32, GPU, "fresh")  # stored from the root after we joined
+    assert r.resident_tokens("fresh") == 32
+    assert r.unknown_parents == 1
+
+
+def test_eviction_into_an_unknown_ancestor_is_unknown() -> None:
+    r = ReplicaResidency()
+    r.stored(999, chain(1, 2), 16, 32, GPU, "s")
+    r.removed([1, 2], GPU)
+    assert r.resident_tokens("s") is None
+
+
+def test_clear_zeroes_every_session_and_makes_it_complete() -> None:
+    r = ReplicaResidency()
+    r.stored(None, chain(1, 2), 16, 32, GPU, "s")
+    r.cleared()
+    assert r.complete and r.resident_tokens("s") == 0 and r.resident_blocks == 0
+
+
+def test_reset_incomplete_forgets_everything() -> None:
+    r = complete()
+    r.stored(None, chain(1, 2), 16, 32, GPU, "s")
+    r.reset_incomplete()
+    assert not r.complete and r.resident_tokens("s") is None and r.resident_blocks == 0
+
+
+def test_stale_mirror_answers_none() -> None:
+    r = complete()
+    r.stored(None, chain(1, 2), 16, 32, GPU, "s")
+    r.stale = True
+    assert r.resident_tokens("s") is None
+
+
+def test_block_bound_drops_the_mirror() -> None:
+    r = complete(max_blocks=5)
+    r.stored(None, chain(1, 4), 16, 64, GPU, "s")
+    assert r.complete
+    r.stored(4, chain(10, 2), 16, 32, GPU, "s")
+    assert not r.complete and r.overflows == 1 and r.resident_blocks == 0
+    assert r.resident_tokens("s") is None
+
+
+def test_session_bound_drops_the_least_recently_changed() -> None:
+    r = complete(max_sessions=2)
+    r.stored(None, [1], 16, 16, GPU, "a")
+    r.stored(None, [2], 16, 16, GPU, "b")
+    r.stored(1, [3], 16, 16, GPU, "a")  # a changed last
+    r.stored(None, [4], 16, 16, GPU, "c")  # b is dropped
+    assert r.sessions == 2
+    assert r.resident_tokens("a") == 32 and r.resident_tokens("c") == 16
+    assert r.resident_tokens("b") == 0  # complete: untracked reads 0
+    # a dropped session leaves no dangling tip: evicting its block changes nobody
+    r.removed([2], GPU)
+    assert r.sessions == 2
+
+
+def test_changes_are_tracked_for_a_writer() -> None:
+    r = ReplicaResidency(track_changes=True)
+    r.cleared()
+    r.stored(None, chain(1, 2), 16, 32, GPU, "s")
+    r.stored(None, [9], 16, 16, GPU, "t")
+    reset, items = r.take_changes()
+    assert not reset and sorted(items) == [("s", 32), ("t", 16)]
+    r.removed([2], GPU)
+    assert r.take_changes() == (False, [("s", 16)])
+    r.reset_incomplete()
+    assert r.take_changes() == (True, [])
+    assert r.take_changes() == (False, [])
+
+
+def test_index_merges_ranks_and_reports_sources() -> None:
+    idx = ResidencyIndex()
+    a0 = idx.replica("a", 0, 2)
+    a1 = idx.replica("a", 1, 2)
+    b = idx.replica("b")
+    for r in (a0, a1, b):
+        r.cleared()
+    a1.stored(None, chain(1, 3), 16, 48, GPU, "s")
+    b.stored(None, chain(1, 1), 16, 16, GPU, "s")
+    assert idx.resident_tokens("a", "s") == 48  # the rank holding it
+    assert idx.resident_on("s") == (("a", 48), ("b", 16))
+    assert idx.resident_tokens("zzz", "s") is None
+    assert (idx.source("a"), idx.source("b"), idx.source("zzz")) == (EVENTS, EVENTS, OFF)
+    a1.reset_incomplete()
+    assert idx.source("a") == ESTIMATE
+    assert idx.resident_tokens("a", "s") is None  # rank 0 is complete and has none; rank 1 unknown
+    a0.stored(None, [7], 16, 16, GPU, "s")
+    assert idx.resident_tokens("a", "s") == 16  # known to hold at least this
+    b.stale = True
+    assert idx.source("b") == ESTIMATE
+    idx.drop("a")
+    assert idx.source("a") == OFF
+    assert idx.stats()["b"]["blocks"] == 1
+
+
+@pytest.mark.parametrize(
+    ("sources", "want"),
+    [((), OFF), ((EVENTS, EVENTS), EVENTS), ((EVENTS, ESTIMATE), ESTIMATE), ((OFF, EVENTS), EVENTS)],
+)
+def test_merged_source(sources: tuple[str, ...], want: str) -> None:
+    assert merged_source(sources) == want
