@@ -50,6 +50,8 @@ class RequestRouted:
     attempt: int = 0  # 0 = first try, 1.. = retries
     disagreement: bool = False  # the store overrode the decision (another gateway bound first)
     scores: tuple[tuple[ReplicaId, float], ...] = ()  # the policy's per-replica scores (tracing)
+    residency: str = ""  # RouteDecision.residency
+    estimate_check: str = ""  # RouteDecision.estimate_check
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +76,7 @@ class AffinityBroken:
     reason: AffinityBreak
     expected_cached_tokens: int
     cached_tokens: int
+    residency: str = ""  # which residency the decision went by: "events" | "estimate" | "" (none)
 
 
 @dataclass(frozen=True, slots=True)

@@ -240,6 +240,9 @@ class RouteDecision:
     effects: tuple[Effect, ...] = ()
     scores: tuple[tuple[ReplicaId, float], ...] = ()  # lower is better for kv_aware (expected delay)
     expected_break: AffinityBreak | None = None  # the cache loss this decision knowingly accepts
+    residency: str = ""  # which told the policy where the session's cache is: "events" | "estimate"
+    # with events: would the estimate have judged the same? "agree" | "false_gone" | "false_resident"
+    estimate_check: str = ""
 
 
 @dataclass(frozen=True, slots=True)

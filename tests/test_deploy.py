@@ -330,7 +330,7 @@ def _exported_metric_names() -> set[str]:
     # touch every labelled child so its samples appear
     gm.requests.labels("/v1/chat/completions", "affinity", "200").inc()
     gm.decisions.labels("affinity", "header").inc()
-    gm.affinity_breaks.labels("evicted").inc()
+    gm.affinity_breaks.labels("evicted", "estimate").inc()
     gm.retries.labels("connect").inc()
     gm.ejections.labels("r:1", "health").inc()
     gm.readmissions.labels("r:1").inc()

@@ -233,6 +233,7 @@ class _Progress:
     completion_tokens: int | None = None
     usage_estimated: bool = False
     breaks: tuple[AffinityBreak, ...] = ()
+    residency: str = ""  # the last decision's RouteDecision.residency (reported with its break)
     error_content_type: str = ""  # of the last replica error body (relayed when retries run out)
 
 
@@ -312,6 +313,7 @@ class _Proxy:
                 excluded.add(decision.replica_id)
                 continue
             self.p.replica_id, self.p.reason = lease.replica_id, lease.reason
+            self.p.residency = decision.residency
             self.rt.emit(
                 RequestRouted(
                     request_id=self.request_id,
@@ -324,6 +326,8 @@ class _Proxy:
                     attempt=attempt,
                     disagreement=lease.disagreement,
                     scores=decision.scores,
+                    residency=decision.residency,
+                    estimate_check=decision.estimate_check,
                 )
             )
             can_retry = attempt < self.cfg.max_retries
@@ -574,6 +578,7 @@ class _Proxy:
                 reason=reason,
                 expected_cached_tokens=min(lease.prev_context_tokens, completion.prompt_tokens or 0),
                 cached_tokens=completion.cached_tokens or 0,
+                residency=self.p.residency,
             )
         )
 

@@ -288,8 +288,17 @@ class GatewayMetrics:
         )
         self.affinity_breaks = Counter(
             "kvroute_affinity_breaks",
-            "Responses whose cached tokens fell short of the session context, by reason",
-            ["reason"],
+            "Responses whose cached tokens fell short of the session context, by reason and by the "
+            "residency the decision went by (events: the engine's KV events; estimate; none)",
+            ["reason", "residency"],
+            registry=r,
+        )
+        self.residency_checks = Counter(
+            "kvroute_residency_checks",
+            "Decisions on a session whose residency the engine's KV events told exactly: whether the "
+            "estimate would have judged the same (agree, false_gone: it thought the cache gone, "
+            "false_resident: it thought it there)",
+            ["verdict"],
             registry=r,
         )
         self.retries = Counter(
@@ -411,8 +420,10 @@ class GatewayMetrics:
             self._child(self.decisions, event.reason.value, event.key_source.value).inc()
             if event.disagreement:
                 self.disagreements.inc()
+            if event.estimate_check:
+                self.residency_checks.labels(event.estimate_check).inc()
         elif isinstance(event, AffinityBroken):
-            self.affinity_breaks.labels(event.reason.value).inc()
+            self.affinity_breaks.labels(event.reason.value, event.residency or "none").inc()
         elif isinstance(event, UpstreamRetry):
             self.retries.labels(event.error).inc()
         elif isinstance(event, ReplicaEjected):

@@ -24,6 +24,7 @@ of the session id. Everything is a pure function of (request, snapshot, rng).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 from collections.abc import Callable, Sequence
@@ -48,7 +49,7 @@ from router.policy.breaks import continues_context
 from router.policy.hashing import hrw_weight
 from router.policy.params import PolicyParams
 
-__all__ = ["KV_AWARE", "KvAwarePolicy", "cache_surely_gone", "load_score", "residency_horizon"]
+__all__ = ["KV_AWARE", "KvAwarePolicy", "cache_surely_gone", "estimate_gone", "exact_gone", "load_score", "residency_horizon"]
 
 KV_AWARE = "kv_aware"
 
@@ -72,8 +73,8 @@ def residency_horizon(replica: ReplicaState, params: PolicyParams) -> float:
     return float(replica.residency_horizon_tokens or total_capacity(replica, params))
 
 
-def cache_surely_gone(session: SessionState, home: ReplicaState, params: PolicyParams) -> bool:
-    """Rule 6: has the home written more than its residency horizon since this session?
+def estimate_gone(session: SessionState, home: ReplicaState, params: PolicyParams) -> bool:
+    """Rule 6's estimate: has the home written more than its residency horizon since this session?
 
     A residency mark of 0 means the session has not finished a turn on this home yet: unknown,
     so assume resident (never move a session because of missing information).
@@ -82,6 +83,21 @@ def cache_surely_gone(session: SessionState, home: ReplicaState, params: PolicyP
         return False
     written_since = home.tokens_written - session.residency_mark
     return written_since > residency_horizon(home, params)
+
+
+def exact_gone(session: SessionState) -> bool | None:
+    """Rule 6 from the engine's KV events: is less than half of the session's context still resident
+    on its home (``SessionState.resident_tokens``)? Then most of its next turn is a cold prefill
+    wherever it runs, and it is placed afresh. ``None``: no exact knowledge."""
+    if session.resident_tokens is None:
+        return None
+    return session.resident_tokens < 0.5 * session.context_tokens
+
+
+def cache_surely_gone(session: SessionState, home: ReplicaState, params: PolicyParams) -> bool:
+    """Rule 6: exact residency when the engine publishes it, else the estimate."""
+    exact = exact_gone(session)
+    return estimate_gone(session, home, params) if exact is None else exact
 
 
 def load_score(replica: ReplicaState, context_tokens: int, params: PolicyParams) -> float:
@@ -121,6 +137,23 @@ class KvAwarePolicy:
     # ---- entry -----------------------------------------------------------------------------------
 
     def route(self, request: RouteRequest, snapshot: ClusterSnapshot, rng: random.Random) -> RouteDecision:
+        d = self._route(request, snapshot, rng)
+        sess = snapshot.session
+        if request.session_key is None or sess is None or sess.session_id != request.session_key or sess.home is None:
+            return d
+        home = snapshot.replica(sess.home)
+        if home is None:
+            return d
+        # which residency decided (the break accounting reports it), and whether the estimate would
+        # have agreed with the engine's own account where that is known
+        exact = exact_gone(sess)
+        if exact is None:
+            return dataclasses.replace(d, residency="estimate")
+        est = estimate_gone(sess, home, self.params)
+        check = "agree" if est == exact else ("false_gone" if est else "false_resident")
+        return dataclasses.replace(d, residency="events", estimate_check=check)
+
+    def _route(self, request: RouteRequest, snapshot: ClusterSnapshot, rng: random.Random) -> RouteDecision:
         view = self._view(request, snapshot)
         sid = request.session_key
         sess = snapshot.session

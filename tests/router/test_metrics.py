@@ -100,7 +100,7 @@ def test_events_feed_counters_and_histograms() -> None:
     assert s[("kvroute_cached_tokens_total", ())] == 1800
     assert s[("kvroute_completion_tokens_total", ())] == 30
     assert s[("kvroute_client_disconnects_total", (("route", "/generate"),))] == 1
-    assert s[("kvroute_affinity_breaks_total", (("reason", "evicted"),))] == 1
+    assert s[("kvroute_affinity_breaks_total", (("reason", "evicted"), ("residency", "none")))] == 1
     assert s[("kvroute_upstream_retries_total", (("error", "upstream_connect_error"),))] == 1
     assert s[("kvroute_replica_ejections_total", (("cause", "connect"), ("replica", "r1")))] == 1
     assert s[("kvroute_store_degraded_events_total", ())] == 1

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from dataclasses import dataclass, field
 
@@ -754,3 +755,25 @@ def test_draining_home_serves_when_nothing_else_can() -> None:
     snap = snapshot(replica(A, status=S.DRAINING), replica(B, status=S.DOWN), sess=session("s1", A))
     d = KvAwarePolicy(P.with_changes(panic_threshold=0.0)).route(request(), snap, random.Random(0))
     assert (d.replica_id, d.reason, d.effects) == (A, Reason.AFFINITY, ())
+
+
+@pytest.mark.parametrize(
+    ("resident", "written", "gone", "check"),
+    [
+        (None, 2_000_000, True, ""),  # no events: the estimate decides (2M written > 850k)
+        (None, 200_000, False, ""),
+        (45_000, 200_000, False, "agree"),  # 45k of a 50k context resident: stays
+        (45_000, 2_000_000, False, "false_gone"),  # the estimate would have moved a warm session
+        (10_000, 200_000, True, "false_resident"),  # events: most of it gone, placed afresh
+        (0, 2_000_000, True, "agree"),
+    ],
+)
+def test_exact_residency_decides_when_the_engine_publishes_it(
+    resident: int | None, written: int, gone: bool, check: str
+) -> None:
+    sess = dataclasses.replace(session("s1", A, mark=100_000, ctx=50_000), resident_tokens=resident)
+    snap = snapshot(replica(A, written=written + 100_000, in_flight=2), replica(B), sess=sess)
+    d = KvAwarePolicy().route(request(), snap, random.Random(0))
+    assert (d.reason is Reason.PLACED_EVICTED) is gone
+    assert d.residency == ("estimate" if resident is None else "events")
+    assert d.estimate_check == check
