@@ -199,6 +199,10 @@ def bench_peers_main(argv: list[str]) -> int:
         "OUT/seed-S/ per seed, and a mean [min-max] table with kvroute's paired wins",
     )
     p.add_argument("--hicache", action="store_true", help="give the replicas their HiCache host tier (2x HBM)")
+    p.add_argument(
+        "--kv-events", action="store_true",
+        help="the emulated replicas publish SGLang's KV events; kvroute routes on exact residency",
+    )
     p.add_argument("--workload", choices=["synthetic", "weka"], default="synthetic")
     p.add_argument("--trace", help="WEKA requests .jsonl (default: the copy in the shared traces)")
     p.add_argument(
@@ -296,7 +300,7 @@ def _scenario(ns: Any, seed: int) -> Any:
     return demo_scenario(
         replicas=ns.replicas, duration_s=ns.duration, sessions=ns.sessions, time_scale=ns.time_scale,
         token_unit=ns.token_unit, profile=ns.profile, seed=seed, host_tier=ns.hicache,
-        workload_kind=ns.workload, trace=ns.trace, policy_params=tuple(ns.policy_param),
+        workload_kind=ns.workload, trace=ns.trace, policy_params=tuple(ns.policy_param), kv_events=ns.kv_events,
         page_size=1 if real else None,  # SGLang's page size on CPU (the ideal caches pages like it)
     )
 

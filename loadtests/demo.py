@@ -42,7 +42,11 @@ from loadtests.live import LiveStats, LoadConfig, LoadResult, run_load
 from loadtests.peers import PeerSpec, emulated_fleet, running_redis, running_router
 from loadtests.workloads import SessionSpec
 
-__all__ = ["DemoScenario", "cli_main", "demo_scenario", "run_demo", "run_policy"]
+KV_EVENTS_CONFIG = '{"publisher":"zmq","endpoint":"tcp://127.0.0.1:*","replay_endpoint":"tcp://127.0.0.1:*"}'
+"""SGLang's ``--kv-events-config`` for emulated replicas: a publisher and a replay socket on free ports
+(``/server_info.kv_events`` says which)."""
+
+__all__ = ["KV_EVENTS_CONFIG", "DemoScenario", "cli_main", "demo_scenario", "run_demo", "run_policy"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +80,9 @@ class DemoScenario:
     workload_kind: str = "synthetic"  # or "weka": the real Claude Code sessions (traces/)
     trace: str | None = None  # WEKA requests file (default: loadtests.workloads.DEFAULT_WEKA_TRACE)
     extra_emulator_args: tuple[str, ...] = ()
+    # the replicas publish SGLang's KV events (free ports); kvroute subscribes and routes on exact
+    # residency (docs/KV_EVENTS.md)
+    kv_events: bool = False
     policy_params: tuple[str, ...] = ()  # KEY=VALUE, passed to kvroute serve --policy-param (after the scaled ones)
 
     def emulator_args(self) -> list[str]:
@@ -85,6 +92,7 @@ class DemoScenario:
             "--token-unit", str(self.token_unit),
             "--set", f"page_size={self.page_size}",
             *([] if self.host_tier else ["--host-capacity-tokens", "0"]),
+            *(["--kv-events-config", KV_EVENTS_CONFIG] if self.kv_events else []),
             *self.extra_emulator_args,
         ]
 
@@ -275,6 +283,24 @@ async def _gateway_overhead(url: str, measures: dict[str, Any]) -> None:
         measures["gateway_overhead_p50_ms"] = p50 * 1e3
         measures["gateway_overhead_p99_ms"] = p99 * 1e3
         measures["gateway_overhead_source"] = "kvroute_gateway_overhead_seconds histogram (whole run)"
+    # whole run, warm-up included: the residency kvroute's decisions went by, and with KV events how
+    # often the estimate would have judged otherwise (docs/KV_EVENTS.md)
+    measures["residency_checks"] = _counter_by_label(text, "kvroute_residency_checks_total", "verdict")
+    measures["affinity_breaks_by_residency"] = {
+        k: v for k, v in _counter_by_label(text, "kvroute_affinity_breaks_total", "residency").items() if v
+    }
+
+
+def _counter_by_label(text: str, name: str, label: str) -> dict[str, int]:
+    """Σ of a Prometheus counter's samples grouped by one label (``{}`` when absent)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, int] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name == name and label in s.labels:
+                out[s.labels[label]] = out.get(s.labels[label], 0) + int(s.value)
+    return out
 
 
 async def _drive(
