@@ -52,6 +52,7 @@ class RequestRouted:
     scores: tuple[tuple[ReplicaId, float], ...] = ()  # the policy's per-replica scores (tracing)
     residency: str = ""  # RouteDecision.residency
     estimate_check: str = ""  # RouteDecision.estimate_check
+    panic: bool = False  # every replica looked down and the request was sent to one anyway
 
 
 @dataclass(frozen=True, slots=True)

@@ -280,6 +280,7 @@ class _Proxy:
         attempt = 0
         stale = 0
         while True:
+            panicked = False
             snap = await self.rt.store.snapshot(self.req.session_key)
             req = self.req = route_request(
                 self.req.session_key,
@@ -301,6 +302,7 @@ class _Proxy:
                         return await self._give_up(last_error)
                     raise
                 decision = self.rt.policy.route(req, panic, self.rt.rng)
+                panicked = True
                 log.warning("no healthy replica: panic-routing to %s (DOWN)", decision.replica_id)
             try:
                 lease = await self.rt.store.acquire(decision, req)
@@ -328,6 +330,7 @@ class _Proxy:
                     scores=decision.scores,
                     residency=decision.residency,
                     estimate_check=decision.estimate_check,
+                    panic=panicked,
                 )
             )
             can_retry = attempt < self.cfg.max_retries

@@ -301,6 +301,11 @@ class GatewayMetrics:
             ["verdict"],
             registry=r,
         )
+        self.panic_routes = Counter(
+            "kvroute_panic_routes",
+            "Attempts sent to a replica marked DOWN because none looked healthy (panic routing)",
+            registry=r,
+        )
         self.retries = Counter(
             "kvroute_upstream_retries",
             "Attempts that failed before the first byte and were retried, by error",
@@ -422,6 +427,8 @@ class GatewayMetrics:
                 self.disagreements.inc()
             if event.estimate_check:
                 self.residency_checks.labels(event.estimate_check).inc()
+            if event.panic:
+                self.panic_routes.inc()
         elif isinstance(event, AffinityBroken):
             self.affinity_breaks.labels(event.reason.value, event.residency or "none").inc()
         elif isinstance(event, UpstreamRetry):

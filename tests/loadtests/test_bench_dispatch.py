@@ -31,7 +31,7 @@ def test_unknown_benchmark_is_an_error(capsys: pytest.CaptureFixture[str]) -> No
 def test_peers_real_fleet_runs_in_real_time_and_needs_the_runtime(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: object
 ) -> None:
-    from loadtests.peers import REAL_DEFAULTS, _scenario, bench_peers_main
+    from loadtests.bench_peers import REAL_DEFAULTS, _scenario, bench_peers_main
 
     with pytest.raises(SystemExit) as exc:
         bench_peers_main(["--fleet", "real-sglang", "--time-scale", "0.1"])
@@ -44,6 +44,7 @@ def test_peers_real_fleet_runs_in_real_time_and_needs_the_runtime(
 
     class NS:  # what the parser leaves for a real fleet once the defaults are filled in
         fleet, profile, hicache, workload, trace, policy_param = "real-sglang", "x", False, "synthetic", None, []
+        kv_events = False
         replicas, sessions, token_unit, time_scale = 2, 40, 40, 1.0
         duration = REAL_DEFAULTS["duration_s"]
 

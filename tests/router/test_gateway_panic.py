@@ -9,7 +9,9 @@ from typing import Any
 import aiohttp
 
 from router.gateway.handlers import panic_snapshot
+from router.events import RequestRouted
 from router.model import ClusterSnapshot, ReplicaState, ReplicaStatus
+from router.observability.metrics import GatewayMetrics
 from tests.router.conftest import EventLog
 
 A, D, J, R = ReplicaStatus.ACTIVE, ReplicaStatus.DOWN, ReplicaStatus.JOINING, ReplicaStatus.DRAINING
@@ -41,9 +43,9 @@ async def test_every_replica_down_is_still_tried_not_refused(fake_replicas: Any,
     """Health said DOWN (e.g. slow probes of busy engines) but the engines serve: clients get answers,
     the session keeps its home; only when nothing answers at all does the client get an error."""
     reps = await fake_replicas(2)
-    log = EventLog()
+    log, metrics = EventLog(), GatewayMetrics()
     gw = await gateway_factory(
-        [r.url for r in reps], hooks=(log,), health={"health_interval_s": 30.0, "scrape_interval_s": 30.0}
+        [r.url for r in reps], hooks=(log, metrics), health={"health_interval_s": 30.0, "scrape_interval_s": 30.0}
     )
     async with aiohttp.ClientSession() as s:
         status, _ = await _post(s, gw.url, "s-1")
@@ -53,7 +55,9 @@ async def test_every_replica_down_is_still_tried_not_refused(fake_replicas: Any,
         for _ in range(4):
             status, doc = await _post(s, gw.url, "s-1")
             assert status == 200, doc
-        assert gw.runtime.counters["panic_routes"] == 4
+        routed = [e for e in log.events if isinstance(e, RequestRouted)]
+        assert [e.panic for e in routed] == [False, True, True, True, True]
+        assert metrics.registry.get_sample_value("kvroute_panic_routes_total") == 4
         assert all(r.status is D for r in await gw.store.replicas())  # routing does not readmit
         # nothing listening behind the DOWN replicas: an error the client can read, not a hang
         for r in reps:
