@@ -121,6 +121,7 @@ def sim_config(scenario: DemoScenario) -> tuple[SimConfig, list[SessionSpec]]:
         turn_framing_tokens=framing_tokens(scenario.token_unit),
         start_mid_session=False,
         seed=scenario.seed,
+        kv_events=scenario.kv_events,
     )
     return cfg, specs
 
@@ -170,12 +171,13 @@ def run_parity(
     *,
     duration_s: float,
     log_dir: Path,
+    kv_events: bool = False,
     say: Callable[[str], None] = lambda _: None,
 ) -> dict[str, Any]:
     rows: list[dict[str, Any]] = []
     for workload in workloads:
         for seed in seeds:
-            scenario = demo_scenario(seed=seed, duration_s=duration_s, **WORKLOADS[workload])
+            scenario = demo_scenario(seed=seed, duration_s=duration_s, kv_events=kv_events, **WORKLOADS[workload])
             say(f"{workload} seed {seed}: simulating")
             sim = run_sim_for(scenario)
             say(f"{workload} seed {seed}: live ({scenario.duration_s:.0f} s)")
@@ -220,6 +222,8 @@ def cli_main(argv: list[str]) -> int:
     p.add_argument("--workload", default="weka,synthetic", help=f"comma list of {sorted(WORKLOADS)}")
     p.add_argument("--seeds", default="1,2,3", help="comma list of seeds")
     p.add_argument("--duration", type=float, default=d.duration_s, help="wall seconds of live load per run")
+    p.add_argument("--kv-events", action="store_true",
+                   help="the replicas publish SGLang's KV events, live and simulated; kvroute routes on exact residency")
     p.add_argument("--json", type=Path, help="write the JSON here too")
     p.add_argument("--log-dir", type=Path, default=Path("out/parity"), help="gateway and emulator logs")
     ns = p.parse_args(argv)
@@ -235,7 +239,7 @@ def cli_main(argv: list[str]) -> int:
         p.error("--seeds: give at least one seed")
     if ns.duration <= 0:
         p.error("--duration must be > 0")
-    doc = run_parity(workloads, seeds, duration_s=ns.duration, log_dir=ns.log_dir,
+    doc = run_parity(workloads, seeds, duration_s=ns.duration, log_dir=ns.log_dir, kv_events=ns.kv_events,
                      say=lambda m: print(m, file=sys.stderr, flush=True))  # fmt: skip
     text = json.dumps(doc, indent=2, default=_json_default)
     if ns.json is not None:

@@ -103,6 +103,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--variant", type=_variant, action="append", default=[], metavar="LABEL=POLICY:K=V,K=V",
                    help="also run POLICY with these PolicyParams changes, reported as LABEL (tuning)")
     p.add_argument("--synthetic", type=_kv, action="append", default=[], metavar="K=V", help="SyntheticParams")
+    p.add_argument("--kv-events", action="store_true",
+                   help="replicas publish SGLang's KV events; kv_aware routes on exact residency")
     p.add_argument("--sample-interval-s", type=float, default=1.0)
     p.add_argument("--scrape-interval-s", type=float, default=1.0)
     p.add_argument("--json", type=Path, required=True, help="write {policy: measures} here")
@@ -242,6 +244,7 @@ def cli_main(argv: list[str]) -> int:
             scale=scale,
             failures=fails,
             seed=args.seed,
+            kv_events=args.kv_events,
         )
         res = dataclasses.replace(run_sim(specs, cfg), policy=label)
         results.append(res)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from replica.emulator.cache import PrefixCache
+from replica.emulator.cache import CacheListener, PrefixCache
 from replica.emulator.profiles import Profile
 from replica.emulator.timemodel import EngineEvent, EngineRequest, ReplicaEngine
 from router.model import EngineLoad, ReplicaSpec, ReplicaStatus
@@ -33,9 +33,17 @@ class SimReplica:
     requests: set[str] = field(default_factory=set)
 
     @classmethod
-    def make(cls, index: int, profile: Profile, *, by_scaleup: bool = False, rid: str | None = None) -> SimReplica:
+    def make(
+        cls,
+        index: int,
+        profile: Profile,
+        *,
+        by_scaleup: bool = False,
+        rid: str | None = None,
+        listener: CacheListener | None = None,
+    ) -> SimReplica:
         rid = rid or f"r{index:03d}"
-        cache = PrefixCache(profile.capacity_tokens, profile.page_size, profile.host_tokens)
+        cache = PrefixCache(profile.capacity_tokens, profile.page_size, profile.host_tokens, listener=listener)
         spec = ReplicaSpec(
             id=rid,
             url=f"sim://{rid}",

@@ -42,6 +42,7 @@ from loadtests.sim.engine import EventLoop
 from loadtests.sim.prompts import ChainNamer, IdealCache, check_page_size
 from loadtests.sim.replica_model import SimReplica
 from loadtests.workloads import SessionSpec
+from replica.emulator.kv_events import ResidencyFeeder
 from replica.emulator.profiles import Profile, get_profile
 from replica.emulator.timemodel import EngineRequest, Finished, FirstToken, Started
 from router.errors import NoReplicaError, ReplicaNotFoundError
@@ -56,6 +57,7 @@ from router.model import (
 )
 from router.policy import Policy, classify_break, make_policy
 from router.policy.params import PolicyParams
+from router.residency import ResidencyIndex
 from router.route_input import route_request
 from router.store.base import StoreConfig
 from router.store.memory import MemoryCore
@@ -128,6 +130,9 @@ class SimConfig:
     store: StoreConfig = field(default_factory=StoreConfig)
     seed: int = 0
     replica_ids: tuple[str, ...] = ()  # ids of the first replicas (default r000, r001, ...)
+    # the replicas publish their cache changes as SGLang's KV events would, and the store routes on
+    # exact residency (router.residency, fed directly: what a subscriber ends up with)
+    kv_events: bool = False
 
     def __post_init__(self) -> None:
         if self.replicas < 1 or self.gateways < 1:
@@ -247,6 +252,8 @@ class _Sim:
         self.loop = EventLoop()
         self.clock = self.loop.clock
         self.core = MemoryCore(self.clock, cfg.store)
+        self.residency = ResidencyIndex() if cfg.kv_events else None
+        self.core.residency = self.residency
         self.page = cfg.profile.page_size
         self.ideal = IdealCache(self.page)
         prof = cfg.profile
@@ -273,6 +280,7 @@ class _Sim:
             "retries": 0,
             "refused": 0,
             "no_replica": 0,
+            "residency_checks": {},
         }
 
     # ---- fleet ---------------------------------------------------------------------------------
@@ -280,7 +288,11 @@ class _Sim:
     def add_replica(self, t: float, *, active: bool, by_scaleup: bool) -> SimReplica:
         i = len(self.order)
         ids = self.cfg.replica_ids
-        rep = SimReplica.make(i, self.cfg.profile, by_scaleup=by_scaleup, rid=ids[i] if i < len(ids) else None)
+        rid = ids[i] if i < len(ids) else f"r{i:03d}"
+        feeder = None
+        if self.residency is not None:
+            feeder = ResidencyFeeder(self.residency.replica(rid), self.page)
+        rep = SimReplica.make(i, self.cfg.profile, by_scaleup=by_scaleup, rid=rid, listener=feeder)
         self.order.append(rep)
         self.reps[rep.id] = rep
         status = ReplicaStatus.ACTIVE if active else ReplicaStatus.JOINING
@@ -312,6 +324,8 @@ class _Sim:
         if rep.status is ReplicaStatus.DRAINING and rep.in_flight == 0 and not rep.removed:
             self.core.remove_replica(rep.id)
             rep.removed = True
+            if self.residency is not None:
+                self.residency.drop(rep.id)
 
     def _fail(self, t: float, ev: FailureEvent) -> None:
         if ev.replica >= len(self.order):
@@ -320,6 +334,8 @@ class _Sim:
         if rep.dead or rep.removed:
             return
         rep.dead = True
+        if self.residency is not None:  # its publisher is gone: no exact answer (the estimate decides)
+            self.residency.drop(rep.id)
         for rid in sorted(rep.requests):
             req = self.reqs.get(rid)
             rep.done(rid)
@@ -488,6 +504,9 @@ class _Sim:
             self.stats["no_replica"] += 1
             self._complete(t, req, ok=False, reason=None)
             return
+        if decision.estimate_check:  # events told residency exactly: would the estimate have agreed?
+            checks = self.stats["residency_checks"]
+            checks[decision.estimate_check] = checks.get(decision.estimate_check, 0) + 1
         try:
             lease = self.core.acquire(decision, request)
         except ReplicaNotFoundError:  # a lagging view chose a replica the store already removed: refused
@@ -507,7 +526,8 @@ class _Sim:
         req.ideal = self.ideal.hit_tokens(req.names, req.input_tokens)
         req.pooled = self.pooled.hit(req.names, req.input_tokens)
         n = len(req.names)
-        ereq = EngineRequest(req.rid, req.input_tokens, req.names, req.output_tokens, tuple(req.full[n:]))
+        ereq = EngineRequest(req.rid, req.input_tokens, req.names, req.output_tokens, tuple(req.full[n:]),
+                             owner=req.chain.key if self.residency is not None else None)
         try:
             rep.submit(ereq, t)
         except ValueError:  # larger than the whole KV pool: refused (400 from SGLang)

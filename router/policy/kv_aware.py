@@ -86,12 +86,14 @@ def estimate_gone(session: SessionState, home: ReplicaState, params: PolicyParam
 
 
 def exact_gone(session: SessionState) -> bool | None:
-    """Rule 6 from the engine's KV events: is less than half of the session's context still resident
-    on its home (``SessionState.resident_tokens``)? Then most of its next turn is a cold prefill
-    wherever it runs, and it is placed afresh. ``None``: no exact knowledge."""
+    """Rule 6 from the engine's KV events: is less than a tenth of the session's context still
+    resident on its home (``SessionState.resident_tokens``)? Then its next turn is a cold prefill
+    wherever it runs, and it is placed afresh. A session with more left stays: moving it would throw
+    that part away (at half, the moves cost more hit rate than they won, docs/KV_EVENTS.md).
+    ``None``: no exact knowledge."""
     if session.resident_tokens is None:
         return None
-    return session.resident_tokens < 0.5 * session.context_tokens
+    return session.resident_tokens < 0.1 * session.context_tokens
 
 
 def cache_surely_gone(session: SessionState, home: ReplicaState, params: PolicyParams) -> bool:

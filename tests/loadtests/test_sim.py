@@ -155,6 +155,19 @@ def test_gateways_with_state_lag_and_scale_down(small_specs: list[SessionSpec]) 
     assert all(r.replica not in ("r006", "r007") for r in down.records if r.t_start > 90.0)
 
 
+def test_kv_events_give_the_policy_exact_residency(small_specs: list[SessionSpec]) -> None:
+    """With ``kv_events`` every replica's cache feeds a residency mirror, as SGLang's KV events feed
+    the gateway: decisions on known sessions go by it, and the estimate is checked against it."""
+    off = run_sim(small_specs, _small_cfg("kv_aware"))
+    on = run_sim(small_specs, _small_cfg("kv_aware", kv_events=True))
+    assert off.stats["residency_checks"] == {}
+    checks = on.stats["residency_checks"]
+    assert checks.get("agree", 0) > 0.5 * sum(checks.values()) > 0
+    assert on.measures["errors"] == 0 and on.measures["requests"] > 0.9 * off.measures["requests"]
+    # sessions are placed afresh only when the engine says their cache is gone: no more evictions
+    assert on.measures["affinity_breaks"].get("evicted", 0) <= off.measures["affinity_breaks"].get("evicted", 0) * 1.2
+
+
 def test_parallel_turns_and_branches_run_concurrently() -> None:
     spec = SessionSpec(
         "p1",

@@ -764,7 +764,8 @@ def test_draining_home_serves_when_nothing_else_can() -> None:
         (None, 200_000, False, ""),
         (45_000, 200_000, False, "agree"),  # 45k of a 50k context resident: stays
         (45_000, 2_000_000, False, "false_gone"),  # the estimate would have moved a warm session
-        (10_000, 200_000, True, "false_resident"),  # events: most of it gone, placed afresh
+        (10_000, 200_000, False, "agree"),  # a fifth still resident: staying keeps that part
+        (4_000, 200_000, True, "false_resident"),  # events: under a tenth left, placed afresh
         (0, 2_000_000, True, "agree"),
     ],
 )
