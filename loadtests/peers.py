@@ -56,6 +56,11 @@ class PeerSpec:
 PEERS: dict[str, PeerSpec] = {
     "kvroute": PeerSpec("kvroute kv_aware", "kvroute", "kv_aware", "kvroute"),
     "kvroute-hash": PeerSpec("kvroute hash", "kvroute", "hash", "kvroute"),
+    # with --kv-events: the same policy with the engines' events ignored (residency by estimate)
+    "kvroute-estimate": PeerSpec(
+        "kvroute kv_aware (estimate)", "kvroute", "kv_aware", "kvroute", args=("--set", "kv_events.mode=off"),
+        note="KV events ignored: residency by estimate",
+    ),
     # sglang-router delays every SSE response on a reused keep-alive connection by ~40 ms: drive it
     # with fresh connections so the comparison does not flatter us.
     "sglang-cache_aware": PeerSpec(
