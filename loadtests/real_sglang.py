@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from loadtests.procs import free_port
 from replica.launch import sglang_python
 
 __all__ = [
@@ -150,14 +151,6 @@ def stop_real_server(s: RealServer, grace_s: float = 20.0) -> None:
         s.proc.wait(10)
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 @contextlib.contextmanager
 def real_sglang_fleet(
     n: int,
@@ -176,7 +169,7 @@ def real_sglang_fleet(
         for i in range(n):
             servers.append(
                 start_real_server(
-                    _free_port(), cpus[i % len(cpus)], log_dir=log_dir, max_total_tokens=max_total_tokens,
+                    free_port(), cpus[i % len(cpus)], log_dir=log_dir, max_total_tokens=max_total_tokens,
                     context_length=context_length, sets=sets,
                 )
             )

@@ -8,8 +8,8 @@ from typing import Any
 
 import aiohttp
 
-from router.gateway.handlers import panic_snapshot
 from router.events import RequestRouted
+from router.gateway.handlers import panic_snapshot
 from router.model import ClusterSnapshot, ReplicaState, ReplicaStatus
 from router.observability.metrics import GatewayMetrics
 from tests.router.conftest import EventLog

@@ -19,7 +19,6 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -31,6 +30,8 @@ from typing import Any
 import aiohttp
 import pytest
 
+from loadtests.procs import free_port
+from replica.launch import sglang_python
 from router.clock import SystemClock
 from router.gateway.serve import RunningGateway, start_gateway
 from router.residency import EVENTS
@@ -44,18 +45,7 @@ POOL = 3000
 
 
 def _sglang_python() -> str | None:
-    explicit = os.environ.get("KVROUTE_SGLANG_PYTHON")
-    if explicit:
-        return explicit
-    home = Path(os.environ.get("KVROUTE_SGLANG_HOME") or Path.home() / ".cache" / "kvroute" / "sglang-cpu")
-    py = home / "venv" / "bin" / "python"
-    return str(py) if (home / "READY").is_file() and py.exists() else None
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return sglang_python(os.environ)
 
 
 class _Server:
@@ -119,7 +109,7 @@ def server() -> Iterator[_Server]:
     if py is None:
         missing("the CPU SGLang runtime is not built (replica/build_sglang_cpu_env.sh, $KVROUTE_SGLANG_HOME)")
     with tempfile.TemporaryDirectory(prefix="kvroute-kv-events-") as tmp:
-        s = _Server(py, _free_port(), _free_port(), _free_port(), Path(tmp) / "sglang.log")
+        s = _Server(py, free_port(), free_port(), free_port(), Path(tmp) / "sglang.log")
         try:
             s.start()
         except RuntimeError as exc:
