@@ -158,6 +158,12 @@ class KvEventsSettings(BaseModel):
     flush_s: float = Field(0.05, gt=0)  # publish: how often changes are written
     ttl_s: float = Field(3.0, gt=0)  # publish: a silent writer's replicas expire after this
 
+    @field_validator("mode", mode="before")
+    @classmethod
+    def _yaml_off(cls, v: object) -> object:
+        # YAML reads a bare `off` (`mode: off`, `--set kv_events.mode=off`) as false
+        return "off" if v is False else v
+
 
 _STORE_DEFAULTS = StoreConfig()
 

@@ -202,3 +202,14 @@ def test_store_replica_refresh_is_optional_and_validated() -> None:
     assert "replica_refresh_s" not in c.store.to_store_config().__slots__
     with pytest.raises(ConfigError, match="replica_refresh_s"):
         load_config([], {"KVROUTE_STORE__REPLICA_REFRESH_S": "-1"})
+
+
+def test_kv_events_off_reads_as_off_though_yaml_says_false(tmp_path: Path) -> None:
+    """A bare ``off`` is YAML's false: in a file, in ``--set`` and in the environment it still means off."""
+    cfg_file = tmp_path / "kvroute.yaml"
+    cfg_file.write_text("kv_events:\n  mode: off\n")
+    assert load_config(["--config", str(cfg_file)], {}).kv_events.mode == "off"
+    assert load_config(["--set", "kv_events.mode=off"], {}).kv_events.mode == "off"
+    assert load_config([], {"KVROUTE_KV_EVENTS__MODE": "off"}).kv_events.mode == "off"
+    with pytest.raises(ConfigError, match="kv_events.mode"):
+        load_config(["--set", "kv_events.mode=true"], {})
