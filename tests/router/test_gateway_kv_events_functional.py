@@ -125,6 +125,8 @@ async def test_gateway_subscribes_forwards_and_fills_snapshots(kv_emulators: lis
                     {"role": "user", "content": f"and then {i} " * 6}]
             d = await chat(http, gw.url, "sess-1", msgs)
             assert d["usage"]["prompt_tokens_details"]["cached_tokens"] == resident
+        # the last turn's events arrive asynchronously: compare the two views once they are in
+        await wait_for(lambda: synced(gw, kv_emulators))
         async with http.get(gw.url + "/admin/sessions/sess-1") as r:
             sess = await r.json()
         assert sess["resident_exact"]["home_tokens"] == (await store.snapshot("sess-1")).session.resident_tokens  # type: ignore[union-attr]
