@@ -28,7 +28,6 @@ import dataclasses
 import math
 import random
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 from router.errors import NoReplicaError
 from router.model import (
@@ -115,17 +114,59 @@ def load_score(replica: ReplicaState, context_tokens: int, params: PolicyParams)
     )
 
 
-@dataclass(frozen=True, slots=True)
 class _View:
-    """Per-request fleet figures derived once from the snapshot."""
+    """Per-request fleet figures derived once from the snapshot. The candidate pool is built only
+    when a placement needs it; the counts and sums come from the store's running totals when the
+    snapshot has them (``ClusterSnapshot.totals``), so a request that stays home costs O(1)."""
 
-    pool: tuple[ReplicaState, ...]  # replicas this request may go to (never excluded/DOWN/JOINING)
-    panic: bool
-    mean_in_flight: float  # over ACTIVE replicas
-    hard_bound: float
-    session_cap: int
-    ramp_share: int
-    serving_since: float | None  # replicas ACTIVE since before it are the initial fleet
+    __slots__ = (
+        "_excluded",
+        "_pool",
+        "_pool_is_active",
+        "_replicas",
+        "hard_bound",
+        "mean_in_flight",
+        "panic",
+        "ramp_share",
+        "serving_since",
+        "session_cap",
+    )
+
+    def __init__(
+        self,
+        snapshot: ClusterSnapshot,
+        excluded: frozenset[ReplicaId],
+        *,
+        panic: bool,
+        pool_is_active: bool,
+        mean_in_flight: float,
+        hard_bound: float,
+        session_cap: int,
+        ramp_share: int,
+    ) -> None:
+        self._replicas = snapshot.replicas
+        self._excluded = excluded
+        self._pool: tuple[ReplicaState, ...] | None = None
+        self._pool_is_active = pool_is_active  # the pool is the ACTIVE replicas, else all live ones
+        self.panic = panic
+        self.mean_in_flight = mean_in_flight  # over ACTIVE replicas
+        self.hard_bound = hard_bound
+        self.session_cap = session_cap
+        self.ramp_share = ramp_share
+        self.serving_since = snapshot.serving_since  # replicas ACTIVE since before it are the initial fleet
+
+    def in_pool(self, r: ReplicaState) -> bool:
+        """May this request go to ``r`` (never excluded/DOWN/JOINING)?"""
+        if r.id in self._excluded:
+            return False
+        return r.status is ReplicaStatus.ACTIVE if self._pool_is_active else r.status not in _GONE
+
+    @property
+    def pool(self) -> tuple[ReplicaState, ...]:
+        """The replicas this request may go to, in id order."""
+        if self._pool is None:
+            self._pool = tuple(r for r in self._replicas if self.in_pool(r))
+        return self._pool
 
 
 class KvAwarePolicy:
@@ -435,32 +476,43 @@ class KvAwarePolicy:
 
     def _view(self, request: RouteRequest, snapshot: ClusterSnapshot) -> _View:
         p = self.params
-        live = [r for r in snapshot.replicas if r.id not in request.excluded and r.status not in _GONE]
-        active = [r for r in live if r.status is ReplicaStatus.ACTIVE]
-        # a JOINING replica has never served: a scale-up that more than doubles the fleet is no panic
-        counted = [
-            r for r in snapshot.replicas if r.id not in request.excluded and r.status is not ReplicaStatus.JOINING
-        ]
-        panic = len(active) < p.panic_threshold * len(counted)
-        pool = tuple(live if panic else active) or tuple(live)
-        if not pool:
-            raise NoReplicaError("no replica is ACTIVE or DRAINING outside the excluded set")
-        fleet = [r for r in snapshot.replicas if r.status is ReplicaStatus.ACTIVE] or list(pool)
-        mean = sum(r.in_flight for r in fleet) / len(fleet)
+        excluded = request.excluded
+        t = snapshot.totals
+        if t is not None and not excluded and t.active > 0:
+            n_active, n_live, n_counted = t.active, t.replicas - t.down - t.joining, t.replicas - t.joining
+            fleet_in_flight, fleet_sessions, fleet_recent = t.active_in_flight, t.active_sessions, t.active_placed_recent
+            n = t.active
+        else:
+            live = [r for r in snapshot.replicas if r.id not in excluded and r.status not in _GONE]
+            n_live = len(live)
+            n_active = sum(1 for r in live if r.status is ReplicaStatus.ACTIVE)
+            # a JOINING replica has never served: a scale-up that more than doubles the fleet is no panic
+            n_counted = sum(1 for r in snapshot.replicas if r.id not in excluded and r.status is not ReplicaStatus.JOINING)
+            panic = n_active < p.panic_threshold * n_counted
+            pool_n = n_live if panic or not n_active else n_active
+            if not pool_n:
+                raise NoReplicaError("no replica is ACTIVE or DRAINING outside the excluded set")
+            # no ACTIVE replica at all: the pool (then every live one) stands in
+            fleet = [r for r in snapshot.replicas if r.status is ReplicaStatus.ACTIVE] or live
+            fleet_in_flight = sum(r.in_flight for r in fleet)
+            fleet_sessions = sum(r.sessions_active for r in fleet)
+            fleet_recent = sum(r.placed_recent for r in fleet)
+            n = len(fleet)
+        panic = n_active < p.panic_threshold * n_counted
+        mean = fleet_in_flight / n
         hard = max(float(p.hard_bound_min), p.hard_bound_factor * mean)
-        n = len(fleet)
-        sessions = max(snapshot.sessions_active, sum(r.sessions_active for r in fleet))
+        sessions = max(snapshot.sessions_active, fleet_sessions)
         cap = math.ceil((1.0 + p.bounded_load_epsilon) * (sessions + 1) / n)
-        recent = sum(r.placed_recent for r in fleet)
-        share = max(1, math.ceil(p.ramp_cap_factor * (recent + 1) / n))
+        share = max(1, math.ceil(p.ramp_cap_factor * (fleet_recent + 1) / n))
         return _View(
-            pool=pool,
+            snapshot,
+            excluded,
             panic=panic,
+            pool_is_active=not panic and n_active > 0,
             mean_in_flight=mean,
             hard_bound=hard,
             session_cap=cap,
             ramp_share=share,
-            serving_since=snapshot.serving_since,
         )
 
 
@@ -479,13 +531,12 @@ def _usable_overflows(
 ) -> list[ReplicaState]:
     """The session's overflow replicas that may still serve it: in the pool, not home, and under
     the hard bound (unless in panic), in the session's order."""
-    pool_ids = {r.id for r in view.pool}
     out: list[ReplicaState] = []
     for oid in sess.overflow:
         r = snapshot.replica(oid)
         if (
             r is not None
-            and r.id in pool_ids
+            and view.in_pool(r)
             and r.id != home.id
             and (view.panic or r.in_flight < view.hard_bound)
         ):
