@@ -108,3 +108,22 @@ def test_console_script_replays_mooncake(tmp_path: Path) -> None:
     for m in data.values():
         assert m["requests"] > 100
         assert m["ideal_chr"] is not None and 0.0 < m["ideal_chr"] < 0.9  # chat: far less reuse than agents
+
+
+def _tiny(out: Path, *extra: str) -> list[str]:
+    return [
+        "--workload", "synthetic", "--replicas", "4", "--policies", "kv_aware,hash,least_loaded",
+        "--sessions", "40", "--lanes", "16", "--duration", "60", "--warmup", "10", "--seed", "3",
+        "--gateways", "2", "--state-lag-s", "0.1", "--json", str(out), "--quiet", *extra,
+    ]  # fmt: skip
+
+
+def test_jobs_give_the_same_json_as_one_process(tmp_path: Path) -> None:
+    one, two = tmp_path / "one.json", tmp_path / "two.json"
+    assert cli_main(_tiny(one, "--jobs", "1")) == 0
+    assert cli_main(_tiny(two, "--jobs", "2")) == 0
+    assert one.read_text() == two.read_text()
+    assert list(json.loads(two.read_text())) == ["hash", "kv_aware", "least_loaded"]
+    with pytest.raises(SystemExit):
+        cli_main(_tiny(tmp_path / "x.json", "--jobs", "0"))
+
