@@ -27,7 +27,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from router.errors import NoReplicaError
 from router.model import (
@@ -48,7 +48,16 @@ from router.policy.breaks import continues_context
 from router.policy.hashing import hrw_weight
 from router.policy.params import PolicyParams
 
-__all__ = ["KV_AWARE", "KvAwarePolicy", "cache_surely_gone", "estimate_gone", "exact_gone", "load_score", "residency_horizon"]
+__all__ = [
+    "KV_AWARE",
+    "KvAwarePolicy",
+    "cache_surely_gone",
+    "estimate_gone",
+    "exact_gone",
+    "load_score",
+    "load_scores",
+    "residency_horizon",
+]
 
 KV_AWARE = "kv_aware"
 
@@ -114,6 +123,19 @@ def load_score(replica: ReplicaState, context_tokens: int, params: PolicyParams)
     )
 
 
+def load_scores(replicas: Sequence[ReplicaState], context_tokens: int, params: PolicyParams) -> list[float]:
+    """``load_score`` of each replica, in one pass (the same expression, so the same floats)."""
+    ctx = max(0, context_tokens)
+    default_cap = params.default_capacity_tokens
+    w_sessions, w_ws, limit = params.w_sessions, params.w_working_set, params.working_set_limit
+    return [
+        r.in_flight
+        + w_sessions * r.sessions_active
+        + w_ws * max(0.0, (r.active_context_tokens + ctx) / (r.capacity_tokens or default_cap) - limit)
+        for r in replicas
+    ]
+
+
 class _View:
     """Per-request fleet figures derived once from the snapshot. The candidate pool is built only
     when a placement needs it; the counts and sums come from the store's running totals when the
@@ -165,7 +187,12 @@ class _View:
     def pool(self) -> tuple[ReplicaState, ...]:
         """The replicas this request may go to, in id order."""
         if self._pool is None:
-            self._pool = tuple(r for r in self._replicas if self.in_pool(r))
+            ex, reps = self._excluded, self._replicas
+            if self._pool_is_active:
+                pool = [r for r in reps if r.status is ReplicaStatus.ACTIVE]
+            else:
+                pool = [r for r in reps if r.status not in _GONE]
+            self._pool = tuple(r for r in pool if r.id not in ex) if ex else tuple(pool)
         return self._pool
 
 
@@ -436,43 +463,48 @@ class KvAwarePolicy:
         ``moving``: an existing session is re-homed; fresh replicas take only new sessions (rule 4).
         """
         p = self.params
-        cands = [r for r in view.pool if r.id not in avoid]
+        # each filter is dropped if it would leave nobody (``[...] or cands``); written out inline
+        # because a placement visits every replica (thousands in a large simulated fleet)
+        cands = [r for r in view.pool if r.id not in avoid] if avoid else list(view.pool)
         if binding and not view.panic:
             # new sessions never go to a draining replica
             cands = [r for r in cands if r.status is ReplicaStatus.ACTIVE] or cands
         if not cands:
             raise NoReplicaError("no eligible replica")
         if not view.panic:
-            cands = _soft_filter(cands, lambda r: r.in_flight < view.hard_bound)
+            hard = view.hard_bound
+            cands = [r for r in cands if r.in_flight < hard] or cands
             if binding:
-                if moving:
-                    cands = _soft_filter(cands, lambda r: not self._young(r, view, snapshot))
-                cands = _soft_filter(cands, lambda r: r.sessions_active < view.session_cap)
-                cands = _soft_filter(
-                    cands,
-                    lambda r: not self._fresh(r, view, snapshot) or r.placed_recent < view.ramp_share,
-                )
-        scored = [(r, load_score(r, ctx, p)) for r in cands]
-        best = min(s for _, s in scored)
-        ties = [r for r, s in scored if s <= best + p.score_quantum]
+                since, now = view.serving_since, snapshot.now
+                # "joined by scale-up": became ACTIVE after the store started routing (the initial
+                # fleet turns ACTIVE one by one in the first health round), i.e. after ``since``
+                if moving and since is not None:
+                    # young (joined less than rehome_delay_s ago): takes no re-homed session yet,
+                    # so a scale-up moves no existing session (rule 4)
+                    young_s = p.rehome_delay_s
+                    cands = [r for r in cands if not (r.joined_at > since and now - r.joined_at < young_s)] or cands
+                cap = view.session_cap
+                cands = [r for r in cands if r.sessions_active < cap] or cands
+                if since is not None:
+                    # fresh (joined less than fresh_window_s ago): only up to the ramp share (rule 4)
+                    fresh_s, share = p.fresh_window_s, view.ramp_share
+                    cands = [
+                        r
+                        for r in cands
+                        if not (r.joined_at > since and now - r.joined_at < fresh_s) or r.placed_recent < share
+                    ] or cands
+        scores = load_scores(cands, ctx, p)
+        best = min(scores)
+        ties = [r for r, s in zip(cands, scores, strict=True) if s <= best + p.score_quantum]
         if len(ties) == 1:
             target = ties[0]
         elif key is not None:
             target = max(ties, key=lambda r: (hrw_weight(key, r.id), r.id))
         else:
             # equal-score replicas only: break with the injected rng (deterministic per seed)
-            best_ties = [r for r, s in scored if s == best]
+            best_ties = [r for r, s in zip(cands, scores, strict=True) if s == best]
             target = best_ties[rng.randrange(len(best_ties))]
-        return target, tuple((r.id, s) for r, s in scored)
-
-    def _young(self, replica: ReplicaState, view: _View, snapshot: ClusterSnapshot) -> bool:
-        """Joined by scale-up less than ``rehome_delay_s`` ago: takes no re-homed session yet, so a
-        scale-up moves no existing session (rule 4)."""
-        return _joined_since(replica, view, snapshot, self.params.rehome_delay_s)
-
-    def _fresh(self, replica: ReplicaState, view: _View, snapshot: ClusterSnapshot) -> bool:
-        """Joined by scale-up less than ``fresh_window_s`` ago (rule 4)."""
-        return _joined_since(replica, view, snapshot, self.params.fresh_window_s)
+        return target, tuple(zip([r.id for r in cands], scores, strict=True))
 
     def _view(self, request: RouteRequest, snapshot: ClusterSnapshot) -> _View:
         p = self.params
@@ -516,16 +548,6 @@ class KvAwarePolicy:
         )
 
 
-def _joined_since(replica: ReplicaState, view: _View, snapshot: ClusterSnapshot, window_s: float) -> bool:
-    """Became ACTIVE after the store started routing (a scale-up, not the initial fleet, whose
-    replicas turn ACTIVE one by one in the first health round) and less than ``window_s`` ago."""
-    return (
-        view.serving_since is not None
-        and replica.joined_at > view.serving_since
-        and snapshot.now - replica.joined_at < window_s
-    )
-
-
 def _usable_overflows(
     view: _View, snapshot: ClusterSnapshot, sess: SessionState, home: ReplicaState
 ) -> list[ReplicaState]:
@@ -542,9 +564,3 @@ def _usable_overflows(
         ):
             out.append(r)
     return out
-
-
-def _soft_filter(cands: Sequence[ReplicaState], keep: Callable[[ReplicaState], bool]) -> list[ReplicaState]:
-    """Apply a filter unless it would leave nobody (then the filter is ignored)."""
-    out = [r for r in cands if keep(r)]
-    return out or list(cands)
