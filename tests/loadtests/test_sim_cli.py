@@ -127,3 +127,23 @@ def test_jobs_give_the_same_json_as_one_process(tmp_path: Path) -> None:
     with pytest.raises(SystemExit):
         cli_main(_tiny(tmp_path / "x.json", "--jobs", "0"))
 
+
+def test_bench_sim_reports_cost_and_measures_of_a_tiny_fleet(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from loadtests.bench import cli_main as bench_main
+
+    out = tmp_path / "bench.json"
+    argv = ["sim", "--replicas", "6", "--duration", "40", "--warmup", "10", "--gateways", "2",
+            "--state-lag-s", "0.1", "--jobs", "2", "--json", str(out)]  # fmt: skip
+    assert bench_main(argv) == 0
+    printed = json.loads(capsys.readouterr().out)
+    data = json.loads(out.read_text())
+    assert printed == data
+    assert data["replicas"] == 6 and data["gateways"] == 2 and data["jobs"] == 2
+    assert "--replicas 6" in data["command"] and "--jobs 2" in data["command"]
+    assert 0 < data["wall_s"] < 120 and 0 < data["cpu_s"]
+    assert 20 < data["peak_rss_mb"] < 4000
+    assert set(data["policies"]) == {"kv_aware", "hash"}
+    for m in data["policies"].values():
+        assert m["requests"] > 20
+        assert 0.0 < m["chr"] <= m["ideal_chr"] <= 1.0
+        assert m["ttft_p99_s"] > 0 and m["dispersion"] >= 0
