@@ -10,6 +10,7 @@ Rules:
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -20,6 +21,7 @@ __all__ = [
     "Completion",
     "Effect",
     "EngineLoad",
+    "FleetTotals",
     "KeySource",
     "Lease",
     "Reason",
@@ -32,6 +34,7 @@ __all__ = [
     "SessionState",
     "SetOverflow",
     "capacities",
+    "fleet_totals",
 ]
 
 ReplicaId = str
@@ -171,6 +174,35 @@ class SessionState:
 
 
 @dataclass(frozen=True, slots=True)
+class FleetTotals:
+    """Counts and sums over a snapshot's replicas, kept as running totals by a store that can
+    (``MemoryCore``) so the policy does not scan a large fleet per request. Always equal to
+    ``fleet_totals(snapshot.replicas)``."""
+
+    replicas: int = 0
+    active: int = 0
+    joining: int = 0
+    down: int = 0
+    active_in_flight: int = 0  # the sums are over ACTIVE replicas
+    active_sessions: int = 0
+    active_placed_recent: int = 0
+
+
+def fleet_totals(replicas: tuple[ReplicaState, ...]) -> FleetTotals:
+    """The reference definition of ``FleetTotals`` (a full scan)."""
+    active = [r for r in replicas if r.status is ReplicaStatus.ACTIVE]
+    return FleetTotals(
+        replicas=len(replicas),
+        active=len(active),
+        joining=sum(1 for r in replicas if r.status is ReplicaStatus.JOINING),
+        down=sum(1 for r in replicas if r.status is ReplicaStatus.DOWN),
+        active_in_flight=sum(r.in_flight for r in active),
+        active_sessions=sum(r.sessions_active for r in active),
+        active_placed_recent=sum(r.placed_recent for r in active),
+    )
+
+
+@dataclass(frozen=True, slots=True)
 class ClusterSnapshot:
     """What the policy sees for one request: all replicas plus the request's own session."""
 
@@ -181,10 +213,17 @@ class ClusterSnapshot:
     sessions_active: int = 0  # fleet-wide sessions seen within the active window
     serving_since: float | None = None  # when the store routed its first request; None = not yet.
     # Replicas ACTIVE before it are the initial fleet; later ones joined by scale-up (rule 4).
+    # Derived from ``replicas``, filled by stores that keep them (None: the reader scans):
+    # (not part of the value: two snapshots of the same fleet are equal whether a store filled them)
+    totals: FleetTotals | None = field(default=None, compare=False)
+    positions: Mapping[ReplicaId, int] | None = field(default=None, compare=False)  # id -> index in ``replicas``
 
     def replica(self, replica_id: ReplicaId | None) -> ReplicaState | None:
         if replica_id is None:
             return None
+        if self.positions is not None:
+            i = self.positions.get(replica_id)
+            return None if i is None else self.replicas[i]
         for r in self.replicas:
             if r.id == replica_id:
                 return r

@@ -3,7 +3,7 @@
     kvroute sim --workload synthetic|weka|mooncake [--trace PATH] --replicas R
                 --policies kv_aware,hash,... [--gateways G] [--state-lag-s S]
                 [--scale-up AT:TO] [--scale-down AT:TO] [--fail AT:INDEX]
-                [--duration S] [--warmup S] [--sessions N] [--lanes N] [--seed K] --json PATH
+                [--duration S] [--warmup S] [--sessions N] [--lanes N] [--seed K] [--jobs N] --json PATH
 
 Writes ``{policy: measures}`` (DESIGN §7 field names) to ``--json`` and prints a table.
 ``--details PATH`` also writes the run statistics, the per-replica load histograms and the
@@ -15,9 +15,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import multiprocessing
 import random
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -109,6 +111,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--scrape-interval-s", type=float, default=1.0)
     p.add_argument("--json", type=Path, required=True, help="write {policy: measures} here")
     p.add_argument("--details", type=Path, help="also write stats, load histograms, config here")
+    p.add_argument("--jobs", type=int, default=1,
+                   help="run the policies in this many worker processes (same results as 1)")
     p.add_argument("--quiet", action="store_true")
     return p
 
@@ -194,6 +198,41 @@ def _print_table(results: list[SimResult], quiet: bool) -> None:
     Console(stderr=True, width=max(160, Console(stderr=True).width)).print(t)
 
 
+def _simulate(specs: Sequence[SessionSpec], base: SimConfig, label: str, policy: str,
+              params: PolicyParams) -> SimResult:
+    res = run_sim(specs, replace(base, policy=policy, policy_params=params))
+    return replace(res, policy=label, records=())  # the records stay in the process that made them
+
+
+_worker_input: tuple[Sequence[SessionSpec], SimConfig] | None = None  # set once in each worker
+
+
+def _worker_init(specs: Sequence[SessionSpec], base: SimConfig) -> None:
+    global _worker_input
+    _worker_input = (specs, base)
+
+
+def _worker_run(label: str, policy: str, params: PolicyParams) -> SimResult:
+    assert _worker_input is not None
+    return _simulate(*_worker_input, label, policy, params)
+
+
+def _simulate_all(specs: Sequence[SessionSpec], base: SimConfig, runs: Sequence[tuple[str, str, PolicyParams]],
+                  jobs: int) -> Iterator[SimResult]:
+    """Each run in order; with ``jobs > 1`` in that many worker processes. A run is a deterministic
+    function of its inputs, so where it runs changes nothing. Forked workers inherit the workload
+    (the initializer's arguments are not pickled under fork); spawned ones get it pickled once."""
+    if jobs <= 1 or len(runs) <= 1:
+        for label, pol, pparams in runs:
+            yield _simulate(specs, base, label, pol, pparams)
+        return
+    methods = multiprocessing.get_all_start_methods()
+    ctx = multiprocessing.get_context("fork" if "fork" in methods else "spawn")
+    with ProcessPoolExecutor(min(jobs, len(runs)), mp_context=ctx, initializer=_worker_init,
+                             initargs=(specs, base)) as pool:
+        yield from pool.map(_worker_run, *zip(*runs, strict=True))
+
+
 def cli_main(argv: list[str]) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -204,6 +243,8 @@ def cli_main(argv: list[str]) -> int:
         parser.error(f"--policies: unknown {unknown}; choose from {', '.join(POLICIES)}")
     if args.replicas < 1 or args.gateways < 1:
         parser.error("--replicas and --gateways must be >= 1")
+    if args.jobs < 1:
+        parser.error("--jobs must be >= 1")
     lanes = args.lanes if args.lanes is not None else int(d["lanes_per_replica"] * args.replicas)
     try:
         profile = get_profile(args.profile).with_overrides(page_size=args.page_size, **dict(args.set))
@@ -225,31 +266,28 @@ def cli_main(argv: list[str]) -> int:
         return 2
     if len({label for label, _, _ in runs}) != len(runs):
         parser.error("policy and variant labels must be unique")
+    base = SimConfig(
+        replicas=args.replicas,
+        profile=profile,
+        gateways=args.gateways,
+        state_lag_s=args.state_lag_s,
+        gateway_assign=args.gateway_assign,
+        scrape_interval_s=args.scrape_interval_s,
+        sample_interval_s=args.sample_interval_s,
+        warmup_s=warmup,
+        duration_s=duration,
+        lanes=lanes,
+        start_mid_session=not args.no_mid_start and lanes > 0,
+        scale=scale,
+        failures=fails,
+        seed=args.seed,
+        kv_events=args.kv_events,
+    )
     results: list[SimResult] = []
-    for label, pol, pparams in runs:
-        cfg = SimConfig(
-            replicas=args.replicas,
-            policy=pol,
-            policy_params=pparams,
-            profile=profile,
-            gateways=args.gateways,
-            state_lag_s=args.state_lag_s,
-            gateway_assign=args.gateway_assign,
-            scrape_interval_s=args.scrape_interval_s,
-            sample_interval_s=args.sample_interval_s,
-            warmup_s=warmup,
-            duration_s=duration,
-            lanes=lanes,
-            start_mid_session=not args.no_mid_start and lanes > 0,
-            scale=scale,
-            failures=fails,
-            seed=args.seed,
-            kv_events=args.kv_events,
-        )
-        res = dataclasses.replace(run_sim(specs, cfg), policy=label)
+    for res in _simulate_all(specs, base, runs, args.jobs):
         results.append(res)
         if not args.quiet:
-            print(f"[sim] {label}: {res.stats['requests_sent']} requests, {res.stats['events']} events, "
+            print(f"[sim] {res.policy}: {res.stats['requests_sent']} requests, {res.stats['events']} events, "
                   f"{res.stats['wall_s']:.1f} s wall", file=sys.stderr)
     out = {r.policy: r.measures for r in results}
     args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -53,6 +53,7 @@ from router.model import (
     KeySource,
     Lease,
     Reason,
+    ReplicaState,
     ReplicaStatus,
 )
 from router.policy import Policy, classify_break, make_policy
@@ -233,7 +234,11 @@ class _Req:
 
 
 class _Gateway:
-    __slots__ = ("delta", "index", "policy", "refreshed_at", "rng", "sent", "snap")
+    """A gateway's lagged replica table: the store's snapshot as of ``refreshed_at`` with the
+    in-flight changes the gateway made since (``delta``) patched into its own copy (``reps``), one
+    replica at a time as they happen, so a request costs O(1) rather than a pass over the fleet."""
+
+    __slots__ = ("active_in_flight", "delta", "index", "policy", "refreshed_at", "reps", "rng", "sent", "snap")
 
     def __init__(self, index: int, policy: Policy, rng: random.Random) -> None:
         self.index = index
@@ -243,6 +248,28 @@ class _Gateway:
         self.refreshed_at = -1e18
         self.delta: dict[str, int] = {}
         self.sent = 0
+        self.reps: list[ReplicaState] = []  # snap.replicas with delta applied
+        self.active_in_flight = 0  # over ACTIVE replicas in ``reps`` (the snapshot's total, patched)
+
+    def refresh(self, snap: ClusterSnapshot, t: float) -> None:
+        self.snap = snap
+        self.refreshed_at = t
+        self.delta.clear()
+        self.sent = 0
+        self.reps = list(snap.replicas)
+        self.active_in_flight = snap.totals.active_in_flight if snap.totals is not None else 0
+
+    def count(self, replica_id: str, change: int) -> None:
+        """This gateway sent (+1) or finished (-1) a request on ``replica_id``."""
+        d = self.delta[replica_id] = self.delta.get(replica_id, 0) + change
+        snap = self.snap
+        if snap is None or snap.positions is None or (i := snap.positions.get(replica_id)) is None:
+            return  # not in the table: nothing shows it
+        base, old = snap.replicas[i], self.reps[i]
+        new = replace(base, in_flight=max(0, base.in_flight + d)) if d else base
+        self.reps[i] = new
+        if base.status is ReplicaStatus.ACTIVE:
+            self.active_in_flight += new.in_flight - old.in_flight
 
 
 class _Sim:
@@ -471,23 +498,20 @@ class _Sim:
         if lag <= 0:
             return self.core.snapshot(key)
         if gw.snap is None or t - gw.refreshed_at >= lag:
-            gw.snap = self.core.snapshot(None)
-            gw.refreshed_at = t
-            gw.delta.clear()
-            gw.sent = 0
+            gw.refresh(self.core.snapshot(None), t)
         snap = gw.snap
-        reps = snap.replicas
-        if gw.delta:
-            d = gw.delta
-            reps = tuple(
-                replace(r, in_flight=max(0, r.in_flight + d[r.id])) if d.get(r.id) else r for r in reps
-            )
+        assert snap is not None
+        totals = snap.totals
+        if totals is not None:
+            totals = replace(totals, active_in_flight=gw.active_in_flight)
         return ClusterSnapshot(
             now=t,
-            replicas=reps,
+            replicas=tuple(gw.reps),
             session=self.core.session(key),
             seq=snap.seq + gw.sent,
             sessions_active=snap.sessions_active,
+            totals=totals,
+            positions=snap.positions,
         )
 
     def _dispatch(self, t: float, req: _Req) -> None:
@@ -515,7 +539,7 @@ class _Sim:
             return
         gw.sent += 1
         if self.cfg.state_lag_s > 0:
-            gw.delta[lease.replica_id] = gw.delta.get(lease.replica_id, 0) + 1
+            gw.count(lease.replica_id, +1)
         req.lease = lease
         self._count_move(t, req, snap, lease)
         rep = self.reps.get(lease.replica_id)
@@ -565,8 +589,7 @@ class _Sim:
         req.lease = None
         self.core.release(lease, completion)
         if self.cfg.state_lag_s > 0:
-            gw = self.gateways[req.gw]
-            gw.delta[lease.replica_id] = gw.delta.get(lease.replica_id, 0) - 1
+            self.gateways[req.gw].count(lease.replica_id, -1)
 
     def _retry_or_fail(self, t: float, req: _Req, reason: str) -> None:
         """The replica refused or died before the first byte: retry elsewhere (bounded)."""

@@ -20,7 +20,7 @@ from router.model import (
     RouteDecision,
     RouteRequest,
 )
-from router.policy.hashing import hrw_top
+from router.policy.hashing import HrwTopCache
 
 __all__ = [
     "HASH",
@@ -91,11 +91,25 @@ class HashPolicy:
 
     name = HASH
 
+    def __init__(self) -> None:
+        self._tops = HrwTopCache()  # a memo: decisions are those of ``hrw_top``
+
     def route(self, request: RouteRequest, snapshot: ClusterSnapshot, rng: random.Random) -> RouteDecision:
-        cands = eligible(request, snapshot)
-        if request.session_key is None:
-            return RouteDecision(cands[rng.randrange(len(cands))].id, Reason.HASH)
-        top = hrw_top(request.session_key, (r.id for r in cands))
+        t, positions = snapshot.totals, snapshot.positions
+        if (
+            request.session_key is not None
+            and not request.excluded
+            and t is not None
+            and positions is not None
+            and 0 < t.active == t.replicas
+        ):
+            # every replica is eligible: the candidate set is the snapshot's index, no scan
+            top = self._tops.top(request.session_key, positions)
+        else:
+            cands = eligible(request, snapshot)
+            if request.session_key is None:
+                return RouteDecision(cands[rng.randrange(len(cands))].id, Reason.HASH)
+            top = self._tops.top(request.session_key, tuple(r.id for r in cands))
         assert top is not None
         return RouteDecision(top, Reason.HASH)
 

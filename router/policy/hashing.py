@@ -7,11 +7,11 @@ only the keys it now wins; removing one moves only the keys it held.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 import mmh3
 
-__all__ = ["hrw_rank", "hrw_top", "hrw_weight"]
+__all__ = ["HrwTopCache", "hrw_rank", "hrw_top", "hrw_weight"]
 
 _SEED = 0x6B76  # "kv": fixed forever, changing it remaps every stateless key
 
@@ -36,3 +36,27 @@ def hrw_top(key: str, replica_ids: Iterable[str]) -> str | None:
         if w > best_w or (w == best_w and best is not None and rid < best):
             best, best_w = rid, w
     return best
+
+
+class HrwTopCache:
+    """``hrw_top`` remembered per key for one candidate set: the winner of a key only changes when
+    the set does, and a large fleet makes ``hrw_top`` one hash per replica. Same answers as
+    ``hrw_top``; forgets everything when the set changes or ``max_keys`` is reached.
+
+    ``replica_ids`` is a tuple of ids or a mapping keyed by them (e.g. ``ClusterSnapshot.positions``,
+    which a store replaces rather than mutates: the same object is recognised without a compare)."""
+
+    def __init__(self, max_keys: int = 1 << 17) -> None:
+        self.max_keys = max_keys
+        self._ids: tuple[str, ...] | Mapping[str, int] | None = None
+        self._top: dict[str, str | None] = {}
+
+    def top(self, key: str, replica_ids: tuple[str, ...] | Mapping[str, int]) -> str | None:
+        if (replica_ids is not self._ids and replica_ids != self._ids) or len(self._top) >= self.max_keys:
+            self._ids = replica_ids
+            self._top = {}
+        try:
+            return self._top[key]
+        except KeyError:
+            best = self._top[key] = hrw_top(key, replica_ids)
+            return best

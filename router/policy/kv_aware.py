@@ -27,8 +27,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import random
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 
 from router.errors import NoReplicaError
 from router.model import (
@@ -49,7 +48,16 @@ from router.policy.breaks import continues_context
 from router.policy.hashing import hrw_weight
 from router.policy.params import PolicyParams
 
-__all__ = ["KV_AWARE", "KvAwarePolicy", "cache_surely_gone", "estimate_gone", "exact_gone", "load_score", "residency_horizon"]
+__all__ = [
+    "KV_AWARE",
+    "KvAwarePolicy",
+    "cache_surely_gone",
+    "estimate_gone",
+    "exact_gone",
+    "load_score",
+    "load_scores",
+    "residency_horizon",
+]
 
 KV_AWARE = "kv_aware"
 
@@ -117,17 +125,77 @@ def load_score(replica: ReplicaState, context_tokens: int, params: PolicyParams)
     )
 
 
-@dataclass(frozen=True, slots=True)
-class _View:
-    """Per-request fleet figures derived once from the snapshot."""
+def load_scores(replicas: Sequence[ReplicaState], context_tokens: int, params: PolicyParams) -> list[float]:
+    """``load_score`` of each replica, in one pass (the same expression, so the same floats)."""
+    ctx = max(0, context_tokens)
+    default_cap = params.default_capacity_tokens
+    w_sessions, w_ws, limit = params.w_sessions, params.w_working_set, params.working_set_limit
+    return [
+        r.in_flight
+        + w_sessions * r.sessions_active
+        + w_ws * max(0.0, (r.active_context_tokens + ctx) / (r.capacity_tokens or default_cap) - limit)
+        for r in replicas
+    ]
 
-    pool: tuple[ReplicaState, ...]  # replicas this request may go to (never excluded/DOWN/JOINING)
-    panic: bool
-    mean_in_flight: float  # over ACTIVE replicas
-    hard_bound: float
-    session_cap: int
-    ramp_share: int
-    serving_since: float | None  # replicas ACTIVE since before it are the initial fleet
+
+class _View:
+    """Per-request fleet figures derived once from the snapshot. The candidate pool is built only
+    when a placement needs it; the counts and sums come from the store's running totals when the
+    snapshot has them (``ClusterSnapshot.totals``), so a request that stays home costs O(1)."""
+
+    __slots__ = (
+        "_excluded",
+        "_pool",
+        "_pool_is_active",
+        "_replicas",
+        "hard_bound",
+        "mean_in_flight",
+        "panic",
+        "ramp_share",
+        "serving_since",
+        "session_cap",
+    )
+
+    def __init__(
+        self,
+        snapshot: ClusterSnapshot,
+        excluded: frozenset[ReplicaId],
+        *,
+        panic: bool,
+        pool_is_active: bool,
+        mean_in_flight: float,
+        hard_bound: float,
+        session_cap: int,
+        ramp_share: int,
+    ) -> None:
+        self._replicas = snapshot.replicas
+        self._excluded = excluded
+        self._pool: tuple[ReplicaState, ...] | None = None
+        self._pool_is_active = pool_is_active  # the pool is the ACTIVE replicas, else all live ones
+        self.panic = panic
+        self.mean_in_flight = mean_in_flight  # over ACTIVE replicas
+        self.hard_bound = hard_bound
+        self.session_cap = session_cap
+        self.ramp_share = ramp_share
+        self.serving_since = snapshot.serving_since  # replicas ACTIVE since before it are the initial fleet
+
+    def in_pool(self, r: ReplicaState) -> bool:
+        """May this request go to ``r`` (never excluded/DOWN/JOINING)?"""
+        if r.id in self._excluded:
+            return False
+        return r.status is ReplicaStatus.ACTIVE if self._pool_is_active else r.status not in _GONE
+
+    @property
+    def pool(self) -> tuple[ReplicaState, ...]:
+        """The replicas this request may go to, in id order."""
+        if self._pool is None:
+            ex, reps = self._excluded, self._replicas
+            if self._pool_is_active:
+                pool = [r for r in reps if r.status is ReplicaStatus.ACTIVE]
+            else:
+                pool = [r for r in reps if r.status not in _GONE]
+            self._pool = tuple(r for r in pool if r.id not in ex) if ex else tuple(pool)
+        return self._pool
 
 
 class KvAwarePolicy:
@@ -397,83 +465,89 @@ class KvAwarePolicy:
         ``moving``: an existing session is re-homed; fresh replicas take only new sessions (rule 4).
         """
         p = self.params
-        cands = [r for r in view.pool if r.id not in avoid]
+        # each filter is dropped if it would leave nobody (``[...] or cands``); written out inline
+        # because a placement visits every replica (thousands in a large simulated fleet)
+        cands = [r for r in view.pool if r.id not in avoid] if avoid else list(view.pool)
         if binding and not view.panic:
             # new sessions never go to a draining replica
             cands = [r for r in cands if r.status is ReplicaStatus.ACTIVE] or cands
         if not cands:
             raise NoReplicaError("no eligible replica")
         if not view.panic:
-            cands = _soft_filter(cands, lambda r: r.in_flight < view.hard_bound)
+            hard = view.hard_bound
+            cands = [r for r in cands if r.in_flight < hard] or cands
             if binding:
-                if moving:
-                    cands = _soft_filter(cands, lambda r: not self._young(r, view, snapshot))
-                cands = _soft_filter(cands, lambda r: r.sessions_active < view.session_cap)
-                cands = _soft_filter(
-                    cands,
-                    lambda r: not self._fresh(r, view, snapshot) or r.placed_recent < view.ramp_share,
-                )
-        scored = [(r, load_score(r, ctx, p)) for r in cands]
-        best = min(s for _, s in scored)
-        ties = [r for r, s in scored if s <= best + p.score_quantum]
+                since, now = view.serving_since, snapshot.now
+                # "joined by scale-up": became ACTIVE after the store started routing (the initial
+                # fleet turns ACTIVE one by one in the first health round), i.e. after ``since``
+                if moving and since is not None:
+                    # young (joined less than rehome_delay_s ago): takes no re-homed session yet,
+                    # so a scale-up moves no existing session (rule 4)
+                    young_s = p.rehome_delay_s
+                    cands = [r for r in cands if not (r.joined_at > since and now - r.joined_at < young_s)] or cands
+                cap = view.session_cap
+                cands = [r for r in cands if r.sessions_active < cap] or cands
+                if since is not None:
+                    # fresh (joined less than fresh_window_s ago): only up to the ramp share (rule 4)
+                    fresh_s, share = p.fresh_window_s, view.ramp_share
+                    cands = [
+                        r
+                        for r in cands
+                        if not (r.joined_at > since and now - r.joined_at < fresh_s) or r.placed_recent < share
+                    ] or cands
+        scores = load_scores(cands, ctx, p)
+        best = min(scores)
+        ties = [r for r, s in zip(cands, scores, strict=True) if s <= best + p.score_quantum]
         if len(ties) == 1:
             target = ties[0]
         elif key is not None:
             target = max(ties, key=lambda r: (hrw_weight(key, r.id), r.id))
         else:
             # equal-score replicas only: break with the injected rng (deterministic per seed)
-            best_ties = [r for r, s in scored if s == best]
+            best_ties = [r for r, s in zip(cands, scores, strict=True) if s == best]
             target = best_ties[rng.randrange(len(best_ties))]
-        return target, tuple((r.id, s) for r, s in scored)
-
-    def _young(self, replica: ReplicaState, view: _View, snapshot: ClusterSnapshot) -> bool:
-        """Joined by scale-up less than ``rehome_delay_s`` ago: takes no re-homed session yet, so a
-        scale-up moves no existing session (rule 4)."""
-        return _joined_since(replica, view, snapshot, self.params.rehome_delay_s)
-
-    def _fresh(self, replica: ReplicaState, view: _View, snapshot: ClusterSnapshot) -> bool:
-        """Joined by scale-up less than ``fresh_window_s`` ago (rule 4)."""
-        return _joined_since(replica, view, snapshot, self.params.fresh_window_s)
+        return target, tuple(zip([r.id for r in cands], scores, strict=True))
 
     def _view(self, request: RouteRequest, snapshot: ClusterSnapshot) -> _View:
         p = self.params
-        live = [r for r in snapshot.replicas if r.id not in request.excluded and r.status not in _GONE]
-        active = [r for r in live if r.status is ReplicaStatus.ACTIVE]
-        # a JOINING replica has never served: a scale-up that more than doubles the fleet is no panic
-        counted = [
-            r for r in snapshot.replicas if r.id not in request.excluded and r.status is not ReplicaStatus.JOINING
-        ]
-        panic = len(active) < p.panic_threshold * len(counted)
-        pool = tuple(live if panic else active) or tuple(live)
-        if not pool:
-            raise NoReplicaError("no replica is ACTIVE or DRAINING outside the excluded set")
-        fleet = [r for r in snapshot.replicas if r.status is ReplicaStatus.ACTIVE] or list(pool)
-        mean = sum(r.in_flight for r in fleet) / len(fleet)
+        excluded = request.excluded
+        t = snapshot.totals
+        if t is not None and not excluded and t.active > 0:
+            n_active, n_live, n_counted = t.active, t.replicas - t.down - t.joining, t.replicas - t.joining
+            fleet_in_flight, fleet_sessions, fleet_recent = t.active_in_flight, t.active_sessions, t.active_placed_recent
+            n = t.active
+        else:
+            live = [r for r in snapshot.replicas if r.id not in excluded and r.status not in _GONE]
+            n_live = len(live)
+            n_active = sum(1 for r in live if r.status is ReplicaStatus.ACTIVE)
+            # a JOINING replica has never served: a scale-up that more than doubles the fleet is no panic
+            n_counted = sum(1 for r in snapshot.replicas if r.id not in excluded and r.status is not ReplicaStatus.JOINING)
+            panic = n_active < p.panic_threshold * n_counted
+            pool_n = n_live if panic or not n_active else n_active
+            if not pool_n:
+                raise NoReplicaError("no replica is ACTIVE or DRAINING outside the excluded set")
+            # no ACTIVE replica at all: the pool (then every live one) stands in
+            fleet = [r for r in snapshot.replicas if r.status is ReplicaStatus.ACTIVE] or live
+            fleet_in_flight = sum(r.in_flight for r in fleet)
+            fleet_sessions = sum(r.sessions_active for r in fleet)
+            fleet_recent = sum(r.placed_recent for r in fleet)
+            n = len(fleet)
+        panic = n_active < p.panic_threshold * n_counted
+        mean = fleet_in_flight / n
         hard = max(float(p.hard_bound_min), p.hard_bound_factor * mean)
-        n = len(fleet)
-        sessions = max(snapshot.sessions_active, sum(r.sessions_active for r in fleet))
+        sessions = max(snapshot.sessions_active, fleet_sessions)
         cap = math.ceil((1.0 + p.bounded_load_epsilon) * (sessions + 1) / n)
-        recent = sum(r.placed_recent for r in fleet)
-        share = max(1, math.ceil(p.ramp_cap_factor * (recent + 1) / n))
+        share = max(1, math.ceil(p.ramp_cap_factor * (fleet_recent + 1) / n))
         return _View(
-            pool=pool,
+            snapshot,
+            excluded,
             panic=panic,
+            pool_is_active=not panic and n_active > 0,
             mean_in_flight=mean,
             hard_bound=hard,
             session_cap=cap,
             ramp_share=share,
-            serving_since=snapshot.serving_since,
         )
-
-
-def _joined_since(replica: ReplicaState, view: _View, snapshot: ClusterSnapshot, window_s: float) -> bool:
-    """Became ACTIVE after the store started routing (a scale-up, not the initial fleet, whose
-    replicas turn ACTIVE one by one in the first health round) and less than ``window_s`` ago."""
-    return (
-        view.serving_since is not None
-        and replica.joined_at > view.serving_since
-        and snapshot.now - replica.joined_at < window_s
-    )
 
 
 def _usable_overflows(
@@ -481,21 +555,14 @@ def _usable_overflows(
 ) -> list[ReplicaState]:
     """The session's overflow replicas that may still serve it: in the pool, not home, and under
     the hard bound (unless in panic), in the session's order."""
-    pool_ids = {r.id for r in view.pool}
     out: list[ReplicaState] = []
     for oid in sess.overflow:
         r = snapshot.replica(oid)
         if (
             r is not None
-            and r.id in pool_ids
+            and view.in_pool(r)
             and r.id != home.id
             and (view.panic or r.in_flight < view.hard_bound)
         ):
             out.append(r)
     return out
-
-
-def _soft_filter(cands: Sequence[ReplicaState], keep: Callable[[ReplicaState], bool]) -> list[ReplicaState]:
-    """Apply a filter unless it would leave nobody (then the filter is ignored)."""
-    out = [r for r in cands if keep(r)]
-    return out or list(cands)

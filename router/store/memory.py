@@ -5,11 +5,13 @@
 injected clock.
 
 Hot path (``snapshot`` runs once per request): each replica's immutable ``ReplicaState`` is cached
-and rebuilt only after something it shows changed (``_dirty``); the sorted tuple of them is cached
-until any replica changes; the fleet-wide active-session count is kept as a running total; and the
-per-replica pruning pass runs only when the oldest entry it could drop may have expired (a lower
-bound on the oldest timestamp is kept; a clock that goes back disables the shortcut). Results are
-exactly those of rebuilding and pruning everything on every call.
+and rebuilt only after something it shows changed (``_dirty``); the sorted list of them is patched
+in place for the replicas that changed (the tuple handed out is a C-speed copy of it); the
+fleet-wide active-session count is kept as a running total; and expiry pops the oldest entries of
+two fleet-wide time-ordered indexes (active sessions per replica, placements) instead of visiting
+every replica, so a request costs O(changes), not O(replicas). A clock that goes back breaks the
+time order: from then on every call prunes with a full pass. Results are exactly those of
+rebuilding and pruning everything on every call.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from router.model import (
     ClusterSnapshot,
     Completion,
     EngineLoad,
+    FleetTotals,
     Lease,
     Reason,
     ReplicaId,
@@ -36,6 +39,7 @@ from router.model import (
     SessionState,
     SetOverflow,
     capacities,
+    fleet_totals,
 )
 from router.residency import ResidencyView, with_residency
 from router.store.base import StoreConfig, learn_horizon, residency_feedback
@@ -87,6 +91,13 @@ class _Session:
     bytes_per_token: float = 0.0
 
 
+def _sums_of(st: ReplicaState) -> tuple[int, int, int, int, int, int, int]:
+    """One replica's share of each ``FleetTotals`` field, in field order."""
+    if st.status is ReplicaStatus.ACTIVE:
+        return 1, 1, 0, 0, st.in_flight, st.sessions_active, st.placed_recent
+    return 1, 0, int(st.status is ReplicaStatus.JOINING), int(st.status is ReplicaStatus.DOWN), 0, 0, 0
+
+
 class MemoryCore:
     """Synchronous state machine behind ``MemoryStore``."""
 
@@ -104,16 +115,22 @@ class MemoryCore:
         # ---- caches of the read path (see the module docstring) ----
         self._view: tuple[ReplicaState, ...] | None = None  # sorted by id; None = rebuild
         self._order: tuple[_Replica, ...] | None = None  # replicas sorted by id; None = re-sort
+        self._states: list[ReplicaState] = []  # the view being patched, aligned with ``_order``
+        self._stale: dict[int, _Replica] = {}  # id(rep) -> rep whose entry in ``_states`` is out of date
+        self._pos: dict[ReplicaId, int] = {}  # replica id -> index in ``_order`` (replaced, never mutated)
+        self._sums: list[int] = [0] * 7  # the fields of ``FleetTotals`` over ``_states``, running
+        self._totals = FleetTotals()
         self._n_active = 0  # sum of len(rep.active) over the registered replicas
-        # lower bounds of the oldest active entry / placement over all replicas: the per-replica
-        # pruning pass can drop nothing while both are inside their windows
-        self._oldest_active = float("inf")
-        self._oldest_placement = float("inf")
+        # fleet-wide time order of the entries that expire (valid while the clock is monotonic):
+        # (replica, session) -> last seen, oldest first; (placed at, replica), oldest first
+        self._active_order: OrderedDict[tuple[ReplicaId, str], tuple[float, _Replica]] = OrderedDict()
+        self._placement_order: deque[tuple[float, _Replica]] = deque()
         self._last_now = float("-inf")
         self._monotonic = True  # False once the clock went back: then always prune fully
 
     def _dirty(self, rep: _Replica) -> None:
         rep.state = None
+        self._stale[id(rep)] = rep
         self._view = None
 
     # ---- registry ----------------------------------------------------------------------------
@@ -172,19 +189,36 @@ class MemoryCore:
                 self._forget_active(rep, sid)
         active_horizon = now - self.config.active_window_s
         ramp_horizon = now - self.config.ramp_window_s
-        if (
-            self._monotonic
-            and not self._oldest_active < active_horizon
-            and not self._oldest_placement < ramp_horizon
-        ):
-            return  # every entry the pass below could drop is younger than its window
-        oldest_active = oldest_placement = float("inf")
+        if not self._monotonic:
+            self._prune_all(active_horizon, ramp_horizon)
+            return
+        order = self._active_order
+        while order:
+            (rid, sid), (seen, rep) = next(iter(order.items()))
+            if seen >= active_horizon:
+                break
+            order.popitem(last=False)
+            old = rep.active.get(sid)
+            if old is not None and old[0] < active_horizon and self._replicas.get(rid) is rep:
+                del rep.active[sid]
+                rep.active_context -= old[1]
+                self._n_active -= 1
+                self._dirty(rep)
+        placed = self._placement_order
+        while placed and placed[0][0] < ramp_horizon:
+            _, rep = placed.popleft()
+            if rep.placements and rep.placements[0] < ramp_horizon:
+                rep.placements.popleft()
+                if self._replicas.get(rep.spec.id) is rep:
+                    self._dirty(rep)
+
+    def _prune_all(self, active_horizon: float, ramp_horizon: float) -> None:
+        """Drop expired entries replica by replica (the clock went back: the time order is gone)."""
         for rep in self._replicas.values():
             changed = False
             while rep.active:
-                sid, (seen, ctx) = next(iter(rep.active.items()))
+                _, (seen, ctx) = next(iter(rep.active.items()))
                 if seen >= active_horizon:
-                    oldest_active = min(oldest_active, seen)
                     break
                 rep.active.popitem(last=False)
                 rep.active_context -= ctx
@@ -193,20 +227,15 @@ class MemoryCore:
             while rep.placements and rep.placements[0] < ramp_horizon:
                 rep.placements.popleft()
                 changed = True
-            if rep.placements and rep.placements[0] < oldest_placement:
-                oldest_placement = rep.placements[0]
             if changed:
                 self._dirty(rep)
-        # ``active`` is ordered by time (entries are re-appended when touched) and so are the
-        # placements, as long as the clock never goes back: the heads are the oldest entries
-        self._oldest_active = oldest_active
-        self._oldest_placement = oldest_placement
 
     def _forget_active(self, rep: _Replica, sid: str) -> None:
         old = rep.active.pop(sid, None)
         if old is not None:
             rep.active_context -= old[1]
             self._n_active -= 1
+            self._active_order.pop((rep.spec.id, sid), None)
             self._dirty(rep)
 
     def _touch_active(self, rep: _Replica, sid: str, seen: float, ctx: int) -> None:
@@ -217,12 +246,16 @@ class MemoryCore:
             self._n_active += 1
         rep.active[sid] = (seen, ctx)
         rep.active_context += ctx
-        self._oldest_active = min(self._oldest_active, seen)
+        if self._monotonic:
+            key = (rep.spec.id, sid)
+            self._active_order.pop(key, None)
+            self._active_order[key] = (seen, rep)
         self._dirty(rep)
 
     def _place(self, rep: _Replica, now: float) -> None:
         rep.placements.append(now)
-        self._oldest_placement = min(self._oldest_placement, now)
+        if self._monotonic:
+            self._placement_order.append((now, rep))
         self._dirty(rep)
 
     def _replica_state(self, rep: _Replica) -> ReplicaState:
@@ -237,7 +270,24 @@ class MemoryCore:
             order = self._order
             if order is None:
                 order = self._order = tuple(self._replicas[k] for k in sorted(self._replicas))
-            view = self._view = tuple(self._replica_state(r) for r in order)
+                self._pos = {r.spec.id: i for i, r in enumerate(order)}
+                self._states = [self._replica_state(r) for r in order]
+                t = fleet_totals(tuple(self._states))
+                self._sums = [t.replicas, t.active, t.joining, t.down, t.active_in_flight,
+                              t.active_sessions, t.active_placed_recent]
+            else:
+                states, pos, reps, sums = self._states, self._pos, self._replicas, self._sums
+                for rep in self._stale.values():
+                    rid = rep.spec.id
+                    if reps.get(rid) is rep:
+                        i = pos[rid]
+                        old, new = states[i], self._replica_state(rep)
+                        states[i] = new
+                        for k, (a, b) in enumerate(zip(_sums_of(old), _sums_of(new), strict=True)):
+                            sums[k] += b - a
+            self._stale.clear()
+            self._totals = FleetTotals(*self._sums)
+            view = self._view = tuple(self._states)
         return view
 
     @staticmethod
@@ -290,13 +340,16 @@ class MemoryCore:
         now = self.clock.now()
         self._prune(now)
         sess = self.session(session_key) if session_key else None
+        view = self._replica_view()  # brings ``_totals`` up to date
         return ClusterSnapshot(
             now=now,
-            replicas=self._replica_view(),
+            replicas=view,
             session=sess,
             seq=self._seq,
             sessions_active=self._n_active,
             serving_since=self._serving_since,
+            totals=self._totals,
+            positions=self._pos,
         )
 
     # ---- hot path ----------------------------------------------------------------------------

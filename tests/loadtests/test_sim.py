@@ -11,7 +11,11 @@ import pytest
 
 from loadtests.sim.run import FailureEvent, ScaleEvent, SimConfig, default_profile, run_sim
 from loadtests.workloads import SessionSpec, SyntheticParams, Turn, synthetic_sessions
+from router.errors import NoReplicaError
+from router.model import ClusterSnapshot, RouteDecision, RouteRequest, fleet_totals
+from router.policy import make_policy
 from router.policy.hashing import hrw_top
+from router.policy.params import PolicyParams
 
 # ---- the seed's sketch: uniform hashing, 250 sessions on 50 replicas ---------------------------------
 
@@ -204,3 +208,51 @@ def test_simulator_imports_no_aiohttp() -> None:
 
     code = "import sys, loadtests.sim.cli, loadtests.sim.run; assert 'aiohttp' not in sys.modules"
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
+
+
+class _ScanCheckingPolicy:
+    """Routes each request twice: on the snapshot as given (the store's running totals and index)
+    and on the same replicas without them (the policy scans), from the same rng state; both
+    decisions, and the rng states after them, must be identical."""
+
+    def __init__(self, name: str) -> None:
+        self.fast = make_policy(name, PolicyParams())
+        self.name = name
+        self.calls = 0
+
+    def route(self, request: RouteRequest, snapshot: ClusterSnapshot, rng: random.Random) -> RouteDecision:
+        assert snapshot.totals == fleet_totals(snapshot.replicas)
+        assert snapshot.positions is not None
+        assert all(snapshot.positions[r.id] == i for i, r in enumerate(snapshot.replicas))
+        scan_rng = random.Random()
+        scan_rng.setstate(rng.getstate())
+        scan_snapshot = replace(snapshot, totals=None, positions=None)
+        outcomes = []
+        for policy, snap, r in ((make_policy(self.name, PolicyParams()), scan_snapshot, scan_rng),
+                                (self.fast, snapshot, rng)):
+            try:
+                outcomes.append(policy.route(request, snap, r))
+            except NoReplicaError as exc:
+                outcomes.append(exc)
+        scan, fast = outcomes
+        assert repr(fast) == repr(scan) and rng.getstate() == scan_rng.getstate()
+        self.calls += 1
+        if isinstance(fast, NoReplicaError):
+            raise fast
+        return fast
+
+
+@pytest.mark.parametrize("policy", ["kv_aware", "hash"])
+@pytest.mark.parametrize("gateways", [1, 3])
+def test_running_totals_give_the_decisions_of_a_scan(small_specs: list[SessionSpec], policy: str, gateways: int) -> None:
+    checking = _ScanCheckingPolicy(policy)
+    cfg = _small_cfg(
+        policy,
+        gateways=gateways,
+        state_lag_s=0.2 if gateways > 1 else 0.0,
+        duration_s=100.0,
+        scale=(ScaleEvent(40.0, 10), ScaleEvent(80.0, 7)),
+        failures=(FailureEvent(60.0, 1),),
+    )
+    res = run_sim(small_specs, cfg, policy=checking)
+    assert checking.calls > 300 and res.stats["retries"] > 0

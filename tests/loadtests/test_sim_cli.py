@@ -108,3 +108,42 @@ def test_console_script_replays_mooncake(tmp_path: Path) -> None:
     for m in data.values():
         assert m["requests"] > 100
         assert m["ideal_chr"] is not None and 0.0 < m["ideal_chr"] < 0.9  # chat: far less reuse than agents
+
+
+def _tiny(out: Path, *extra: str) -> list[str]:
+    return [
+        "--workload", "synthetic", "--replicas", "4", "--policies", "kv_aware,hash,least_loaded",
+        "--sessions", "40", "--lanes", "16", "--duration", "60", "--warmup", "10", "--seed", "3",
+        "--gateways", "2", "--state-lag-s", "0.1", "--json", str(out), "--quiet", *extra,
+    ]  # fmt: skip
+
+
+def test_jobs_give_the_same_json_as_one_process(tmp_path: Path) -> None:
+    one, two = tmp_path / "one.json", tmp_path / "two.json"
+    assert cli_main(_tiny(one, "--jobs", "1")) == 0
+    assert cli_main(_tiny(two, "--jobs", "2")) == 0
+    assert one.read_text() == two.read_text()
+    assert list(json.loads(two.read_text())) == ["hash", "kv_aware", "least_loaded"]
+    with pytest.raises(SystemExit):
+        cli_main(_tiny(tmp_path / "x.json", "--jobs", "0"))
+
+
+def test_bench_sim_reports_cost_and_measures_of_a_tiny_fleet(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from loadtests.bench import cli_main as bench_main
+
+    out = tmp_path / "bench.json"
+    argv = ["sim", "--replicas", "6", "--duration", "40", "--warmup", "10", "--gateways", "2",
+            "--state-lag-s", "0.1", "--jobs", "2", "--json", str(out)]  # fmt: skip
+    assert bench_main(argv) == 0
+    printed = json.loads(capsys.readouterr().out)
+    data = json.loads(out.read_text())
+    assert printed == data
+    assert data["replicas"] == 6 and data["gateways"] == 2 and data["jobs"] == 2
+    assert "--replicas 6" in data["command"] and "--jobs 2" in data["command"]
+    assert 0 < data["wall_s"] < 120 and 0 < data["cpu_s"]
+    assert 20 < data["peak_rss_mb"] < 4000
+    assert set(data["policies"]) == {"kv_aware", "hash"}
+    for m in data["policies"].values():
+        assert m["requests"] > 20
+        assert 0.0 < m["chr"] <= m["ideal_chr"] <= 1.0
+        assert m["ttft_p99_s"] > 0 and m["dispersion"] >= 0

@@ -1,5 +1,6 @@
-"""``MemoryCore``'s read-path caches (cached ``ReplicaState``s, cached sorted view, running active
-count, lazy pruning) give exactly what rebuilding and pruning everything on every call gives.
+"""``MemoryCore``'s read-path caches (cached ``ReplicaState``s, patched sorted view, running active
+count and fleet totals, pruning from fleet-wide time order) give exactly what rebuilding and
+pruning everything on every call gives.
 
 ``NaiveCore`` is the pre-cache algorithm (full pruning pass + fresh views from the raw state on every
 read); both cores get the same random operation sequence on the same virtual clock (short windows,
@@ -28,6 +29,7 @@ from router.model import (
     RouteDecision,
     RouteRequest,
     SetOverflow,
+    fleet_totals,
 )
 from router.store.base import StoreConfig
 from router.store.memory import MemoryCore
@@ -71,13 +73,16 @@ class NaiveCore(MemoryCore):
     def snapshot(self, session_key: str | None) -> ClusterSnapshot:
         now = self.clock.now()
         self._naive_prune(now)
+        replicas = self._fresh()
         return ClusterSnapshot(
             now=now,
-            replicas=self._fresh(),
+            replicas=replicas,
             session=self.session(session_key) if session_key else None,
             seq=self._seq,
             sessions_active=sum(len(r.active) for r in self._replicas.values()),
             serving_since=self._serving_since,
+            totals=fleet_totals(replicas),
+            positions={r.id: i for i, r in enumerate(replicas)},
         )
 
 

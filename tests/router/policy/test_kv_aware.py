@@ -21,7 +21,7 @@ from router.model import (
     SetOverflow,
 )
 from router.policy.hashing import hrw_top
-from router.policy.kv_aware import KvAwarePolicy, cache_surely_gone, load_score
+from router.policy.kv_aware import KvAwarePolicy, cache_surely_gone, load_score, load_scores
 from router.policy.params import PolicyParams
 from tests.builders import replica, request, session, snapshot
 
@@ -749,6 +749,21 @@ def test_default_capacity_when_unknown() -> None:
     )
     # working-set penalty uses the same default: 1.7M of context on an unknown replica = 2x capacity
     assert load_score(replica(A, capacity=0, active_ctx=1_700_000), 0, P) == pytest.approx(4.0 * (2.0 - 0.9))
+
+
+@pytest.mark.parametrize("ctx", [-5, 0, 30_000, 900_000])
+def test_load_scores_are_load_score_bit_for_bit(ctx: int) -> None:
+    rng = random.Random(ctx)
+    reps = [
+        dataclasses.replace(
+            replica(f"r{i}", capacity=rng.choice((0, 200_000, 850_000)), active_ctx=rng.randrange(2_000_000)),
+            in_flight=rng.randrange(20),
+            sessions_active=rng.randrange(15),
+        )
+        for i in range(200)
+    ]
+    for params in (P, P.with_changes(w_sessions=0.37, w_working_set=2.5, working_set_limit=0.6)):
+        assert load_scores(reps, ctx, params) == [load_score(r, ctx, params) for r in reps]
 
 
 def test_draining_home_serves_when_nothing_else_can() -> None:
