@@ -21,7 +21,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "emulate": ("replica.emulator.cli", "serve SGLang-compatible emulated replicas"),
     "sim": ("loadtests.sim.cli", "discrete-event fleet simulation of routing policies"),
     "load": ("loadtests.live", "closed-loop HTTP load driver against any OpenAI-compatible URL"),
-    "bench": ("loadtests.bench", "benchmarks: peers, overhead, redis"),
+    "bench": ("loadtests.bench", "benchmarks: peers, parity, overhead, sim, kv-events, redis, faults, ..."),
     "sidecar": ("replica.agent", "replica sidecar: register, heartbeat, drain"),
     "launch": ("replica.launch", "launch a real SGLang replica from a deployment profile"),
 }
