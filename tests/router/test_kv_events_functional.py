@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
@@ -29,13 +30,9 @@ def local(port: str = "*", replay_port: str | None = "*", **extra: Any) -> str:
     return json.dumps({**cfg, **extra})
 
 
-async def until(cond: Callable[[], bool], timeout: float = 10.0) -> None:
-    loop = asyncio.get_running_loop()
-    end = loop.time() + timeout
-    while not cond():
-        if loop.time() > end:
-            raise AssertionError("condition not met in time")
-        await asyncio.sleep(0.01)
+from tests.router.conftest import wait_for
+
+until = functools.partial(wait_for, timeout_s=10.0)  # events cross sockets and processes: a longer wait
 
 
 def stored(hashes: list[int], parent: int | None, sid: str | None = None, block: int = 4) -> dict[str, Any]:

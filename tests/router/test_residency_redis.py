@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Callable
+import functools
+from collections.abc import AsyncIterator
 
 import pytest
 import redis.asyncio as aioredis
@@ -12,17 +12,11 @@ import redis.asyncio as aioredis
 from router.residency import ESTIMATE, EVENTS, OFF, ResidencyIndex
 from router.store.keys import KeySpace
 from router.store.residency import RedisResidencyMirror, RedisResidencyWriter
+from tests.router.conftest import wait_for
 
 GPU = 1
 
-
-async def until(cond: Callable[[], bool], timeout: float = 10.0) -> None:
-    loop = asyncio.get_running_loop()
-    end = loop.time() + timeout
-    while not cond():
-        if loop.time() > end:
-            raise AssertionError("condition not met in time")
-        await asyncio.sleep(0.01)
+until = functools.partial(wait_for, timeout_s=10.0)  # events cross sockets and processes: a longer wait
 
 
 @pytest.fixture
@@ -129,7 +123,7 @@ async def test_mirror_is_stale_while_redis_is_away(redis_killable) -> None:  # t
             assert m.resident_tokens("a", "s1") is None
             redis_killable.restart()  # an empty Redis: nothing is known until the writer writes again
             w.index.replica("a").stored(None, [90], 16, 16, GPU, "s6")
-            await until(lambda: not m.stale, 20)
+            await until(lambda: not m.stale, timeout_s=20)
             assert m.source("a") == OFF
             await w.flush_once()  # its counter went back: Redis forgot us
             await w.flush_once()  # so everything is written whole again
