@@ -31,6 +31,11 @@ Definitions (exact, so that tests can pin them):
     placement if every replica's load were a sum of independent sessions with equal means (the
     binomial floor): what the workload allows without moving warm sessions. None without records
     or without a window end.
+  * ``dispersion_between`` = Σ_r n_r (m_r - m)² / N / m over replicas r, m_r = r's mean sampled load,
+    n_r its samples, m and N over all: the part of ``dispersion`` that comes from replicas carrying
+    different average loads (placement). The rest (``dispersion - dispersion_between``) is each
+    replica's own load varying over time, which placement cannot even out (on a KV-bound fleet: one
+    replica's cold prefills slow all its sessions at once). None without samples.
   * ``pooled_chr`` = Σ pooled_cached / Σ input over ok records (``pooled_cached_tokens``: what one
     shared LRU cache of the fleet's total KV would have hit, ``loadtests.ideal.PooledCache``);
     ``routing_loss`` = ``pooled_chr - chr``. None when a record has no pooled figure.
@@ -67,6 +72,7 @@ MEASURE_FIELDS: tuple[str, ...] = (
     "requests",
     "errors",
     "dispersion_floor",
+    "dispersion_between",
     "pooled_chr",
     "routing_loss",
 )
@@ -113,6 +119,7 @@ class MeasureCollector:
         self.replicas = replicas
         self._records: list[RequestRecord] = []
         self._load_count: Counter[int] = Counter()  # pooled per-replica in-flight values
+        self._by_replica: dict[str, list[int]] = {}  # replica -> [samples, sum of loads]
         self._samples = 0
         self._replica_slots = 0
         self._moved = 0
@@ -126,13 +133,18 @@ class MeasureCollector:
         if self._in_window(record.t_start):
             self._records.append(record)
 
-    def sample(self, t: float, loads: Sequence[int]) -> None:
-        """Per-replica in-flight at time ``t`` (one value per replica present at ``t``)."""
+    def sample(self, t: float, loads: Sequence[int], ids: Sequence[str] | None = None) -> None:
+        """Per-replica in-flight at time ``t`` (one value per replica present at ``t``); ``ids`` name
+        the replicas (default: their positions, for a fleet that does not change)."""
         if not self._in_window(t):
             return
         self._samples += 1
         self._replica_slots += len(loads)
         self._load_count.update(loads)
+        for i, v in enumerate(loads):
+            acc = self._by_replica.setdefault(ids[i] if ids is not None else str(i), [0, 0])
+            acc[0] += 1
+            acc[1] += v
 
     def session_moved(self, t: float, *, by_scaleup: bool = False) -> None:
         """A session that already had a home got a different one at time ``t``."""
@@ -213,9 +225,20 @@ class MeasureCollector:
             "requests": len(self._records),
             "errors": len(self._records) - len(ok),
             "dispersion_floor": self._dispersion_floor(end),
+            "dispersion_between": self._dispersion_between(),
             "pooled_chr": pooled,
             "routing_loss": None if pooled is None or chr_ is None else pooled - chr_,
         }
+
+    def _dispersion_between(self) -> float | None:
+        """Σ_r n_r (m_r - m)² / N / m (see the module docstring)."""
+        n = sum(c for c, _ in self._by_replica.values())
+        if not n:
+            return None
+        mean = sum(s for _, s in self._by_replica.values()) / n
+        if mean <= 0:
+            return None
+        return sum(c * (s / c - mean) ** 2 for c, s in self._by_replica.values()) / n / mean
 
     def _dispersion_floor(self, end: float | None) -> float | None:
         """1 - Σf²/Σf over sessions (see the module docstring)."""

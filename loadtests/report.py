@@ -25,6 +25,7 @@ _ROWS: tuple[tuple[str, str, str], ...] = (
     ("pooled_chr", "pooled CHR (one shared LRU)", "{:.3f}"),
     ("routing_loss", "routing loss (pooled - CHR)", "{:.3f}"),
     ("dispersion", "dispersion (var/mean)", "{:.2f}"),
+    ("dispersion_between", "  of it between replicas", "{:.2f}"),
     ("dispersion_floor", "dispersion floor (sticky)", "{:.2f}"),
     ("p_load_le1", "P(load<=1)", "{:.3f}"),
     ("p_load_ge12", "P(load>=12)", "{:.4f}"),

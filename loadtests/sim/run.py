@@ -391,7 +391,8 @@ class _Sim:
         ]
 
     def _sample(self, t: float, _: object) -> None:
-        self.measures.sample(t, [r.in_flight for r in self._serving()])
+        serving = self._serving()
+        self.measures.sample(t, [r.in_flight for r in serving], [r.id for r in serving])
         nt = t + self.cfg.sample_interval_s
         if nt < self.end and self._busy():
             self.loop.at(nt, self._sample)

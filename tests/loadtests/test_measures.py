@@ -112,3 +112,23 @@ def test_pooled_chr_is_none_when_a_record_has_no_pooled_figure() -> None:
     m.add(rec(1.0, 1.0, 2.0, 1000, 900, 1, 950))
     r = m.result()
     assert r["pooled_chr"] is None and r["routing_loss"] is None
+
+
+def test_dispersion_between_is_the_part_from_unequal_replica_means() -> None:
+    # replica a carries 2 then 4 (mean 3), b carries 1 then 1 (mean 1): pooled mean 2, pooled
+    # variance (0 + 4 + 1 + 1) / 4 = 1.5, between-replica variance ((3-2)² + (1-2)²) / 2 = 1
+    m = MeasureCollector()
+    m.sample(1.0, [2, 1], ["a", "b"])
+    m.sample(2.0, [1, 4], ["b", "a"])  # order changes: the ids say who is who
+    r = m.result()
+    assert r["dispersion"] == pytest.approx(1.5 / 2)
+    assert r["dispersion_between"] == pytest.approx(1.0 / 2)
+
+
+def test_dispersion_between_is_zero_for_equal_means_and_none_without_samples() -> None:
+    m = MeasureCollector()
+    m.sample(1.0, [0, 4])
+    m.sample(2.0, [4, 0])
+    r = m.result()
+    assert r["dispersion"] == pytest.approx(2.0) and r["dispersion_between"] == pytest.approx(0.0)
+    assert MeasureCollector().result()["dispersion_between"] is None
