@@ -53,7 +53,6 @@ def policy_params(draw: st.DrawFn) -> PolicyParams:
         bounded_load_epsilon=draw(st.floats(0.0, 1.0)),
         hard_bound_min=draw(st.integers(1, 12)),
         panic_threshold=draw(st.floats(0.0, 1.0)),
-        score_quantum=draw(st.floats(0.01, 2.0)),
         w_sessions=draw(st.floats(0.0, 1.0)),
     )
 

@@ -18,7 +18,7 @@ the tail than the busier home (docs/POLICY.md, "Load moves").
 
 New sessions (and prefix-keyed requests, rule 7) are placed by expected delay among ACTIVE replicas,
 filtered by the hard bound, the bounded-load session cap and the fresh-replica ramp cap (each filter
-is dropped if it would leave nobody), ties within ``score_quantum`` going to the rendezvous winner
+is dropped if it would leave nobody), ties (scores closer than half a session's weight) going to the rendezvous winner
 of the session id. Everything is a pure function of (request, snapshot, rng).
 """
 
@@ -497,7 +497,7 @@ class KvAwarePolicy:
                     ] or cands
         scores = load_scores(cands, ctx, p)
         best = min(scores)
-        ties = [r for r, s in zip(cands, scores, strict=True) if s <= best + p.score_quantum]
+        ties = [r for r, s in zip(cands, scores, strict=True) if s < best + 0.5 * p.w_sessions or s == best]
         if len(ties) == 1:
             target = ties[0]
         elif key is not None:

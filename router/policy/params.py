@@ -48,13 +48,13 @@ class PolicyParams:
 
     # ---- rule 3: expected-delay score (lower is better) -----------------------------------------
     w_sessions: float = 0.25
-    """Closed-loop sessions come back: each active session bound here counts this many requests."""
+    """Closed-loop sessions come back: each active session bound here counts this many requests.
+    Scores closer than half of this tie (the rendezvous winner takes them, so gateways agree): one
+    session more always counts, a sliver of working-set penalty does not."""
     w_working_set: float = 4.0
     """Weight of (working set + this session's context) / HBM capacity beyond working_set_limit."""
     working_set_limit: float = 0.9
     """Fraction of HBM capacity the active working set may fill before the replica is penalised."""
-    score_quantum: float = 0.5
-    """Scores within one quantum tie; ties go to the rendezvous-hash winner so gateways agree."""
 
     # ---- failures --------------------------------------------------------------------------------
     panic_threshold: float = 0.5
@@ -129,5 +129,3 @@ def _validate(key: str, value: Any) -> None:
         raise ValueError(f"{key}: must be ≥ 0, got {value!r}")
     if key == "hard_bound_factor" and value < 1.0:
         raise ValueError(f"{key}: must be ≥ 1, got {value!r}")
-    if key == "score_quantum" and value <= 0.0:
-        raise ValueError(f"{key}: must be > 0, got {value!r}")

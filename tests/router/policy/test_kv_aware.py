@@ -23,7 +23,7 @@ from router.model import (
 from router.policy.hashing import hrw_top
 from router.policy.kv_aware import KvAwarePolicy, cache_surely_gone, load_score, load_scores
 from router.policy.params import PolicyParams
-from tests.builders import replica, request, session, snapshot
+from tests.builders import CAPACITY, replica, request, session, snapshot
 
 A, B, C, D = "a", "b", "c", "d"
 S = ReplicaStatus
@@ -687,16 +687,27 @@ def test_ties_go_to_the_rendezvous_winner_of_the_session() -> None:
         assert KvAwarePolicy().route(request(sid), snap, random.Random(99)).replica_id == d.replica_id
 
 
-def test_near_ties_within_quantum_also_use_rendezvous() -> None:
-    # 0.25 apart < quantum 0.5: still a tie
+def test_one_session_more_is_never_a_tie_but_a_working_set_sliver_is() -> None:
+    # 0.25 apart (one active session): the emptier replica wins whatever the session id
     snap = snapshot(replica(A, sessions=1), replica(B))
     winners = {KvAwarePolicy().route(request(f"s{i}"), snap, random.Random(0)).replica_id for i in range(40)}
-    assert winners == {A, B}
-    narrow = P.with_changes(score_quantum=0.1)
-    winners = {
-        KvAwarePolicy(narrow).route(request(f"s{i}"), snap, random.Random(0)).replica_id for i in range(40)
-    }
     assert winners == {B}
+    # under half a session's weight apart (a little working-set penalty): a tie, the rendezvous winner
+    snap = snapshot(replica(A, active_ctx=int(0.91 * CAPACITY)), replica(B, active_ctx=int(0.9 * CAPACITY)))
+    winners = {KvAwarePolicy().route(request(f"s{i}"), snap, random.Random(0)).replica_id for i in range(40)}
+    assert winners == {A, B}
+
+
+def test_sessions_arriving_one_after_another_split_evenly_over_idle_replicas() -> None:
+    # issue 22: four sessions sent one after another to two idle replicas landed 3:1 when a
+    # one-session difference (0.25) fell inside the old 0.5 tie quantum and the hash decided
+    for trial in range(60):
+        held = {A: 0, B: 0}
+        for k in range(4):
+            snap = snapshot(replica(A, sessions=held[A]), replica(B, sessions=held[B]), sessions_active=k)
+            d = KvAwarePolicy().route(request(f"t{trial}-s{k}"), snap, random.Random(trial))
+            held[d.replica_id] += 1
+        assert held == {A: 2, B: 2}, trial
 
 
 def test_no_key_ties_use_the_injected_rng() -> None:

@@ -41,7 +41,7 @@ def test_with_changes_returns_a_new_validated_copy() -> None:
         ({"bounded_load_epsilon": -0.1}, "bounded_load_epsilon"),
         ({"panic_threshold": 1.5}, "panic_threshold"),
         ({"hard_bound_factor": 0.5}, "hard_bound_factor"),
-        ({"score_quantum": 0}, "score_quantum"),
+        ({"score_quantum": 0.5}, "score_quantum"),  # removed in round 16: unknown now
         ({"w_sessions": float("nan")}, "w_sessions"),
         ({"w_working_set": float("inf")}, "w_working_set"),
         ({"working_set_limit": 1.5}, "working_set_limit"),
