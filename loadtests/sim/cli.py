@@ -31,10 +31,10 @@ from loadtests.workloads import (
     DEFAULT_WEKA_TRACE,
     SessionSpec,
     SyntheticParams,
+    SyntheticSessions,
     drop_long_requests,
     read_mooncake,
     read_weka,
-    synthetic_sessions,
     with_arrivals,
 )
 from replica.emulator.profiles import get_profile
@@ -134,7 +134,7 @@ def _synthetic_params(pairs: Sequence[tuple[str, str]], sessions: int) -> Synthe
     return SyntheticParams(**changes)
 
 
-def _cap_think(specs: list[SessionSpec], cap: float) -> list[SessionSpec]:
+def _cap_think(specs: Sequence[SessionSpec], cap: float) -> list[SessionSpec]:
     def cap_one(s: SessionSpec) -> SessionSpec:
         turns = tuple(replace(t, think_s=min(t.think_s, cap)) if t.think_s > cap else t for t in s.turns)
         return replace(s, turns=turns, start_s=s.start_s if s.parent is None else min(s.start_s, cap),
@@ -143,16 +143,17 @@ def _cap_think(specs: list[SessionSpec], cap: float) -> list[SessionSpec]:
     return [cap_one(s) for s in specs]
 
 
-def load_workload(args: argparse.Namespace, lanes: int, context_window: int = 0) -> list[SessionSpec]:
+def load_workload(args: argparse.Namespace, lanes: int, context_window: int = 0) -> Sequence[SessionSpec]:
     rng = random.Random(f"workload:{args.seed}")
+    specs: Sequence[SessionSpec]
     if args.workload == "synthetic":
         n = args.sessions or max(100, 4 * lanes)
-        specs = synthetic_sessions(_synthetic_params(args.synthetic, n), rng)
+        # generated as the run reads them (the cap and the filter below read them all)
+        specs = SyntheticSessions(_synthetic_params(args.synthetic, n), rng)
     elif args.workload == "weka":
-        specs = read_weka(args.trace or DEFAULT_WEKA_TRACE, limit=args.sessions)
-        rng.shuffle(specs)
-        if lanes == 0:
-            specs = with_arrivals(specs, rng, rate_per_s=args.arrival_rate or 0.5)
+        weka = read_weka(args.trace or DEFAULT_WEKA_TRACE, limit=args.sessions)
+        rng.shuffle(weka)
+        specs = with_arrivals(weka, rng, rate_per_s=args.arrival_rate or 0.5) if lanes == 0 else weka
     else:
         specs = read_mooncake(args.trace or DEFAULT_MOONCAKE_TRACE, limit=args.sessions)
     cap = args.max_think_s if args.max_think_s is not None else _DEFAULTS[args.workload]["max_think_s"]
