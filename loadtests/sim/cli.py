@@ -216,8 +216,8 @@ def _settled_gc() -> Iterator[None]:
     """Make the cyclic GC cheap for the run. A run allocates millions of small objects that live for
     minutes (cache nodes and their block names, sessions, records) and churns through containers of
     fleet size (the snapshot's replica tuple): with the default thresholds the collector took ~14 %
-    of a 1,000-replica run, mostly re-walking young containers of 1,000 replicas many times a
-    second. What exists before the run (modules, parsed arguments) is frozen out of it, and young
+    of a 1,000-replica run (young collections ~800 times a minute, full ones over the whole
+    workload). What exists before the run (modules, parsed arguments) is frozen out of it, and young
     collections happen ~70x less often. Nothing in a run is freed through the collector on purpose
     (no finalizers, no weak references), so the results are the same; only when memory is given
     back changes. The caller's settings come back afterwards (``cli_main`` also runs in tests)."""
