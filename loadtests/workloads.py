@@ -37,13 +37,14 @@ from collections import Counter, defaultdict
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, overload
 
 __all__ = [
     "DEFAULT_MOONCAKE_TRACE",
     "DEFAULT_WEKA_TRACE",
     "SessionSpec",
     "SyntheticParams",
+    "SyntheticSessions",
     "Turn",
     "drop_long_requests",
     "expand_runs",
@@ -334,18 +335,55 @@ def _chain(
 
 def synthetic_sessions(params: SyntheticParams, rng: random.Random) -> list[SessionSpec]:
     """Generate ``params.sessions`` sessions, sorted by start time. Deterministic for a seeded rng."""
-    p = params
-    starts: list[float] = []
-    t = 0.0
-    for _ in range(p.sessions):
-        if p.arrival_rate_per_s is not None:
-            t += rng.expovariate(p.arrival_rate_per_s)
-            starts.append(round(t, 3))
-        else:
-            starts.append(round(rng.uniform(0.0, p.start_spread_s), 3))
-    starts.sort()
-    out: list[SessionSpec] = []
-    for i, start in enumerate(starts):
+    return list(SyntheticSessions(params, rng))
+
+
+class SyntheticSessions(Sequence[SessionSpec]):
+    """The sessions of ``synthetic_sessions``, each generated the first time it (or a later one) is
+    read. A closed-loop run reads them in start order and uses only a part of a large workload (the
+    1,000-replica run: ~10,000 of 28,000 sessions), so it no longer pays for the rest; and
+    ``--jobs`` workers generate what they use in parallel instead of the parent, serially, before
+    they fork. Identical to the list: the start times are drawn up front, then each session in
+    index order from the same ``rng`` (which this object then owns)."""
+
+    def __init__(self, params: SyntheticParams, rng: random.Random) -> None:
+        self._params = params
+        self._rng = rng
+        self._made: list[SessionSpec] = []
+        starts: list[float] = []
+        t = 0.0
+        for _ in range(params.sessions):
+            if params.arrival_rate_per_s is not None:
+                t += rng.expovariate(params.arrival_rate_per_s)
+                starts.append(round(t, 3))
+            else:
+                starts.append(round(rng.uniform(0.0, params.start_spread_s), 3))
+        starts.sort()
+        self._starts = starts
+
+    def __len__(self) -> int:
+        return len(self._starts)
+
+    @overload
+    def __getitem__(self, index: int) -> SessionSpec: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[SessionSpec]: ...
+
+    def __getitem__(self, index: int | slice) -> SessionSpec | list[SessionSpec]:
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        if index < 0:
+            index += len(self)
+        if not 0 <= index < len(self):
+            raise IndexError("session index out of range")
+        made = self._made
+        while len(made) <= index:
+            made.append(self._session(len(made)))
+        return made[index]
+
+    def _session(self, i: int) -> SessionSpec:
+        p, rng = self._params, self._rng
         sid = f"s{i:05d}-{rng.getrandbits(32):08x}"
         n_turns = _lognormal_int(rng, p.turns_median, p.turns_sigma, p.turns_min, p.turns_max)
         turns = _chain(rng, p, n_turns, p.shared_prefix_tokens, p.task_tokens_median)
@@ -367,16 +405,13 @@ def synthetic_sessions(params: SyntheticParams, rng: random.Random) -> list[Sess
                             spawn_after_turn=at,
                         )
                     )
-        out.append(
-            SessionSpec(
-                session_id=sid,
-                start_s=start,
-                shared_prefix_tokens=p.shared_prefix_tokens,
-                turns=turns,
-                branches=tuple(branches),
-            )
+        return SessionSpec(
+            session_id=sid,
+            start_s=self._starts[i],
+            shared_prefix_tokens=p.shared_prefix_tokens,
+            turns=turns,
+            branches=tuple(branches),
         )
-    return out
 
 
 def with_arrivals(

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from loadtests.workloads import SessionSpec, turn_inputs
+from loadtests.workloads import SessionSpec, SyntheticSessions, turn_inputs
 
 __all__ = ["ChainNamer", "IdealCache", "check_page_size"]
 
@@ -57,23 +57,35 @@ def check_page_size(specs: Iterable[SessionSpec], page_size: int) -> None:
     """``ValueError`` unless ``page_size`` is a multiple or a divisor of every trace block size."""
     if page_size <= 0:
         raise ValueError("page size must be > 0")
+    if isinstance(specs, SyntheticSessions):
+        return  # synthetic chains carry no trace hashes (block size 0); reading them would make them all
     sizes = {c.block_size for s in specs for c in s.walk()}
     bad = sorted(b for b in sizes if not _aligned(page_size, b))
     if bad:
         raise ValueError(f"page size {page_size} must be a multiple or a divisor of the trace block size {bad[0]}")
 
 
-def _shared_name(j: int) -> int:
-    """Block ``j`` of the shared system + tools prefix. The prefix is prefix-stable (as the live
-    driver's ``loadtests.textgen.shared_prefix`` is): sessions whose shared prefixes differ in length
-    share the shorter one."""
-    return _SHARED_BASE + j
+_SHARED_NAMES: list[int] = []
+"""The shared prefix's block names made so far in this process, handed out as slices: every chain
+holds the same int objects, so the caches' list compares short-cut on identity."""
+
+
+def _shared_names(n: int) -> list[int]:
+    """Blocks ``0..n-1`` of the shared system + tools prefix (block ``j`` is ``_SHARED_BASE + j``).
+    The prefix is prefix-stable (as the live driver's ``loadtests.textgen.shared_prefix`` is):
+    sessions whose shared prefixes differ in length share the shorter one."""
+    made = _SHARED_NAMES
+    if len(made) < n:
+        made.extend(range(_SHARED_BASE + len(made), _SHARED_BASE + n))
+    return made[:n]
 
 
 class ChainNamer:
     """Names of the blocks of every turn of one chain (a session or one of its branches)."""
 
-    __slots__ = ("_epochs", "_framing", "_inputs", "_k", "_memo", "_scope_base", "_spec", "_uid", "page")
+    __slots__ = (
+        "_epochs", "_framing", "_inputs", "_k", "_made", "_made_epoch", "_memo", "_scope_base", "_spec", "_uid", "page",
+    )
 
     def __init__(self, spec: SessionSpec, uid: int, scope_uid: int, page_size: int, framing_tokens: int = 0) -> None:
         if not _aligned(page_size, spec.block_size):
@@ -95,19 +107,33 @@ class ChainNamer:
             epochs.append(e)
         self._epochs = epochs
         self._memo: dict[int, list[int]] = {}
+        self._made: list[int] = []  # synthetic: the longest names of epoch ``_made_epoch`` so far
+        self._made_epoch = -1
 
     @property
     def inputs(self) -> tuple[int, ...]:
         return self._inputs
 
     def _synthetic(self, k: int, n_tokens: int) -> list[int]:
+        """Block ``j`` is shared name ``j`` inside the shared prefix, else ``base + j``: the names of a
+        shorter prompt of the same epoch are a prefix of a longer one's. They are cut from one list
+        per epoch, grown as the chain's prompts grow, so consecutive turns hold the same int objects
+        (the caches compare a turn's names with the previous turn's: identical objects compare at
+        once) and a turn makes only its new names."""
         page = self.page
         n = n_tokens // page
-        shared = min(n, self._spec.shared_prefix_tokens // page)
-        base = (self._uid * _EPOCH_SPAN + self._epochs[k]) * _CHAIN_SPAN
-        out = [_shared_name(j) for j in range(shared)]
-        out.extend(range(base + shared, base + n))
-        return out
+        epoch = self._epochs[k]
+        if epoch != self._made_epoch:
+            self._made, self._made_epoch = [], epoch
+        made = self._made
+        have = len(made)
+        if have < n:
+            shared = self._spec.shared_prefix_tokens // page
+            if have < shared:
+                made.extend(_shared_names(min(n, shared))[have:])
+            base = (self._uid * _EPOCH_SPAN + epoch) * _CHAIN_SPAN
+            made.extend(range(base + max(have, shared), base + n))
+        return made[:n]
 
     def _trace(self, k: int, n_tokens: int) -> list[int]:
         spec = self._spec
@@ -122,7 +148,7 @@ class ChainNamer:
         shared = 0
         if spec.hash_scope != "global":
             shared = min(n, spec.shared_prefix_tokens // page)
-            out.extend(_shared_name(j) for j in range(shared))
+            out.extend(_shared_names(shared))
         # walk the runs: trace block index t -> id
         run_i = 0
         run_start_idx = 0  # trace index of the current run's first block
@@ -179,6 +205,7 @@ class ChainNamer:
 
     def forget(self) -> None:
         self._memo.clear()
+        self._made = []
 
 
 class IdealCache:

@@ -77,16 +77,18 @@ class SimReplica:
         return self.engine.next_event_time()
 
     def engine_load(self, now: float) -> EngineLoad:
-        """What a scrape of ``/metrics`` would report (the store's ``EngineLoad``)."""
-        ld = self.engine.load()
+        """What a scrape of ``/metrics`` would report (the store's ``EngineLoad``): the figures of
+        ``ReplicaEngine.load`` it needs, read directly (``load`` also sums the queue and the batch)."""
+        eng, cache = self.engine, self.engine.cache
+        cap, used = cache.capacity_tokens, cache.used_tokens
         return EngineLoad(
-            running=ld.running,
-            queued=ld.queued,
-            kv_util=ld.token_usage,
-            capacity_tokens=ld.capacity_tokens,
-            host_used_tokens=ld.host_used_tokens,
-            host_capacity_tokens=ld.host_total_tokens,
-            cache_hit_rate=ld.cache_hit_rate,
-            gen_throughput=ld.gen_throughput,
+            running=eng.running,
+            queued=eng.queued,
+            kv_util=used / cap if cap else 0.0,
+            capacity_tokens=cap,
+            host_used_tokens=cache.host_used_tokens,
+            host_capacity_tokens=cache.host_capacity_tokens,
+            cache_hit_rate=eng.cache_hit_rate,
+            gen_throughput=eng.gen_throughput,
             updated_at=now,
         )

@@ -569,8 +569,7 @@ class _Sim:
         root = req.chain.root
         key = req.chain.key
         prev_home = snap.session.home if snap.session is not None else None
-        after = self.core.session(key)
-        new_home = after.home if after is not None else None
+        new_home = self.core.session_home(key)
         moved_to: str | None = None
         if new_home is not None:
             if prev_home is not None and new_home != prev_home:

@@ -61,7 +61,7 @@ HOST = 2
 
 class CacheListener(Protocol):
     """Hears what the cache stores and drops (Rule 6). Calls happen inside cache operations: they
-    must not call back into the cache."""
+    must not call back into the cache, nor keep the ``hashes`` lists (the cache may extend them)."""
 
     def stored(self, parent: int | None, hashes: list[int], depth: int, tier: int, owner: object) -> None:
         """``hashes`` (a chain) now live on ``tier`` below block ``parent`` (``None``: the root).
@@ -491,7 +491,7 @@ class PrefixCache:
                 (child,) = node.children.values()
                 if child.pins == 0 and not child.host:
                     del self._lru[child]
-                    node.hashes = node.hashes + child.hashes
+                    node.hashes.extend(child.hashes)  # in place: a growing conversation costs its new blocks only
                     node.children = child.children
                     for gc in node.children.values():
                         gc.parent = node

@@ -327,6 +327,24 @@ class ReplicaEngine:
             decode_sum_seq_lens=sum(r.req.prompt_tokens + int(r.gen) for r in self._decoding),
         )
 
+    # the few figures of ``load`` that cost nothing (a fleet simulator reads them every scrape for
+    # every replica; ``load``'s two sums walk the queue and the batch)
+    @property
+    def running(self) -> int:
+        return self._running()
+
+    @property
+    def queued(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def cache_hit_rate(self) -> float:
+        return self._hit_rate
+
+    @property
+    def gen_throughput(self) -> float:
+        return self._gen_throughput
+
     @property
     def idle(self) -> bool:
         return self._op is None and not self._waiting

@@ -332,6 +332,12 @@ class MemoryCore:
         s = self._sessions.get(session_id)
         return None if s is None else self._session_state(session_id, s)
 
+    def session_home(self, session_id: str) -> ReplicaId | None:
+        """``session(session_id).home`` without building the ``SessionState`` (the simulator asks
+        after every acquire)."""
+        s = self._sessions.get(session_id)
+        return None if s is None else s.home
+
     def sessions_on(self, replica_id: ReplicaId, limit: int = 1000) -> tuple[SessionState, ...]:
         out = [self._session_state(sid, s) for sid, s in self._sessions.items() if s.home == replica_id]
         return tuple(out[-limit:])

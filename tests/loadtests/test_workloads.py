@@ -9,6 +9,7 @@ import pytest
 from loadtests.workloads import (
     SessionSpec,
     SyntheticParams,
+    SyntheticSessions,
     Turn,
     expand_runs,
     iter_requests,
@@ -87,6 +88,20 @@ def test_synthetic_is_deterministic_and_seed_sensitive() -> None:
     c = synthetic_sessions(p, random.Random(4))
     assert a == b
     assert a != c
+
+
+@pytest.mark.parametrize("rate", [None, 2.0])
+def test_synthetic_sessions_made_on_demand_equal_the_list(rate: float | None) -> None:
+    p = SyntheticParams(sessions=40, arrival_rate_per_s=rate)
+    listed = synthetic_sessions(p, random.Random(5))
+    lazy = SyntheticSessions(p, random.Random(5))
+    assert len(lazy) == 40
+    assert lazy[7] == listed[7]  # reads out of order make every session before it, in order
+    assert lazy[3] == listed[3] and lazy[-1] == listed[-1]
+    assert lazy[10:14] == listed[10:14]
+    assert list(lazy) == listed
+    with pytest.raises(IndexError):
+        lazy[40]
 
 
 def test_synthetic_params_validation() -> None:

@@ -112,6 +112,18 @@ def test_continuous_batching_queue_and_slots() -> None:
     assert e.load().running == 0 and e.idle
 
 
+def test_cheap_load_figures_equal_load() -> None:
+    prof = get_profile("small-test").with_overrides(max_running_requests=2)
+    e = ReplicaEngine(prof)
+    for i in range(5):
+        e.submit(req(f"r{i}", f"{i}" * 400, 40, prof.page_size), 0.0)
+    for t in (0.0, 0.05, 0.2, 1.0):
+        e.advance(t)
+        ld = e.load()
+        assert (e.running, e.queued, e.cache_hit_rate, e.gen_throughput) == (
+            ld.running, ld.queued, ld.cache_hit_rate, ld.gen_throughput)
+
+
 def test_more_batch_slower_per_request() -> None:
     prof = KIMI
     e1 = ReplicaEngine(prof)

@@ -168,6 +168,9 @@ def _run(seed: int, steps: int) -> int:
             rid = rng.choice(ids)
             assert fast.sessions_on(rid) == slow.sessions_on(rid)
             assert fast.leases() == slow.leases()
+            sid = rng.choice(sids)
+            got = fast.session(sid)
+            assert fast.session_home(sid) == (got.home if got is not None else None)
             reads += 1
     return reads
 
