@@ -22,7 +22,8 @@ from typing import Any
 
 __all__ = ["cli_main", "run_bench"]
 
-MEASURES = ("chr", "ideal_chr", "ttft_p99_s", "requests", "dispersion", "p_load_ge12", "sessions_moved")
+MEASURES = ("chr", "ideal_chr", "ttft_p99_s", "requests", "dispersion", "dispersion_floor", "dispersion_between",
+            "p_load_ge12", "sessions_moved", "cold_prefill_by_cause")
 """The fields of each policy's measures the benchmark reports (``loadtests/measures.py``)."""
 
 
@@ -90,7 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--policies", default="kv_aware,hash")
     p.add_argument("--gateways", type=int, default=1)
     p.add_argument("--state-lag-s", type=float, default=0.0, help="with --gateways > 1, e.g. 0.1")
-    p.add_argument("--jobs", type=int, default=1, help="worker processes for the policies (kvroute sim --jobs)")
+    p.add_argument("--jobs", type=int, default=2,
+                   help="worker processes for the policies (kvroute sim --jobs; default 2, one per policy)")
     p.add_argument("--timeout-s", type=float, default=3600.0, help="bound on the simulation's wall time")
     p.add_argument("--json", type=Path, help="also write the JSON here")
     return p

@@ -147,3 +147,5 @@ def test_bench_sim_reports_cost_and_measures_of_a_tiny_fleet(tmp_path: Path, cap
         assert m["requests"] > 20
         assert 0.0 < m["chr"] <= m["ideal_chr"] <= 1.0
         assert m["ttft_p99_s"] > 0 and m["dispersion"] >= 0
+        assert 0 <= m["dispersion_between"] <= m["dispersion"] and m["dispersion_floor"] is not None
+        assert isinstance(m["cold_prefill_by_cause"], dict)
