@@ -80,12 +80,11 @@ class SimReplica:
         """What a scrape of ``/metrics`` would report (the store's ``EngineLoad``): the figures of
         ``ReplicaEngine.load`` it needs, read directly (``load`` also sums the queue and the batch)."""
         eng, cache = self.engine, self.engine.cache
-        cap, used = cache.capacity_tokens, cache.used_tokens
         return EngineLoad(
             running=eng.running,
             queued=eng.queued,
-            kv_util=used / cap if cap else 0.0,
-            capacity_tokens=cap,
+            kv_util=eng.token_usage,
+            capacity_tokens=cache.capacity_tokens,
             host_used_tokens=cache.host_used_tokens,
             host_capacity_tokens=cache.host_capacity_tokens,
             cache_hit_rate=eng.cache_hit_rate,

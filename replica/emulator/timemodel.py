@@ -309,14 +309,12 @@ class ReplicaEngine:
 
     def load(self) -> EngineLoad:
         c = self.cache
-        cap = c.capacity_tokens
-        used = c.used_tokens
         return EngineLoad(
             running=self._running(),
             queued=len(self._waiting),
-            used_tokens=used,
-            capacity_tokens=cap,
-            token_usage=used / cap if cap else 0.0,
+            used_tokens=c.used_tokens,
+            capacity_tokens=c.capacity_tokens,
+            token_usage=self.token_usage,
             evictable_tokens=c.evictable_tokens,
             host_used_tokens=c.host_used_tokens,
             host_total_tokens=c.host_capacity_tokens,
@@ -336,6 +334,11 @@ class ReplicaEngine:
     @property
     def queued(self) -> int:
         return len(self._waiting)
+
+    @property
+    def token_usage(self) -> float:
+        c = self.cache
+        return c.used_tokens / c.capacity_tokens if c.capacity_tokens else 0.0
 
     @property
     def cache_hit_rate(self) -> float:
