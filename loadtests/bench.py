@@ -1,4 +1,4 @@
-"""``kvroute bench <peers|parity|overhead|emulator|redis|faults|soak|probes|kv-events|sim>``: one entry for the benchmarks.
+"""``kvroute bench <peers|parity|overhead|emulator|redis|faults|soak|probes|kv-events|sim|sweep>``: one entry for the benchmarks.
 
 Each benchmark prints JSON (and a table on stderr); modules are imported lazily so that
 ``kvroute bench overhead`` does not import matplotlib and ``bench emulator`` imports no router.
@@ -21,6 +21,7 @@ BENCHES: dict[str, tuple[str, str, str]] = {
     "soak": ("loadtests.soak", "cli_main", "connection scale: idle + active streams against one gateway"),
     "probes": ("loadtests.bench_probes", "cli_main", "what probing many replicas costs relayed requests"),
     "kv-events": ("loadtests.bench_kv_events", "cli_main", "exact residency: cost per KV event, memory per session"),
+    "sweep": ("loadtests.sweep", "cli_main", "policy variants vs the default, paired by seed, simulated bench"),
     "sim": ("loadtests.bench_sim", "cli_main", "the simulator on 1,000 replicas: wall, CPU, peak RSS, measures"),
 }
 
