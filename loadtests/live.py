@@ -45,7 +45,7 @@ import aiohttp
 
 from loadtests.ideal import InfiniteCache, PooledCache
 from loadtests.textgen import Conversation, emulated_tokens
-from loadtests.workloads import SessionSpec, turn_inputs, turn_overlaps
+from loadtests.workloads import SessionSpec, conversation_starts, turn_inputs, turn_overlaps
 from router.eventloop import run as run_on_loop
 
 __all__ = [
@@ -367,6 +367,7 @@ class _Run:
         sid = str(spec.routing_key)
         inputs = turn_inputs(spec)
         overlaps = turn_overlaps(spec)
+        starts = conversation_starts(spec)
         shared_model = int(spec.shared_prefix_tokens)
         conv: Conversation | None = None
         for k, turn in enumerate(spec.turns):
@@ -374,7 +375,7 @@ class _Run:
                 return
             if not self.may_issue():
                 return
-            continuation = conv is not None and overlaps[k] > shared_model
+            continuation = conv is not None and starts[k] != k
             if conv is None or not continuation:
                 # a new context (first turn, compaction): shared prefix + new text
                 conv = Conversation(key=f"{spec.session_id}~{k}", shared_prefix_tokens=shared_model,

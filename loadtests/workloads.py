@@ -46,6 +46,7 @@ __all__ = [
     "SyntheticParams",
     "SyntheticSessions",
     "Turn",
+    "conversation_starts",
     "drop_long_requests",
     "expand_runs",
     "iter_requests",
@@ -162,6 +163,18 @@ def turn_inputs(spec: SessionSpec) -> tuple[int, ...]:
             cur = prev_in + prev_out + t.new_tokens
         out.append(cur)
         prev_in, prev_out = cur, t.output_tokens
+    return tuple(out)
+
+
+def conversation_starts(spec: SessionSpec) -> tuple[int, ...]:
+    """Per turn, the index of the turn that began its conversation: a turn continues the previous
+    one's conversation when it reuses more than the shared prefix of it (``turn_overlaps``), else it
+    starts a new one (the first turn, a compaction). The live driver renders a new conversation
+    there and the simulator names a new chain there, so both drivers split a session alike."""
+    shared = int(spec.shared_prefix_tokens)
+    out: list[int] = []
+    for k, overlap in enumerate(turn_overlaps(spec)):
+        out.append(out[-1] if k > 0 and overlap > shared else k)
     return tuple(out)
 
 

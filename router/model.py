@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 __all__ = [
+    "MAX_CHAINS",
     "AffinityBreak",
     "BindSession",
     "ClusterSnapshot",
@@ -35,6 +36,7 @@ __all__ = [
     "SetOverflow",
     "capacities",
     "fleet_totals",
+    "remember_chain",
 ]
 
 ReplicaId = str
@@ -134,6 +136,21 @@ class ReplicaState:
     model: str = ""
 
 
+MAX_CHAINS = 8
+"""Conversations remembered per session (``SessionState.chains``): more than a coding agent runs at
+once; an older one forgotten only loses its placement hint."""
+
+
+def remember_chain(
+    chains: tuple[tuple[str, ReplicaId], ...], chain_key: str, replica_id: ReplicaId
+) -> tuple[tuple[str, ReplicaId], ...]:
+    """``chains`` with ``chain_key`` last run on ``replica_id`` (moved to the newest end, oldest
+    dropped past ``MAX_CHAINS``). The stores keep this rule (Redis in acquire.lua)."""
+    kept = [(k, r) for k, r in chains if k != chain_key]
+    kept.append((chain_key, replica_id))
+    return tuple(kept[-MAX_CHAINS:])
+
+
 def capacities(spec: ReplicaSpec, engine: EngineLoad) -> tuple[int, int]:
     """``(HBM, host tier)`` KV capacity of a replica, by one precedence rule everywhere (the stores,
     the admin view): what the engine itself reports on ``/metrics`` (``max_total_num_tokens``,
@@ -161,6 +178,17 @@ class SessionState:
     # the snapshot is built; None / () = no exact knowledge (events off, incomplete, or not attributed)
     resident_tokens: int | None = None  # tokens of this session's last context resident on its home
     resident_on: tuple[tuple[ReplicaId, int], ...] = ()  # every replica known to hold > 0 of it, sorted
+    # where each of the session's recent conversations (RouteRequest.chain_key) last ran, oldest first
+    # (at most MAX_CHAINS): a sub-agent's context is where its own previous turn went, not at home
+    chains: tuple[tuple[str, ReplicaId], ...] = ()
+
+    def chain_at(self, chain_key: str | None) -> ReplicaId | None:
+        if chain_key is None:
+            return None
+        for key, rid in self.chains:
+            if key == chain_key:
+                return rid
+        return None
 
     def in_flight_at(self, replica_id: ReplicaId) -> int:
         for rid, n in self.in_flight:
@@ -241,6 +269,9 @@ class RouteRequest:
     prompt_tokens_estimate: int = 0  # from the body size (router.route_input); refined by responses
     excluded: frozenset[ReplicaId] = frozenset()  # replicas that already failed this request
     body_bytes: int = 0  # size of the request body
+    # which of the session's conversations this request continues (the parent's, or one sub-agent's):
+    # a hash of the prompt's anchor (router.policy.prefix_key.chain_key); None = not known
+    chain_key: str | None = None
 
 
 # ---- effects: the policy describes, the store performs -------------------------------------------

@@ -2,7 +2,9 @@
 
 The live gateway (``router/gateway/handlers.py``) and the simulator (``loadtests/sim/run.py``) both
 call :func:`route_request` with the same facts: the session key and where it came from, the route,
-the body's size in bytes, and the session's state from the snapshot. Neither driver estimates
+the body's size in bytes, the key of the conversation the request continues (``chain_key``: the
+gateway hashes the prompt's anchor, the simulator names the trace's conversation; the parity test
+holds both to the same partition of requests), and the session's state from the snapshot. Neither driver estimates
 anything on its own, so the policy sees the same inputs in both (the parity test holds them to it).
 
 The prompt's size in tokens is not known before the engine answers. It is estimated from the body
@@ -13,9 +15,11 @@ of the same text, so the ratio carries over); without one, ``DEFAULT_BYTES_PER_T
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from router.model import KeySource, ReplicaId, RouteRequest, SessionState
 
-__all__ = ["DEFAULT_BYTES_PER_TOKEN", "prompt_tokens_estimate", "route_request"]
+__all__ = ["DEFAULT_BYTES_PER_TOKEN", "prompt_tokens_estimate", "route_request", "wants_chain_key"]
 
 DEFAULT_BYTES_PER_TOKEN = 4.0
 """Bytes of request body per prompt token before a session's usage says better: English and code
@@ -28,6 +32,16 @@ def prompt_tokens_estimate(body_bytes: int, session: SessionState | None) -> int
     return int(body_bytes / (ratio or DEFAULT_BYTES_PER_TOKEN))
 
 
+def wants_chain_key(session: SessionState | None) -> bool:
+    """Does the policy need to know which conversation a request of ``session`` continues? Only when
+    the session is split or may be: something of it is in flight (a sub-agent may be running beside
+    the parent), or one of its conversations last ran off home. A lone conversation, the common case,
+    goes home either way, and the gateway then does not parse its body."""
+    if session is None or session.home is None:
+        return False
+    return session.in_flight_total > 0 or any(rid != session.home for _, rid in session.chains)
+
+
 def route_request(
     session_key: str | None,
     key_source: KeySource,
@@ -37,9 +51,14 @@ def route_request(
     body_bytes: int,
     session: SessionState | None,
     excluded: frozenset[ReplicaId] = frozenset(),
+    chain_key: str | Callable[[], str | None] | None = None,
 ) -> RouteRequest:
-    """The policy's view of one request (one attempt: ``excluded`` grows on retries)."""
+    """The policy's view of one request (one attempt: ``excluded`` grows on retries). ``chain_key``
+    (or a function computing it, called only when ``wants_chain_key``) names the conversation."""
     own = session if session is not None and session.session_id == session_key else None
+    chain: str | None = None
+    if chain_key is not None and wants_chain_key(own):
+        chain = chain_key() if callable(chain_key) else chain_key
     return RouteRequest(
         session_key=session_key,
         key_source=key_source,
@@ -48,4 +67,5 @@ def route_request(
         body_bytes=body_bytes,
         prompt_tokens_estimate=prompt_tokens_estimate(body_bytes, own),
         excluded=excluded,
+        chain_key=chain,
     )

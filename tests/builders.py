@@ -79,6 +79,7 @@ def session(
     mark: int = 0,
     turns: int = 1,
     last_seen: float = 0.0,
+    chains: tuple[tuple[str, ReplicaId], ...] = (),
 ) -> SessionState:
     return SessionState(
         session_id=sid,
@@ -89,6 +90,7 @@ def session(
         last_seen=last_seen,
         residency_mark=mark,
         turns=turns,
+        chains=chains,
     )
 
 
@@ -116,6 +118,7 @@ def request(
     excluded: frozenset[ReplicaId] | set[ReplicaId] = frozenset(),
     prompt: int = 0,
     route: str = "/v1/chat/completions",
+    chain: str | None = None,
 ) -> RouteRequest:
     return RouteRequest(
         session_key=key,
@@ -123,4 +126,5 @@ def request(
         route=route,
         prompt_tokens_estimate=prompt,
         excluded=frozenset(excluded),
+        chain_key=chain,
     )

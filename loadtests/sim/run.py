@@ -41,7 +41,7 @@ from loadtests.measures import MeasureCollector, RequestRecord
 from loadtests.sim.engine import EventLoop
 from loadtests.sim.prompts import ChainNamer, IdealCache, check_page_size
 from loadtests.sim.replica_model import SimReplica
-from loadtests.workloads import SessionSpec
+from loadtests.workloads import SessionSpec, conversation_starts
 from replica.emulator.kv_events import ResidencyFeeder
 from replica.emulator.profiles import Profile, get_profile
 from replica.emulator.timemodel import EngineRequest, Finished, FirstToken, Started
@@ -172,7 +172,8 @@ class _Root:
 
 
 class _Chain:
-    __slots__ = ("branches_at", "gateway", "key", "last_replica", "namer", "next_turn", "pending", "root", "spec")
+    __slots__ = ("branches_at", "gateway", "key", "last_replica", "namer", "next_turn", "pending", "root", "spec",
+                 "starts")  # fmt: skip
 
     def __init__(self, spec: SessionSpec, root: _Root, namer: ChainNamer, gateway: int, first_turn: int) -> None:
         self.spec = spec
@@ -183,6 +184,7 @@ class _Chain:
         self.next_turn = first_turn
         self.pending = 0
         self.last_replica: str | None = None
+        self.starts = conversation_starts(spec)
         at: dict[int, list[SessionSpec]] = {}
         for b in spec.branches:
             if b.spawn_after_turn >= first_turn:
@@ -521,8 +523,11 @@ class _Sim:
         req.gw = gw.index
         key = chain.key
         snap = self._view(gw, t, key)
+        # the conversation this turn continues (the gateway hashes the same thing from the body)
+        ck = f"{chain.spec.session_id}~{chain.starts[req.turn]}"
         request = route_request(key, KeySource.HEADER, route=CHAT_ROUTE, model=None,
-                                body_bytes=req.body_bytes, session=snap.session, excluded=req.excluded)
+                                body_bytes=req.body_bytes, session=snap.session, excluded=req.excluded,
+                                chain_key=ck)
         try:
             decision = gw.policy.route(request, snap, gw.rng)
         except NoReplicaError:

@@ -77,7 +77,7 @@ from router.model import (
 )
 from router.policy.breaks import classify_break
 from router.policy.params import PolicyParams
-from router.policy.prefix_key import prefix_key
+from router.policy.prefix_key import chain_key, prefix_key
 from router.route_input import route_request
 
 __all__ = [
@@ -143,11 +143,7 @@ def _prefix_params(policy: object) -> PolicyParams:
     return params if isinstance(params, PolicyParams) else PolicyParams()
 
 
-def _routing_key(
-    session_id: str | None, body: bytes, route: str, policy: object
-) -> tuple[str | None, KeySource, str | None]:
-    if session_id is not None:
-        return session_id, KeySource.HEADER, None
+def _parse_body(body: bytes) -> dict[str, Any]:
     try:
         obj = orjson.loads(body)  # several times faster than json; refuses a few things json takes
     except orjson.JSONDecodeError:
@@ -157,6 +153,26 @@ def _routing_key(
             raise BadRequestError(f"request body is not valid JSON: {exc}") from None
     if not isinstance(obj, dict):
         raise BadRequestError("request body must be a JSON object")
+    return obj
+
+
+def _chain_key(body: bytes, route: str, policy: object) -> str | None:
+    """Which of its session's conversations a request continues (``RouteRequest.chain_key``); None
+    when the body says nothing (the replica judges a malformed body, not the router)."""
+    try:
+        obj = _parse_body(body)
+    except BadRequestError:
+        return None
+    p = _prefix_params(policy)
+    return chain_key(obj, route, p.prefix_block_chars, p.prefix_blocks)
+
+
+def _routing_key(
+    session_id: str | None, body: bytes, route: str, policy: object
+) -> tuple[str | None, KeySource, str | None]:
+    if session_id is not None:
+        return session_id, KeySource.HEADER, None
+    obj = _parse_body(body)
     model = obj.get("model") if isinstance(obj.get("model"), str) else None
     p = _prefix_params(policy)
     key = prefix_key(obj, route, p.prefix_block_chars, p.prefix_blocks)
@@ -273,6 +289,13 @@ class _Proxy:
         self.p = prog
         self.request_id = request_id
         self._tagged: bytes | None = None  # the body with the session id (kv_events.forward_session_id)
+        self._chain: tuple[str | None] | None = None  # RouteRequest.chain_key, once computed
+
+    def _chain_key(self) -> str | None:
+        """Parsed and hashed at most once per request, and only when the policy needs it."""
+        if self._chain is None:
+            self._chain = (_chain_key(self.body, self.req.route, self.rt.policy),)
+        return self._chain[0]
 
     async def run(self) -> None:
         excluded: set[str] = set()
@@ -290,6 +313,7 @@ class _Proxy:
                 body_bytes=self.req.body_bytes,
                 session=snap.session,
                 excluded=frozenset(excluded),
+                chain_key=self._chain_key if self.req.key_source is KeySource.HEADER else None,
             )
             try:
                 decision = self.rt.policy.route(req, snap, self.rt.rng)

@@ -301,6 +301,13 @@ class KvAwarePolicy:
             )
             if moved is not None:
                 return moved  # else: nowhere else to go, the draining home serves it
+        at = sess.chain_at(request.chain_key) if p.chain_affinity else None
+        if at is not None and at != home.id:
+            # rule 2: a conversation that last ran on an overflow replica (a sub-agent split off a
+            # thicc session) continues there, where its own context is cached
+            followed = self._follow_chain(view, snapshot, sess, at)
+            if followed is not None:
+                return followed
         if idle and cache_surely_gone(sess, home, p):
             target, scores = self._place(
                 view, request, snapshot, rng, key=sid, ctx=ctx, avoid=frozenset(), binding=True, moving=True
@@ -336,6 +343,22 @@ class KvAwarePolicy:
                 return decision
         kept = self._collapse(sess, keep_only=tuple(o for o in sess.overflow if sess.in_flight_at(o) > 0))
         return RouteDecision(home.id, Reason.AFFINITY, kept, ((home.id, load_score(home, 0, p)),))
+
+    def _follow_chain(
+        self, view: _View, snapshot: ClusterSnapshot, sess: SessionState, at: ReplicaId
+    ) -> RouteDecision | None:
+        """The request's conversation last ran on ``at`` (not home): go there if it may take it
+        (in the pool, under the hard bound) and the session may span it (``max_overflow``)."""
+        p = self.params
+        r = snapshot.replica(at)
+        if r is None or not view.in_pool(r) or (not view.panic and r.in_flight >= view.hard_bound):
+            return None
+        effects: tuple[Effect, ...] = ()
+        if at not in sess.overflow:
+            if len(sess.overflow) >= p.max_overflow:
+                return None
+            effects = (SetOverflow(sess.session_id, (*sess.overflow, at)),)
+        return RouteDecision(at, Reason.THICC_SPLIT, effects, ((at, load_score(r, 0, p)),))
 
     @staticmethod
     def _relieves(decision: RouteDecision, snapshot: ClusterSnapshot, view: _View) -> bool:

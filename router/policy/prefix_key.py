@@ -15,6 +15,11 @@ chain over fixed-size blocks (mmh3, deterministic across processes):
   such traffic gets one key (DESIGN §3 rule 7, docs/POLICY.md).
 
 Returns ``None`` when there is nothing to key on.
+
+``chain_key`` is a short key from the same kind of anchor for a chat request that *has* a session
+id: which of the session's conversations (the parent's or one sub-agent's, each with its own system
+prompt and first task message) the request continues, so the policy can send it to where that
+conversation's own context is cached (docs/POLICY.md, round 17).
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from typing import Any
 
 import mmh3
 
-__all__ = ["prefix_key", "render_chat_anchor"]
+__all__ = ["chain_key", "prefix_key", "render_chat_anchor"]
 
 _SEP = "\x1e"
 
@@ -47,6 +52,26 @@ def prefix_key(body: Mapping[str, Any], route: str, block_chars: int, blocks: in
     if text is None:
         return None
     return "p" + _chain(head, _blocks(text, block_chars, blocks, full_only=True))
+
+
+def chain_key(body: Mapping[str, Any], route: str, block_chars: int, blocks: int) -> str | None:
+    """16 hex digits naming the chat conversation ``body`` continues, or None (no messages).
+
+    The anchor is ``prefix_key``'s shared head (model, tools, system prompt) and only the first block
+    of the first user message: clients that keep a whole transcript in one growing user message keep
+    the key as it grows, and agents that append messages never change it. Flat prompts (``prompt``,
+    ``text``, ``input_ids``) have no conversation structure to anchor on: None."""
+    messages = body.get("messages")
+    if "prompt" in body or not isinstance(messages, list):
+        return None
+    anchor = render_chat_anchor(body)
+    if anchor is None:
+        return None
+    shared, first_user = anchor
+    model = body.get("model")
+    head = f"m={model if isinstance(model, str) else ''}{_SEP}"
+    h = _chain(head, _blocks(shared, block_chars, blocks, full_only=False))
+    return _chain(h, [first_user[:block_chars]])[:16]
 
 
 def render_chat_anchor(body: Mapping[str, Any]) -> tuple[str, str] | None:

@@ -40,6 +40,7 @@ from router.model import (
     SetOverflow,
     capacities,
     fleet_totals,
+    remember_chain,
 )
 from router.residency import ResidencyView, with_residency
 from router.store.base import StoreConfig, learn_horizon, residency_feedback
@@ -89,6 +90,7 @@ class _Session:
     residency_mark: int = 0
     turns: int = 0
     bytes_per_token: float = 0.0
+    chains: tuple[tuple[str, ReplicaId], ...] = ()
 
 
 def _sums_of(st: ReplicaState) -> tuple[int, int, int, int, int, int, int]:
@@ -321,6 +323,7 @@ class MemoryCore:
             residency_mark=s.residency_mark,
             turns=s.turns,
             bytes_per_token=s.bytes_per_token,
+            chains=s.chains,
         )
         return st if self.residency is None else with_residency(st, self.residency)
 
@@ -406,6 +409,8 @@ class MemoryCore:
             sess.last_seen = now
             self._sessions.move_to_end(sid)
             prev_ctx = sess.context_tokens
+            if request.chain_key is not None:
+                sess.chains = remember_chain(sess.chains, request.chain_key, target)
             if sess.home is not None and (home := self._replicas.get(sess.home)) is not None:
                 self._touch_active(home, sid, now, sess.context_tokens)
         lease = Lease(

@@ -52,13 +52,17 @@ class RecordingPolicy:
 
 
 def _sessions() -> list[SessionSpec]:
-    def turns(n: int) -> tuple[Turn, ...]:
+    def turns(n: int, parallel_at: int = -1) -> tuple[Turn, ...]:
         return tuple(
-            Turn(new_tokens=600 + 100 * k, output_tokens=24, think_s=0.0 if k == 0 else 5.0) for k in range(n)
+            Turn(new_tokens=600 + 100 * k, output_tokens=24, think_s=0.0 if k == 0 else 5.0,
+                 parallel=2 if k == parallel_at else 1)
+            for k in range(n)
         )
 
     return [
-        SessionSpec("p0", 0.0, shared_prefix_tokens=400, turns=turns(4)),
+        # two identical requests at once on turn 2: the second sees the first in flight, so both
+        # drivers name its conversation (RouteRequest.chain_key) and the store records where it ran
+        SessionSpec("p0", 0.0, shared_prefix_tokens=400, turns=turns(4, parallel_at=2)),
         SessionSpec("p1", 0.0, shared_prefix_tokens=400, turns=turns(3)),
         SessionSpec("p2", 0.0, shared_prefix_tokens=400, turns=turns(3)),
     ]
@@ -112,6 +116,24 @@ CLOCK_FIELDS = {"now", "joined_at", "last_seen", "updated_at", "serving_since"} 
 POLLED_FIELDS = {"running", "queued", "kv_util", "cache_hit_rate", "gen_throughput", "host_used_tokens"}
 
 
+class KeyMatch:
+    """Conversation keys are the drivers' own names (the gateway hashes the prompt's anchor, the
+    simulator names the trace's conversation): what must agree is which requests share one, so each
+    live key must always meet the same simulated key and no two live keys the same one."""
+
+    def __init__(self) -> None:
+        self.to_sim: dict[str, str] = {}
+        self.to_live: dict[str, str] = {}
+
+    def same(self, live: str | None, sim: str | None) -> bool:
+        if live is None or sim is None:
+            return live is sim
+        return self.to_sim.setdefault(live, sim) == sim and self.to_live.setdefault(sim, live) == live
+
+
+KEYS = KeyMatch()
+
+
 def _diff(path: str, live: Any, sim: Any) -> Iterator[str]:
     """Every field where the two drivers filled a value differently."""
     if dataclasses.is_dataclass(live) and not isinstance(live, type):
@@ -143,6 +165,14 @@ def _diff(path: str, live: Any, sim: Any) -> Iterator[str]:
             or (sim > 0 and not 3.0 <= sim <= 6.0)
         ):
             yield f"{path}: {live!r} vs {sim!r}"
+    elif name == "chain_key":
+        if not KEYS.same(live, sim):
+            yield f"{path}: {live!r} vs {sim!r} (keys so far {KEYS.to_sim})"
+    elif name == "chains":
+        if len(live) != len(sim) or any(
+            lr != sr or not KEYS.same(lk, sk) for (lk, lr), (sk, sr) in zip(live, sim, strict=False)
+        ):
+            yield f"{path}: {live!r} vs {sim!r}"
     elif name == "url":
         return  # sim://... vs http://...
     elif name == "scores":
@@ -152,11 +182,13 @@ def _diff(path: str, live: Any, sim: Any) -> Iterator[str]:
 
 
 async def test_the_simulator_and_the_gateway_fill_the_policys_inputs_alike() -> None:
+    KEYS.__init__()
     specs = _sessions()
     live, ids = await _live(specs)
     sim = _sim(specs, ids)
-    n_requests = sum(len(s.turns) for s in specs)
-    prompts = [n for spec in specs for n in turn_inputs(spec)]  # one lane: the sessions in order
+    n_requests = sum(t.parallel for s in specs for t in s.turns)
+    # one lane: the sessions in order, a parallel turn's requests one after another
+    prompts = [n for spec in specs for n, t in zip(turn_inputs(spec), spec.turns, strict=True) for _ in range(t.parallel)]
     assert len(live.calls) == len(sim.calls) == n_requests
     problems: list[str] = []
     for i, ((lreq, lsnap, ldec), (sreq, ssnap, sdec)) in enumerate(zip(live.calls, sim.calls, strict=True)):
@@ -178,6 +210,9 @@ async def test_the_simulator_and_the_gateway_fill_the_policys_inputs_alike() -> 
     assert {"placed_new", "affinity"} <= reasons
     last = live.calls[-1][1].session
     assert last is not None and last.context_tokens > 0 and last.bytes_per_token > 0
+    named = [(req.chain_key, snap.session) for req, snap, _ in live.calls if req.chain_key is not None]
+    assert named, "no request named its conversation: the chain inputs were not compared"
+    assert any(s is not None and s.chains for _, snap, _ in live.calls for s in [snap.session])
 
 
 def test_identical_inputs_give_identical_decisions() -> None:

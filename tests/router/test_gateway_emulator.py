@@ -7,6 +7,7 @@ and engine-side aborts when the client goes away.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 from collections.abc import AsyncIterator
@@ -223,3 +224,42 @@ async def test_disconnect_aborts_in_the_engine(emulators: Any, gateway_factory: 
 async def _aborted(s: aiohttp.ClientSession, rep: Running) -> bool:
     st = await _state(s, rep)
     return bool(st["requests_aborted"] == 1 and st["in_flight"] == 0)
+
+
+def _agent_chat(system: str, task: str, history: str, max_tokens: int) -> bytes:
+    msgs = [{"role": "system", "content": system}, {"role": "user", "content": task + history}]
+    return json.dumps({"model": "emulated/small-test", "messages": msgs, "max_tokens": max_tokens,
+                       "ignore_eos": True, "stream": False}).encode()  # fmt: skip
+
+
+async def test_a_sub_agent_continues_where_its_own_context_is(emulators: Any, gateway_factory: Any) -> None:
+    """A thicc session (three requests in flight at home) sends a sub-agent's first turn to an
+    overflow replica; once home has room again, the sub-agent's next turn still goes there, where its
+    own context is cached (``RouteRequest.chain_key`` from the body), while the parent stays home."""
+    reps = await emulators(3, time_scale=1.0)
+    gw = await gateway_factory([r.url for r in reps])
+    parent_sys, sub_sys = "You are a coding agent. " * 40, "You are a search sub-agent. " * 20
+    parent = _agent_chat(parent_sys, "Fix the failing test in foo.py. ", "history " * 300, 60)
+    async with aiohttp.ClientSession() as s:
+        url = gw.url + "/v1/chat/completions"
+        status, _, h = await _post(s, url, parent, "thicc-1")
+        assert status == 200
+        home = h["X-Kvroute-Replica"]
+        # three of the parent's requests in flight at home, then the sub-agent's first turn
+        held = [asyncio.create_task(_post(s, url, parent, "thicc-1")) for _ in range(3)]
+        await wait_for(lambda: gw.runtime.store.core.session("thicc-1").in_flight_total == 3)  # type: ignore[union-attr]
+        sub1 = _agent_chat(sub_sys, "Find every caller of bar(). ", "found " * 200, 4)
+        status, _, h = await _post(s, url, sub1, "thicc-1")
+        assert status == 200 and h["X-Kvroute-Reason"] == "thicc_split"
+        overflow = h["X-Kvroute-Replica"]
+        assert overflow != home
+        assert all(r[0] == 200 for r in await asyncio.gather(*held))
+        # home is idle now; the sub-agent's next turn extends its own context, which is on the overflow
+        sub2 = _agent_chat(sub_sys, "Find every caller of bar(). ", "found " * 200 + "more " * 50, 4)
+        status, raw, h = await _post(s, url, sub2, "thicc-1")
+        assert status == 200 and h["X-Kvroute-Replica"] == overflow
+        assert json.loads(raw)["usage"]["prompt_tokens_details"]["cached_tokens"] > 0.5 * json.loads(raw)["usage"]["prompt_tokens"]
+        # the parent's next turn is still at home
+        status, _, h = await _post(s, url, _agent_chat(parent_sys, "Fix the failing test in foo.py. ",
+                                                       "history " * 330, 4), "thicc-1")  # fmt: skip
+        assert status == 200 and h["X-Kvroute-Replica"] == home

@@ -15,6 +15,7 @@ import pytest
 from router.clock import VirtualClock
 from router.errors import ReplicaNotFoundError
 from router.model import (
+    MAX_CHAINS,
     BindSession,
     Completion,
     EngineLoad,
@@ -25,6 +26,7 @@ from router.model import (
     RouteRequest,
     SessionState,
     SetOverflow,
+    remember_chain,
 )
 from router.store.base import StateStore, StoreConfig
 from router.store.memory import MemoryStore
@@ -258,6 +260,34 @@ async def test_overflow_split_and_context_learning(env: Env) -> None:
     assert snap.session is not None and snap.session.overflow == ()
 
 
+async def test_where_each_conversation_last_ran(env: Env) -> None:
+    """``SessionState.chains``: per conversation key, the replica its last request went to, newest
+    last, at most ``MAX_CHAINS`` (``remember_chain``); a request without a key records nothing."""
+    store = await fleet(env)
+    first = await store.acquire(bind("s", "r0"), RouteRequest("s", chain_key="parent"))
+    sub = await store.acquire(
+        RouteDecision("r1", Reason.THICC_SPLIT, (SetOverflow("s", ("r1",)),)), RouteRequest("s", chain_key="sub")
+    )
+    await store.acquire(plain("r0"), RouteRequest("s"))
+    snap = await store.snapshot("s")
+    assert snap.session is not None and snap.session.chains == (("parent", "r0"), ("sub", "r1"))
+    assert snap.session.chain_at("sub") == "r1" and snap.session.chain_at("other") is None
+    await store.release(sub, done(900))
+    await store.release(first, done(2000))
+    again = await store.acquire(plain("r2"), RouteRequest("s", chain_key="parent"))  # moved to the newest end
+    snap = await store.snapshot("s")
+    assert snap.session is not None and snap.session.chains == (("sub", "r1"), ("parent", "r2"))
+    await store.release(again, done(2100))
+    expected = snap.session.chains
+    for i in range(MAX_CHAINS):
+        lease = await store.acquire(plain("r0"), RouteRequest("s", chain_key=f"c{i}"))
+        await store.release(lease, done(100))
+        expected = remember_chain(expected, f"c{i}", "r0")
+    snap = await store.snapshot("s")
+    assert snap.session is not None and snap.session.chains == expected
+    assert len(expected) == MAX_CHAINS and expected[0] == ("c0", "r0")
+
+
 async def test_release_is_idempotent_and_never_negative(env: Env) -> None:
     store = await fleet(env)
     lease = await store.acquire(bind("s", "r0"), RouteRequest("s"))
@@ -412,8 +442,9 @@ async def test_random_sequences_match_memory(env: Env, seed: int) -> None:
                 effects.append(SetOverflow(sid, tuple(rng.sample(live, k=rng.randint(0, len(live))))))
             d = RouteDecision(target, reason, tuple(effects))
             trace.append(f"{step} acquire {sid} {d}")
-            la = await ref.acquire(d, RouteRequest(sid))
-            lb = await sut.acquire(d, RouteRequest(sid))
+            chain = rng.choice([None, *(f"k{i}" for i in range(MAX_CHAINS + 3))])  # past the bound
+            la = await ref.acquire(d, RouteRequest(sid, chain_key=chain))
+            lb = await sut.acquire(d, RouteRequest(sid, chain_key=chain))
             assert replace(lb, lease_id=la.lease_id) == la, f"step {step}"
             leases.append((la, lb))
         elif op < 0.85 and leases:

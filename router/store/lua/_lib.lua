@@ -84,7 +84,7 @@ local function session_row(sid, now, ttl, alive, skip)
   local pl = {}
   for rid, n in pairs(per) do pl[#pl + 1] = rid; pl[#pl + 1] = n end
   return {sid, fields['home'] or '', fields['ovf'] or '', fields['ctx'] or '0', fields['seen'] or '0',
-          fields['mark'] or '0', fields['turns'] or '0', pl, fields['bpt'] or '0'}
+          fields['mark'] or '0', fields['turns'] or '0', pl, fields['bpt'] or '0', fields['ch'] or ''}
 end
 
 -- One replica's row (pruning its active-session and placement windows), or nil if gone.

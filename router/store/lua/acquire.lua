@@ -5,6 +5,8 @@
 --                                or 'O', sid, n, replica * n
 --       then, on the fast path only: 'F', check ('1' = the decision does not bind sid itself),
 --       assumed home ('' = none): the home the decision was computed against (from a cached view)
+--       then, when the request names its conversation: 'C', chain key, max chains kept: the
+--       session's field 'ch' ("key=replica,..." oldest first) records where it ran (model.remember_chain)
 -- Returns {1, target, disagreement, prev_context, seq, lease_lost[, session row or {}]} or {0, target}
 -- (unknown target) or, on the fast path, {2, fresh session row or {}}: the session's real home
 -- differs from the assumed one and is not usable, so nothing was applied (the caller re-routes).
@@ -18,6 +20,9 @@ for _ = 1, neff do
   if ARGV[e] == 'B' then e = e + 5 else e = e + 3 + tonumber(ARGV[e + 2]) end
 end
 local fast = ARGV[e] == 'F'
+local ce = fast and e + 3 or e
+local chain, max_chains = '', 0
+if ARGV[ce] == 'C' then chain, max_chains = ARGV[ce + 1], tonumber(ARGV[ce + 2]) end
 
 local tms = redis_ms()
 local lost = 0
@@ -133,6 +138,15 @@ if sid ~= '' then
   redis.call('HINCRBY', sk, 'f:' .. gid .. '|' .. target, 1)
   redis.call('HSET', sk, 'seen', NOW)
   prev = tonumber(redis.call('HGET', sk, 'ctx') or '0')
+  if chain ~= '' then
+    local kept = {}
+    for k, r in string.gmatch(redis.call('HGET', sk, 'ch') or '', '([^=,]+)=([^,]+)') do
+      if k ~= chain then kept[#kept + 1] = k .. '=' .. r end
+    end
+    kept[#kept + 1] = chain .. '=' .. target
+    while #kept > max_chains do table.remove(kept, 1) end
+    redis.call('HSET', sk, 'ch', table.concat(kept, ','))
+  end
   local home = redis.call('HGET', sk, 'home')
   if home then
     redis.call('ZADD', K('home:' .. home), NOW, sid)

@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import re
 import secrets
 import socket
 from collections.abc import AsyncIterator, Mapping
@@ -23,6 +24,7 @@ from redis.retry import Retry
 from router.clock import Clock, SystemClock
 from router.errors import ConfigError, ReplicaNotFoundError, StaleSessionError, StoreError
 from router.model import (
+    MAX_CHAINS,
     BindSession,
     ClusterSnapshot,
     Completion,
@@ -50,6 +52,8 @@ from router.store.redis._wire import RedisWire, map_redis_errors
 __all__ = ["GATEWAY_REPLICA_REFRESH_S", "REFRESH_ENV", "RedisStore", "gateway_refresh_s", "make_redis_store"]
 
 log = logging.getLogger("kvroute.store.redis")
+
+_CHAIN_UNSAFE = re.compile(r"[,=]")
 
 
 def _split_cluster_flag(url: str) -> tuple[str, bool]:
@@ -432,6 +436,9 @@ class RedisStore:
         if fast.on:
             binds_sid = any(isinstance(e, BindSession) and e.session_id == sid for e in decision.effects)
             args += ["F", "0" if binds_sid else "1", fast.cached_home(sid)]
+        ck = request.chain_key
+        if sid is not None and ck and not _CHAIN_UNSAFE.search(ck):  # ',' and '=' frame the stored list
+            args += ["C", ck, MAX_CHAINS]
         async with self._hot_write():
             res = await self._wire.eval("acquire", args)
             code = int(res[0])

@@ -162,7 +162,7 @@ class RedisWire:
         )
 
     def session_state(self, row: list[Any]) -> SessionState:
-        sid, home, ovf, ctx, seen, mark, turns, pl, bpt = row
+        sid, home, ovf, ctx, seen, mark, turns, pl, bpt, ch = row
         per = sorted((str(pl[i]), int(pl[i + 1])) for i in range(0, len(pl), 2))
         return SessionState(
             session_id=sid,
@@ -174,4 +174,5 @@ class RedisWire:
             residency_mark=int(mark),
             turns=int(turns),
             bytes_per_token=float(bpt),
+            chains=tuple(tuple(kv.split("=", 1)) for kv in ch.split(",")) if ch else (),  # type: ignore[misc]
         )

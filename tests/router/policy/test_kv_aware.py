@@ -445,8 +445,67 @@ CASES: dict[str, Case] = {
         (SetOverflow("s1", (B,)),),
         AffinityBreak.OVERLOAD_SPILL,
     ),
-    # ---- short_to_overflow (opt-in): sub-agent turns go where earlier sub-agent turns went
-    # ---- collapse_idle_only (opt-in): overflows stay until the fan-out is over
+    # ---- rule 2, per conversation: a sub-agent's next turn goes where its previous turn went
+    "chain_continues_on_its_overflow": Case(
+        # sub-agent "k2" last ran on the overflow B; home has room again: its context is on B
+        snapshot(
+            replica(A, in_flight=1),
+            replica(B, in_flight=1),
+            replica(C),
+            sess=session("s1", A, overflow=(B,), in_flight={A: 1}, chains=(("k1", A), ("k2", B))),
+        ),
+        request(prompt=9_000, chain="k2"),
+        B,
+        Reason.THICC_SPLIT,
+    ),
+    "chain_continues_on_a_collapsed_overflow": Case(
+        # the session went idle and its overflow collapsed: B comes back into the set with the chain
+        snapshot(replica(A), replica(B), replica(C), sess=session("s1", A, chains=(("k2", B),))),
+        request(prompt=9_000, chain="k2"),
+        B,
+        Reason.THICC_SPLIT,
+        (SetOverflow("s1", (B,)),),
+    ),
+    "chain_at_home_follows_the_session_rules": Case(
+        # a conversation whose previous turn ran at home spills like any sub-agent when home is thicc
+        snapshot(
+            replica(A, in_flight=3), replica(B), replica(C, in_flight=1),
+            sess=session("s1", A, in_flight={A: 3}, chains=(("k2", A),)),
+        ),
+        request(prompt=9_000, chain="k2"),
+        B,
+        Reason.THICC_SPLIT,
+        (SetOverflow("s1", (B,)),),
+        AffinityBreak.THICC_SPLIT,
+    ),
+    "chain_not_followed_over_the_hard_bound": Case(
+        # B is over the hard bound (8): the conversation's cache does not outweigh load safety
+        snapshot(
+            replica(A, in_flight=1), replica(B, in_flight=9), replica(C),
+            sess=session("s1", A, overflow=(B,), chains=(("k2", B),)),
+        ),
+        request(prompt=9_000, chain="k2"),
+        A,
+        Reason.AFFINITY,
+        (SetOverflow("s1", ()),),
+    ),
+    "chain_not_followed_to_a_down_replica": Case(
+        snapshot(replica(A), replica(B, status=S.DOWN), replica(C), sess=session("s1", A, chains=(("k2", B),))),
+        request(prompt=9_000, chain="k2"),
+        A,
+        Reason.AFFINITY,
+    ),
+    "chain_not_followed_past_max_overflow": Case(
+        # the session already spans home + max_overflow replicas: a third is not opened for it
+        snapshot(
+            replica(A), replica(B, in_flight=1), replica(C),
+            sess=session("s1", A, overflow=(B,), in_flight={B: 1}, chains=(("k2", C),)),
+        ),
+        request(prompt=9_000, chain="k2"),
+        A,
+        Reason.AFFINITY,
+        params=P.with_changes(max_overflow=1),
+    ),
     "overload_mid_turn_spills": Case(
         # mean in-flight 3 -> hard bound max(8, 6) = 8; A is at 9
         snapshot(

@@ -8,7 +8,7 @@ import pytest
 
 from router.model import AffinityBreak, Completion, KeySource, Lease, Reason
 from router.policy.breaks import classify_break
-from router.policy.prefix_key import prefix_key
+from router.policy.prefix_key import chain_key, prefix_key
 
 CHAT = "/v1/chat/completions"
 TOOLS = [{"type": "function", "function": {"name": "bash", "parameters": {"type": "object"}}}]
@@ -32,6 +32,22 @@ def test_same_conversation_keeps_its_key_as_it_grows() -> None:
     k1 = key(chat("fix the failing test in foo.py"))
     k3 = key(chat("fix the failing test in foo.py", "looking at foo.py", "now run it"))
     assert k1 is not None and k1 == k3 and k1.startswith("p")
+
+
+def test_chain_key_names_each_conversation_of_a_session() -> None:
+    """A session's parent and its sub-agents (own system prompt, own task) get different chain keys;
+    each keeps its key as it grows; the key is ``prefix_key``'s anchor, shortened."""
+    parent = chain_key(chat("fix the failing test in foo.py", "looking"), CHAT, 1024, 64)
+    grown = chain_key(chat("fix the failing test in foo.py", "looking", "more", "and more"), CHAT, 1024, 64)
+    sub_a = chain_key(chat("find every caller of bar()", system="You are a search sub-agent."), CHAT, 1024, 64)
+    sub_b = chain_key(chat("summarise the test log", system="You are a search sub-agent."), CHAT, 1024, 64)
+    assert parent is not None and len(parent) == 16 and parent == grown
+    assert len({parent, sub_a, sub_b}) == 3
+    # a client that keeps the whole transcript in one growing user message keeps its key too
+    one = [chain_key(chat("fix it. " + "history " * n), CHAT, 1024, 64) for n in (200, 300, 5000)]
+    assert len(set(one)) == 1 and one[0] != parent
+    assert chain_key({"messages": []}, CHAT, 1024, 64) is None
+    assert chain_key({"prompt": "flat text " * 300}, "/v1/completions", 1024, 64) is None
 
 
 def test_shared_system_prompt_does_not_herd_conversations() -> None:
