@@ -5,6 +5,8 @@ DESIGN.md §3 rules, applied in this order for a request of a known session (doc
   gone      home removed / DOWN / JOINING              -> reassign now (REASSIGNED_GONE)
   retry     home in ``request.excluded``               -> overflow or placement, no rebind (RETRY)
   draining  home DRAINING and session idle             -> reassign (REASSIGNED_DRAINING)
+  chain     the request's conversation last ran on another replica of the session, which may take
+            it (pool, hard bound, max_overflow)        -> there (THICC_SPLIT, no break expected)
   evicted   session idle and its cache surely gone     -> place afresh by load (PLACED_EVICTED)
   thicc     ≥ thicc_threshold in flight at home (a request that does not continue the session's
             context), or home over the hard bound mid-turn -> sticky overflow replica (THICC_SPLIT)

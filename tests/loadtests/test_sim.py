@@ -168,8 +168,10 @@ def test_kv_events_give_the_policy_exact_residency(small_specs: list[SessionSpec
     checks = on.stats["residency_checks"]
     assert checks.get("agree", 0) > 0.5 * sum(checks.values()) > 0
     assert on.measures["errors"] == 0 and on.measures["requests"] > 0.9 * off.measures["requests"]
-    # sessions are placed afresh only when the engine says their cache is gone: no more evictions
-    assert on.measures["affinity_breaks"].get("evicted", 0) <= off.measures["affinity_breaks"].get("evicted", 0) * 1.2
+    # exact residency keeps a session home while a tenth of its context is resident (the shared
+    # prefix counts), so it promises no fewer `evicted` breaks than the estimate (over eight seeds of
+    # this fleet either has more on some); what it must not do is cost hit rate (round 15: ±0.01)
+    assert on.measures["chr"] >= off.measures["chr"] - 0.01  # type: ignore[operator]
 
 
 def test_parallel_turns_and_branches_run_concurrently() -> None:

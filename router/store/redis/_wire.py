@@ -174,5 +174,5 @@ class RedisWire:
             residency_mark=int(mark),
             turns=int(turns),
             bytes_per_token=float(bpt),
-            chains=tuple(tuple(kv.split("=", 1)) for kv in ch.split(",")) if ch else (),  # type: ignore[misc]
+            chains=tuple((k, r) for k, _, r in (kv.partition("=") for kv in ch.split(","))) if ch else (),
         )
