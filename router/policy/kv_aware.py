@@ -303,7 +303,7 @@ class KvAwarePolicy:
             )
             if moved is not None:
                 return moved  # else: nowhere else to go, the draining home serves it
-        at = sess.chain_at(request.chain_key) if p.chain_affinity else None
+        at = sess.chain_at(request.chain_key)
         if at is not None and at != home.id:
             # rule 2: a conversation that last ran on an overflow replica (a sub-agent split off a
             # thicc session) continues there, where its own context is cached

@@ -22,9 +22,6 @@ class PolicyParams:
     thicc_threshold: int = 3
     """A session with this many requests in flight at one replica sends the next to an overflow (a
     request that continues the session's context, the parent chain's next turn, stays at home)."""
-    chain_affinity: int = 1
-    """1: a conversation of a split session (``RouteRequest.chain_key``) continues where it last ran;
-    0: every request of the session is placed by the session's in-flight counts (round 17 A/B)."""
     max_overflow: int = 2
     """At most this many overflow replicas per session (a session spans ≤ 1 + max_overflow)."""
 
@@ -100,7 +97,7 @@ _POSITIVE_INT = {
     "prefix_block_chars",
     "prefix_blocks",
 }
-_FRACTION = {"panic_threshold", "working_set_limit", "chain_affinity"}
+_FRACTION = {"panic_threshold", "working_set_limit"}
 
 
 def _coerce(key: str, want: type, value: Any) -> Any:
