@@ -38,8 +38,7 @@ _SEP = "\x1e"
 def prefix_key(body: Mapping[str, Any], route: str, block_chars: int, blocks: int) -> str | None:
     if block_chars < 1 or blocks < 1:
         raise ValueError("block_chars and blocks must be ≥ 1")
-    model = body.get("model")
-    head = f"m={model if isinstance(model, str) else ''}{_SEP}"
+    head = _model_head(body)
     messages = body.get("messages")
     if route.endswith("/chat/completions") or (isinstance(messages, list) and "prompt" not in body):
         anchor = render_chat_anchor(body)
@@ -68,9 +67,7 @@ def chain_key(body: Mapping[str, Any], route: str, block_chars: int, blocks: int
     if anchor is None:
         return None
     shared, first_user = anchor
-    model = body.get("model")
-    head = f"m={model if isinstance(model, str) else ''}{_SEP}"
-    h = _chain(head, _blocks(shared, block_chars, blocks, full_only=False))
+    h = _chain(_model_head(body), _blocks(shared, block_chars, blocks, full_only=False))
     return _chain(h, [first_user[:block_chars]])[:16]
 
 
@@ -97,6 +94,11 @@ def render_chat_anchor(body: Mapping[str, Any]) -> tuple[str, str] | None:
     if not shared.strip(_SEP) and not first_user:
         return None
     return shared, first_user
+
+
+def _model_head(body: Mapping[str, Any]) -> str:
+    model = body.get("model")
+    return f"m={model if isinstance(model, str) else ''}{_SEP}"
 
 
 def _content_text(content: Any) -> str:
