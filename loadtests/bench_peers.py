@@ -94,6 +94,7 @@ _PAIRED: tuple[tuple[str, str, bool], ...] = (
     ("ttft_p99_s", "TTFT p99 (s)", False),
     ("dispersion", "dispersion", False),
     ("dispersion_floor", "dispersion floor", False),
+    ("dispersion_sticky", "dispersion of whole sessions", False),
     ("dispersion_between", "dispersion between replicas", False),
     ("p_load_ge12", "P(load>=12)", False),
     ("e2e_p99_s", "E2E p99 (s)", False),

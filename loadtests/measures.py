@@ -31,6 +31,13 @@ Definitions (exact, so that tests can pin them):
     placement if every replica's load were a sum of independent sessions with equal means (the
     binomial floor): what the workload allows without moving warm sessions. None without records
     or without a window end.
+  * ``dispersion_sticky`` = Σ Var(X_s) / Σ E[X_s] over sessions, X_s(t) = the number of the session's
+    requests in flight at t (from the same clipped spans; E and Var over the window). The dispersion
+    of sticky placement of whole, independent sessions counting each session's *parallel* requests
+    (sub-agents): ``dispersion`` counts requests, while ``dispersion_floor`` counts a busy session
+    once, so the two are equal only when no session ever has two requests in flight. A router that
+    splits bursty sessions (rule 2) can go below it; what a router leaves above it is between-replica
+    imbalance plus sessions on one replica moving together (a long prefill slows them all).
   * ``dispersion_between`` = Σ_r n_r (m_r - m)² / N / m over replicas r, m_r = r's mean sampled load,
     n_r its samples, m and N over all: the part of ``dispersion`` that comes from replicas carrying
     different average loads (placement). The rest (``dispersion - dispersion_between``) is each
@@ -72,6 +79,7 @@ MEASURE_FIELDS: tuple[str, ...] = (
     "requests",
     "errors",
     "dispersion_floor",
+    "dispersion_sticky",
     "dispersion_between",
     "pooled_chr",
     "routing_loss",
@@ -225,6 +233,7 @@ class MeasureCollector:
             "requests": len(self._records),
             "errors": len(self._records) - len(ok),
             "dispersion_floor": self._dispersion_floor(end),
+            "dispersion_sticky": self._dispersion_sticky(end),
             "dispersion_between": self._dispersion_between(),
             "pooled_chr": pooled,
             "routing_loss": None if pooled is None or chr_ is None else pooled - chr_,
@@ -240,10 +249,8 @@ class MeasureCollector:
             return None
         return sum(c * (s / c - mean) ** 2 for c, s in self._by_replica.values()) / n / mean
 
-    def _dispersion_floor(self, end: float | None) -> float | None:
-        """1 - Σf²/Σf over sessions (see the module docstring)."""
-        if end is None or end <= self.warmup_s:
-            return None
+    def _session_spans(self, end: float) -> dict[str, list[tuple[float, float]]]:
+        """Each session's request spans ``[t_start, t_start + e2e_s]`` clipped to the window."""
         spans: dict[str, list[tuple[float, float]]] = {}
         for r in self._records:
             if r.session_id is None or not math.isfinite(r.e2e_s):
@@ -251,9 +258,15 @@ class MeasureCollector:
             lo, hi = max(r.t_start, self.warmup_s), min(r.t_start + r.e2e_s, end)
             if hi > lo:
                 spans.setdefault(r.session_id, []).append((lo, hi))
+        return spans
+
+    def _dispersion_floor(self, end: float | None) -> float | None:
+        """1 - Σf²/Σf over sessions (see the module docstring)."""
+        if end is None or end <= self.warmup_s:
+            return None
         window = end - self.warmup_s
         fs: list[float] = []
-        for iv in spans.values():
+        for iv in self._session_spans(end).values():
             iv.sort()
             busy = 0.0
             cur_lo, cur_hi = iv[0]
@@ -267,3 +280,21 @@ class MeasureCollector:
             fs.append(busy / window)
         total = sum(fs)
         return 1.0 - sum(f * f for f in fs) / total if total > 0 else None
+
+    def _dispersion_sticky(self, end: float | None) -> float | None:
+        """Σ Var(X_s) / Σ E[X_s], X_s = the session's requests in flight (see the module docstring)."""
+        if end is None or end <= self.warmup_s:
+            return None
+        window = end - self.warmup_s
+        sum_var = sum_mean = 0.0
+        for iv in self._session_spans(end).values():
+            steps = sorted([(lo, 1) for lo, _ in iv] + [(hi, -1) for _, hi in iv])
+            level, t_prev, first, second = 0, steps[0][0], 0.0, 0.0
+            for t, step in steps:
+                first += level * (t - t_prev)
+                second += level * level * (t - t_prev)
+                level, t_prev = level + step, t
+            mean = first / window
+            sum_mean += mean
+            sum_var += second / window - mean * mean
+        return sum_var / sum_mean if sum_mean > 0 else None

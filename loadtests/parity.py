@@ -59,7 +59,7 @@ WORKLOADS: dict[str, dict[str, Any]] = {
     "weka": {"workload_kind": "weka", "sessions": 80, "host_tier": True},
 }
 
-COMPARED = ("chr", "ideal_chr", "pooled_chr", "routing_loss", "dispersion", "dispersion_floor", "dispersion_between", "p_load_ge12",
+COMPARED = ("chr", "ideal_chr", "pooled_chr", "routing_loss", "dispersion", "dispersion_floor", "dispersion_sticky", "dispersion_between", "p_load_ge12",
             "ttft_p50_s", "ttft_p99_s", "e2e_p99_s", "requests", "errors", "sessions_moved")  # fmt: skip
 
 

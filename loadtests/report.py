@@ -27,6 +27,7 @@ _ROWS: tuple[tuple[str, str, str], ...] = (
     ("dispersion", "dispersion (var/mean)", "{:.2f}"),
     ("dispersion_between", "  of it between replicas", "{:.2f}"),
     ("dispersion_floor", "dispersion floor (sticky)", "{:.2f}"),
+    ("dispersion_sticky", "  with parallel requests", "{:.2f}"),
     ("p_load_le1", "P(load<=1)", "{:.3f}"),
     ("p_load_ge12", "P(load>=12)", "{:.4f}"),
     ("ttft_p50_s", "TTFT p50 (s)", "{:.2f}"),

@@ -22,7 +22,7 @@ from loadtests.parity import WORKLOADS, run_sim_for
 
 __all__ = ["MEASURES", "cli_main", "paired"]
 
-MEASURES = ("chr", "routing_loss", "dispersion", "dispersion_between", "ttft_p99_s", "e2e_p99_s", "requests",
+MEASURES = ("chr", "routing_loss", "dispersion", "dispersion_sticky", "dispersion_between", "ttft_p99_s", "e2e_p99_s", "requests",
             "sessions_moved")  # fmt: skip
 
 

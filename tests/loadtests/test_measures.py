@@ -89,6 +89,30 @@ def test_dispersion_floor_is_the_binomial_floor_of_the_sessions_busy_fractions()
     assert m.result()["dispersion_floor"] == pytest.approx(1 - sum(f * f for f in fs) / sum(fs))
 
 
+def test_dispersion_sticky_counts_a_sessions_parallel_requests() -> None:
+    # the records of the floor's test: a's two requests overlap on [20, 30), so X_a is 1, 2, 1 on
+    # [10, 20), [20, 30), [30, 40): E = 0.4, E[X²] = 0.6, Var = 0.44; b and c are Bernoulli
+    m = MeasureCollector(warmup_s=0.0, end_s=100.0)
+    m.add(RequestRecord("a", "r0", 10.0, 1.0, 20.0, 100, 0, 1, 0))
+    m.add(RequestRecord("a", "r0", 20.0, 1.0, 20.0, 100, 0, 1, 0))
+    m.add(RequestRecord("b", "r1", 50.0, 1.0, 100.0, 100, 0, 1, 0))
+    m.add(RequestRecord("c", "r1", 0.0, 1.0, 10.0, 100, 0, 1, 0))
+    r = m.result()
+    assert r["dispersion_sticky"] == pytest.approx((0.44 + 0.25 + 0.09) / (0.4 + 0.5 + 0.1))
+    assert r["dispersion_sticky"] > r["dispersion_floor"]
+
+
+def test_dispersion_sticky_is_the_floor_when_no_session_overlaps_itself() -> None:
+    m = MeasureCollector(warmup_s=10.0, end_s=110.0)
+    m.add(RequestRecord("a", "r0", 10.0, 1.0, 20.0, 100, 0, 1, 0))
+    m.add(RequestRecord("a", "r0", 35.0, 1.0, 5.0, 100, 0, 1, 0))
+    m.add(RequestRecord("b", "r1", 60.0, 1.0, 80.0, 100, 0, 1, 0))  # clipped to [60, 110)
+    r = m.result()
+    assert r["dispersion_sticky"] == pytest.approx(r["dispersion_floor"])
+    assert r["dispersion_sticky"] == pytest.approx(1 - (0.25**2 + 0.5**2) / 0.75)
+    assert MeasureCollector().result()["dispersion_sticky"] is None
+
+
 def test_dispersion_floor_of_one_always_busy_session_is_zero_and_none_without_window() -> None:
     m = MeasureCollector(warmup_s=0.0, end_s=10.0)
     m.add(RequestRecord("a", "r0", 0.0, 1.0, 10.0, 100, 0, 1, 0))
