@@ -89,5 +89,6 @@ class SimReplica:
             host_capacity_tokens=cache.host_capacity_tokens,
             cache_hit_rate=eng.cache_hit_rate,
             gen_throughput=eng.gen_throughput,
+            waiting_uncached_tokens=eng.pending_prefill_tokens,
             updated_at=now,
         )

@@ -1017,7 +1017,7 @@ class _Handlers:
         prof = self.cfg.profile
         return {
             "timestamp": time.time(), "dp_rank": 0, "num_running_reqs": load.running,
-            "num_waiting_reqs": load.queued, "num_waiting_uncached_tokens": load.waiting_tokens,
+            "num_waiting_reqs": load.queued, "num_waiting_uncached_tokens": load.pending_prefill_tokens,
             "num_used_tokens": load.used_tokens, "num_total_tokens": load.used_tokens + load.waiting_tokens,
             "num_active_tokens": load.used_tokens + load.waiting_tokens, "num_prealloc_ready_tokens": 0,
             "max_total_num_tokens": load.capacity_tokens, "max_running_requests": prof.max_running_requests,

@@ -138,6 +138,7 @@ class EngineLoad:
     spec_accept_length: float
     waiting_tokens: int
     decode_sum_seq_lens: int
+    pending_prefill_tokens: int = 0  # prefill work not yet done (``ReplicaEngine.pending_prefill_tokens``)
 
 
 @dataclass(frozen=True, slots=True)
@@ -323,6 +324,7 @@ class ReplicaEngine:
             spec_accept_length=self.profile.spec_accept_length,
             waiting_tokens=sum(r.req.prompt_tokens for r in self._waiting),
             decode_sum_seq_lens=sum(r.req.prompt_tokens + int(r.gen) for r in self._decoding),
+            pending_prefill_tokens=self.pending_prefill_tokens,
         )
 
     # the few figures of ``load`` that cost nothing (a fleet simulator reads them every scrape for
@@ -334,6 +336,16 @@ class ReplicaEngine:
     @property
     def queued(self) -> int:
         return len(self._waiting)
+
+    @property
+    def pending_prefill_tokens(self) -> int:
+        """Prefill work a new request would wait behind: the uncached rest of the prompts being
+        prefilled plus the whole prompts still queued (their cache match is known only at admission).
+        What SGLang reports as ``num_waiting_uncached_tokens``; its scheduler keeps all of these
+        in the waiting queue or the chunked request, where this model admits them at once."""
+        return sum(r.req.prompt_tokens - r.prefilled for r in self._prefilling) + sum(
+            r.req.prompt_tokens for r in self._waiting
+        )
 
     @property
     def token_usage(self) -> float:

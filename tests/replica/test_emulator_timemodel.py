@@ -124,6 +124,25 @@ def test_cheap_load_figures_equal_load() -> None:
             ld.running, ld.queued, ld.cache_hit_rate, ld.gen_throughput)
 
 
+def test_pending_prefill_is_the_uncached_work_not_yet_done() -> None:
+    # what /v1/loads reports as num_waiting_uncached_tokens: a cold prompt counts whole, falls chunk
+    # by chunk as it is prefilled, and a repeat of it counts only its uncached tail
+    prof = KIMI
+    e = ReplicaEngine(prof)
+    cold = req("cold", "c" * 40_000, 4, prof.page_size)
+    e.submit(cold, 0.0)
+    assert e.pending_prefill_tokens == cold.prompt_tokens == e.load().pending_prefill_tokens
+    first_chunk = e.next_event_time()
+    assert first_chunk is not None
+    e.advance(first_chunk)
+    assert e.pending_prefill_tokens == cold.prompt_tokens - prof.chunked_prefill_size // prof.token_unit
+    evs = drain(e)
+    assert e.pending_prefill_tokens == 0 and any(isinstance(ev, FirstToken) for ev in evs)
+    again = req("again", "c" * 40_000 + "tail" * 100, 4, prof.page_size)
+    e.submit(again, e.next_event_time() or first(evs, Finished, "cold").t)
+    assert 0 < e.pending_prefill_tokens < again.prompt_tokens - cold.prompt_tokens + prof.page_size
+
+
 def test_more_batch_slower_per_request() -> None:
     prof = KIMI
     e1 = ReplicaEngine(prof)
