@@ -204,6 +204,8 @@ def replica_view(
         "engine_cache_hit_rate": round(e.cache_hit_rate, 6),
         "engine_age_s": None if e.updated_at <= 0 else round(max(0.0, now - e.updated_at), 3),
         "tokens_written": r.tokens_written,
+        # rule 6 feedback: tokens written after which a session's cache was last seen gone here (0: none yet)
+        "residency_horizon_tokens": r.residency_horizon_tokens,
         "placed_recent": r.placed_recent,
         "affinity_breaks": breaks,
         # exact residency from KV events (docs/KV_EVENTS.md): events (complete), estimate, off

@@ -75,6 +75,7 @@ def openapi_spec() -> dict[str, Any]:
             "engine_cache_hit_rate": {"type": "number", "minimum": 0},
             "engine_age_s": _nullable({"type": "number", "minimum": 0}),
             "tokens_written": {"type": "integer", "minimum": 0},
+            "residency_horizon_tokens": {"type": "integer", "minimum": 0},
             "placed_recent": {"type": "integer", "minimum": 0},
             "affinity_breaks": {"type": "integer", "minimum": 0},
             "residency_source": {

@@ -16,7 +16,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient
 
 from router.clock import VirtualClock
-from router.gateway.admin import ADMIN_COOKIE, AdminSettings, PolicyHolder, residency_view
+from router.gateway.admin import ADMIN_COOKIE, AdminSettings, PolicyHolder, replica_view, residency_view
 from router.model import (
     BindSession,
     ClusterSnapshot,
@@ -325,6 +325,16 @@ def test_residency_estimate() -> None:
     # the engine's answers showed this home's sessions gone after 400 tokens: the view follows
     learned = dataclasses.replace(home, residency_horizon_tokens=400)
     assert residency_view(fresh, learned, p)["estimate"] == "likely_evicted"
+
+
+def test_replica_view_shows_the_learned_residency_horizon() -> None:
+    # what rule 6 feedback learned (0 until a session's cache was seen gone): an operator reads it
+    # beside tokens_written to see how soon the policy presumes caches gone there
+    home = ReplicaState(id="r", url="u", capacity_tokens=1000, tokens_written=5000)
+    assert replica_view(home, 0.0)["residency_horizon_tokens"] == 0
+    learned = dataclasses.replace(home, residency_horizon_tokens=400)
+    view = replica_view(learned, 0.0)
+    assert (view["residency_horizon_tokens"], view["tokens_written"]) == (400, 5000)
 
 
 async def test_config_get_patch_and_validation(admin: tuple[TestClient, MemoryStore, Any]) -> None:
