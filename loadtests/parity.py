@@ -60,7 +60,7 @@ WORKLOADS: dict[str, dict[str, Any]] = {
 }
 
 COMPARED = ("chr", "ideal_chr", "pooled_chr", "routing_loss", "dispersion", "dispersion_floor", "dispersion_sticky", "dispersion_between", "p_load_ge12",
-            "ttft_p50_s", "ttft_p99_s", "e2e_p99_s", "requests", "errors", "sessions_moved")  # fmt: skip
+            "ttft_p50_s", "ttft_p99_s", "e2e_p99_s", "requests", "errors", "sessions_moved", "route_reasons")  # fmt: skip
 
 
 def _page(scenario: DemoScenario, specs: Sequence[SessionSpec]) -> int:

@@ -32,6 +32,7 @@ from __future__ import annotations
 import random
 import time
 import zlib
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -288,6 +289,9 @@ class _Sim:
         prof = cfg.profile
         self.pooled = PooledCache(cfg.replicas * prof.capacity_tokens, self.page, cfg.replicas * prof.host_tokens)
         self.measures = MeasureCollector(warmup_s=cfg.warmup_s, end_s=cfg.duration_s, replicas=cfg.replicas)
+        # the decisions of requests started in the window, by reason: what the live driver tallies
+        # from kvroute's X-Kvroute-Reason header (``route_reasons``), so parity compares decisions too
+        self.reasons: Counter[str] = Counter()
         self.rng = random.Random(f"sim:{cfg.seed}")
         self.gateways = [
             _Gateway(g, policy or make_policy(cfg.policy, cfg.policy_params), random.Random(f"gw:{cfg.seed}:{g}"))
@@ -695,6 +699,8 @@ class _Sim:
                 pooled_cached_tokens=req.pooled if ok else 0,
             )
         )
+        if lease is not None and req.t_start >= self.cfg.warmup_s:
+            self.reasons[lease.reason.value] += 1
         chain = req.chain
         if ok and req.replica is not None:
             chain.last_replica = req.replica.id
@@ -739,6 +745,7 @@ class _Sim:
         self.loop.run(until=until)
         wall = time.perf_counter() - wall0
         m = self.measures.result()
+        m["route_reasons"] = dict(sorted(self.reasons.items()))
         stats = dict(self.stats)
         stats.update(
             wall_s=round(wall, 3),

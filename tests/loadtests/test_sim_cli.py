@@ -49,10 +49,15 @@ def test_cli_synthetic_writes_measures_per_policy(tmp_path: Path) -> None:
     data = json.loads(out.read_text())
     assert list(data) == ["hash", "kv_aware", "kv_t5", "round_robin"]
     for m in data.values():
-        assert set(m) == set(MEASURE_FIELDS)
+        assert set(m) == {*MEASURE_FIELDS, "route_reasons"}
         assert m["requests"] > 50 and m["errors"] == 0
         assert 0.0 < m["chr"] <= m["ideal_chr"] <= 1.0
+        # every request of the window counted once by its decision's reason, as the live driver
+        # counts kvroute's X-Kvroute-Reason header
+        assert sum(m["route_reasons"].values()) == m["requests"]
     assert data["kv_aware"]["sessions_moved_by_scaleup"] == 0
+    assert {"placed_new", "affinity"} <= set(data["kv_aware"]["route_reasons"])
+    assert set(data["round_robin"]["route_reasons"]) == {"round_robin"}
     d = json.loads(details.read_text())
     assert d["lanes"] == 24 and d["runs"]["kv_aware"]["stats"]["replicas_final"] == 5
     assert d["policy_params"]["kv_t5"]["thicc_threshold"] == 5 and d["policy_params"]["kv_aware"]["thicc_threshold"] != 5
