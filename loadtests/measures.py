@@ -199,6 +199,7 @@ class MeasureCollector:
         if end is None and self._records:
             end = max(r.t_start + r.e2e_s for r in self._records)
         window = (end - self.warmup_s) if end is not None else 0.0
+        spans = self._session_spans(end) if end is not None and end > self.warmup_s else None
         replicas = self._replica_slots / self._samples if self._samples else float(self.replicas)
         throughput: float | None = None
         if window > 0 and replicas > 0:
@@ -232,8 +233,8 @@ class MeasureCollector:
             "gateway_overhead_p99_ms": percentile(self._overhead_ms, 99),
             "requests": len(self._records),
             "errors": len(self._records) - len(ok),
-            "dispersion_floor": self._dispersion_floor(end),
-            "dispersion_sticky": self._dispersion_sticky(end),
+            "dispersion_floor": None if spans is None else self._dispersion_floor(spans, window),
+            "dispersion_sticky": None if spans is None else self._dispersion_sticky(spans, window),
             "dispersion_between": self._dispersion_between(),
             "pooled_chr": pooled,
             "routing_loss": None if pooled is None or chr_ is None else pooled - chr_,
@@ -260,13 +261,10 @@ class MeasureCollector:
                 spans.setdefault(r.session_id, []).append((lo, hi))
         return spans
 
-    def _dispersion_floor(self, end: float | None) -> float | None:
+    def _dispersion_floor(self, spans: dict[str, list[tuple[float, float]]], window: float) -> float | None:
         """1 - Σf²/Σf over sessions (see the module docstring)."""
-        if end is None or end <= self.warmup_s:
-            return None
-        window = end - self.warmup_s
         fs: list[float] = []
-        for iv in self._session_spans(end).values():
+        for iv in spans.values():
             iv.sort()
             busy = 0.0
             cur_lo, cur_hi = iv[0]
@@ -281,13 +279,10 @@ class MeasureCollector:
         total = sum(fs)
         return 1.0 - sum(f * f for f in fs) / total if total > 0 else None
 
-    def _dispersion_sticky(self, end: float | None) -> float | None:
+    def _dispersion_sticky(self, spans: dict[str, list[tuple[float, float]]], window: float) -> float | None:
         """Σ Var(X_s) / Σ E[X_s], X_s = the session's requests in flight (see the module docstring)."""
-        if end is None or end <= self.warmup_s:
-            return None
-        window = end - self.warmup_s
         sum_var = sum_mean = 0.0
-        for iv in self._session_spans(end).values():
+        for iv in spans.values():
             steps = sorted([(lo, 1) for lo, _ in iv] + [(hi, -1) for _, hi in iv])
             level, t_prev, first, second = 0, steps[0][0], 0.0, 0.0
             for t, step in steps:

@@ -77,26 +77,28 @@ def test_uniform_load_has_zero_dispersion_and_throughput_uses_replicas_arg() -> 
     assert r["throughput_tok_s_per_replica"] == pytest.approx(200 / 4.0 / 2)
 
 
-def test_dispersion_floor_is_the_binomial_floor_of_the_sessions_busy_fractions() -> None:
-    # window [0, 100): session a busy 10..30 and 20..40 (union 30 s: f = 0.3), b busy 50..150
-    # (clipped to 50 s: f = 0.5), c busy 0..10 (f = 0.1)
+def _three_sessions() -> MeasureCollector:
+    """Window [0, 100): session a busy 10..30 and 20..40 (overlapping), b 50..150, c 0..10."""
     m = MeasureCollector(warmup_s=0.0, end_s=100.0)
     m.add(RequestRecord("a", "r0", 10.0, 1.0, 20.0, 100, 0, 1, 0))
     m.add(RequestRecord("a", "r0", 20.0, 1.0, 20.0, 100, 0, 1, 0))
     m.add(RequestRecord("b", "r1", 50.0, 1.0, 100.0, 100, 0, 1, 0))
     m.add(RequestRecord("c", "r1", 0.0, 1.0, 10.0, 100, 0, 1, 0))
+    return m
+
+
+def test_dispersion_floor_is_the_binomial_floor_of_the_sessions_busy_fractions() -> None:
+    # window [0, 100): session a busy 10..30 and 20..40 (union 30 s: f = 0.3), b busy 50..150
+    # (clipped to 50 s: f = 0.5), c busy 0..10 (f = 0.1)
+    m = _three_sessions()
     fs = [0.3, 0.5, 0.1]
     assert m.result()["dispersion_floor"] == pytest.approx(1 - sum(f * f for f in fs) / sum(fs))
 
 
 def test_dispersion_sticky_counts_a_sessions_parallel_requests() -> None:
-    # the records of the floor's test: a's two requests overlap on [20, 30), so X_a is 1, 2, 1 on
+    # a's two requests overlap on [20, 30), so X_a is 1, 2, 1 on
     # [10, 20), [20, 30), [30, 40): E = 0.4, E[X²] = 0.6, Var = 0.44; b and c are Bernoulli
-    m = MeasureCollector(warmup_s=0.0, end_s=100.0)
-    m.add(RequestRecord("a", "r0", 10.0, 1.0, 20.0, 100, 0, 1, 0))
-    m.add(RequestRecord("a", "r0", 20.0, 1.0, 20.0, 100, 0, 1, 0))
-    m.add(RequestRecord("b", "r1", 50.0, 1.0, 100.0, 100, 0, 1, 0))
-    m.add(RequestRecord("c", "r1", 0.0, 1.0, 10.0, 100, 0, 1, 0))
+    m = _three_sessions()
     r = m.result()
     assert r["dispersion_sticky"] == pytest.approx((0.44 + 0.25 + 0.09) / (0.4 + 0.5 + 0.1))
     assert r["dispersion_sticky"] > r["dispersion_floor"]
