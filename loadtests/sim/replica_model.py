@@ -43,7 +43,13 @@ class SimReplica:
         listener: CacheListener | None = None,
     ) -> SimReplica:
         rid = rid or f"r{index:03d}"
-        cache = PrefixCache(profile.capacity_tokens, profile.page_size, profile.host_tokens, listener=listener)
+        cache = PrefixCache(
+            profile.capacity_tokens,
+            profile.page_size,
+            profile.host_tokens,
+            evict_whole_nodes=profile.evict_whole_nodes,  # as the emulator's and SGLang's radix cache
+            listener=listener,
+        )
         spec = ReplicaSpec(
             id=rid,
             url=f"sim://{rid}",

@@ -11,6 +11,7 @@ import pytest
 
 from loadtests.sim.run import FailureEvent, ScaleEvent, SimConfig, default_profile, run_sim
 from loadtests.workloads import SessionSpec, SyntheticParams, Turn, synthetic_sessions
+from replica.emulator.profiles import Profile
 from router.errors import NoReplicaError
 from router.model import ClusterSnapshot, RouteDecision, RouteRequest, fleet_totals
 from router.policy import make_policy
@@ -258,3 +259,39 @@ def test_running_totals_give_the_decisions_of_a_scan(small_specs: list[SessionSp
     )
     res = run_sim(small_specs, cfg, policy=checking)
     assert checking.calls > 300 and res.stats["retries"] > 0
+
+
+def _cached_tokens_of(cache: Any, turns: list[list[int]]) -> list[int]:
+    """Admit each prompt (block hashes), store it, release it; the device tokens each one found."""
+    found = []
+    for hashes in turns:
+        got = cache.try_lock(hashes, len(hashes) * cache.page_size)
+        assert got is not None
+        lease, m = got
+        cache.insert(lease, hashes[m.device_blocks + m.host_blocks :])
+        cache.release(lease)
+        found.append(m.device_tokens)
+    return found
+
+
+@pytest.mark.parametrize("whole_nodes", [True, False])
+def test_simulated_replicas_evict_as_the_emulator_does(whole_nodes: bool) -> None:
+    """A simulated replica's cache is the emulator's for the same profile, eviction granularity
+    included (SGLang's whole radix nodes by default), so the same prompts find the same tokens."""
+    from loadtests.sim.replica_model import SimReplica
+    from replica.emulator.server import EmulatorConfig, Replica
+
+    profile = Profile(kv_capacity_tokens=40, host_capacity_tokens=0, page_size=4, evict_whole_nodes=whole_nodes)
+    # a session's two turns, another session, a third that needs one block more than is free, then
+    # the first session's second turn again: whole nodes drop that turn's extension, the finer
+    # model one block of it (``tests/replica/test_emulator_cache.py``)
+    t1 = [hash((1, i)) & 0xFFFFFFFF for i in range(3)]
+    t2 = t1 + [hash((1, i)) & 0xFFFFFFFF for i in range(3, 6)]
+    turns = [t1, t2, [hash((2, i)) & 0xFFFFFFFF for i in range(2)], [hash((3, i)) & 0xFFFFFFFF for i in range(3)], t2]
+    simulated = _cached_tokens_of(SimReplica.make(0, profile).engine.cache, turns)
+    emulated = _cached_tokens_of(Replica(EmulatorConfig(profile=profile)).cache, turns)
+    assert simulated == emulated
+    other = _cached_tokens_of(
+        SimReplica.make(0, replace(profile, evict_whole_nodes=not whole_nodes)).engine.cache, turns
+    )
+    assert other != simulated  # the sequence tells the two granularities apart
