@@ -9,6 +9,11 @@ Rules:
      turn T-1 is a prefix of turn T's (what a prefix cache needs to hit).
   4. Sizes are in *emulated* tokens of 4 bytes each (the emulator's tokenizer: 1 token = 4 UTF-8 bytes
      of the rendered prompt). A workload in model tokens is divided by ``token_unit`` first.
+  5. A conversation's first user message never changes: it is the conversation's id alone, as a real
+     agent's first task message stays put while later messages append. The gateway names a
+     conversation by that message (``router.policy.prefix_key.chain_key``); a growing first message
+     shorter than the key's block (every sub-agent's at ``token_unit`` 100) would get a new name
+     every turn.
 
 Text is base64 of seeded random bytes with ``+``/``/`` turned into spaces: ASCII-only (so byte length
 equals character length), JSON-safe without escapes, and generated in C, so 100 kB costs microseconds.
@@ -20,6 +25,8 @@ import base64
 import random
 from dataclasses import dataclass, field
 from functools import lru_cache
+
+from replica.emulator.tokenizer import render_chat
 
 __all__ = [
     "BYTES_PER_TOKEN",
@@ -83,18 +90,24 @@ class Conversation:
     Sizes are given in *model* tokens; the text has ``4 / token_unit`` bytes per model token, computed
     on the running total so that rounding never drifts (1000 turns of 30 tokens stay 30,000 tokens).
 
-    The request has two messages: the shared system + tools prompt, and ONE user message holding the
-    whole session history, which grows append-only turn by turn (tool results, the model's previous
-    replies, user text). One message instead of one per turn keeps the chat template's per-message
-    markers (~10 emulated tokens each, i.e. ~1000 model tokens at ``token_unit`` 100) from inflating
-    the context; the rendered prompt of turn T-1 is then a prefix of turn T's up to its closing
-    marker, which is what a prefix cache needs.
+    The request has three messages: the shared system + tools prompt, the conversation's id (its
+    first user message, rule 5), and ONE user message holding the whole history, which grows
+    append-only turn by turn (tool results, the model's previous replies, user text). One history
+    message instead of one per turn keeps the chat template's per-message markers (~10 emulated
+    tokens each, i.e. ~1000 model tokens at ``token_unit`` 100) from inflating the context. The id
+    message and the template's markers (the emulator's, ``render_chat``: ~30 emulated tokens in all)
+    count within the history's size, so the rendered prompt is as long as the workload says (a
+    trace's prompt sizes include its template, and the simulator takes them as they are). The
+    rendered prompt of turn T-1 is a prefix of turn T's up to its closing marker, which is what a
+    prefix cache needs.
     """
 
     key: str  # seed namespace: conversation id, so no two conversations share history text
     shared_prefix_tokens: int  # model tokens
     token_unit: int = 1
     _shared: str = ""
+    _marker: str = ""
+    _frame: int = 0
     _chunks: list[str] = field(default_factory=list)
     _history_model_tokens: int = 0
     _history_bytes: int = 0
@@ -104,9 +117,16 @@ class Conversation:
             raise ValueError(f"token_unit must be >= 1, got {self.token_unit}")
         n = self._bytes_for(self.shared_prefix_tokens)
         self._shared = shared_prefix(n) if n > 0 else ""
-        marker = f"[{self.key}] "  # AgentX-style cache-bust id right after the shared prefix
-        self._chunks.append(marker)
-        self._history_bytes = len(marker)
+        self._marker = f"[{self.key}]"  # AgentX-style cache-bust id right after the shared prefix
+        empty = [{"role": "system", "content": ""}] if self._shared else []
+        self._frame = len(render_chat([*empty, {"role": "user", "content": ""}, {"role": "user", "content": ""}]))
+        self._history_bytes = self._head_bytes
+
+    @property
+    def _head_bytes(self) -> int:
+        """Bytes of the id and of the template (markers, generation prompt): the history's budget
+        includes them."""
+        return len(self._marker) + self._frame
 
     def _bytes_for(self, model_tokens: int) -> int:
         return (max(model_tokens, 0) * BYTES_PER_TOKEN + self.token_unit // 2) // self.token_unit
@@ -117,17 +137,18 @@ class Conversation:
         target = max(self._bytes_for(self._history_model_tokens), self._history_bytes)
         n = target - self._history_bytes
         if n > 0:
-            self._chunks.append(filler(f"{self.key}/{len(self._chunks)}", n))
+            self._chunks.append(filler(f"{self.key}/{len(self._chunks) + 1}", n))
             self._history_bytes = target
 
     def truncate(self, model_tokens: int) -> None:
         """Keep only the first ``model_tokens`` of history (a trace that rewrites the tail of its
-        context: the next turn reuses a prefix and replaces the rest). Never grows it."""
-        keep = min(self._bytes_for(max(model_tokens, 0)), self._history_bytes)
+        context: the next turn reuses a prefix and replaces the rest). Never grows it, and never
+        touches the id message."""
+        keep = max(min(self._bytes_for(max(model_tokens, 0)), self._history_bytes), self._head_bytes)
         if keep >= self._history_bytes:
             return
         kept: list[str] = []
-        n = 0
+        n = self._head_bytes
         for chunk in self._chunks:
             if n + len(chunk) >= keep:
                 kept.append(chunk[: keep - n])
@@ -145,6 +166,7 @@ class Conversation:
     @property
     def messages(self) -> list[dict[str, str]]:
         out = [{"role": "system", "content": self._shared}] if self._shared else []
+        out.append({"role": "user", "content": self._marker})
         out.append({"role": "user", "content": "".join(self._chunks)})
         return out
 
@@ -155,5 +177,5 @@ class Conversation:
 
     @property
     def prompt_tokens(self) -> int:
-        """Emulated tokens of the message contents (the replica's template adds a few)."""
+        """Emulated tokens of the prompt as the emulator renders it."""
         return (len(self._shared) + self._history_bytes) // BYTES_PER_TOKEN

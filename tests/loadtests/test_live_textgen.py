@@ -6,11 +6,19 @@ import json
 
 import pytest
 
-from loadtests.textgen import BYTES_PER_TOKEN, Conversation, emulated_tokens, filler, shared_prefix
+from loadtests.textgen import (
+    BYTES_PER_TOKEN,
+    Conversation,
+    emulated_tokens,
+    filler,
+    shared_prefix,
+)
+from replica.emulator.tokenizer import GENERATION_PROMPT, render_chat
+from router.policy.prefix_key import chain_key
 
 
 def _render(conv: Conversation) -> str:
-    return "".join(m["content"] for m in conv.messages)
+    return render_chat(conv.messages)
 
 
 def test_filler_is_deterministic_ascii_and_exact_length() -> None:
@@ -28,8 +36,8 @@ def test_shared_prefix_is_identical_across_conversations() -> None:
     a.add(100)
     b.add(100)
     assert a.messages[0] == b.messages[0] == {"role": "system", "content": shared_prefix(500 * BYTES_PER_TOKEN)}
-    assert a.messages[1]["content"].startswith("[a] ") and b.messages[1]["content"].startswith("[b] ")
-    assert a.messages[1]["content"][4:] != b.messages[1]["content"][4:]
+    assert a.messages[1] == {"role": "user", "content": "[a]"} and b.messages[1]["content"] == "[b]"
+    assert a.messages[2]["content"] != b.messages[2]["content"]
 
 
 def test_conversation_is_append_only_and_counts_tokens() -> None:
@@ -39,15 +47,17 @@ def test_conversation_is_append_only_and_counts_tokens() -> None:
     c.add(5)
     c.add(40)
     t2, n2 = _render(c), c.prompt_tokens
-    assert t2.startswith(t1)
-    assert [m["role"] for m in c.messages] == ["system", "user"]  # one growing history message
-    assert n1 == len(t1) // BYTES_PER_TOKEN == 200 + 300  # the marker counts within the budget
+    closing = len("<|im_end|>") + len(GENERATION_PROMPT)
+    assert t2.startswith(t1[:-closing])  # a prefix up to the history's closing marker
+    assert [m["role"] for m in c.messages] == ["system", "user", "user"]  # id, one growing history message
+    # the rendered prompt (the id, the template's markers) is as long as the workload says
+    assert n1 == len(t1) // BYTES_PER_TOKEN == 200 + 300
     assert n2 == len(t2) // BYTES_PER_TOKEN == 545
 
 
 def test_token_unit_scales_text_without_rounding_drift() -> None:
     c = Conversation(key="k", shared_prefix_tokens=20_000, token_unit=100)
-    assert c.prompt_tokens == 200 + 1  # the marker before any history
+    assert c.prompt_tokens == len(_render(c)) // BYTES_PER_TOKEN > 200  # the id and the template
     for _ in range(1000):
         c.add(30)  # 0.3 emulated tokens each: rounding per call would give 0 or 1000
     assert c.prompt_tokens == pytest.approx(200 + 300, abs=2)
@@ -85,3 +95,26 @@ def test_truncate_keeps_a_prefix_and_the_next_turn_extends_it() -> None:
     assert c.history_model_tokens == 110 and c.messages[-1]["content"].startswith(kept)
     c.truncate(500)  # never grows
     assert c.history_model_tokens == 110
+
+
+def test_a_short_growing_conversation_keeps_its_name() -> None:
+    """The gateway names a conversation by its first user message's first block; at ``token_unit``
+    100 a sub-agent's whole history is shorter than that block, so it must not be in that message."""
+    a, b = (Conversation(key=k, shared_prefix_tokens=9_000, token_unit=100) for k in ("s/a00~0", "s/a01~0"))
+    names = set()
+    for _ in range(6):
+        a.add(1_500)
+        b.add(1_500)
+        assert len(a.messages[-1]["content"]) < 1024
+        names.add(chain_key({"model": "m", "messages": a.messages}, "/v1/chat/completions", 1024, 64))
+    assert len(names) == 1
+    assert chain_key({"model": "m", "messages": b.messages}, "/v1/chat/completions", 1024, 64) not in names
+
+
+def test_truncate_never_cuts_into_the_conversations_id() -> None:
+    c = Conversation(key="s~0", shared_prefix_tokens=0, token_unit=1)
+    c.add(100)
+    c.truncate(0)
+    assert c.messages == [{"role": "user", "content": "[s~0]"}, {"role": "user", "content": ""}]
+    c.add(50)
+    assert c.prompt_tokens == 50
