@@ -24,7 +24,8 @@ Rule 3 (decode segments, closed form): otherwise every prefilled request decodes
         steps are done at time t" are solved in O(1). A *segment* lasts until the first request
         finishes; an arrival that could be admitted cuts it at the next step boundary; an abort
         cuts it likewise. Work per request is O(batch size) overall, never O(output tokens).
-Rule 4 (tokens): the last prefill chunk yields the first token; each decode step yields
+Rule 4 (tokens): the last prefill chunk yields the first token (one model token: ``1 / token_unit``
+        emulated tokens; the stream shows one emulated token from then on); each decode step yields
         ``spec_accept_length / token_unit`` emulated tokens per request (fractional carry).
 Rule 5 (token_unit): one emulated token stands for ``token_unit`` model tokens; costs are
         computed in model tokens, capacities are reported in emulated tokens.
@@ -375,7 +376,8 @@ class ReplicaEngine:
         return len(self._prefilling) + len(self._decoding)
 
     def _visible(self, r: _Req) -> int:
-        return min(r.req.output_tokens, int(r.gen + 1e-9))
+        # the first token counts whole from the moment it exists (the stream shows it)
+        return min(r.req.output_tokens, max(int(r.gen + 1e-9), 1 if r.gen > 0 else 0))
 
     def _catch_up(self, now: float) -> None:
         while self._op is not None and self._op.end <= now:
@@ -468,9 +470,9 @@ class ReplicaEngine:
             if r.req.output_tokens == 0:
                 self._finish(r, t, "length")
                 continue
-            r.gen = 1.0
+            r.gen = 1.0 / self._unit  # one model token, as the engine it stands for
             self._events.append(FirstToken(r.req.rid, t))
-            if r.req.output_tokens <= 1:
+            if r.gen >= r.req.output_tokens - 1e-9:
                 self._finish(r, t, "length")
             else:
                 r.state = _DECODE

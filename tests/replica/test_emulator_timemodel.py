@@ -250,6 +250,36 @@ def test_token_unit_scales_time_and_capacity() -> None:
     assert f8.t == pytest.approx(f1.t, rel=0.05)
 
 
+def test_the_first_token_is_one_model_token_at_any_token_unit() -> None:
+    """At ``token_unit`` 100 one emulated token is 100 model tokens; the first token is still one
+    model token, so a reply decodes for as many steps as the model's would (it skipped ~18 steps of
+    a 500-token reply when the first token counted one emulated token)."""
+    p1, p100 = KIMI, KIMI.with_overrides(token_unit=100)
+    e1, e100 = ReplicaEngine(p1), ReplicaEngine(p100)
+    e1.submit(req("r", "x" * 4 * 80_000, 500, p1.page_size), 0.0)
+    e100.submit(req("r", "x" * 4 * 800, 5, p100.page_size), 0.0)
+    ev1, ev100 = drain(e1), drain(e100)
+    decode1 = first(ev1, Finished, "r").t - first(ev1, FirstToken, "r").t
+    decode100 = first(ev100, Finished, "r").t - first(ev100, FirstToken, "r").t
+    assert decode100 == pytest.approx(decode1, rel=0.01)
+    assert first(ev100, Finished, "r").completion_tokens == 5
+
+
+def test_an_abort_after_the_first_token_reports_it() -> None:
+    prof = KIMI.with_overrides(token_unit=100)
+    e = ReplicaEngine(prof)
+    e.submit(req("r", "x" * 4 * 100, 5, prof.page_size), 0.0)
+    evs: list[EngineEvent] = []
+    while not any(isinstance(ev, FirstToken) for ev in evs):
+        t = e.next_event_time()
+        assert t is not None
+        evs = e.advance(t)
+    ft = first(evs, FirstToken, "r").t
+    assert e.progress("r", ft).tokens == 0  # a hundredth of an emulated token so far
+    e.abort("r", ft)
+    assert first(e.advance(ft), Finished, "r").completion_tokens == 1  # the stream has shown one
+
+
 def test_progress_counts_tokens_in_closed_form() -> None:
     prof = KIMI.with_overrides(spec_accept_length=4.0)
     e = ReplicaEngine(prof)
