@@ -76,6 +76,7 @@ class PooledCache:
 
         self.page_size = page_size
         self._cache = PrefixCache(max(capacity_tokens, page_size), page_size, max(host_capacity_tokens, 0))
+        self._fresh = 1 << 64  # names of reply pages: past every 64-bit block hash
 
     def hit(self, hashes: list[int], prompt_tokens: int) -> int:
         """Tokens the pooled cache holds of this prompt's prefix now (same units as the pages)."""
@@ -83,8 +84,16 @@ class PooledCache:
         m = self._cache.match(hashes[:cap] if cap < len(hashes) else hashes)
         return min(m.device_blocks + m.host_blocks, cap) * self.page_size
 
-    def insert(self, hashes: list[int]) -> None:
-        """The blocks of a finished request become the most recently used (oldest evicted first)."""
+    def insert(self, hashes: list[int], stored_tokens: int = 0) -> None:
+        """The blocks of a finished request become the most recently used (oldest evicted first).
+
+        ``stored_tokens``: what a replica keeps of the request, prompt and reply (SGLang caches the
+        reply too); the pages past ``hashes`` get names of their own, which no later prompt matches:
+        a reply's pages take room and never hit (the simulator names them itself)."""
+        extra = stored_tokens // self.page_size - len(hashes)
+        if extra > 0:
+            hashes = [*hashes, *range(self._fresh, self._fresh + extra)]
+            self._fresh += extra
         if not hashes:
             return
         got = self._cache.try_lock(hashes, len(hashes) * self.page_size)

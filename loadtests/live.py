@@ -401,7 +401,7 @@ class _Run:
             await asyncio.gather(*reqs)
             self.ideal.insert(blocks)  # the next turn (of any session) may hit this prompt
             if self.pooled is not None:
-                self.pooled.insert(blocks)
+                self.pooled.insert(blocks, stored_tokens=prompt_emul + out)  # the replica keeps the reply too
             for b in spec.branches:
                 if int(b.spawn_after_turn) == k:
                     self.spawn(b, float(b.start_s))

@@ -96,6 +96,24 @@ def test_pooled_cache_is_one_lru_of_the_fleets_size() -> None:
     assert pool.hit(a, 25) == 24
 
 
+def test_pooled_cache_holds_the_reply_pages_a_replica_keeps() -> None:
+    """A replica caches prompt and reply; the reply's pages take room in the pool and never hit."""
+    from loadtests.ideal import PooledCache
+
+    a, b = list(range(100, 104)), list(range(200, 204))  # 4 blocks each
+    prompts_only = PooledCache(capacity_tokens=32, page_size=4)  # 8 blocks
+    prompts_only.insert(a)
+    prompts_only.insert(b)
+    assert prompts_only.hit(a, 17) == 16 and prompts_only.hit(b, 17) == 16
+    pool = PooledCache(capacity_tokens=32, page_size=4)
+    pool.insert(a, stored_tokens=16 + 9)  # + 2 pages of reply (the partial third is not stored)
+    pool.insert(b, stored_tokens=16 + 8)  # 12 blocks wanted: a's reply, then a's tail, go
+    assert pool.hit(a, 17) == 8 and pool.hit(b, 17) == 16
+    assert pool.hit([*b, 1 << 64], 21) == 16  # a reply's page is never a prompt's
+    pool.insert(a, stored_tokens=8)  # fewer tokens than the names: nothing extra
+    assert pool.hit(a, 17) == 16
+
+
 def test_pooled_cache_host_tier_extends_the_pool() -> None:
     from loadtests.ideal import PooledCache
 
