@@ -120,13 +120,16 @@ class Conversation:
         self._marker = f"[{self.key}]"  # AgentX-style cache-bust id right after the shared prefix
         empty = [{"role": "system", "content": ""}] if self._shared else []
         self._frame = len(render_chat([*empty, {"role": "user", "content": ""}, {"role": "user", "content": ""}]))
+        # the history message is never empty (routers may refuse an empty message: sglang-router
+        # answers 400): its first character is there from the start and never truncated
+        self._chunks = [filler(f"{self.key}/0", 1)]
         self._history_bytes = self._head_bytes
 
     @property
     def _head_bytes(self) -> int:
-        """Bytes of the id and of the template (markers, generation prompt): the history's budget
-        includes them."""
-        return len(self._marker) + self._frame
+        """Bytes of the id, of the template (markers, generation prompt) and of the history's first
+        character: the history's budget includes them."""
+        return len(self._marker) + self._frame + 1
 
     def _bytes_for(self, model_tokens: int) -> int:
         return (max(model_tokens, 0) * BYTES_PER_TOKEN + self.token_unit // 2) // self.token_unit
@@ -148,7 +151,7 @@ class Conversation:
         if keep >= self._history_bytes:
             return
         kept: list[str] = []
-        n = self._head_bytes
+        n = self._head_bytes - 1  # the chunks start with the history's first character
         for chunk in self._chunks:
             if n + len(chunk) >= keep:
                 kept.append(chunk[: keep - n])

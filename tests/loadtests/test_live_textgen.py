@@ -114,7 +114,17 @@ def test_a_short_growing_conversation_keeps_its_name() -> None:
 def test_truncate_never_cuts_into_the_conversations_id() -> None:
     c = Conversation(key="s~0", shared_prefix_tokens=0, token_unit=1)
     c.add(100)
+    first = c.messages[-1]["content"][0]
     c.truncate(0)
-    assert c.messages == [{"role": "user", "content": "[s~0]"}, {"role": "user", "content": ""}]
+    # the id stays, and the history keeps its first character: no router sees an empty message
+    assert c.messages == [{"role": "user", "content": "[s~0]"}, {"role": "user", "content": first}]
     c.add(50)
-    assert c.prompt_tokens == 50
+    assert c.prompt_tokens == 50 and c.messages[-1]["content"].startswith(first)
+
+
+def test_no_message_is_ever_empty() -> None:
+    for shared in (0, 9_000):
+        c = Conversation(key="s/a00~0", shared_prefix_tokens=shared, token_unit=100)
+        assert all(m["content"] for m in c.messages)
+        c.add(1)
+        assert all(m["content"] for m in c.messages)
