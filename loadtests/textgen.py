@@ -83,6 +83,13 @@ def shared_prefix(n_bytes: int, namespace: str = "kvroute-shared-system-and-tool
     return head + body[:need]
 
 
+@lru_cache(maxsize=2)
+def _template_bytes(with_system: bool) -> int:
+    """Bytes the emulator's chat template adds to a conversation's messages (system, id, history)."""
+    system = [{"role": "system", "content": ""}] if with_system else []
+    return len(render_chat([*system, {"role": "user", "content": ""}, {"role": "user", "content": ""}]))
+
+
 @dataclass(slots=True)
 class Conversation:
     """A growing transcript for one session (or one branch / one context after a compaction).
@@ -107,7 +114,6 @@ class Conversation:
     token_unit: int = 1
     _shared: str = ""
     _marker: str = ""
-    _frame: int = 0
     _chunks: list[str] = field(default_factory=list)
     _history_model_tokens: int = 0
     _history_bytes: int = 0
@@ -118,18 +124,16 @@ class Conversation:
         n = self._bytes_for(self.shared_prefix_tokens)
         self._shared = shared_prefix(n) if n > 0 else ""
         self._marker = f"[{self.key}]"  # AgentX-style cache-bust id right after the shared prefix
-        empty = [{"role": "system", "content": ""}] if self._shared else []
-        self._frame = len(render_chat([*empty, {"role": "user", "content": ""}, {"role": "user", "content": ""}]))
         # the history message is never empty (routers may refuse an empty message: sglang-router
         # answers 400): its first character is there from the start and never truncated
         self._chunks = [filler(f"{self.key}/0", 1)]
-        self._history_bytes = self._head_bytes
+        self._history_bytes = self._lead_bytes + 1
 
     @property
-    def _head_bytes(self) -> int:
-        """Bytes of the id, of the template (markers, generation prompt) and of the history's first
-        character: the history's budget includes them."""
-        return len(self._marker) + self._frame + 1
+    def _lead_bytes(self) -> int:
+        """Bytes the history's budget spends before the history text: the id and the template
+        (markers, generation prompt)."""
+        return len(self._marker) + _template_bytes(bool(self._shared))
 
     def _bytes_for(self, model_tokens: int) -> int:
         return (max(model_tokens, 0) * BYTES_PER_TOKEN + self.token_unit // 2) // self.token_unit
@@ -147,11 +151,12 @@ class Conversation:
         """Keep only the first ``model_tokens`` of history (a trace that rewrites the tail of its
         context: the next turn reuses a prefix and replaces the rest). Never grows it, and never
         touches the id message."""
-        keep = max(min(self._bytes_for(max(model_tokens, 0)), self._history_bytes), self._head_bytes)
+        lead = self._lead_bytes
+        keep = max(min(self._bytes_for(max(model_tokens, 0)), self._history_bytes), lead + 1)
         if keep >= self._history_bytes:
             return
         kept: list[str] = []
-        n = self._head_bytes - 1  # the chunks start with the history's first character
+        n = lead
         for chunk in self._chunks:
             if n + len(chunk) >= keep:
                 kept.append(chunk[: keep - n])
