@@ -1,0 +1,67 @@
+"""``kvroute bench parity``: the live side as the median of repeated runs, and one tiny real run
+(a live fleet of emulated replicas behind ``kvroute serve``, real subprocesses and sockets)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from loadtests.parity import compare, median_measures
+
+KVROUTE = str(Path(sys.executable).parent / "kvroute")
+
+
+def test_median_measures_takes_each_numeric_measure_s_median_and_the_rest_from_the_median_run() -> None:
+    runs = [
+        {"chr": 0.90, "ttft_p99_s": 30.0, "requests": 100, "route_reasons": {"affinity": 1}},
+        {"chr": 0.93, "ttft_p99_s": 10.0, "requests": 300, "route_reasons": {"affinity": 3}},
+        {"chr": 0.92, "ttft_p99_s": 20.0, "requests": 200, "route_reasons": {"affinity": 2}, "dispersion": None},
+    ]
+    m = median_measures(runs)
+    assert m["chr"] == 0.92 and m["ttft_p99_s"] == 20.0 and m["requests"] == 200
+    assert m["route_reasons"] == {"affinity": 2}  # from the run with the median CHR
+    assert m["dispersion"] is None  # no run reports it
+
+
+def test_median_measures_of_an_even_count_averages_the_middle_two() -> None:
+    m = median_measures([{"chr": 0.90, "requests": 100}, {"chr": 0.94, "requests": 300}])
+    assert m["chr"] == pytest.approx(0.92) and m["requests"] == 200
+    with pytest.raises(ValueError):
+        median_measures([])
+
+
+def test_a_median_inside_the_bounds_can_hide_no_run_outside_them() -> None:
+    sim = {"chr": 0.915, "dispersion": 1.8, "ttft_p99_s": 12.0}
+    runs = [{"chr": c, "dispersion": 1.8, "ttft_p99_s": 12.0} for c in (0.917, 0.924, 0.927)]
+    assert compare(sim, median_measures(runs))["chr_ok"] is True
+    assert [compare(sim, r)["chr_ok"] for r in runs] == [True, True, False]
+
+
+def test_parity_rejects_a_repeat_count_below_one() -> None:
+    proc = subprocess.run([KVROUTE, "bench", "parity", "--repeats", "0"], check=False, capture_output=True,
+                          text=True, timeout=60)  # fmt: skip
+    assert proc.returncode == 2 and "--repeats" in proc.stderr
+
+
+@pytest.mark.slow
+def test_a_tiny_parity_run_compares_the_simulator_with_each_live_run_and_their_median(tmp_path: Path) -> None:
+    out = tmp_path / "parity.json"
+    argv = [KVROUTE, "bench", "parity", "--workload", "synthetic", "--seeds", "1", "--duration", "6",
+            "--repeats", "2", "--log-dir", str(tmp_path / "logs"), "--json", str(out)]  # fmt: skip
+    proc = subprocess.run(argv, check=False, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert doc["repeats"] == 2 and len(doc["rows"]) == 1
+    row = doc["rows"][0]
+    assert row["workload"] == "synthetic" and row["seed"] == 1
+    assert len(row["live_runs"]) == 2 and all(r["requests"] > 0 and r["errors"] == 0 for r in row["live_runs"])
+    assert row["live"] == median_measures(row["live_runs"])
+    assert row["sim"]["requests"] > 0
+    assert 0 <= row["runs_within_bounds"] <= 2
+    assert isinstance(row["within_bounds"], bool)
+    assert row["checks"]["chr_abs_diff"] == pytest.approx(abs(row["sim"]["chr"] - row["live"]["chr"]))
+    assert (tmp_path / "logs" / "synthetic-1-run1").is_dir() and (tmp_path / "logs" / "synthetic-1-run2").is_dir()
