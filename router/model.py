@@ -176,7 +176,9 @@ class SessionState:
     bytes_per_token: float = 0.0  # body bytes / prompt tokens of its last turn at home; 0 = unknown
     # exact residency from the engines' KV events (router/residency.py, docs/KV_EVENTS.md), filled when
     # the snapshot is built; None / () = no exact knowledge (events off, incomplete, or not attributed)
-    resident_tokens: int | None = None  # tokens of this session's last context resident on its home
+    # tokens of this session's own context resident on its home: beyond the (shared) prefix it found
+    # cached there when it first stored (router/residency.py rule 2b)
+    resident_tokens: int | None = None
     resident_on: tuple[tuple[ReplicaId, int], ...] = ()  # every replica known to hold > 0 of it, sorted
     # where each of the session's recent conversations (RouteRequest.chain_key) last ran, oldest first
     # (at most MAX_CHAINS): a sub-agent's context is where its own previous turn went, not at home

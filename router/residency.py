@@ -1,8 +1,9 @@
 """Exact cache residency from an engine's KV events. PURE (no I/O, no clock, no randomness).
 
-The question it answers: *how many tokens of session S's last context are resident on replica R
+The question it answers: *how many tokens of session S's own context are resident on replica R
 right now, and is that answer exact?* (``ResidencyView.resident_tokens``: an ``int`` when the events
-tell it exactly, ``None`` when they do not).
+tell it exactly, ``None`` when they do not). *Own*: beyond the prefix S found already cached there
+(a system prompt and tools every session shares), which any replica serving such sessions holds too.
 
 Theory of operation
 -------------------
@@ -21,6 +22,15 @@ Rule 2 (tips): each session points at the deepest block it stored (its *tip*); t
         costs one dict entry whatever its length. A tip never moves back down on someone else's
         store: shared blocks another session stores again after this one lost them are credited
         at this session's own next store. So the answer never exceeds what the engine holds.
+        A store moves the tip only if it ends at least as deep as the tip now is (or the tip is
+        gone): a session's conversations (the parent's and its sub-agents') carry the same id,
+        and the one that decides whether the session can move is its longest, the parent's; a
+        sub-agent's shorter context stored after it must not make the session look evicted.
+Rule 2b (own part): each session also keeps its *base*, the end of the block its first stored run
+        hung below (what it found cached when it first stored there: the prefix it shares with the
+        sessions before it; the lowest such end if it later stores from higher up the tree). The
+        answer is the tip's end minus the base: a session whose own blocks are all gone reads 0
+        though the shared prefix is still resident, because moving it elsewhere costs nothing more.
 Rule 3 (completeness): a publisher is *complete* when every block in its cache is known to us: we
         have applied every batch since an empty cache (``AllBlocksCleared``, which SGLang emits when
         its cache is created or flushed, or a rebuild from sequence 0 through the replay socket).
@@ -74,7 +84,8 @@ class ResidencyView(Protocol):
     """Read side, what the stores and the admin API use (sync, O(1) per call)."""
 
     def resident_tokens(self, replica_id: str, session_id: str) -> int | None:
-        """Tokens of the session's prefix resident on the replica (any tier); ``None``: not known."""
+        """Tokens of the session's own prefix resident on the replica (any tier; rule 2b: beyond what
+        it found cached there); ``None``: not known."""
         ...
 
     def resident_on(self, session_id: str) -> tuple[tuple[str, int], ...]:
@@ -105,6 +116,7 @@ class ReplicaResidency:
         self.blocks: dict[int, _Block] = {}
         self.tipped: dict[int, list[str]] = {}  # block -> sessions whose tip it is
         self.tips: OrderedDict[str, int] = OrderedDict()  # session -> tip; least recently changed first
+        self.bases: dict[str, int] = {}  # session -> end of what it found cached (rule 2b)
         self.complete = False
         self.stale = False  # set by a subscriber while it is not connected: answers are None
         # changes since the last ``take_changes`` (for the Redis writer); None = not tracked
@@ -133,7 +145,7 @@ class ReplicaResidency:
         b = self.blocks.get(t)
         if b is None or b[1] < 0:
             return None
-        return b[1]
+        return max(0, b[1] - self.bases.get(session_id, 0))
 
     @property
     def resident_blocks(self) -> int:
@@ -182,7 +194,13 @@ class ReplicaResidency:
                 blocks[h] = (prev, e, medium) if b is None else (b[0], b[1], b[2] | medium)
                 prev = h
         if session_id is not None and hashes:
-            self._set_tip(session_id, hashes[-1])
+            # an unknown parent's end counts as 0: the answer may then include shared tokens (safe:
+            # the session looks more resident, so it is not moved for it)
+            start = max(base, 0)
+            if start < self.bases.get(session_id, start + 1):
+                self.bases[session_id] = start
+            if self._deeper(session_id, blocks[hashes[-1]][1]):
+                self._set_tip(session_id, hashes[-1])
         if len(blocks) > self.max_blocks:
             self.overflows += 1
             self.reset_incomplete()
@@ -243,6 +261,7 @@ class ReplicaResidency:
         self.blocks.clear()
         self.tipped.clear()
         self.tips.clear()
+        self.bases.clear()
         self.complete = False
         if self._changed is not None:
             self._changed.clear()
@@ -259,6 +278,14 @@ class ReplicaResidency:
         return reset, out
 
     # ---- internals ---------------------------------------------------------------------------
+    def _deeper(self, sid: str, end: int) -> bool:
+        """Rule 2: does a store ending at ``end`` become the session's tip (not if its tip is deeper)?"""
+        t = self.tips.get(sid)
+        if t is None or t == _ZERO or t == _UNKNOWN or end < 0:
+            return True
+        b = self.blocks.get(t)
+        return b is None or b[1] < 0 or end >= b[1]
+
     def _set_tip(self, sid: str, h: int) -> None:
         tips = self.tips
         old = tips.get(sid)
@@ -295,6 +322,7 @@ class ReplicaResidency:
 
     def _drop_oldest_session(self) -> None:
         sid, t = self.tips.popitem(last=False)
+        self.bases.pop(sid, None)
         self._untip(sid, t)
         if self._changed is not None:
             self._changed.add(sid)

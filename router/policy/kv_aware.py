@@ -97,10 +97,11 @@ def estimate_gone(session: SessionState, home: ReplicaState, params: PolicyParam
 
 def exact_gone(session: SessionState) -> bool | None:
     """Rule 6 from the engine's KV events: is less than a tenth of the session's context still
-    resident on its home (``SessionState.resident_tokens``)? Then its next turn is a cold prefill
-    wherever it runs, and it is placed afresh. A session with more left stays: moving it would throw
-    that part away (at half, the moves cost more hit rate than they won, docs/KV_EVENTS.md).
-    ``None``: no exact knowledge."""
+    resident on its home as its own (``SessionState.resident_tokens``: beyond the shared prefix it
+    found cached there, which the other replicas hold too)? Then its next turn is a cold prefill of
+    its own context wherever it runs, and it is placed afresh. A session with more left stays: moving
+    it would throw that part away (at half, the moves cost more hit rate than they won,
+    docs/KV_EVENTS.md). ``None``: no exact knowledge."""
     if session.resident_tokens is None:
         return None
     return session.resident_tokens < 0.1 * session.context_tokens

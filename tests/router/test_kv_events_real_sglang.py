@@ -172,11 +172,13 @@ async def test_resident_prefix_matches_the_engines_cached_tokens(server: _Server
         # a session grows turn by turn: what the events say is resident covers the next turn's hit
         msgs = [{"role": "user", "content": "Tell me how a radix cache keeps prefixes. " * 12}]
         d = await _chat(http, gw, "real-A", msgs)
+        # the answers count the session's own tokens: beyond what it found cached at its first store
+        base = d["usage"]["prompt_tokens_details"]["cached_tokens"]
         checked = 0
         for turn in range(3):
             u = d["usage"]
             # the engine caches the prompt at prefill, then prompt + output (but its last token) at the end
-            resident = await _settled(gw, "real-A", u["prompt_tokens"] + u["completion_tokens"] - 1)
+            resident = base + await _settled(gw, "real-A", u["prompt_tokens"] + u["completion_tokens"] - 1 - base)
             msgs = [*msgs, {"role": "assistant", "content": d["choices"][0]["message"]["content"]},
                     {"role": "user", "content": f"and then what happens at step {turn}?"}]
             d = await _chat(http, gw, "real-A", msgs)
@@ -187,7 +189,7 @@ async def test_resident_prefix_matches_the_engines_cached_tokens(server: _Server
             print(f"turn {turn}: prompt {u['prompt_tokens']} + {u['completion_tokens']}, resident {resident}, "
                   f"next turn cached {cached}")
             checked += 1
-        before = await _settled(gw, "real-A", d["usage"]["prompt_tokens"] + d["usage"]["completion_tokens"] - 1)
+        before = await _settled(gw, "real-A", d["usage"]["prompt_tokens"] + d["usage"]["completion_tokens"] - 1 - base)
         # another session's long prompt fills most of the 3,000-token pool: A loses its tail
         await _chat(http, gw, "real-B", [{"role": "user", "content": "Filler text that evicts the other session. " * 170}], 4)
         deadline = time.monotonic() + 20
@@ -195,11 +197,11 @@ async def test_resident_prefix_matches_the_engines_cached_tokens(server: _Server
         while (after is None or after >= before) and time.monotonic() < deadline:
             await _sleep()
             after = await _resident(gw, "real-A")
-        assert after is not None and after < d["usage"]["prompt_tokens"], (before, after)
+        assert after is not None and after + base < d["usage"]["prompt_tokens"], (before, after)
         msgs = [*msgs, {"role": "assistant", "content": d["choices"][0]["message"]["content"]},
                 {"role": "user", "content": "one more question"}]
         d = await _chat(http, gw, "real-A", msgs)
-        assert d["usage"]["prompt_tokens_details"]["cached_tokens"] == after  # exactly what was left
+        assert d["usage"]["prompt_tokens_details"]["cached_tokens"] == base + after  # exactly what was left
         print(f"evicted: resident {before} -> {after}; next turn cached {after} of {d['usage']['prompt_tokens']}")
         assert checked == 3
         subs = svc.manager.stats()[rid]["ranks"][0]
@@ -213,7 +215,8 @@ async def test_an_engine_restart_is_rebuilt_from_sequence_zero(server: _Server) 
         assert svc is not None
         await wait_for(lambda: svc.view.source(rid) == EVENTS, 30)
         d = await _chat(http, gw, "real-C", [{"role": "user", "content": "remember me " * 20}])
-        await _settled(gw, "real-C", d["usage"]["prompt_tokens"] + d["usage"]["completion_tokens"] - 1)
+        u = d["usage"]  # its own tokens: beyond the template's head other sessions cached before it
+        await _settled(gw, "real-C", u["prompt_tokens"] + u["completion_tokens"] - 1 - u["prompt_tokens_details"]["cached_tokens"])
         server.stop()
         await wait_for(lambda: svc.view.source(rid) != EVENTS, 30)  # disconnected: not exact any more
         assert await _resident(gw, "real-C") is None

@@ -147,9 +147,10 @@ def test_real_engine_frames_decode_and_replay() -> None:
             seen_d.append(v)
     assert r.unknown_parents == 0 and r.unknown_removals == 0 and r.removals >= 1
     # sess-D: untracked (0 on a complete mirror), then each turn stores its prompt and then its output
-    # (372 / 383 ...: the engine reported 7, 376, 408 cached tokens); sess-E's prompt cut it to the 7
-    # template tokens it shares with everyone (its next turn: 7 cached), it grew again, then the flush
-    assert seen_d == [0, 372, 383, 404, 415, 432, 443, 7, 462, 473, 0]
+    # (372 / 383 ... tokens from the root: the engine reported 7, 376, 408 cached tokens), counted
+    # beyond the 7 template tokens it found cached, which it shares with everyone (rule 2b); sess-E's
+    # prompt cut it to those 7 (its next turn: 7 cached), so none of its own; it grew again; the flush
+    assert seen_d == [0, 365, 376, 397, 408, 425, 436, 0, 455, 466, 0]
     assert r.resident_blocks == 0 and r.complete
 
 

@@ -48,8 +48,8 @@ def test_removal_lists_in_forward_order_within_one_event() -> None:
     r.stored(None, chain(1, 3), 1, 3, GPU, "a")
     r.stored(3, chain(10, 3), 1, 3, GPU, "b")
     r.removed([10, 11, 12, 2, 3], GPU)
-    assert r.resident_tokens("b") == 1
     assert r.resident_tokens("a") == 1
+    assert r.resident_tokens("b") == 0  # b's tip is a's first block now: none of b's own is left
 
 
 def test_shared_prefix_sessions_each_keep_their_own_tip() -> None:
@@ -58,9 +58,61 @@ def test_shared_prefix_sessions_each_keep_their_own_tip() -> None:
     r.stored(4, chain(10, 2), 16, 32, GPU, "a")
     r.stored(4, chain(20, 5), 16, 80, GPU, "b")  # b matched a's prompt and stored its own part
     assert r.resident_tokens("a") == 96
-    assert r.resident_tokens("b") == 144
+    assert r.resident_tokens("b") == 80  # its own part: the 64 shared tokens it found are not its own
     r.removed([20, 21, 22, 23, 24], GPU)
-    assert (r.resident_tokens("a"), r.resident_tokens("b")) == (96, 64)
+    assert (r.resident_tokens("a"), r.resident_tokens("b")) == (96, 0)
+
+
+def test_a_session_owns_what_it_stored_beyond_what_it_found_cached() -> None:
+    r = complete()
+    r.stored(None, chain(1, 4), 16, 64, GPU, "first")  # the shared prompt, stored by the first session
+    r.stored(4, chain(10, 4), 16, 64, GPU, "s")  # s found 64 tokens cached and stored 64 of its own
+    r.stored(13, chain(20, 2), 16, 32, GPU, "s")  # its next turn continues below its own tip
+    assert r.resident_tokens("s") == 96
+    r.removed([20, 21, 10, 11, 12, 13], GPU)  # all of s's own blocks evicted; the shared prompt stays
+    assert r.resident_tokens("s") == 0
+    assert r.resident_tokens("first") == 64  # the first session stored the shared prompt: it is its own
+    # s comes back and re-stores from the shared prompt: what it found is still not its own
+    r.stored(4, chain(30, 2), 16, 32, GPU, "s")
+    assert r.resident_tokens("s") == 32
+    # a store from higher up (as if the shared prompt had been gone and s stored it again): from now on
+    # all of what s holds counts as its own (its tip stays the deeper run)
+    r.stored(None, chain(40, 3), 16, 48, GPU, "s")
+    assert r.bases["s"] == 0
+    assert r.resident_tokens("s") == 96
+
+
+def test_a_shorter_conversation_of_the_session_does_not_move_its_tip() -> None:
+    r = complete()
+    r.stored(None, chain(1, 2), 16, 32, GPU, "other")  # the shared prompt
+    r.stored(2, chain(10, 6), 16, 96, GPU, "s")  # the parent's context: 96 of its own
+    r.stored(2, chain(30, 2), 16, 32, GPU, "s")  # a sub-agent of s (same session id), shorter
+    assert r.resident_tokens("s") == 96  # still the parent's: the session is not evicted
+    r.removed([14, 15], GPU)  # the parent's tail goes: its tip moves up its own chain
+    assert r.resident_tokens("s") == 64
+    r.stored(2, chain(40, 3), 16, 48, GPU, "s")  # a store shallower than the tip: the tip stays
+    assert r.resident_tokens("s") == 64
+    r.removed([10, 11, 12, 13], GPU)  # the parent's context is gone; the tip goes to the shared prompt
+    assert r.resident_tokens("s") == 0
+    r.stored(2, chain(50, 2), 16, 32, GPU, "s")  # a store deeper than what is left is the tip again
+    assert r.resident_tokens("s") == 32
+
+
+def test_an_unknown_parent_counts_what_was_found_as_own() -> None:
+    r = ReplicaResidency()  # incomplete: joined mid-stream
+    r.stored(None, chain(1, 2), 16, 32, GPU, "a")
+    r.stored(999, chain(10, 2), 16, 32, GPU, "b")  # below a block we never saw: unknown end
+    assert r.resident_tokens("b") is None
+    assert r.bases["b"] == 0  # if its end were learnt, nothing of it would be taken as shared
+
+
+def test_a_dropped_or_reset_session_forgets_its_base() -> None:
+    r = complete(max_sessions=1)
+    r.stored(None, chain(1, 4), 16, 64, GPU, "a")
+    r.stored(4, chain(10, 1), 16, 16, GPU, "b")  # b's entry pushes a's out (the session bound)
+    assert "a" not in r.bases and r.bases["b"] == 64
+    r.reset_incomplete()
+    assert r.bases == {}
 
 
 def test_a_block_stays_while_any_tier_holds_it() -> None:
