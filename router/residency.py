@@ -201,6 +201,8 @@ class ReplicaResidency:
                 self.bases[session_id] = start
             if self._deeper(session_id, blocks[hashes[-1]][1]):
                 self._set_tip(session_id, hashes[-1])
+            else:  # a shallower store of a live session keeps it among the recently changed (rule 6)
+                self.tips.move_to_end(session_id)
         if len(blocks) > self.max_blocks:
             self.overflows += 1
             self.reset_incomplete()

@@ -192,6 +192,16 @@ def test_session_bound_drops_the_least_recently_changed() -> None:
     assert r.sessions == 2
 
 
+def test_a_shallower_store_keeps_the_session_recent() -> None:
+    r = complete(max_sessions=2)
+    r.stored(None, chain(1, 4), 16, 64, GPU, "a")
+    r.stored(None, [10], 16, 16, GPU, "b")
+    r.stored(None, [1, 20], 16, 32, GPU, "a")  # a's sub-agent: shallower, the tip stays, a is recent
+    r.stored(None, [30], 16, 16, GPU, "c")  # b is the least recently changed: dropped
+    assert r.resident_tokens("a") == 64 and r.resident_tokens("c") == 16
+    assert r.resident_tokens("b") == 0 and r.sessions == 2
+
+
 def test_changes_are_tracked_for_a_writer() -> None:
     r = ReplicaResidency(track_changes=True)
     r.cleared()
