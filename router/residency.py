@@ -43,7 +43,8 @@ Rule 5 (untracked sessions): on a complete publisher a session with no entry has
         own there (0); on an incomplete one it is unknown (``None``).
 Rule 6 (bounds): at most ``max_blocks`` blocks (beyond that the mirror cannot be exact: it is
         dropped and marked incomplete) and ``max_sessions`` session entries (least recently
-        changed dropped first; a dropped session reads as rule 5 says).
+        changed dropped first, a store that leaves the tip where it is counting as a change; a dropped
+        session reads as rule 5 says).
 
 Memory and cost per event are measured by ``kvroute bench kv-events`` (docs/KV_EVENTS.md).
 """
