@@ -164,7 +164,7 @@ class _Oracle:
     def __init__(self, page: int) -> None:
         self.page = page
         self.chains: dict[int, list[int]] = {}  # id(owner) -> the request's whole chain
-        self.last: dict[str, list[int]] = {}  # session -> its chain up to its last stored block
+        self.last: dict[str, list[int]] = {}  # session -> the chain of its deepest store
         self.cut: dict[str, int] = {}  # session -> blocks of it still resident
         self.base: dict[str, int] = {}  # session -> fewest blocks above any run it stored
         self.tiers: dict[int, int] = {}
