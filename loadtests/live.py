@@ -655,6 +655,7 @@ def _measures(
                 ok=o.ok,
                 break_reason=o.break_reason,
                 pooled_cached_tokens=o.pooled_cached_tokens,
+                route_reason=o.route_reason,
             )
         )
     for t, loads in samples:

@@ -20,7 +20,10 @@ Definitions (exact, so that tests can pin them):
   * ``cold_prefill_tokens`` = Σ max(0, ideal_cached - cached) over ok records: tokens recomputed
     that an infinite cache would have served (evictions, moves, spills); ``cold_prefill_by_cause`` =
     the same sum per ``break_reason`` (``"none"``: records that are no affinity break, e.g. first
-    turns whose shared prefix was evicted, or hits short of the ideal by less than the tolerance).
+    turns whose shared prefix was evicted, or hits short of the ideal by less than the tolerance);
+    ``cold_prefill_by_route`` = the same sum per ``route_reason`` (the router's own decision, e.g.
+    kvroute's ``placed_evicted``: moved because its cache at home was gone; records without one
+    count under ``"none"``; empty when no record has one, as for the peers).
   * ``affinity_breaks`` = count of records by ``break_reason`` (records with a reason only).
   * ``sessions_moved`` / ``sessions_moved_by_scaleup``: counted by the driver (home changes) via
     ``session_moved``; only moves at ``t >= warmup_s`` count.
@@ -46,6 +49,10 @@ Definitions (exact, so that tests can pin them):
   * ``pooled_chr`` = Σ pooled_cached / Σ input over ok records (``pooled_cached_tokens``: what one
     shared LRU cache of the fleet's total KV would have hit, ``loadtests.ideal.PooledCache``);
     ``routing_loss`` = ``pooled_chr - chr``. None when a record has no pooled figure.
+    ``routing_loss_by_route`` = Σ (pooled_cached - cached) / Σ input per ``route_reason``: the
+    routing loss split by the decision that placed each request (its values sum to
+    ``routing_loss``; a decision can be negative where it hit more than the shared pool would).
+    Empty when no record has a reason or ``routing_loss`` is None.
 """
 
 from __future__ import annotations
@@ -72,6 +79,7 @@ MEASURE_FIELDS: tuple[str, ...] = (
     "affinity_breaks",
     "cold_prefill_tokens",
     "cold_prefill_by_cause",
+    "cold_prefill_by_route",
     "sessions_moved",
     "sessions_moved_by_scaleup",
     "gateway_overhead_p50_ms",
@@ -83,6 +91,7 @@ MEASURE_FIELDS: tuple[str, ...] = (
     "dispersion_between",
     "pooled_chr",
     "routing_loss",
+    "routing_loss_by_route",
 )
 
 
@@ -102,6 +111,7 @@ class RequestRecord:
     ok: bool = True
     break_reason: str | None = None
     pooled_cached_tokens: int | None = None  # what one shared LRU of the fleet's KV would have hit
+    route_reason: str | None = None  # the router's decision (kvroute's X-Kvroute-Reason)
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:
@@ -206,9 +216,12 @@ class MeasureCollector:
             throughput = sum(r.input_tokens + r.output_tokens for r in ok) / window / replicas
         breaks = Counter(r.break_reason for r in self._records if r.break_reason)
         lost: Counter[str] = Counter()
+        lost_by_route: Counter[str] = Counter()
         for r in ok:
             if r.ideal_cached_tokens > r.cached_tokens:
                 lost[r.break_reason or "none"] += r.ideal_cached_tokens - r.cached_tokens
+                lost_by_route[r.route_reason or "none"] += r.ideal_cached_tokens - r.cached_tokens
+        routed = any(r.route_reason for r in ok)
         chr_ = sum_cached / sum_in if sum_in else None
         pooled: float | None = None
         if sum_in and all(r.pooled_cached_tokens is not None for r in ok):
@@ -227,6 +240,7 @@ class MeasureCollector:
             "affinity_breaks": dict(sorted(breaks.items())),
             "cold_prefill_tokens": sum(lost.values()),
             "cold_prefill_by_cause": dict(sorted(lost.items())),
+            "cold_prefill_by_route": dict(sorted(lost_by_route.items())) if routed else {},
             "sessions_moved": self._moved,
             "sessions_moved_by_scaleup": self._moved_by_scaleup,
             "gateway_overhead_p50_ms": percentile(self._overhead_ms, 50),
@@ -238,7 +252,16 @@ class MeasureCollector:
             "dispersion_between": self._dispersion_between(),
             "pooled_chr": pooled,
             "routing_loss": None if pooled is None or chr_ is None else pooled - chr_,
+            "routing_loss_by_route": self._loss_by_route(ok, sum_in) if routed and pooled is not None else {},
         }
+
+    @staticmethod
+    def _loss_by_route(ok: Sequence[RequestRecord], sum_in: int) -> dict[str, float]:
+        """Σ (pooled_cached - cached) / Σ input per route reason (see the module docstring)."""
+        loss: Counter[str] = Counter()
+        for r in ok:
+            loss[r.route_reason or "none"] += (r.pooled_cached_tokens or 0) - r.cached_tokens
+        return {k: v / sum_in for k, v in sorted(loss.items())}
 
     def _dispersion_between(self) -> float | None:
         """Σ_r n_r (m_r - m)² / N / m (see the module docstring)."""

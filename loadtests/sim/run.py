@@ -697,6 +697,7 @@ class _Sim:
                 ok=ok,
                 break_reason=break_reason,
                 pooled_cached_tokens=req.pooled if ok else 0,
+                route_reason=lease.reason.value if lease is not None else None,
             )
         )
         if lease is not None and req.t_start >= self.cfg.warmup_s:

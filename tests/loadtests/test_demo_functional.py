@@ -34,6 +34,10 @@ def test_tiny_demo_writes_both_policies(tmp_path: Path) -> None:
         assert m["errors"] == 0
         assert 0.0 < m["chr"] <= 1.0 and m["ideal_chr"] > 0.5
         assert m["dispersion"] is not None and m["ttft_p99_s"] > 0
+        # each request carries the gateway's decision (X-Kvroute-Reason): cold prefill splits by it
+        assert sum(m["route_reasons"].values()) == m["requests"]
+        assert sum(m["cold_prefill_by_route"].values()) == m["cold_prefill_tokens"]
+        assert set(m["cold_prefill_by_route"]) <= set(m["route_reasons"])
     assert doc["_scenario"]["replicas"] == 2 and doc["_scenario"]["policies"] == ["kv_aware", "hash"]
     # not a TTY: plain progress lines and the final comparison
     assert "[kvroute kv_aware]" in proc.stdout and "dispersion" in proc.stdout

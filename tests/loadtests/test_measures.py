@@ -132,6 +132,28 @@ def test_pooled_chr_and_routing_loss() -> None:
     assert r["routing_loss"] == pytest.approx(1700 / 2000 - 1500 / 2000)
 
 
+def test_cold_prefill_and_routing_loss_split_by_the_routers_decision() -> None:
+    m = MeasureCollector()
+    m.add(rec(0.0, 1.0, 2.0, 1000, 600, 1, 900, pooled_cached_tokens=800, route_reason="affinity"))
+    m.add(rec(1.0, 1.0, 2.0, 1000, 100, 1, 950, pooled_cached_tokens=900, route_reason="placed_evicted"))
+    m.add(rec(2.0, 1.0, 2.0, 1000, 700, 1, 700, pooled_cached_tokens=500, route_reason="affinity"))
+    m.add(rec(3.0, 1.0, 2.0, 500, 0, 0, 400, pooled_cached_tokens=300))  # no decision: "none"
+    r = m.result()
+    assert r["cold_prefill_by_route"] == {"affinity": 300, "none": 400, "placed_evicted": 850}
+    by = r["routing_loss_by_route"]
+    # affinity: (800 - 600) + (500 - 700) = 0 (one hit more than the pool would); evicted: 800
+    assert by == pytest.approx({"affinity": 0.0, "none": 300 / 3500, "placed_evicted": 800 / 3500})
+    assert sum(by.values()) == pytest.approx(r["routing_loss"])
+
+
+def test_no_split_by_decision_without_decisions() -> None:
+    m = MeasureCollector()
+    m.add(rec(0.0, 1.0, 2.0, 1000, 600, 1, 900, pooled_cached_tokens=800))
+    r = m.result()
+    assert r["cold_prefill_by_route"] == {} and r["routing_loss_by_route"] == {}
+    assert r["cold_prefill_by_cause"] == {"none": 300}
+
+
 def test_pooled_chr_is_none_when_a_record_has_no_pooled_figure() -> None:
     m = MeasureCollector()
     m.add(rec(0.0, 1.0, 2.0, 1000, 600, 1, 900, pooled_cached_tokens=800))

@@ -55,6 +55,10 @@ def test_cli_synthetic_writes_measures_per_policy(tmp_path: Path) -> None:
         # every request of the window counted once by its decision's reason, as the live driver
         # counts kvroute's X-Kvroute-Reason header
         assert sum(m["route_reasons"].values()) == m["requests"]
+        # the routing loss splits exactly over the decisions that placed the requests
+        assert set(m["routing_loss_by_route"]) <= set(m["route_reasons"])
+        assert sum(m["routing_loss_by_route"].values()) == pytest.approx(m["routing_loss"])
+        assert sum(m["cold_prefill_by_route"].values()) == m["cold_prefill_tokens"]
     assert data["kv_aware"]["sessions_moved_by_scaleup"] == 0
     assert {"placed_new", "affinity"} <= set(data["kv_aware"]["route_reasons"])
     assert set(data["round_robin"]["route_reasons"]) == {"round_robin"}

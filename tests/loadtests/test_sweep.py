@@ -1,10 +1,13 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
 from loadtests.bench import cli_main as bench_main
+from loadtests.demo import DemoScenario
+from loadtests.parity import WORKLOADS, sim_config
 from loadtests.sweep import MEASURES, paired
 
 
@@ -35,3 +38,17 @@ def test_sweep_runs_the_simulated_bench_and_the_default_as_a_variant_changes_not
 def test_sweep_rejects_an_unknown_parameter(capsys: pytest.CaptureFixture[str]) -> None:
     assert bench_main(["sweep", "--seeds", "1", "--duration", "5", "--variant", "nope=1"]) == 2
     assert "nope" in capsys.readouterr().err
+
+
+def test_the_kv_bound_weka_replay_is_the_same_trace_without_the_host_tier() -> None:
+    def fleet(name: str) -> tuple[int, int, int]:
+        w = WORKLOADS[name]
+        sc = replace(
+            DemoScenario(), workload_kind=w["workload_kind"], sessions=w["sessions"], host_tier=w["host_tier"]
+        )
+        cfg, specs = sim_config(sc)
+        return cfg.profile.host_capacity_tokens, cfg.profile.capacity_tokens, len(specs)
+
+    host, hbm, n = fleet("weka")
+    assert host > 0
+    assert fleet("weka-kv") == (0, hbm, n)
