@@ -92,6 +92,7 @@ _PAIRED: tuple[tuple[str, str, bool], ...] = (
     ("routing_loss", "routing loss", False),
     ("ttft_p50_s", "TTFT p50 (s)", False),
     ("ttft_p99_s", "TTFT p99 (s)", False),
+    ("ttft_floor_p99_s", "TTFT p99 floor, no queueing (s)", False),
     ("dispersion", "dispersion", False),
     ("dispersion_floor", "dispersion floor", False),
     ("dispersion_sticky", "dispersion of whole sessions", False),

@@ -41,6 +41,7 @@ from typing import Any
 from loadtests.live import LiveStats, LoadConfig, LoadResult, run_load
 from loadtests.peers import PeerSpec, emulated_fleet, running_redis, running_router
 from loadtests.workloads import SessionSpec
+from replica.emulator.profiles import Profile, get_profile
 
 KV_EVENTS_CONFIG = '{"publisher":"zmq","endpoint":"tcp://127.0.0.1:*","replay_endpoint":"tcp://127.0.0.1:*"}'
 """SGLang's ``--kv-events-config`` for emulated replicas: a publisher and a replay socket on free ports
@@ -95,6 +96,13 @@ class DemoScenario:
             *(["--kv-events-config", KV_EVENTS_CONFIG] if self.kv_events else []),
             *self.extra_emulator_args,
         ]
+
+    def replica_profile(self) -> Profile | None:
+        """The emulated replicas' profile as ``emulator_args`` configures them (the time model
+        behind ``ttft_floor_p99_s``); None when extra emulator flags may change it."""
+        if self.extra_emulator_args:
+            return None
+        return get_profile(self.profile).with_overrides(token_unit=self.token_unit, page_size=self.page_size)
 
     def kvroute_args(self) -> list[str]:
         """Gateway flags for this scenario. The gateway learns token counts from the replicas, which
@@ -253,7 +261,11 @@ async def run_policy(
         config = scenario.load_config(
             routers[0].url, urls, fresh=spec.fresh_connections if fresh is None else fresh
         )
-        config = replace(config, extra_urls=tuple(r.url for r in routers[1:]))
+        config = replace(
+            config,
+            extra_urls=tuple(r.url for r in routers[1:]),
+            floor_profile=scenario.replica_profile() if fleet_urls is None else None,
+        )
         stats = LiveStats()
         result = await _drive(spec, scenario, sessions, config, stats, live=live)
         if spec.kind == "kvroute" and n_gateways == 1:

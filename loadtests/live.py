@@ -46,6 +46,8 @@ import aiohttp
 from loadtests.ideal import InfiniteCache, PooledCache
 from loadtests.textgen import Conversation, emulated_tokens
 from loadtests.workloads import SessionSpec, conversation_starts, turn_inputs, turn_overlaps
+from replica.emulator.profiles import Profile
+from replica.emulator.timemodel import alone_ttft_s
 from router.eventloop import run as run_on_loop
 
 __all__ = [
@@ -88,6 +90,9 @@ class LoadConfig:
     # emulated tokens per cache page of the replicas, for the ideal; None: the first replica's
     # /server_info says (1 if it does not answer)
     page_size: int | None = None
+    # the replicas' time model (an emulated fleet's profile, token_unit included), for each request's
+    # no-queueing TTFT floor (``ttft_floor_p99_s``); None: unknown (a real engine), no floor
+    floor_profile: Profile | None = None
 
     def __post_init__(self) -> None:
         if self.time_scale <= 0:
@@ -129,6 +134,7 @@ class Outcome:
     error: str | None = None
     side: bool = False  # an extra concurrent request of a thicc turn
     route_reason: str | None = None  # X-Kvroute-Reason when the router is kvroute
+    floor_ttft_s: float | None = None  # alone on an idle replica with the pooled cache's hit (modelled s)
 
 
 @dataclass(slots=True)
@@ -510,6 +516,9 @@ class _Run:
                 self.move_times.append((t_start - self.t0) / c.time_scale)
             self.last_replica[sid] = replica
         t_rel = (t_start - self.t0) / c.time_scale
+        floor: float | None = None
+        if ok and pooled is not None and c.floor_profile is not None:
+            floor = alone_ttft_s(c.floor_profile, prompt * u, pooled)
         out = Outcome(
             session_id=sid,
             replica=replica,
@@ -527,6 +536,7 @@ class _Run:
             error=error,
             side=side,
             route_reason=reason,
+            floor_ttft_s=floor,
         )
         self.outcomes.append(out)
         st = self.stats
@@ -656,6 +666,7 @@ def _measures(
                 break_reason=o.break_reason,
                 pooled_cached_tokens=o.pooled_cached_tokens,
                 route_reason=o.route_reason,
+                floor_ttft_s=o.floor_ttft_s,
             )
         )
     for t, loads in samples:

@@ -49,6 +49,11 @@ Definitions (exact, so that tests can pin them):
   * ``pooled_chr`` = Σ pooled_cached / Σ input over ok records (``pooled_cached_tokens``: what one
     shared LRU cache of the fleet's total KV would have hit, ``loadtests.ideal.PooledCache``);
     ``routing_loss`` = ``pooled_chr - chr``. None when a record has no pooled figure.
+    ``ttft_floor_p99_s`` = the 99th percentile, over ok records that have one, of ``floor_ttft_s``:
+    each request's TTFT alone on an idle replica holding what that shared LRU held for it
+    (``replica.emulator.timemodel.alone_ttft_s`` of its prompt and ``pooled_cached_tokens``). What
+    a router's TTFT p99 would be with this memory if no request ever waited for another; the rest
+    is queueing. None when no record has one (a fleet whose time model is unknown).
     ``routing_loss_by_route`` = Σ (pooled_cached - cached) / Σ input per ``route_reason``: the
     routing loss split by the decision that placed each request (its values sum to
     ``routing_loss``; a decision can be negative where it hit more than the shared pool would).
@@ -73,6 +78,7 @@ MEASURE_FIELDS: tuple[str, ...] = (
     "p_load_ge12",
     "ttft_p50_s",
     "ttft_p99_s",
+    "ttft_floor_p99_s",
     "e2e_p99_s",
     "tps_user_p50",
     "throughput_tok_s_per_replica",
@@ -112,6 +118,7 @@ class RequestRecord:
     break_reason: str | None = None
     pooled_cached_tokens: int | None = None  # what one shared LRU of the fleet's KV would have hit
     route_reason: str | None = None  # the router's decision (kvroute's X-Kvroute-Reason)
+    floor_ttft_s: float | None = None  # its TTFT alone on an idle replica with the pooled cache's hit
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:
@@ -234,6 +241,7 @@ class MeasureCollector:
             "p_load_ge12": p_ge12,
             "ttft_p50_s": percentile(ttfts, 50),
             "ttft_p99_s": percentile(ttfts, 99),
+            "ttft_floor_p99_s": percentile([r.floor_ttft_s for r in ok if r.floor_ttft_s is not None], 99),
             "e2e_p99_s": percentile(e2es, 99),
             "tps_user_p50": percentile(tps, 50),
             "throughput_tok_s_per_replica": throughput,

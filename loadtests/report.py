@@ -33,6 +33,7 @@ _ROWS: tuple[tuple[str, str, str], ...] = (
     ("p_load_ge12", "P(load>=12)", "{:.4f}"),
     ("ttft_p50_s", "TTFT p50 (s)", "{:.2f}"),
     ("ttft_p99_s", "TTFT p99 (s)", "{:.2f}"),
+    ("ttft_floor_p99_s", "  floor: no queueing", "{:.2f}"),
     ("e2e_p99_s", "E2E p99 (s)", "{:.2f}"),
     ("tps_user_p50", "tok/s/user p50", "{:.1f}"),
     ("throughput_tok_s_per_replica", "tok/s/replica", "{:.0f}"),

@@ -45,7 +45,7 @@ from loadtests.sim.replica_model import SimReplica
 from loadtests.workloads import SessionSpec, conversation_starts
 from replica.emulator.kv_events import ResidencyFeeder
 from replica.emulator.profiles import Profile, get_profile
-from replica.emulator.timemodel import EngineRequest, Finished, FirstToken, Started
+from replica.emulator.timemodel import EngineRequest, Finished, FirstToken, Started, alone_ttft_s
 from router.errors import NoReplicaError, ReplicaNotFoundError
 from router.model import (
     AffinityBreak,
@@ -698,6 +698,7 @@ class _Sim:
                 break_reason=break_reason,
                 pooled_cached_tokens=req.pooled if ok else 0,
                 route_reason=lease.reason.value if lease is not None else None,
+                floor_ttft_s=alone_ttft_s(self.cfg.profile, req.input_tokens, req.pooled) if ok else None,
             )
         )
         if lease is not None and req.t_start >= self.cfg.warmup_s:

@@ -55,6 +55,7 @@ __all__ = [
     "ReplicaEngine",
     "Started",
     "Tokens",
+    "alone_ttft_s",
     "decode_step_time",
     "prefill_time",
 ]
@@ -64,6 +65,23 @@ def prefill_time(profile: Profile, new_tokens: int, ctx_tokens: int) -> float:
     """Seconds to prefill ``new_tokens`` on top of ``ctx_tokens`` cached ones (model tokens),
     excluding the per-forward base cost."""
     return new_tokens * (profile.prefill_c_lin_s + profile.prefill_c_attn_s * (ctx_tokens + new_tokens / 2))
+
+
+def alone_ttft_s(profile: Profile, prompt_tokens: int, cached_tokens: int) -> float:
+    """Seconds to the first token of a prompt of ``prompt_tokens`` (model tokens) with its first
+    ``cached_tokens`` in HBM, on an idle replica: the engine's chunked prefill forwards (rule 1)
+    with nothing queued ahead and nothing sharing them. A lower bound on that request's TTFT
+    anywhere with that much cached (host-tier reloads, queueing and batching only add)."""
+    u = profile.token_unit
+    prompt = max(1, -(-prompt_tokens // u))
+    done = min(max(0, cached_tokens) // u, prompt - 1)  # the last token is always computed (rule 2)
+    budget = max(1, profile.chunked_prefill_size // u)
+    t = 0.0
+    while done < prompt:
+        n = min(budget, prompt - done)
+        t += profile.prefill_base_s + prefill_time(profile, n * u, done * u)
+        done += n
+    return t
 
 
 def decode_step_time(profile: Profile, batch: int, total_ctx_tokens: int) -> float:

@@ -38,6 +38,7 @@ def test_tiny_demo_writes_both_policies(tmp_path: Path) -> None:
         assert sum(m["route_reasons"].values()) == m["requests"]
         assert sum(m["cold_prefill_by_route"].values()) == m["cold_prefill_tokens"]
         assert set(m["cold_prefill_by_route"]) <= set(m["route_reasons"])
+        assert m["ttft_floor_p99_s"] > 0  # the emulated fleet's time model is known
     assert doc["_scenario"]["replicas"] == 2 and doc["_scenario"]["policies"] == ["kv_aware", "hash"]
     # not a TTY: plain progress lines and the final comparison
     assert "[kvroute kv_aware]" in proc.stdout and "dispersion" in proc.stdout

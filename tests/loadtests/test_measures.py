@@ -146,6 +146,17 @@ def test_cold_prefill_and_routing_loss_split_by_the_routers_decision() -> None:
     assert sum(by.values()) == pytest.approx(r["routing_loss"])
 
 
+def test_ttft_floor_is_the_p99_of_the_records_floors() -> None:
+    m = MeasureCollector()
+    for i in range(101):
+        m.add(rec(float(i), 10.0 + i, 20.0 + i, 1000, 500, 1, 900, floor_ttft_s=float(i)))
+    m.add(rec(200.0, 1.0, 2.0, 1000, 0, 0, 0, ok=False, floor_ttft_s=1e9))  # not ok: ignored
+    m.add(rec(201.0, 1.0, 2.0, 1000, 0, 1, 0))  # no floor: left out of it
+    r = m.result()
+    assert r["ttft_floor_p99_s"] == pytest.approx(99.0)
+    assert MeasureCollector().result()["ttft_floor_p99_s"] is None
+
+
 def test_no_split_by_decision_without_decisions() -> None:
     m = MeasureCollector()
     m.add(rec(0.0, 1.0, 2.0, 1000, 600, 1, 900, pooled_cached_tokens=800))

@@ -59,6 +59,8 @@ def test_cli_synthetic_writes_measures_per_policy(tmp_path: Path) -> None:
         assert set(m["routing_loss_by_route"]) <= set(m["route_reasons"])
         assert sum(m["routing_loss_by_route"].values()) == pytest.approx(m["routing_loss"])
         assert sum(m["cold_prefill_by_route"].values()) == m["cold_prefill_tokens"]
+        # each request alone on an idle replica with the pooled cache's hit: below what queueing gives
+        assert 0.0 < m["ttft_floor_p99_s"] < m["ttft_p99_s"]
     assert data["kv_aware"]["sessions_moved_by_scaleup"] == 0
     assert {"placed_new", "affinity"} <= set(data["kv_aware"]["route_reasons"])
     assert set(data["round_robin"]["route_reasons"]) == {"round_robin"}

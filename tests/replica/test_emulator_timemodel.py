@@ -14,6 +14,7 @@ from replica.emulator.timemodel import (
     ReplicaEngine,
     Started,
     Tokens,
+    alone_ttft_s,
     decode_step_time,
     prefill_time,
 )
@@ -47,6 +48,30 @@ def test_prefill_cost_monotone_in_new_and_context() -> None:
         assert ts == sorted(ts) and len(set(ts)) == 4
     # per-new-token cost grows with context
     assert prefill_time(KIMI, 700, 100_000) / 700 > 4 * prefill_time(KIMI, 700, 0) / 700
+
+
+@pytest.mark.parametrize("unit", [1, 100])
+def test_alone_ttft_is_when_the_engine_gives_the_first_token_on_an_idle_replica(unit: int) -> None:
+    profile = KIMI.with_overrides(token_unit=unit, page_size=4)
+    page = profile.page_size
+    shared = "tool definitions and system prompt " * 300
+    for words, out in ((60, 1), (600, 5), (2_000, 3)):  # up to ~7k tokens: fits 8.5k at unit 100
+        e = ReplicaEngine(profile)
+        warm = req("warm", shared, 1, page)
+        e.submit(warm, 0.0)
+        drain(e)
+        r = req("r", shared + "the task " * words, out, page)
+        t0 = 1000.0
+        e.submit(r, t0)
+        evs = drain(e)
+        started = first(evs, Started, "r")
+        ttft = first(evs, FirstToken, "r").t - t0
+        assert started.cached_device > 0  # the shared prompt was a hit
+        expect = alone_ttft_s(profile, r.prompt_tokens * unit, started.cached_device * unit)
+        assert ttft == pytest.approx(expect, rel=1e-9)
+        assert alone_ttft_s(profile, r.prompt_tokens * unit, 0) > expect  # more cached, sooner
+    # a fully cached prompt still computes its last token in one forward
+    assert alone_ttft_s(KIMI, 1000, 1000) == pytest.approx(KIMI.prefill_base_s + prefill_time(KIMI, 1, 999))
 
 
 def test_decode_step_monotone_in_batch_and_context() -> None:
