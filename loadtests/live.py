@@ -134,7 +134,6 @@ class Outcome:
     error: str | None = None
     side: bool = False  # an extra concurrent request of a thicc turn
     route_reason: str | None = None  # X-Kvroute-Reason when the router is kvroute
-    floor_ttft_s: float | None = None  # alone on an idle replica with the pooled cache's hit (modelled s)
 
 
 @dataclass(slots=True)
@@ -516,9 +515,6 @@ class _Run:
                 self.move_times.append((t_start - self.t0) / c.time_scale)
             self.last_replica[sid] = replica
         t_rel = (t_start - self.t0) / c.time_scale
-        floor: float | None = None
-        if ok and pooled is not None and c.floor_profile is not None:
-            floor = alone_ttft_s(c.floor_profile, prompt * u, pooled)
         out = Outcome(
             session_id=sid,
             replica=replica,
@@ -536,7 +532,6 @@ class _Run:
             error=error,
             side=side,
             route_reason=reason,
-            floor_ttft_s=floor,
         )
         self.outcomes.append(out)
         st = self.stats
@@ -649,8 +644,12 @@ def _measures(
     warm_modelled = config.warmup_s / config.time_scale
     end_modelled = min(wall_s, config.duration_s) / config.time_scale
     col = MeasureCollector(warmup_s=warm_modelled, end_s=end_modelled, replicas=max(len(config.replica_urls), 1))
+    profile = config.floor_profile
     for o in run.outcomes:
         e2e = o.e2e_s if o.e2e_s is not None else math.nan
+        floor = None
+        if o.ok and profile is not None and o.pooled_cached_tokens is not None:
+            floor = alone_ttft_s(profile, o.input_tokens, o.pooled_cached_tokens)
         col.add(
             RequestRecord(
                 session_id=o.session_id,
@@ -666,7 +665,7 @@ def _measures(
                 break_reason=o.break_reason,
                 pooled_cached_tokens=o.pooled_cached_tokens,
                 route_reason=o.route_reason,
-                floor_ttft_s=o.floor_ttft_s,
+                floor_ttft_s=floor,
             )
         )
     for t, loads in samples:

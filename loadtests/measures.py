@@ -224,11 +224,15 @@ class MeasureCollector:
         breaks = Counter(r.break_reason for r in self._records if r.break_reason)
         lost: Counter[str] = Counter()
         lost_by_route: Counter[str] = Counter()
+        beyond_pool: Counter[str] = Counter()  # pooled cached - cached, per route reason
+        routed = False
         for r in ok:
+            route = r.route_reason or "none"
+            routed = routed or r.route_reason is not None
+            beyond_pool[route] += (r.pooled_cached_tokens or 0) - r.cached_tokens
             if r.ideal_cached_tokens > r.cached_tokens:
                 lost[r.break_reason or "none"] += r.ideal_cached_tokens - r.cached_tokens
-                lost_by_route[r.route_reason or "none"] += r.ideal_cached_tokens - r.cached_tokens
-        routed = any(r.route_reason for r in ok)
+                lost_by_route[route] += r.ideal_cached_tokens - r.cached_tokens
         chr_ = sum_cached / sum_in if sum_in else None
         pooled: float | None = None
         if sum_in and all(r.pooled_cached_tokens is not None for r in ok):
@@ -260,16 +264,10 @@ class MeasureCollector:
             "dispersion_between": self._dispersion_between(),
             "pooled_chr": pooled,
             "routing_loss": None if pooled is None or chr_ is None else pooled - chr_,
-            "routing_loss_by_route": self._loss_by_route(ok, sum_in) if routed and pooled is not None else {},
+            "routing_loss_by_route": (
+                {k: v / sum_in for k, v in sorted(beyond_pool.items())} if routed and pooled is not None else {}
+            ),
         }
-
-    @staticmethod
-    def _loss_by_route(ok: Sequence[RequestRecord], sum_in: int) -> dict[str, float]:
-        """Σ (pooled_cached - cached) / Σ input per route reason (see the module docstring)."""
-        loss: Counter[str] = Counter()
-        for r in ok:
-            loss[r.route_reason or "none"] += (r.pooled_cached_tokens or 0) - r.cached_tokens
-        return {k: v / sum_in for k, v in sorted(loss.items())}
 
     def _dispersion_between(self) -> float | None:
         """Σ_r n_r (m_r - m)² / N / m (see the module docstring)."""
