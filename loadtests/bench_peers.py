@@ -93,6 +93,8 @@ _PAIRED: tuple[tuple[str, str, bool], ...] = (
     ("ttft_p50_s", "TTFT p50 (s)", False),
     ("ttft_p99_s", "TTFT p99 (s)", False),
     ("ttft_floor_p99_s", "TTFT p99 floor, no queueing (s)", False),
+    ("engine_queue_p99_s", "engines' queue time p99 (s)", False),
+    ("engine_queue_share", "share of engine TTFT queued", False),
     ("dispersion", "dispersion", False),
     ("dispersion_floor", "dispersion floor", False),
     ("dispersion_sticky", "dispersion of whole sessions", False),

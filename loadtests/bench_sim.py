@@ -22,7 +22,7 @@ from typing import Any
 
 __all__ = ["cli_main", "run_bench"]
 
-MEASURES = ("chr", "ideal_chr", "ttft_p99_s", "ttft_floor_p99_s", "requests", "dispersion", "dispersion_floor", "dispersion_sticky", "dispersion_between",
+MEASURES = ("chr", "ideal_chr", "ttft_p99_s", "ttft_floor_p99_s", "engine_queue_p99_s", "engine_queue_share", "requests", "dispersion", "dispersion_floor", "dispersion_sticky", "dispersion_between",
             "p_load_ge12", "sessions_moved", "cold_prefill_by_cause")
 """The fields of each policy's measures the benchmark reports (``loadtests/measures.py``)."""
 

@@ -23,6 +23,9 @@ Theory of operation:
     shares with it in whole pages, a first turn's the shared system prefix once any turn sent it.
   * The run stops issuing requests at ``duration_s`` (wall) or ``max_requests``; in-flight requests get
     ``drain_s`` to finish, the rest are cancelled and counted as ``censored`` (not errors).
+  * The engines' own queue-time and TTFT histograms (``/metrics``) are read when the warm-up ends and
+    after the drain, summed over replicas: ``engine_queue_*`` (``loadtests.measures``); None when a
+    replica does not answer or does not report them.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ from typing import Any
 import aiohttp
 
 from loadtests.ideal import InfiniteCache, PooledCache
+from loadtests.measures import EngineQueue
 from loadtests.textgen import Conversation, emulated_tokens
 from loadtests.workloads import SessionSpec, conversation_starts, turn_inputs, turn_overlaps
 from replica.emulator.profiles import Profile
@@ -259,6 +263,65 @@ class LoadSampler:
 
     async def names(self) -> tuple[str, ...]:
         return tuple(u.split("://", 1)[-1] for u in self._urls)
+
+
+_QUEUE_FAMILY = "sglang:queue_time_seconds"
+_TTFT_FAMILY = "sglang:time_to_first_token_seconds"
+
+
+def engine_queue_from_metrics(texts: Sequence[str]) -> EngineQueue | None:
+    """The queue-time histogram and the TTFT histogram's sum and count, summed over replicas'
+    ``/metrics`` texts and label sets. None if any text lacks the queue-time family."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    buckets: dict[float, float] = {}
+    q_sum = q_count = t_sum = t_count = 0.0
+    for text in texts:
+        found = False
+        for fam in text_string_to_metric_families(text):
+            if fam.name not in (_QUEUE_FAMILY, _TTFT_FAMILY):
+                continue
+            queue = fam.name == _QUEUE_FAMILY
+            found = found or queue
+            for smp in fam.samples:
+                if smp.name.endswith("_bucket") and queue:
+                    ub = float(smp.labels["le"])
+                    buckets[ub] = buckets.get(ub, 0.0) + smp.value
+                elif smp.name.endswith("_sum"):
+                    if queue:
+                        q_sum += smp.value
+                    else:
+                        t_sum += smp.value
+                elif smp.name.endswith("_count"):
+                    if queue:
+                        q_count += smp.value
+                    else:
+                        t_count += smp.value
+        if not found:
+            return None
+    if not buckets:
+        return None
+    return EngineQueue(tuple(sorted(buckets.items())), q_sum, q_count, t_sum, t_count)
+
+
+async def _engine_queue(session: aiohttp.ClientSession, replica_urls: Sequence[str]) -> EngineQueue | None:
+    """``engine_queue_from_metrics`` of every replica's ``/metrics`` now; None if one does not answer."""
+
+    async def one(url: str) -> str:
+        async with session.get(f"{url.rstrip('/')}/metrics", headers={"Accept": "text/plain"}) as resp:
+            resp.raise_for_status()
+            return await resp.text()
+
+    if not replica_urls:
+        return None
+    try:
+        texts = await asyncio.gather(*(one(u) for u in replica_urls))
+    except (aiohttp.ClientError, TimeoutError):
+        return None
+    try:
+        return engine_queue_from_metrics(texts)
+    except ValueError:  # not a Prometheus exposition
+        return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -588,6 +651,12 @@ async def run_load(
                 await asyncio.sleep(max(next_t - time.monotonic(), 0.0))
 
         sampler_task = asyncio.create_task(sample_loop())
+
+        async def queue_at_warmup() -> EngineQueue | None:
+            await asyncio.sleep(max(run.t0 + config.warmup_s - time.monotonic(), 0.0))
+            return await _engine_queue(probe, config.replica_urls)
+
+        queue_before = asyncio.create_task(queue_at_warmup())
         if config.lanes is None:
             for s in sessions:
                 run.spawn(s, float(s.start_s))
@@ -623,7 +692,12 @@ async def run_load(
                 t.cancel()
             await asyncio.gather(sampler_task, *run.tasks, return_exceptions=True)
         wall = time.monotonic() - run.t0
-    measures = _measures(run, samples, config, wall, censored)
+        if queue_before.done():
+            queue = (queue_before.result(), await _engine_queue(probe, config.replica_urls))
+        else:  # the run ended before its warm-up did: nothing measured
+            queue_before.cancel()
+            queue = (None, None)
+    measures = _measures(run, samples, config, wall, censored, queue)
     return LoadResult(
         measures=measures,
         outcomes=tuple(run.outcomes),
@@ -638,6 +712,7 @@ def _measures(
     config: LoadConfig,
     wall_s: float,
     censored: int,
+    queue: tuple[EngineQueue | None, EngineQueue | None] = (None, None),
 ) -> dict[str, Any]:
     from loadtests.measures import MeasureCollector, RequestRecord
 
@@ -672,6 +747,7 @@ def _measures(
         col.sample(t, loads)
     for t in run.move_times:
         col.session_moved(t)
+    col.set_engine_queue(*queue)
     window = [o for o in run.outcomes if o.t_start >= warm_modelled]
     reasons = Counter(o.route_reason for o in window if o.route_reason)
     errors = Counter(_error_kind(o) for o in window if not o.ok)

@@ -58,6 +58,15 @@ Definitions (exact, so that tests can pin them):
     routing loss split by the decision that placed each request (its values sum to
     ``routing_loss``; a decision can be negative where it hit more than the shared pool would).
     Empty when no record has a reason or ``routing_loss`` is None.
+  * ``engine_queue_*``: from the engines' own histograms, the fleet's totals read at the start and
+    at the end of the measured window (``set_engine_queue``; SGLang's ``sglang:queue_time_seconds``,
+    each request's wait from entering the engine's queue to its first forward, and
+    ``sglang:time_to_first_token_seconds``), differenced: ``engine_queue_mean_s`` = Δsum / Δcount
+    of the queue time; ``engine_queue_p99_s`` = its 99th percentile from the Δ bucket counts
+    (Prometheus' ``histogram_quantile``: linear within the bucket; the highest finite bound if it
+    falls in +Inf); ``engine_queue_share`` = Δ queue sum / Δ TTFT sum, the share of the engines'
+    time to first token spent waiting (for free KV or behind other prefills) rather than computing.
+    None when the engines do not report them or nothing was observed in between.
 """
 
 from __future__ import annotations
@@ -68,7 +77,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["MEASURE_FIELDS", "MeasureCollector", "RequestRecord", "percentile"]
+__all__ = [
+    "MEASURE_FIELDS",
+    "EngineQueue",
+    "MeasureCollector",
+    "RequestRecord",
+    "engine_queue_measures",
+    "histogram_quantile",
+    "percentile",
+]
 
 MEASURE_FIELDS: tuple[str, ...] = (
     "chr",
@@ -98,7 +115,62 @@ MEASURE_FIELDS: tuple[str, ...] = (
     "pooled_chr",
     "routing_loss",
     "routing_loss_by_route",
+    "engine_queue_mean_s",
+    "engine_queue_p99_s",
+    "engine_queue_share",
 )
+
+
+
+@dataclass(frozen=True, slots=True)
+class EngineQueue:
+    """A fleet's engine-reported queue and TTFT totals at one moment (summed over replicas and label
+    sets): the queue-time histogram as ``(upper bound, cumulative count)`` pairs ending with
+    ``(inf, count)``, its sum, and the TTFT histogram's sum and count."""
+
+    buckets: tuple[tuple[float, float], ...]
+    queue_sum: float
+    queue_count: float
+    ttft_sum: float
+    ttft_count: float
+
+
+def histogram_quantile(q: float, buckets: Sequence[tuple[float, float]]) -> float | None:
+    """Prometheus' ``histogram_quantile`` over ``(upper bound, cumulative count)`` pairs sorted by bound
+    (the last one +Inf): linear interpolation inside the bucket the rank falls in, from the previous
+    bound (0 for the first); the highest finite bound if it falls in +Inf. None without observations."""
+    if not buckets or buckets[-1][1] <= 0:
+        return None
+    rank = q * buckets[-1][1]
+    prev_bound, prev_count = 0.0, 0.0
+    for bound, count in buckets:
+        if count >= rank:
+            if math.isinf(bound):
+                return prev_bound
+            if count == prev_count:
+                return bound
+            return prev_bound + (bound - prev_bound) * (rank - prev_count) / (count - prev_count)
+        prev_bound, prev_count = bound, count
+    return prev_bound
+
+
+def engine_queue_measures(before: EngineQueue | None, after: EngineQueue | None) -> dict[str, float | None]:
+    """``engine_queue_*`` (module docstring) from two readings; ``before`` None = from zero."""
+    none: dict[str, float | None] = {"engine_queue_mean_s": None, "engine_queue_p99_s": None, "engine_queue_share": None}
+    if after is None:
+        return none
+    b0 = dict(before.buckets) if before is not None else {}
+    buckets = tuple((ub, c - b0.get(ub, 0.0)) for ub, c in after.buckets)
+    dq = after.queue_sum - (before.queue_sum if before is not None else 0.0)
+    dn = after.queue_count - (before.queue_count if before is not None else 0.0)
+    dt = after.ttft_sum - (before.ttft_sum if before is not None else 0.0)
+    if dn <= 0:
+        return none
+    return {
+        "engine_queue_mean_s": dq / dn,
+        "engine_queue_p99_s": histogram_quantile(0.99, buckets),
+        "engine_queue_share": dq / dt if dt > 0 else None,
+    }
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,6 +222,11 @@ class MeasureCollector:
         self._moved = 0
         self._moved_by_scaleup = 0
         self._overhead_ms: list[float] = []
+        self._engine_queue: dict[str, float | None] = engine_queue_measures(None, None)
+
+    def set_engine_queue(self, before: EngineQueue | None, after: EngineQueue | None) -> None:
+        """The engines' own queue and TTFT totals at the start and the end of the measured window."""
+        self._engine_queue = engine_queue_measures(before, after)
 
     def _in_window(self, t: float) -> bool:
         return t >= self.warmup_s and (self.end_s is None or t < self.end_s)
@@ -267,6 +344,7 @@ class MeasureCollector:
             "routing_loss_by_route": (
                 {k: v / sum_in for k, v in sorted(beyond_pool.items())} if routed and pooled is not None else {}
             ),
+            **self._engine_queue,
         }
 
     def _dispersion_between(self) -> float | None:

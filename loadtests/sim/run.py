@@ -38,12 +38,13 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from loadtests.ideal import PooledCache
-from loadtests.measures import MeasureCollector, RequestRecord
+from loadtests.measures import EngineQueue, MeasureCollector, RequestRecord
 from loadtests.sim.engine import EventLoop
 from loadtests.sim.prompts import ChainNamer, IdealCache, check_page_size
 from loadtests.sim.replica_model import SimReplica
 from loadtests.workloads import SessionSpec, conversation_starts
 from replica.emulator.kv_events import ResidencyFeeder
+from replica.emulator.metrics import QUEUE_BUCKETS, Histogram
 from replica.emulator.profiles import Profile, get_profile
 from replica.emulator.timemodel import EngineRequest, Finished, FirstToken, Started, alone_ttft_s
 from router.errors import NoReplicaError, ReplicaNotFoundError
@@ -212,6 +213,7 @@ class _Req:
         "rid",
         "t_first",
         "t_start",
+        "t_submit",
         "turn",
     )
 
@@ -230,6 +232,7 @@ class _Req:
         self.lease: Lease | None = None
         self.replica: SimReplica | None = None
         self.t_first: float | None = None
+        self.t_submit = t
         self.cached = 0
         self.ideal = 0
         self.pooled = 0
@@ -289,6 +292,12 @@ class _Sim:
         prof = cfg.profile
         self.pooled = PooledCache(cfg.replicas * prof.capacity_tokens, self.page, cfg.replicas * prof.host_tokens)
         self.measures = MeasureCollector(warmup_s=cfg.warmup_s, end_s=cfg.duration_s, replicas=cfg.replicas)
+        # the engines' own queue-time and TTFT histograms, fleet totals, as the live driver reads them
+        # from /metrics at the warm-up's end and after the run (``engine_queue_*``)
+        self.queue_hist = Histogram(QUEUE_BUCKETS)
+        self.ttft_sum = 0.0
+        self.ttft_count = 0
+        self.queue_at_warmup: EngineQueue | None = None
         # the decisions of requests started in the window, by reason: what the live driver tallies
         # from kvroute's X-Kvroute-Reason header (``route_reasons``), so parity compares decisions too
         self.reasons: Counter[str] = Counter()
@@ -562,6 +571,7 @@ class _Sim:
         n = len(req.names)
         ereq = EngineRequest(req.rid, req.input_tokens, req.names, req.output_tokens, tuple(req.full[n:]),
                              owner=req.chain.key if self.residency is not None else None)
+        req.t_submit = t
         try:
             rep.submit(ereq, t)
         except ValueError:  # larger than the whole KV pool: refused (400 from SGLang)
@@ -622,17 +632,29 @@ class _Sim:
                 continue
             if isinstance(ev, Started):
                 req.cached = ev.cached_device + ev.cached_host
+                self.queue_hist.observe(ev.t - req.t_submit)
             elif isinstance(ev, FirstToken):
                 req.t_first = ev.t
             elif isinstance(ev, Finished):
                 rep.done(ev.rid)
                 if ev.reason == "length":
+                    if req.t_first is not None:
+                        self.ttft_sum += req.t_first - req.t_submit
+                        self.ttft_count += 1
                     self._complete(ev.t, req, ok=True, reason=None)
                 self._maybe_remove(rep)
         nt = rep.next_event_time()
         if nt is not None and nt != rep.wake_at:
             rep.wake_at = nt
             self.loop.at(nt, self._wake, (rep, nt))
+
+    def _queue_reading(self) -> EngineQueue:
+        h = self.queue_hist
+        cum = tuple((float(bound), count) for bound, count in h.buckets())
+        return EngineQueue(cum, h.total, float(sum(h.counts)), self.ttft_sum, float(self.ttft_count))
+
+    def _read_queue_at_warmup(self, t: float, _: object) -> None:
+        self.queue_at_warmup = self._queue_reading()
 
     def _wake(self, t: float, arg: tuple[SimReplica, float]) -> None:
         rep, stamp = arg
@@ -743,8 +765,10 @@ class _Sim:
             self.loop.at(fe.at_s, self._fail, fe)
         self.loop.at(0.0, self._sample)
         self.loop.at(cfg.scrape_interval_s, self._scrape)
+        self.loop.at(cfg.warmup_s, self._read_queue_at_warmup)
         until = None if cfg.duration_s is None else cfg.duration_s + cfg.drain_s
         self.loop.run(until=until)
+        self.measures.set_engine_queue(self.queue_at_warmup, self._queue_reading())
         wall = time.perf_counter() - wall0
         m = self.measures.result()
         m["route_reasons"] = dict(sorted(self.reasons.items()))

@@ -18,7 +18,7 @@ from prometheus_client.utils import floatToGoString as _untyped_go_float
 
 from replica.emulator.timemodel import EngineLoad
 
-__all__ = ["CONTENT_TYPE", "E2E_BUCKETS", "TTFT_BUCKETS", "Histogram", "ReplicaMetrics"]
+__all__ = ["CONTENT_TYPE", "E2E_BUCKETS", "QUEUE_BUCKETS", "TTFT_BUCKETS", "Histogram", "ReplicaMetrics"]
 
 _go_float: Callable[[float], str] = _untyped_go_float  # the library's own value formatting
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -29,6 +29,13 @@ E2E_BUCKETS: tuple[float, ...] = (
     0.1, 0.2, 0.4, 0.6, 0.8, 1.0, 2.0, 4.0, 6.0, 8.0, 10.0, 20.0, 40.0, 60.0, 80.0, 100.0, 200.0, 400.0,
     600.0, 1200.0, 1800.0, 2400.0,
 )
+
+QUEUE_BUCKETS: tuple[float, ...] = (
+    0.0, 0.001, 0.005, 0.01, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 3.0, 4.0, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+    60.0, 70.0, 80.0, 90.0, 100.0, 200.0, 300.0, 400.0, 500.0, 600.0, 700.0, 800.0, 900.0, 1000.0, 1200.0,
+    1400.0, 1600.0, 1800.0, 2000.0, 2500.0, 3000.0,
+)  # fmt: skip
+"""``sglang:queue_time_seconds``' bucket bounds, as SGLang 0.5.x's scheduler (``SchedulerMetricsCollector``)."""
 
 
 class Histogram:
@@ -90,6 +97,9 @@ class ReplicaMetrics(Collector):
         self.aborted = 0
         self.ttft = {"true": Histogram(TTFT_BUCKETS), "false": Histogram(TTFT_BUCKETS)}
         self.e2e = {"true": Histogram(E2E_BUCKETS), "false": Histogram(E2E_BUCKETS)}
+        # each request's wait from entering the queue to its first prefill forward (admission), as
+        # SGLang's scheduler observes it once per request; labelled like the scheduler's gauges
+        self.queue_time = Histogram(QUEUE_BUCKETS)
         self.http_active: dict[tuple[str, str], int] = {}
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(self)
@@ -149,6 +159,10 @@ class ReplicaMetrics(Collector):
             g = GaugeMetricFamily(f"sglang:{name}", doc, labels=sched_labels)
             g.add_metric(sched_vals, float(value))
             yield g
+        h = HistogramMetricFamily("sglang:queue_time_seconds", "Histogram of queueing time in seconds.",
+                                  labels=sched_labels)
+        h.add_metric(sched_vals, self.queue_time.buckets(), self.queue_time.total)
+        yield h
 
         req_labels = ["engine_type", "is_streaming", "model_name"]
         for name, doc, series in (
@@ -177,7 +191,8 @@ class ReplicaMetrics(Collector):
         ):
             h = HistogramMetricFamily(f"sglang:{name}", doc, labels=req_labels)
             for streaming, hist in hists.items():
-                h.add_metric(["unified", streaming, m], hist.buckets(), hist.total)
+                if any(hist.counts):  # as SGLang: a label set's series appears at its first observation
+                    h.add_metric(["unified", streaming, m], hist.buckets(), hist.total)
             yield h
         g = GaugeMetricFamily("sglang:http_requests_active", "Number of currently active HTTP requests",
                               labels=["endpoint", "method"])

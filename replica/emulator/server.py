@@ -247,6 +247,8 @@ class Replica:
                 continue
             if isinstance(ev, Started):
                 fl.cached_device, fl.cached_host = ev.cached_device, ev.cached_host
+                if not fl.is_health:
+                    self.metrics.queue_time.observe(ev.t - fl.submit_model)
             elif isinstance(ev, FirstToken):
                 fl.first_t = ev.t
                 fl.first.set()

@@ -6,9 +6,11 @@ import itertools
 import sys
 from pathlib import Path
 
+import aiohttp
 import pytest
+from prometheus_client import CollectorRegistry, generate_latest
 
-from loadtests.live import LoadConfig, run_load
+from loadtests.live import LoadConfig, engine_queue_from_metrics, run_load
 from loadtests.measures import MEASURE_FIELDS
 from loadtests.peers import emulated_fleet
 from loadtests.workloads import SessionSpec, Turn
@@ -52,6 +54,9 @@ async def test_cached_tokens_grow_across_turns_and_measures_are_complete() -> No
     assert m["time_unit"] == "modelled_s" and m["token_unit"] == UNIT
     assert m["errors"] == 0 and m["censored"] == 0
     assert m["requests"] == 5 + 4 + 2  # beta's turn 2 is sent three times at once
+    # the engine's own histograms, read at the start (no warm-up) and after the run
+    assert 0.0 <= m["engine_queue_share"] <= 1.0
+    assert 0.0 <= m["engine_queue_mean_s"] <= m["engine_queue_p99_s"] + 1e-9
 
     by_session: dict[str, list] = {}
     for o in sorted(result.outcomes, key=lambda o: o.t_start):
@@ -154,3 +159,23 @@ async def test_kvroute_load_cli_against_an_emulated_fleet(tmp_path: Path) -> Non
     assert m["requests"] > 4 and m["errors"] == 0 and m["chr"] > 0
     assert m["dispersion"] is not None  # sampled from both replicas (one of them never gets traffic)
     assert m["p_load_le1"] > 0
+
+
+async def test_engine_queue_sums_replicas_and_refuses_what_lacks_the_histogram() -> None:
+    """The fleet's reading is the sum of each replica's ``/metrics``; an exposition without SGLang's
+    queue-time histogram (a server that is not an engine) gives None, never zeros."""
+    async with running_emulators(2, config=_config(0.01)) as reps:
+        url = reps[0].url
+        cfg = LoadConfig(url=url, replica_urls=(url,), time_scale=0.01, token_unit=UNIT, duration_s=5.0, drain_s=5.0)
+        await run_load([_session("alpha", 0.0, 3)], cfg)
+        async with aiohttp.ClientSession() as s:
+            texts = [await (await s.get(f"{r.url}/metrics")).text() for r in reps]
+    one = engine_queue_from_metrics(texts[:1])
+    both = engine_queue_from_metrics(texts)
+    assert one is not None and both is not None
+    assert one.queue_count == 3 and both.queue_count == 3  # the second replica served nothing
+    assert dict(both.buckets)[float("inf")] == 3 and both.ttft_count == 3
+    assert both.queue_sum == pytest.approx(one.queue_sum)
+    assert engine_queue_from_metrics([texts[0], generate_latest(CollectorRegistry()).decode()]) is None
+    with pytest.raises(ValueError):
+        engine_queue_from_metrics(["not { a metric exposition"])

@@ -2,7 +2,15 @@ from __future__ import annotations
 
 import pytest
 
-from loadtests.measures import MEASURE_FIELDS, MeasureCollector, RequestRecord, percentile
+from loadtests.measures import (
+    MEASURE_FIELDS,
+    EngineQueue,
+    MeasureCollector,
+    RequestRecord,
+    engine_queue_measures,
+    histogram_quantile,
+    percentile,
+)
 
 
 def rec(t: float, ttft: float, e2e: float, inp: int, cached: int, out: int, ideal: int, **kw: object) -> RequestRecord:
@@ -191,3 +199,33 @@ def test_dispersion_between_is_zero_for_equal_means_and_none_without_samples() -
     r = m.result()
     assert r["dispersion"] == pytest.approx(2.0) and r["dispersion_between"] == pytest.approx(0.0)
     assert MeasureCollector().result()["dispersion_between"] is None
+
+
+def test_histogram_quantile_as_prometheus() -> None:
+    inf = float("inf")
+    b = ((0.5, 2.0), (1.0, 6.0), (2.0, 10.0), (inf, 10.0))
+    assert histogram_quantile(0.5, b) == pytest.approx(0.875)  # rank 5 in (0.5, 1]: 0.5 + 0.5 x 3/4
+    assert histogram_quantile(0.99, b) == pytest.approx(1.975)
+    assert histogram_quantile(0.1, b) == pytest.approx(0.25)  # first bucket from 0
+    assert histogram_quantile(0.99, ((1.0, 1.0), (inf, 100.0))) == 1.0  # in +Inf: the highest finite bound
+    assert histogram_quantile(0.5, ((0.0, 4.0), (1.0, 4.0), (inf, 4.0))) == 0.0  # all zero waits
+    assert histogram_quantile(0.5, ((1.0, 0.0), (inf, 0.0))) is None
+    assert histogram_quantile(0.5, ()) is None
+
+
+def test_engine_queue_measures_difference_two_readings() -> None:
+    inf = float("inf")
+    before = EngineQueue(((1.0, 3.0), (10.0, 4.0), (inf, 4.0)), queue_sum=5.0, queue_count=4.0, ttft_sum=9.0, ttft_count=4.0)
+    after = EngineQueue(((1.0, 5.0), (10.0, 14.0), (inf, 14.0)), queue_sum=65.0, queue_count=14.0, ttft_sum=129.0,
+                        ttft_count=14.0)
+    m = engine_queue_measures(before, after)
+    assert m["engine_queue_mean_s"] == pytest.approx(60.0 / 10.0)
+    assert m["engine_queue_share"] == pytest.approx(60.0 / 120.0)
+    # Δ buckets (1: 2, 10: 10): rank 9.9 in (1, 10]: 1 + 9 x 7.9 / 8
+    assert m["engine_queue_p99_s"] == pytest.approx(1.0 + 9.0 * 7.9 / 8.0)
+    assert engine_queue_measures(None, after)["engine_queue_mean_s"] == pytest.approx(65.0 / 14.0)
+    assert engine_queue_measures(after, after) == engine_queue_measures(None, None)  # nothing in between
+    assert set(engine_queue_measures(None, None).values()) == {None}
+    c = MeasureCollector()
+    c.set_engine_queue(before, after)
+    assert c.result()["engine_queue_share"] == pytest.approx(0.5)

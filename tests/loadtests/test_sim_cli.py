@@ -61,6 +61,9 @@ def test_cli_synthetic_writes_measures_per_policy(tmp_path: Path) -> None:
         assert sum(m["cold_prefill_by_route"].values()) == m["cold_prefill_tokens"]
         # each request alone on an idle replica with the pooled cache's hit: below what queueing gives
         assert 0.0 < m["ttft_floor_p99_s"] < m["ttft_p99_s"]
+        # the engines' queue (as the live driver reads it from /metrics): part of the engines' TTFT
+        assert 0.0 < m["engine_queue_share"] < 1.0
+        assert 0.0 < m["engine_queue_mean_s"] and 0.0 < m["engine_queue_p99_s"]
     assert data["kv_aware"]["sessions_moved_by_scaleup"] == 0
     assert {"placed_new", "affinity"} <= set(data["kv_aware"]["route_reasons"])
     assert set(data["round_robin"]["route_reasons"]) == {"round_robin"}

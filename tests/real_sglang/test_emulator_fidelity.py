@@ -1,7 +1,7 @@
 """The emulator against the real engine (issue 21, item 3).
 
-Wire: every key, type and metric family (with its labels) that the gateway or the sidecar reads is
-fetched from a live real SGLang and from the emulator; any difference fails, printed as a diff.
+Wire: every key, type and metric family (with its labels) that the gateway, the sidecar or the load
+driver reads is fetched from a live real SGLang and from the emulator; any difference fails, printed as a diff.
 
 Cache: one request sequence (several sessions, growing contexts, a KV pool small enough to evict)
 goes to a real server and to the emulator configured with the same capacity and page size; the
@@ -98,6 +98,13 @@ def shape(doc: Any, paths: tuple[str, ...]) -> dict[str, str]:
     return {p: "|".join(sorted({_kind(v, p) for v in _values(doc, p)})) for p in paths}
 
 
+# what the load driver reads from /metrics (``loadtests.live.engine_queue_from_metrics``)
+BENCH_READ = frozenset({
+    "queue_time_seconds_bucket", "queue_time_seconds_sum", "queue_time_seconds_count",
+    "time_to_first_token_seconds_sum", "time_to_first_token_seconds_count",
+})
+
+
 def metric_labels(text: str) -> dict[str, str]:
     """Wanted family -> its sample label names (sorted, joined), as scraped."""
     from prometheus_client.parser import text_string_to_metric_families
@@ -106,7 +113,7 @@ def metric_labels(text: str) -> dict[str, str]:
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:
             name = s.name.replace(":", "_").removeprefix("sglang_")
-            if name in _WANTED:
+            if name in _WANTED or name in BENCH_READ:
                 out.setdefault(name, set()).add(",".join(sorted(s.labels)))
     return {k: " | ".join(sorted(v)) for k, v in out.items()}
 
@@ -148,6 +155,10 @@ async def surface(base: str) -> dict[str, Any]:
                     doc = json.loads(raw)
                 for k, v in shape(doc, paths).items():
                     got[f"POST {route} stream={stream} {k}"] = v
+        # per-request histograms have a series per label set only once one was observed
+        async with s.get(base + "/metrics", headers={"Accept": "text/plain"}) as r:
+            for k, v in metric_labels(await r.text()).items():
+                got[f"/metrics after requests {k} labels"] = v
     return got
 
 

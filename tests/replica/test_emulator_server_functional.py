@@ -564,3 +564,25 @@ async def test_get_load_older_shapes_on_request(emulators: Any, http: aiohttp.Cl
         assert isinstance(gl, list) and set(gl[0]) >= {"dp_rank", "num_reqs", "num_waiting_reqs", "num_tokens"}
     async with emulators(1, get_load_format="vllm") as (rep,), http.get(f"{rep.url}/get_load") as r:
         assert await r.json() == {"load": 0}
+
+
+async def test_queue_time_histogram_counts_the_wait_for_a_slot(emulators: EmuFactory, http: aiohttp.ClientSession) -> None:
+    """``sglang:queue_time_seconds`` (SGLang's scheduler histogram, scheduler labels): one observation
+    per request at its first forward; with one slot, the second request waits for the first to end."""
+    async with emulators(1, profile_overrides={"max_running_requests": 1}) as (emu,):
+        bodies = [chat_body([{"role": "user", "content": f"question {i}"}], max_tokens=40) for i in range(2)]
+        await asyncio.gather(*(http.post(f"{emu.url}/v1/chat/completions", json=b) for b in bodies))
+        async with http.get(f"{emu.url}/metrics") as r:
+            fams = {f.name: f for f in text_string_to_metric_families(await r.text())}
+    fam = fams["sglang:queue_time_seconds"]
+    assert fam.type == "histogram"
+    by = {s.name.removeprefix("sglang:queue_time_seconds"): s for s in fam.samples if "le" not in s.labels}
+    assert by["_count"].value == 2.0
+    assert by["_count"].labels == {"engine_type": "unified", "model_name": "emulated/small-test",
+                                   "moe_ep_rank": "0", "pp_rank": "0", "tp_rank": "0"}
+    e2e = {s.labels["is_streaming"]: s.value for s in fams["sglang:e2e_request_latency_seconds"].samples
+           if s.name.endswith("_sum")}
+    # the second waited for the first's run r (modelled seconds): e2e sum = r + (wait + r), wait ≈ r
+    assert 0.25 * e2e["false"] <= by["_sum"].value <= 0.5 * e2e["false"]
+    les = [float(s.labels["le"]) for s in fam.samples if s.name.endswith("_bucket")]
+    assert les[:-1] == sorted(les[:-1]) and les[0] == 0.0 and les[-1] == float("inf")
