@@ -28,6 +28,10 @@ _HBM_EFF = 0.7
 _C_LIN = 1.0 / 70_000.0
 
 
+SCHEDULE_POLICIES: tuple[str, ...] = ("fcfs", "lpm", "shortest-prefill-first")
+"""The ``--schedule-policy`` values the engine model implements (SGLang has more)."""
+
+
 @dataclass(frozen=True, slots=True)
 class Profile:
     """Attributes (all times in modelled seconds, token counts in *model* tokens):
@@ -45,6 +49,8 @@ class Profile:
     token_unit: each emulated token stands for this many model tokens (time + capacity).
     evict_whole_nodes: evict whole radix nodes and never merge them, as SGLang 0.5.23 does
         (``cache.py`` Rule 6); ``False`` = the finer model (evict exactly what is needed).
+    schedule_policy: the order in which waiting requests are admitted, as SGLang's
+        ``--schedule-policy`` (``SCHEDULE_POLICIES``; ``timemodel`` Rule 2).
     """
 
     name: str = "kimi-k2.6-b200-tp4"
@@ -66,6 +72,7 @@ class Profile:
     host_reload_s_per_token: float = _FP8_KV_BYTES_PER_TOKEN / 50e9
     token_unit: int = 1
     evict_whole_nodes: bool = True
+    schedule_policy: str = "fcfs"
 
     def __post_init__(self) -> None:
         problems = []
@@ -83,6 +90,8 @@ class Profile:
                 problems.append(f"{f} must be >= 0")
         if self.decode_base_s + self.decode_per_req_s <= 0:
             problems.append("a decode step must take some time")
+        if self.schedule_policy not in SCHEDULE_POLICIES:
+            problems.append(f"schedule_policy must be one of {', '.join(SCHEDULE_POLICIES)}")
         if problems:
             raise ValueError("invalid profile: " + "; ".join(problems))
 

@@ -15,8 +15,13 @@ Rule 1 (prefill first): when a prefill can run it runs. A prefill forward packs,
         ``host_reload_s_per_token`` per host-tier hit token (reloaded, not recomputed).
 Rule 2 (admission): a waiting request is admitted when a slot is free
         (``max_running_requests``) and the cache can hold all of it (prompt + output,
-        ``PrefixCache.try_lock``). Admission is FCFS with head-of-line blocking. A request
-        larger than the whole KV pool or the context window is refused at submit.
+        ``PrefixCache.try_lock``). Admission follows the queue's order with head-of-line blocking.
+        The order is arrival (``schedule_policy`` ``fcfs``, SGLang's default) or, re-sorted
+        (stably) each time a prefill forward is formed, as SGLang's cache-aware policies: ``lpm``
+        longest cached prefix first, ``shortest-prefill-first`` fewest uncached tokens first; with
+        more than 128 waiting, both fall back to arrival order (SGLang's
+        ``WAITING_QUEUE_PREFIX_MATCH_MAX``; its in-batch prefix de-prioritisation is not modelled).
+        A request larger than the whole KV pool or the context window is refused at submit.
 Rule 3 (decode segments, closed form): otherwise every prefilled request decodes together.
         With B requests of total context C (model tokens), step k (0-based) takes
         ``s_k = decode_base_s + decode_per_req_s x B + kv_read x (C + k x B x accept)``, so
@@ -234,6 +239,9 @@ class _Decode:
             self.end = self.time_of(k)
 
 
+_PREFIX_MATCH_MAX = 128  # SGLang's WAITING_QUEUE_PREFIX_MATCH_MAX
+
+
 class ReplicaEngine:
     def __init__(self, profile: Profile, cache: PrefixCache | None = None, token_events: bool = False) -> None:
         self.profile = profile
@@ -438,9 +446,28 @@ class ReplicaEngine:
         self._events.append(Started(req.rid, t, m.device_tokens, m.host_tokens))
         return r
 
+    def _order_waiting(self) -> None:
+        """Rule 2's cache-aware orders (a no-op for ``fcfs``)."""
+        policy = self.profile.schedule_policy
+        if policy == "fcfs" or not 1 < len(self._waiting) <= _PREFIX_MATCH_MAX:
+            return
+        page = self.cache.page_size
+
+        def cached(r: _Req) -> int:
+            hashes = r.req.block_hashes
+            return self.cache.match(hashes[: min(len(hashes), (r.req.prompt_tokens - 1) // page)]).tokens
+
+        if policy == "lpm":
+            order = sorted(self._waiting, key=lambda r: -cached(r))
+        else:
+            order = sorted(self._waiting, key=lambda r: r.req.prompt_tokens - cached(r))
+        self._waiting = deque(order)
+
     def _schedule(self, t: float) -> None:
         p = self.profile
         u = self._unit
+        if self._waiting and self._running() < p.max_running_requests:
+            self._order_waiting()
         budget = self._budget
         items: list[tuple[_Req, int]] = []
         cost = 0.0

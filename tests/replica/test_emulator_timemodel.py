@@ -366,3 +366,29 @@ def test_forgotten_requests_leave_no_state() -> None:
             e.forget(ev.rid)
     assert e._reqs == {}
     assert e.cache.stats().reserved_tokens == 0
+
+
+@pytest.mark.parametrize(("policy", "warm_first"), [("fcfs", False), ("lpm", True), ("shortest-prefill-first", True)])
+def test_schedule_policy_orders_the_waiting_queue(policy: str, warm_first: bool) -> None:
+    """One slot, busy; a cold prompt arrives, then a warm continuation of what the cache holds. FCFS
+    admits them in arrival order; SGLang's cache-aware policies admit the warm one first."""
+    profile = KIMI.with_overrides(max_running_requests=1, page_size=16, schedule_policy=policy)
+    page = profile.page_size
+    e = ReplicaEngine(profile)
+    history = "the session's long context " * 400
+    e.submit(req("prime", history, 1, page), 0.0)
+    drain(e)
+    e.submit(req("busy", "an unrelated request " * 50, 200, page), 1.0)
+    e.advance(1.0)
+    e.submit(req("cold", "a brand new session's first prompt " * 300, 5, page), 1.1)
+    e.submit(req("warm", history + " and one more user message", 5, page), 1.2)
+    evs = drain(e)
+    started = [ev.rid for ev in evs if isinstance(ev, Started)]
+    assert started[-2:] == (["warm", "cold"] if warm_first else ["cold", "warm"])
+    cold, warm = (first(evs, Started, rid) for rid in ("cold", "warm"))
+    assert isinstance(warm, Started) and warm.cached_device > 0 and isinstance(cold, Started) and cold.cached_device == 0
+
+
+def test_schedule_policy_is_validated() -> None:
+    with pytest.raises(ValueError, match="schedule_policy"):
+        KIMI.with_overrides(schedule_policy="nope")
