@@ -18,9 +18,9 @@ Rule 2 (admission): a waiting request is admitted when a slot is free
         ``PrefixCache.try_lock``). Admission follows the queue's order with head-of-line blocking.
         The order is arrival (``schedule_policy`` ``fcfs``, SGLang's default) or, re-sorted
         (stably) each time a prefill forward is formed, as SGLang's cache-aware policies: ``lpm``
-        longest cached prefix first, ``shortest-prefill-first`` fewest uncached tokens first; with
-        more than 128 waiting, both fall back to arrival order (SGLang's
-        ``WAITING_QUEUE_PREFIX_MATCH_MAX``; its in-batch prefix de-prioritisation is not modelled).
+        longest cached prefix first (arrival order with more than 128 waiting, SGLang's
+        ``WAITING_QUEUE_PREFIX_MATCH_MAX``), ``shortest-prefill-first`` fewest uncached tokens
+        first (SGLang's in-batch prefix de-prioritisation is not modelled).
         A request larger than the whole KV pool or the context window is refused at submit.
 Rule 3 (decode segments, closed form): otherwise every prefilled request decodes together.
         With B requests of total context C (model tokens), step k (0-based) takes
@@ -449,7 +449,7 @@ class ReplicaEngine:
     def _order_waiting(self) -> None:
         """Rule 2's cache-aware orders (a no-op for ``fcfs``)."""
         policy = self.profile.schedule_policy
-        if policy == "fcfs" or not 1 < len(self._waiting) <= _PREFIX_MATCH_MAX:
+        if policy == "fcfs" or len(self._waiting) < 2 or (policy == "lpm" and len(self._waiting) > _PREFIX_MATCH_MAX):
             return
         page = self.cache.page_size
 
