@@ -217,14 +217,24 @@ def bench_peers_main(argv: list[str]) -> int:
         metavar="KEY=VALUE",
         help="a kvroute policy parameter (repeatable, passed to kvroute serve), e.g. thicc_threshold=4",
     )
+    p.add_argument(
+        "--engine-set", action="append", default=[], metavar="FIELD=VALUE",
+        help="an emulated engine's profile field (repeatable, kvroute emulate --set), e.g. schedule_policy=lpm",
+    )
     p.add_argument("--out", type=Path, default=Path("out/peers"), help="directory for plots")
     p.add_argument("--json", type=Path, help="write the JSON here (default OUT/peers.json)")
     ns = p.parse_args(argv)
     targets = [t for t in ns.targets.split(",") if t]
+    try:
+        _scenario(ns, ns.seed).replica_profile()
+    except ValueError as exc:
+        p.error(f"--engine-set: {exc}")
     unknown = [t for t in targets if t not in routers]
     if unknown:
         p.error(f"unknown targets {unknown}; choose from {routers}")
     if ns.fleet == "real-sglang":
+        if ns.engine_set:
+            p.error("--engine-set sets the emulated engines' profile; real SGLang servers take their own flags")
         if ns.time_scale not in (None, 1.0):
             p.error("--fleet real-sglang runs in real time: --time-scale must be 1")
         for key, value in REAL_DEFAULTS.items():
@@ -307,6 +317,7 @@ def _scenario(ns: Any, seed: int) -> Any:
         token_unit=ns.token_unit, profile=ns.profile, seed=seed, host_tier=ns.hicache,
         workload_kind=ns.workload, trace=ns.trace, policy_params=tuple(ns.policy_param), kv_events=ns.kv_events,
         page_size=1 if real else None,  # SGLang's page size on CPU (the ideal caches pages like it)
+        engine_set=tuple(ns.engine_set),
     )
 
 

@@ -81,6 +81,9 @@ class DemoScenario:
     workload_kind: str = "synthetic"  # or "weka": the real Claude Code sessions (traces/)
     trace: str | None = None  # WEKA requests file (default: loadtests.workloads.DEFAULT_WEKA_TRACE)
     extra_emulator_args: tuple[str, ...] = ()
+    # FIELD=VALUE profile fields of the emulated engines (``kvroute emulate --set``), e.g.
+    # schedule_policy=lpm; the simulator's model of the run takes the same (``loadtests.parity``)
+    engine_set: tuple[str, ...] = ()
     # the replicas publish SGLang's KV events (free ports); kvroute subscribes and routes on exact
     # residency (docs/KV_EVENTS.md)
     kv_events: bool = False
@@ -94,15 +97,29 @@ class DemoScenario:
             "--set", f"page_size={self.page_size}",
             *([] if self.host_tier else ["--host-capacity-tokens", "0"]),
             *(["--kv-events-config", KV_EVENTS_CONFIG] if self.kv_events else []),
+            *[arg for kv in self.engine_set for arg in ("--set", kv)],
             *self.extra_emulator_args,
         ]
+
+    def engine_overrides(self) -> dict[str, str]:
+        """``engine_set`` as profile overrides; ``ValueError`` for an item without ``=``."""
+        out: dict[str, str] = {}
+        for item in self.engine_set:
+            key, sep, value = item.partition("=")
+            if not sep or not key.strip():
+                raise ValueError(f"engine setting needs FIELD=VALUE, got {item!r}")
+            out[key.strip()] = value.strip()
+        return out
 
     def replica_profile(self) -> Profile | None:
         """The emulated replicas' profile as ``emulator_args`` configures them (the time model
         behind ``ttft_floor_p99_s``); None when extra emulator flags may change it."""
         if self.extra_emulator_args:
             return None
-        return get_profile(self.profile).with_overrides(token_unit=self.token_unit, page_size=self.page_size)
+        # the emulator's order: --set page_size, then the engine settings, then --token-unit
+        return get_profile(self.profile).with_overrides(
+            **{"page_size": self.page_size, **self.engine_overrides(), "token_unit": self.token_unit}
+        )
 
     def kvroute_args(self) -> list[str]:
         """Gateway flags for this scenario. The gateway learns token counts from the replicas, which
@@ -414,6 +431,8 @@ def cli_main(argv: list[str]) -> int:
     p.add_argument("--json", type=Path, help="write {policy: measures} here")
     p.add_argument("--plots", type=Path, help="write load histogram and TTFT CDF PNGs into this directory")
     p.add_argument("--no-live", action="store_true", help="plain progress lines instead of the live view")
+    p.add_argument("--engine-set", action="append", default=[], metavar="FIELD=VALUE",
+                   help="an emulated engine's profile field (repeatable), e.g. schedule_policy=lpm")
     ns = p.parse_args(argv)
     policies = [x.strip() for x in ns.policies.split(",") if x.strip()]
     if not policies:
@@ -424,8 +443,12 @@ def cli_main(argv: list[str]) -> int:
         replicas=ns.replicas, duration_s=ns.duration, sessions=ns.sessions, time_scale=ns.time_scale,
         token_unit=ns.token_unit, profile=ns.profile, seed=ns.seed, drain_s=ns.drain,
         policy_params=tuple(ns.policy_param), host_tier=ns.hicache, gateways=ns.gateways,
-        workload_kind=ns.workload, trace=ns.trace,
+        workload_kind=ns.workload, trace=ns.trace, engine_set=tuple(ns.engine_set),
     )
+    try:
+        scenario.replica_profile()
+    except ValueError as exc:
+        p.error(f"--engine-set: {exc}")
     live = sys.stdout.isatty() and not ns.no_live
     print(
         f"kvroute demo: {ns.replicas} emulated replicas ({ns.profile}), {ns.sessions} coding-agent sessions, "

@@ -106,7 +106,9 @@ def sim_config(scenario: DemoScenario) -> tuple[SimConfig, list[SessionSpec]]:
     """The simulator's model of one live ``bench peers`` run of kvroute (module docstring)."""
     specs = _cap_turn_think(scenario.workload(), scenario.max_think_modelled_s)
     ts = scenario.time_scale
-    profile = get_profile(scenario.profile).with_overrides(page_size=_page(scenario, specs))
+    # the engine settings the live replicas get (``--set``), in model tokens here as there
+    profile = get_profile(scenario.profile).with_overrides(**scenario.engine_overrides())
+    profile = profile.with_overrides(page_size=_page(scenario, specs))
     if not scenario.host_tier:
         profile = profile.with_overrides(host_capacity_tokens=0)
     params = PolicyParams()

@@ -67,3 +67,38 @@ def test_tiny_demo_with_two_gateways_on_redis(tmp_path: Path) -> None:
     assert m["gateways"] == 2
     assert m["requests"] > 5 and m["errors"] == 0
     assert m["chr"] > 0.3
+
+
+async def test_engine_settings_reach_the_emulated_fleet_the_floor_and_the_simulator() -> None:
+    """``--engine-set FIELD=VALUE`` (demo, bench peers): the emulated replicas run with it (their
+    ``/server_info`` says so), the TTFT floor's time model and the simulator's model of the run too."""
+    import aiohttp
+
+    from loadtests.demo import DemoScenario
+    from loadtests.parity import sim_config
+    from loadtests.peers import emulated_fleet
+
+    scenario = DemoScenario(replicas=2, engine_set=("schedule_policy=lpm", "max_running_requests=7"))
+    async with emulated_fleet(2, scenario.emulator_args()) as fleet, aiohttp.ClientSession() as http:
+        for url in fleet.urls:
+            async with http.get(f"{url}/server_info") as r:
+                info = await r.json()
+            assert info["schedule_policy"] == "lpm" and info["max_running_requests"] == 7
+            assert info["page_size"] == scenario.page_size  # the scenario's own settings still hold
+    prof = scenario.replica_profile()
+    assert prof is not None and prof.schedule_policy == "lpm" and prof.token_unit == scenario.token_unit
+    cfg, _ = sim_config(scenario)
+    assert cfg.profile.schedule_policy == "lpm" and cfg.profile.max_running_requests == 7
+    with pytest.raises(ValueError, match="FIELD=VALUE"):
+        DemoScenario(engine_set=("lpm",)).engine_overrides()
+
+
+@pytest.mark.parametrize(("cmd", "setting", "says"), [
+    (["demo"], "nope=1", "unknown profile field 'nope'"),
+    (["bench", "peers"], "schedule_policy=random", "schedule_policy must be one of"),
+    (["bench", "peers", "--fleet", "real-sglang"], "schedule_policy=lpm", "real SGLang servers take their own"),
+])
+def test_bad_engine_settings_are_refused_before_anything_starts(cmd: list[str], setting: str, says: str) -> None:
+    proc = subprocess.run([KVROUTE, *cmd, "--engine-set", setting], check=False, capture_output=True, text=True,
+                          timeout=30)
+    assert proc.returncode == 2 and says in proc.stderr, proc.stderr[-2000:]
