@@ -45,7 +45,7 @@ def test_peers_real_fleet_runs_in_real_time_and_needs_the_runtime(
     class NS:  # what the parser leaves for a real fleet once the defaults are filled in
         fleet, profile, hicache, workload, trace, policy_param = "real-sglang", "x", False, "synthetic", None, []
         kv_events = False
-        engine_set: list[str] = []
+        engine_set = ()
         replicas, sessions, token_unit, time_scale = 2, 40, 40, 1.0
         duration = REAL_DEFAULTS["duration_s"]
 

@@ -98,22 +98,22 @@ def shape(doc: Any, paths: tuple[str, ...]) -> dict[str, str]:
     return {p: "|".join(sorted({_kind(v, p) for v in _values(doc, p)})) for p in paths}
 
 
-# what the load driver reads from /metrics (``loadtests.live.engine_queue_from_metrics``)
-BENCH_READ = frozenset({
-    "queue_time_seconds_bucket", "queue_time_seconds_sum", "queue_time_seconds_count",
-    "time_to_first_token_seconds_sum", "time_to_first_token_seconds_count",
-})
+# what the load driver reads from /metrics (``loadtests.live.engine_queue_from_metrics``): the
+# scheduler's histogram exists from the start, the per-request one once a request was observed (a
+# server that served earlier tests has it already, a fresh one not), so it is compared after requests
+QUEUE_READ = frozenset({"queue_time_seconds_bucket", "queue_time_seconds_sum", "queue_time_seconds_count"})
+TTFT_READ = frozenset({"time_to_first_token_seconds_sum", "time_to_first_token_seconds_count"})
 
 
-def metric_labels(text: str) -> dict[str, str]:
-    """Wanted family -> its sample label names (sorted, joined), as scraped."""
+def metric_labels(text: str, extra: frozenset[str] = QUEUE_READ) -> dict[str, str]:
+    """Wanted family (the gateway's, plus ``extra``) -> its sample label names (sorted, joined)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     out: dict[str, set[str]] = {}
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:
             name = s.name.replace(":", "_").removeprefix("sglang_")
-            if name in _WANTED or name in BENCH_READ:
+            if name in _WANTED or name in extra:
                 out.setdefault(name, set()).add(",".join(sorted(s.labels)))
     return {k: " | ".join(sorted(v)) for k, v in out.items()}
 
@@ -157,7 +157,7 @@ async def surface(base: str) -> dict[str, Any]:
                     got[f"POST {route} stream={stream} {k}"] = v
         # per-request histograms have a series per label set only once one was observed
         async with s.get(base + "/metrics", headers={"Accept": "text/plain"}) as r:
-            for k, v in metric_labels(await r.text()).items():
+            for k, v in metric_labels(await r.text(), QUEUE_READ | TTFT_READ).items():
                 got[f"/metrics after requests {k} labels"] = v
     return got
 
