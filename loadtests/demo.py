@@ -41,7 +41,7 @@ from typing import Any
 from loadtests.live import LiveStats, LoadConfig, LoadResult, run_load
 from loadtests.peers import PeerSpec, emulated_fleet, running_redis, running_router
 from loadtests.workloads import SessionSpec
-from replica.emulator.profiles import Profile, get_profile
+from replica.emulator.profiles import Profile, get_profile, parse_overrides
 
 KV_EVENTS_CONFIG = '{"publisher":"zmq","endpoint":"tcp://127.0.0.1:*","replay_endpoint":"tcp://127.0.0.1:*"}'
 """SGLang's ``--kv-events-config`` for emulated replicas: a publisher and a replay socket on free ports
@@ -102,14 +102,8 @@ class DemoScenario:
         ]
 
     def engine_overrides(self) -> dict[str, str]:
-        """``engine_set`` as profile overrides; ``ValueError`` for an item without ``=``."""
-        out: dict[str, str] = {}
-        for item in self.engine_set:
-            key, sep, value = item.partition("=")
-            if not sep or not key.strip():
-                raise ValueError(f"engine setting needs FIELD=VALUE, got {item!r}")
-            out[key.strip()] = value.strip()
-        return out
+        """``engine_set`` as profile overrides, parsed as the emulator parses ``--set``."""
+        return parse_overrides(self.engine_set)
 
     def replica_profile(self) -> Profile | None:
         """The emulated replicas' profile as ``emulator_args`` configures them (the time model

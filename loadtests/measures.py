@@ -121,7 +121,6 @@ MEASURE_FIELDS: tuple[str, ...] = (
 )
 
 
-
 @dataclass(frozen=True, slots=True)
 class EngineQueue:
     """A fleet's engine-reported queue and TTFT totals at one moment (summed over replicas and label
@@ -159,11 +158,10 @@ def engine_queue_measures(before: EngineQueue | None, after: EngineQueue | None)
     none: dict[str, float | None] = {"engine_queue_mean_s": None, "engine_queue_p99_s": None, "engine_queue_share": None}
     if after is None:
         return none
-    b0 = dict(before.buckets) if before is not None else {}
+    before = before or EngineQueue((), 0.0, 0.0, 0.0, 0.0)
+    b0 = dict(before.buckets)
     buckets = tuple((ub, c - b0.get(ub, 0.0)) for ub, c in after.buckets)
-    dq = after.queue_sum - (before.queue_sum if before is not None else 0.0)
-    dn = after.queue_count - (before.queue_count if before is not None else 0.0)
-    dt = after.ttft_sum - (before.ttft_sum if before is not None else 0.0)
+    dq, dn, dt = after.queue_sum - before.queue_sum, after.queue_count - before.queue_count, after.ttft_sum - before.ttft_sum
     if dn <= 0:
         return none
     return {

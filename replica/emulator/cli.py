@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from replica.emulator.kv_events import KvEventsConfig
-from replica.emulator.profiles import PROFILES, Profile, get_profile
+from replica.emulator.profiles import PROFILES, Profile, get_profile, parse_overrides
 from replica.emulator.runner import Running, running_emulators, start_emulators, stop_emulators
 from replica.emulator.server import EmulatorConfig
 from router.eventloop import run as run_on_loop
@@ -80,12 +80,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 def build_config(ns: argparse.Namespace) -> EmulatorConfig:
-    overrides: dict[str, Any] = {}
-    for item in ns.set:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise ValueError(f"--set needs FIELD=VALUE, got {item!r}")
-        overrides[key.strip()] = value.strip()
+    overrides: dict[str, Any] = dict(parse_overrides(ns.set))
     for f in _PROFILE_FLAGS:
         v = getattr(ns, "pf_" + f.name)
         if v is not None:

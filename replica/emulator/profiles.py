@@ -17,10 +17,11 @@ Every field can be overridden (``with_overrides`` / CLI ``--set field=value`` or
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
-__all__ = ["PROFILES", "Profile", "get_profile"]
+__all__ = ["PROFILES", "SCHEDULE_POLICIES", "Profile", "get_profile", "parse_overrides"]
 
 _FP8_KV_BYTES_PER_TOKEN = 35_136  # 576 x 1 B x 61 layers (§6.2)
 _HBM_BW = 8e12
@@ -150,6 +151,18 @@ PROFILES: dict[str, Profile] = {
         spec_accept_length=2.0,
     ),
 }
+
+
+def parse_overrides(items: Sequence[str]) -> dict[str, str]:
+    """``FIELD=VALUE`` items (``kvroute emulate --set``) as ``with_overrides`` keywords, later ones
+    winning; ``ValueError`` for an item without ``=`` or a field name."""
+    out: dict[str, str] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"a profile setting needs FIELD=VALUE, got {item!r}")
+        out[key.strip()] = value.strip()
+    return out
 
 
 def get_profile(name: str) -> Profile:
