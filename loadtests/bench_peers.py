@@ -77,6 +77,11 @@ async def run_peers_bench(
             results[spec.name] = m
             loads[spec.name] = [s for s in res.load_samples if s[0] >= warm]
             ttfts[spec.name] = [o.ttft_s for o in res.outcomes if o.ok and o.ttft_s is not None and o.t_start >= warm]
+    if fleet_urls is None:  # the emulated fleet's time model is known: the no-contention ceiling
+        from loadtests.parity import ceiling, with_ceiling
+
+        ceil = ceiling(scenario)
+        results = {name: with_ceiling(m, ceil) for name, m in results.items()}
     out_dir.mkdir(parents=True, exist_ok=True)
     kind = "real SGLang servers" if fleet_urls is not None else "emulated replicas"
     plots = {
@@ -102,6 +107,7 @@ _PAIRED: tuple[tuple[str, str, bool], ...] = (
     ("p_load_ge12", "P(load>=12)", False),
     ("e2e_p99_s", "E2E p99 (s)", False),
     ("requests", "requests", True),
+    ("requests_of_ceiling", "requests / no-contention ceiling", True),
 )
 
 

@@ -44,6 +44,8 @@ _ROWS: tuple[tuple[str, str, str], ...] = (
     ("cold_prefill_by_route", "  by decision", "{:,}"),
     ("sessions_moved", "sessions moved", "{}"),
     ("requests", "requests", "{}"),
+    ("requests_ceiling", "  ceiling: no contention (simulated)", "{}"),
+    ("requests_of_ceiling", "  requests / ceiling", "{:.2f}"),
     ("errors", "errors", "{}"),
 )
 

@@ -39,6 +39,9 @@ def test_tiny_demo_writes_both_policies(tmp_path: Path) -> None:
         assert sum(m["cold_prefill_by_route"].values()) == m["cold_prefill_tokens"]
         assert set(m["cold_prefill_by_route"]) <= set(m["route_reasons"])
         assert m["ttft_floor_p99_s"] > 0  # the emulated fleet's time model is known
+        # the scenario's no-contention ceiling (loadtests.parity.ceiling), the same for both policies
+        assert m["requests_ceiling"] == doc["hash"]["requests_ceiling"] > 10
+        assert m["requests_of_ceiling"] == pytest.approx(m["requests"] / m["requests_ceiling"])
     assert doc["_scenario"]["replicas"] == 2 and doc["_scenario"]["policies"] == ["kv_aware", "hash"]
     # not a TTY: plain progress lines and the final comparison
     assert "[kvroute kv_aware]" in proc.stdout and "dispersion" in proc.stdout

@@ -65,3 +65,34 @@ def test_a_tiny_parity_run_compares_the_simulator_with_each_live_run_and_their_m
     assert isinstance(row["within_bounds"], bool)
     assert row["checks"]["chr_abs_diff"] == pytest.approx(abs(row["sim"]["chr"] - row["live"]["chr"]))
     assert (tmp_path / "logs" / "synthetic-1-run1").is_dir() and (tmp_path / "logs" / "synthetic-1-run2").is_dir()
+
+
+def test_the_ceiling_is_a_fleet_without_contention_that_bounds_the_real_fleets_requests() -> None:
+    """``ceiling``: the same sessions on a fleet where nothing queues and nothing is evicted complete
+    more requests than the scenario's own fleet, and a fleet twice its size adds nothing (it is the
+    closed loop's limit, not a bigger fleet's)."""
+    from dataclasses import replace
+
+    from loadtests.demo import DemoScenario
+    from loadtests.parity import ceiling, ceiling_config, run_sim_for, with_ceiling
+    from loadtests.sim.run import run_sim
+
+    sc = DemoScenario(replicas=2, sessions=12, duration_s=20.0, seed=3)
+    ceil = ceiling(sc)
+    assert ceil is not None
+    fleet = run_sim_for(sc)
+    assert fleet["engine_queue_share"] > 0.1  # two replicas for twelve coding sessions: they queue
+    assert ceil["requests_ceiling"] > fleet["requests"]
+    assert ceil["ceiling_queue_share"] < 0.05
+    assert ceil["ttft_p99_ceiling_s"] < fleet["ttft_p99_s"]
+    cfg, specs = ceiling_config(sc)
+    assert cfg.replicas == 36 and cfg.profile.kv_capacity_tokens > 10 * 850_000
+    bigger = run_sim(specs, replace(cfg, replicas=2 * cfg.replicas)).measures
+    assert abs(bigger["requests"] - ceil["requests_ceiling"]) <= 0.01 * ceil["requests_ceiling"]
+
+    m = with_ceiling({"requests": 50, "chr": 0.9}, ceil)
+    assert m["requests_of_ceiling"] == pytest.approx(50 / ceil["requests_ceiling"])
+    assert m["chr"] == 0.9 and m["requests_ceiling"] == ceil["requests_ceiling"]
+    assert with_ceiling({"requests": 50}, None) == {"requests": 50}
+    # extra emulator flags may change the time model: no ceiling rather than a wrong one
+    assert ceiling(replace(sc, extra_emulator_args=("--set", "max_running_requests=2"))) is None
