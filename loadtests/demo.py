@@ -374,7 +374,8 @@ async def run_demo(
         for policy in policies:
             spec = PeerSpec(f"kvroute {policy}", "kvroute", policy, "kvroute")
             results[policy] = await run_policy(spec, scenario, sessions, log_dir=Path(tmp), live=live)
-    from loadtests.parity import ceiling, with_ceiling  # parity imports this module
+    from loadtests.parity import ceiling  # parity imports this module
+    from loadtests.sim.ceiling import with_ceiling
 
     ceil = ceiling(scenario)
     doc: dict[str, Any] = {p: with_ceiling(dict(r.measures), ceil) for p, r in results.items()}

@@ -20,12 +20,8 @@ and whether each alone was within bounds are kept. JSON: ``{"rows": [{"workload"
 "live", "within_bounds", "checks", "live_runs", "runs_within_bounds"}], ...}``.
 
 ``ceiling`` is a second model of the same scenario: the same sessions on a fleet without contention
-(``CEILING_REPLICAS_PER_SESSION`` replicas per live session, each with ``CEILING_MEMORY_FACTOR`` times
-the profile's HBM, so nothing queues and nothing is evicted). Its completed requests are the closed
-loop's own limit: what the sessions' think times and each request's own prefill and decode allow,
-whatever the router. ``kvroute demo`` and ``kvroute bench peers`` report it (``requests_ceiling``) so
-that a router's requests are judged against what the workload allows, as dispersion is against its
-floor and CHR against the pooled cache (docs/BENCHMARKS.md).
+(``loadtests.sim.ceiling``), whose completed requests are the closed loop's own limit. ``kvroute demo``
+and ``kvroute bench peers`` report it (``requests_ceiling``, ``requests_of_ceiling``).
 """
 
 from __future__ import annotations
@@ -42,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from loadtests.demo import DemoScenario, demo_scenario
+from loadtests.sim.ceiling import run_ceiling
 from loadtests.sim.run import SimConfig, run_sim
 from loadtests.textgen import BYTES_PER_TOKEN
 from loadtests.workloads import SessionSpec
@@ -50,27 +47,21 @@ from replica.emulator.tokenizer import encode_text, render_chat
 from router.policy.params import PolicyParams
 
 __all__ = [
-    "CEILING_MEMORY_FACTOR",
-    "CEILING_REPLICAS_PER_SESSION",
     "CHR_ABS",
     "DISPERSION_REL",
     "TTFT_P99_REL",
     "WORKLOADS",
     "ceiling",
-    "ceiling_config",
     "cli_main",
     "compare",
     "median_measures",
     "run_sim_for",
     "sim_config",
-    "with_ceiling",
 ]
 
 CHR_ABS = 0.01
 DISPERSION_REL = 0.20
 TTFT_P99_REL = 0.30
-CEILING_REPLICAS_PER_SESSION = 3  # a session's parent and sub-agents each find an idle replica
-CEILING_MEMORY_FACTOR = 20  # ~17 M tokens a replica: more than all of a replica's sessions' contexts
 
 # the two standard live scenarios (docs/BENCHMARKS.md): synthetic coding-agent sessions on a KV-bound
 # fleet (HBM only), and 80 real Claude Code sessions (WEKA) with the HiCache host tier
@@ -151,39 +142,13 @@ def sim_config(scenario: DemoScenario) -> tuple[SimConfig, list[SessionSpec]]:
     return cfg, specs
 
 
-def ceiling_config(scenario: DemoScenario) -> tuple[SimConfig, list[SessionSpec]]:
-    """``sim_config`` on a fleet without contention (module docstring)."""
-    cfg, specs = sim_config(scenario)
-    profile = cfg.profile.with_overrides(kv_capacity_tokens=cfg.profile.kv_capacity_tokens * CEILING_MEMORY_FACTOR)
-    return replace(cfg, replicas=scenario.sessions * CEILING_REPLICAS_PER_SESSION, profile=profile), specs
-
-
 def ceiling(scenario: DemoScenario) -> dict[str, Any] | None:
-    """The no-contention fleet's measures, prefixed for a live report: ``requests_ceiling``,
-    ``ttft_p99_ceiling_s``, ``e2e_p99_ceiling_s`` and ``ceiling_queue_share`` (its engines' queue share
-    of TTFT, ~0 when the fleet is big enough to be a ceiling). None when the live replicas' time model
-    is unknown (extra emulator flags)."""
+    """The scenario's no-contention ceiling (``loadtests.sim.ceiling.run_ceiling``); None when the live
+    replicas' time model is unknown (extra emulator flags)."""
     if scenario.replica_profile() is None:
         return None
-    cfg, specs = ceiling_config(scenario)
-    m = run_sim(specs, cfg).measures
-    return {
-        "requests_ceiling": m["requests"],
-        "ttft_p99_ceiling_s": m["ttft_p99_s"],
-        "e2e_p99_ceiling_s": m["e2e_p99_s"],
-        "ceiling_queue_share": m["engine_queue_share"],
-    }
-
-
-def with_ceiling(measures: dict[str, Any], ceil: dict[str, Any] | None) -> dict[str, Any]:
-    """``measures`` of one live run plus the scenario's ceiling and ``requests_of_ceiling`` (its
-    requests as a fraction of the ceiling's); unchanged when there is no ceiling."""
-    if ceil is None:
-        return measures
-    out = {**measures, **ceil}
-    if measures.get("requests") is not None and ceil["requests_ceiling"]:
-        out["requests_of_ceiling"] = measures["requests"] / ceil["requests_ceiling"]
-    return out
+    cfg, specs = sim_config(scenario)
+    return run_ceiling(specs, cfg)
 
 
 def run_sim_for(scenario: DemoScenario, policy: str = "kv_aware") -> dict[str, Any]:

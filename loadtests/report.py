@@ -34,6 +34,7 @@ _ROWS: tuple[tuple[str, str, str], ...] = (
     ("ttft_p50_s", "TTFT p50 (s)", "{:.2f}"),
     ("ttft_p99_s", "TTFT p99 (s)", "{:.2f}"),
     ("ttft_floor_p99_s", "  floor: no queueing", "{:.2f}"),
+    ("ttft_p99_ceiling_s", "  no-contention fleet (simulated)", "{:.2f}"),
     ("engine_queue_p99_s", "  engines' queue time p99", "{:.2f}"),
     ("engine_queue_share", "  share of engine TTFT queued", "{:.2f}"),
     ("e2e_p99_s", "E2E p99 (s)", "{:.2f}"),

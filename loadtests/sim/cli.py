@@ -3,11 +3,15 @@
     kvroute sim --workload synthetic|weka|mooncake [--trace PATH] --replicas R
                 --policies kv_aware,hash,... [--gateways G] [--state-lag-s S]
                 [--scale-up AT:TO] [--scale-down AT:TO] [--fail AT:INDEX]
-                [--duration S] [--warmup S] [--sessions N] [--lanes N] [--seed K] [--jobs N] --json PATH
+                [--duration S] [--warmup S] [--sessions N] [--lanes N] [--seed K] [--jobs N]
+                [--ceiling] --json PATH
 
 Writes ``{policy: measures}`` (DESIGN §7 field names) to ``--json`` and prints a table.
 ``--details PATH`` also writes the run statistics, the per-replica load histograms and the
-configuration. Defaults per workload are in ``_DEFAULTS`` and docs/SIMULATOR.md.
+configuration. ``--ceiling`` also runs the workload on a fleet without contention
+(``loadtests.sim.ceiling``) and adds ``requests_ceiling`` and ``requests_of_ceiling`` to every
+policy's measures: how much of what the closed loop allows each policy completes. Defaults per
+workload are in ``_DEFAULTS`` and docs/SIMULATOR.md.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from loadtests.sim.ceiling import ceiling_config, run_ceiling, with_ceiling
 from loadtests.sim.prompts import check_page_size
 from loadtests.sim.run import DEFAULT_PAGE_SIZE, FailureEvent, ScaleEvent, SimConfig, SimResult, run_sim
 from loadtests.workloads import (
@@ -115,6 +120,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--details", type=Path, help="also write stats, load histograms, config here")
     p.add_argument("--jobs", type=int, default=1,
                    help="run the policies in this many worker processes (same results as 1)")
+    p.add_argument("--ceiling", action="store_true",
+                   help="also run the sessions on a fleet without contention (3 replicas a lane, 20x HBM): "
+                        "requests_ceiling and requests_of_ceiling per policy")
     p.add_argument("--quiet", action="store_true")
     return p
 
@@ -186,6 +194,9 @@ def _print_table(results: list[SimResult], quiet: bool) -> None:
     t = Table(title="kvroute sim: DESIGN §7 measures per policy")
     cols = ["policy", "chr", "ideal", "pooled", "disp", "floor", "p≤1", "p≥12", "ttft p50", "ttft p99", "e2e p99",
             "moved", "by scale-up", "breaks", "cold prefill Mtok", "requests", "errors", "wall s"]
+    ceiling = any("requests_of_ceiling" in r.measures for r in results)
+    if ceiling:
+        cols.insert(cols.index("errors"), "req/ceil")
     for c in cols:
         t.add_column(c, justify="right" if c != "policy" else "left")
     for r in results:
@@ -196,9 +207,10 @@ def _print_table(results: list[SimResult], quiet: bool) -> None:
             _fmt(m["p_load_ge12"], 4), _fmt(m["ttft_p50_s"]), _fmt(m["ttft_p99_s"]), _fmt(m["e2e_p99_s"]),
             str(m["sessions_moved"]), str(m["sessions_moved_by_scaleup"]),
             str(sum(m["affinity_breaks"].values())), f"{m['cold_prefill_tokens'] / 1e6:.1f}",
-            str(m["requests"]), str(m["errors"]), _fmt(r.stats["wall_s"], 1),
+            str(m["requests"]), *([_fmt(m.get("requests_of_ceiling"))] if ceiling else []), str(m["errors"]),
+            _fmt(r.stats["wall_s"], 1),
         )
-    Console(stderr=True, width=max(160, Console(stderr=True).width)).print(t)
+    Console(stderr=True, width=max(200, Console(stderr=True).width)).print(t)
 
 
 def _simulate(specs: Sequence[SessionSpec], base: SimConfig, label: str, policy: str,
@@ -274,6 +286,8 @@ def cli_main(argv: list[str]) -> int:
     if args.jobs < 1:
         parser.error("--jobs must be >= 1")
     lanes = args.lanes if args.lanes is not None else int(d["lanes_per_replica"] * args.replicas)
+    if args.ceiling and lanes <= 0:
+        parser.error("--ceiling is a closed loop's limit: it needs --lanes > 0")
     try:
         profile = get_profile(args.profile).with_overrides(page_size=args.page_size, **dict(args.set))
         params = PolicyParams().with_changes(**{k: float(v) for k, v in args.param})
@@ -318,6 +332,14 @@ def cli_main(argv: list[str]) -> int:
             if not args.quiet:
                 print(f"[sim] {res.policy}: {res.stats['requests_sent']} requests, {res.stats['events']} events, "
                       f"{res.stats['wall_s']:.1f} s wall", file=sys.stderr)
+    ceil = None
+    if args.ceiling:
+        with _settled_gc():
+            ceil = run_ceiling(specs, base)
+        results = [replace(r, measures=with_ceiling(r.measures, ceil)) for r in results]
+        if not args.quiet:
+            print(f"[sim] ceiling (no contention, {ceiling_config(base).replicas} replicas): "
+                  f"{ceil['requests_ceiling']} requests", file=sys.stderr)
     out = {r.policy: r.measures for r in results}
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(out, indent=2, sort_keys=True) + "\n")

@@ -74,7 +74,8 @@ def test_the_ceiling_is_a_fleet_without_contention_that_bounds_the_real_fleets_r
     from dataclasses import replace
 
     from loadtests.demo import DemoScenario
-    from loadtests.parity import ceiling, ceiling_config, run_sim_for, with_ceiling
+    from loadtests.parity import ceiling, run_sim_for, sim_config
+    from loadtests.sim.ceiling import ceiling_config, with_ceiling
     from loadtests.sim.run import run_sim
 
     sc = DemoScenario(replicas=2, sessions=12, duration_s=20.0, seed=3)
@@ -85,7 +86,8 @@ def test_the_ceiling_is_a_fleet_without_contention_that_bounds_the_real_fleets_r
     assert ceil["requests_ceiling"] > fleet["requests"]
     assert ceil["ceiling_queue_share"] < 0.05
     assert ceil["ttft_p99_ceiling_s"] < fleet["ttft_p99_s"]
-    cfg, specs = ceiling_config(sc)
+    base, specs = sim_config(sc)
+    cfg = ceiling_config(base)
     assert cfg.replicas == 36 and cfg.profile.kv_capacity_tokens > 10 * 850_000
     bigger = run_sim(specs, replace(cfg, replicas=2 * cfg.replicas)).measures
     assert abs(bigger["requests"] - ceil["requests_ceiling"]) <= 0.01 * ceil["requests_ceiling"]
@@ -96,3 +98,5 @@ def test_the_ceiling_is_a_fleet_without_contention_that_bounds_the_real_fleets_r
     assert with_ceiling({"requests": 50}, None) == {"requests": 50}
     # extra emulator flags may change the time model: no ceiling rather than a wrong one
     assert ceiling(replace(sc, extra_emulator_args=("--set", "max_running_requests=2"))) is None
+    with pytest.raises(ValueError, match="closed loop"):  # open arrivals: every arrival is a request anyway
+        ceiling_config(replace(base, lanes=0, striped_lanes=False))

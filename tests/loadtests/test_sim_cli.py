@@ -73,6 +73,32 @@ def test_cli_synthetic_writes_measures_per_policy(tmp_path: Path) -> None:
     assert sum(d["runs"]["hash"]["load_histogram"].values()) > 0
 
 
+def test_ceiling_adds_what_the_closed_loop_allows_to_every_policy(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--ceiling``: the same sessions on a fleet without contention; each policy's requests as a
+    fraction of that fleet's, which a crowded fleet (2 replicas, 16 lanes) stays below."""
+    out = tmp_path / "sim.json"
+    argv = ["--replicas", "2", "--policies", "kv_aware,hash", "--sessions", "40", "--lanes", "16",
+            "--duration", "120", "--warmup", "20", "--seed", "3", "--json", str(out)]  # fmt: skip
+    assert cli_main([*argv, "--ceiling"]) == 0
+    err = capsys.readouterr().err
+    assert "ceiling (no contention, 48 replicas)" in err and "req/ceil" in err
+    data = json.loads(out.read_text())
+    ceiling = data["kv_aware"]["requests_ceiling"]
+    assert ceiling == data["hash"]["requests_ceiling"]
+    for m in data.values():
+        assert m["requests_of_ceiling"] == pytest.approx(m["requests"] / ceiling)
+        assert m["requests_of_ceiling"] < 1.0
+        assert m["ceiling_queue_share"] < 0.05 < m["engine_queue_share"]
+    # without the flag the policies' own measures are the same, with no ceiling in them
+    assert cli_main([*argv, "--quiet"]) == 0
+    plain = json.loads(out.read_text())
+    assert "requests_ceiling" not in plain["kv_aware"]
+    assert plain["kv_aware"]["requests"] == data["kv_aware"]["requests"]
+    with pytest.raises(SystemExit):
+        cli_main(["--workload", "mooncake", "--ceiling", "--json", str(out)])  # open arrivals: lanes 0
+    assert "--ceiling" in capsys.readouterr().err
+
+
 def test_cli_rejects_bad_arguments(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exc:
         cli_main(["--policies", "nope", "--json", str(tmp_path / "x.json")])
