@@ -78,7 +78,7 @@ async def run_peers_bench(
             loads[spec.name] = [s for s in res.load_samples if s[0] >= warm]
             ttfts[spec.name] = [o.ttft_s for o in res.outcomes if o.ok and o.ttft_s is not None and o.t_start >= warm]
     if fleet_urls is None:  # the emulated fleet's time model is known: the no-contention ceiling
-        from loadtests.parity import ceiling
+        from loadtests.scenario import ceiling
         from loadtests.sim.ceiling import with_ceiling
 
         ceil = ceiling(scenario)

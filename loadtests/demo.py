@@ -29,173 +29,21 @@ import argparse
 import asyncio
 import contextlib
 import json
-import random
 import sys
 import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
 from loadtests.live import LiveStats, LoadConfig, LoadResult, run_load
 from loadtests.peers import PeerSpec, emulated_fleet, running_redis, running_router
+from loadtests.scenario import KV_EVENTS_CONFIG, DemoScenario, ceiling, demo_scenario
+from loadtests.sim.ceiling import with_ceiling
 from loadtests.workloads import SessionSpec
-from replica.emulator.profiles import Profile, get_profile, parse_overrides
-
-KV_EVENTS_CONFIG = '{"publisher":"zmq","endpoint":"tcp://127.0.0.1:*","replay_endpoint":"tcp://127.0.0.1:*"}'
-"""SGLang's ``--kv-events-config`` for emulated replicas: a publisher and a replay socket on free ports
-(``/server_info.kv_events`` says which)."""
 
 __all__ = ["KV_EVENTS_CONFIG", "DemoScenario", "cli_main", "demo_scenario", "run_demo", "run_policy"]
-
-
-@dataclass(frozen=True, slots=True)
-class DemoScenario:
-    """Everything that defines one comparable run (shared by ``kvroute demo`` and ``bench peers``)."""
-
-    replicas: int = 8
-    duration_s: float = 60.0  # wall seconds of load per policy
-    sessions: int = 75  # live sessions at any time (lanes); each lane runs fresh sessions back to back
-    session_pool_factor: int = 4  # sessions generated per lane
-    time_scale: float = 0.1  # wall = modelled x time_scale
-    token_unit: int = 100  # model tokens per emulated token
-    profile: str = "kimi-k2.6-b200-tp4"
-    page_size: int = 4  # emulated tokens per cache page (= 400 model tokens at token_unit 100)
-    seed: int = 7
-    warmup_frac: float = 0.25  # fraction of the duration excluded from measures
-    start_spread_frac: float = 0.15  # sessions start over this fraction of the run (modelled)
-    drain_s: float = 5.0
-    sample_interval_s: float = 0.25
-    max_think_modelled_s: float = 60.0
-    # think times: WEKA-like (in the real Claude Code trace a session is busy ~12 % of its wall time), so a
-    # replica's bound sessions need more KV than it has while only a few of them are in flight
-    tool_think_fraction: float = 0.85
-    tool_think_median_s: float = 3.0
-    human_think_median_s: float = 30.0
-    # HiCache host tier off: HBM (0.85 M tokens) is the only KV tier, the regime in which routing
-    # decides whether a replica's working set fits (with a 2x host tier reloads are cheap and every
-    # sticky policy keeps its CHR; ``--hicache`` turns it on)
-    host_tier: bool = False
-    gateways: int = 1  # kvroute gateways; > 1 shares state in a fresh Redis
-    workload_kind: str = "synthetic"  # or "weka": the real Claude Code sessions (traces/)
-    trace: str | None = None  # WEKA requests file (default: loadtests.workloads.DEFAULT_WEKA_TRACE)
-    extra_emulator_args: tuple[str, ...] = ()
-    # FIELD=VALUE profile fields of the emulated engines (``kvroute emulate --set``), e.g.
-    # schedule_policy=lpm; the simulator's model of the run takes the same (``loadtests.parity``)
-    engine_set: tuple[str, ...] = ()
-    # the replicas publish SGLang's KV events (free ports); kvroute subscribes and routes on exact
-    # residency (docs/KV_EVENTS.md)
-    kv_events: bool = False
-    policy_params: tuple[str, ...] = ()  # KEY=VALUE, passed to kvroute serve --policy-param (after the scaled ones)
-
-    def emulator_args(self) -> list[str]:
-        return [
-            "--profile", self.profile,
-            "--time-scale", str(self.time_scale),
-            "--token-unit", str(self.token_unit),
-            "--set", f"page_size={self.page_size}",
-            *([] if self.host_tier else ["--host-capacity-tokens", "0"]),
-            *(["--kv-events-config", KV_EVENTS_CONFIG] if self.kv_events else []),
-            *[arg for kv in self.engine_set for arg in ("--set", kv)],
-            *self.extra_emulator_args,
-        ]
-
-    def engine_overrides(self) -> dict[str, str]:
-        """``engine_set`` as profile overrides, parsed as the emulator parses ``--set``."""
-        return parse_overrides(self.engine_set)
-
-    def replica_profile(self) -> Profile | None:
-        """The emulated replicas' profile as ``emulator_args`` configures them (the time model
-        behind ``ttft_floor_p99_s``); None when extra emulator flags may change it."""
-        if self.extra_emulator_args:
-            return None
-        # the emulator's order: --set page_size, then the engine settings, then --token-unit
-        return get_profile(self.profile).with_overrides(
-            **{"page_size": self.page_size, **self.engine_overrides(), "token_unit": self.token_unit}
-        )
-
-    def kvroute_args(self) -> list[str]:
-        """Gateway flags for this scenario. The gateway learns token counts from the replicas, which
-        report *emulated* tokens, so the policy's absolute token parameters are divided by
-        ``token_unit`` to keep their meaning; its durations (``*_s``) run on the wall clock while
-        the fleet runs ``time_scale`` times faster, so they are multiplied by ``time_scale``."""
-        import dataclasses
-
-        from router.policy.params import PolicyParams
-
-        out: list[str] = []
-        defaults = PolicyParams()
-        for f in dataclasses.fields(PolicyParams):
-            value = getattr(defaults, f.name)
-            if "tokens" in f.name and isinstance(value, int) and not isinstance(value, bool):
-                out += ["--policy-param", f"{f.name}={max(1, value // self.token_unit)}"]
-            elif f.name.endswith("_s") and isinstance(value, float):
-                out += ["--policy-param", f"{f.name}={value * self.time_scale:g}"]
-        for kv in self.policy_params:
-            out += ["--policy-param", kv]
-        return out
-
-    def kvroute_env(self) -> dict[str, str]:
-        """The gateway's own windows in modelled time (``KVROUTE_*`` settings, docs/CONFIG.md): which
-        sessions count as active on their home and the ramp cap's window, and how often replicas
-        are scraped — a 1 s scrape against a fleet running 10x fast is 10 s stale. Safety TTLs
-        (leases, sessions, replicas) and timeouts stay wall-clock."""
-        from router.config import HealthConfig
-        from router.store.base import StoreConfig
-
-        store = StoreConfig()
-        scrape_s = HealthConfig.model_fields["scrape_interval_s"].default
-        ts = self.time_scale
-        return {
-            "KVROUTE_STORE__ACTIVE_WINDOW_S": f"{store.active_window_s * ts:g}",
-            "KVROUTE_STORE__RAMP_WINDOW_S": f"{store.ramp_window_s * ts:g}",
-            "KVROUTE_HEALTH__SCRAPE_INTERVAL_S": f"{max(0.05, scrape_s * ts):g}",
-        }
-
-    def load_config(self, url: str, replica_urls: Sequence[str], *, fresh: bool = False) -> LoadConfig:
-        return LoadConfig(
-            url=url,
-            replica_urls=tuple(replica_urls),
-            time_scale=self.time_scale,
-            token_unit=self.token_unit,
-            duration_s=self.duration_s,
-            warmup_s=self.duration_s * self.warmup_frac,
-            drain_s=self.drain_s,
-            sample_interval_s=self.sample_interval_s,
-            fresh_connections=fresh,
-            max_think_modelled_s=self.max_think_modelled_s,
-            lanes=self.sessions,
-            page_size=self.page_size,
-        )
-
-    def workload(self) -> list[SessionSpec]:
-        from loadtests import workloads as w
-
-        modelled = self.duration_s / self.time_scale
-        rng = random.Random(self.seed)
-        if self.workload_kind == "weka":
-            # real sessions (sub-agents as branches), spread over the start window; requests longer
-            # than the emulated context window are dropped, the rest of their session kept (AgentX)
-            path = Path(self.trace) if self.trace else w.DEFAULT_WEKA_TRACE
-            specs = w.read_weka(path, limit=self.sessions * self.session_pool_factor)
-            specs = w.drop_long_requests(specs, 250_000)
-            rng.shuffle(specs)
-            return w.with_arrivals(specs, rng, spread_s=modelled * self.start_spread_frac)
-        if self.workload_kind != "synthetic":
-            raise ValueError(f"unknown workload {self.workload_kind!r} (synthetic | weka)")
-        params = w.SyntheticParams(
-            sessions=self.sessions * self.session_pool_factor,
-            start_spread_s=modelled * self.start_spread_frac,
-            tool_think_fraction=self.tool_think_fraction,
-            tool_think_median_s=self.tool_think_median_s,
-            human_think_median_s=self.human_think_median_s,
-        )
-        return w.synthetic_sessions(params, rng)
-
-
-def demo_scenario(**overrides: Any) -> DemoScenario:
-    return replace(DemoScenario(), **{k: v for k, v in overrides.items() if v is not None})
 
 
 # ---- live view ---------------------------------------------------------------------------------------
@@ -374,9 +222,6 @@ async def run_demo(
         for policy in policies:
             spec = PeerSpec(f"kvroute {policy}", "kvroute", policy, "kvroute")
             results[policy] = await run_policy(spec, scenario, sessions, log_dir=Path(tmp), live=live)
-    from loadtests.parity import ceiling  # parity imports this module
-    from loadtests.sim.ceiling import with_ceiling
-
     ceil = ceiling(scenario)
     doc: dict[str, Any] = {p: with_ceiling(dict(r.measures), ceil) for p, r in results.items()}
     if plots is not None:
@@ -405,6 +250,12 @@ def _verdict(doc: dict[str, Any]) -> list[str]:
             wins = x > y if better == "higher" else x < y
             verdict = f"{'kv_aware' if wins else 'hash'} wins"
         lines.append(f"{key}: kv_aware {x:.4f} vs hash {y:.4f} -> {verdict} ({better} is better)")
+    if a.get("requests_ceiling"):
+        lines.append(
+            f"requests: kv_aware {a['requests']} vs hash {h['requests']}; the same sessions on a fleet without "
+            f"contention complete {a['requests_ceiling']} (simulated): kv_aware {a['requests_of_ceiling']:.2f} "
+            f"and hash {h['requests_of_ceiling']:.2f} of what the closed loop allows"
+        )
     return lines
 
 

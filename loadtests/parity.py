@@ -1,12 +1,12 @@
 """``kvroute bench parity``: does the simulator predict the live gateway?
 
-For each workload and seed, the same scenario (``loadtests.demo.DemoScenario``: fleet, workload,
+For each workload and seed, the same scenario (``loadtests.scenario.DemoScenario``: fleet, workload,
 seed, durations) runs twice:
 
   * live: ``kvroute serve`` (kv_aware, embedded store) in front of ``kvroute emulate`` replicas,
     driven by the live load driver, exactly as ``kvroute bench peers --targets kvroute`` runs it;
-  * simulated: ``kvroute sim``'s model of the same (``sim_config``): the same session specs, the same
-    lanes (striped as the live driver runs them), the same profile in model tokens (the live fleet
+  * simulated: ``kvroute sim``'s model of the same (``loadtests.scenario.sim_config``): the same
+    session specs, the same lanes (striped as the live driver runs them), the same profile in model tokens (the live fleet
     runs ``token_unit`` model tokens per emulated token and ``time_scale`` wall seconds per modelled
     second), the same warm-up, sampling and scrape intervals, the same policy parameters, and prompts
     named as the driver renders them (``turn_framing_tokens``: each turn's closing marker and the
@@ -19,9 +19,10 @@ side N times and compares against the median of each measure (``median_measures`
 and whether each alone was within bounds are kept. JSON: ``{"rows": [{"workload", "seed", "sim",
 "live", "within_bounds", "checks", "live_runs", "runs_within_bounds"}], ...}``.
 
-``ceiling`` is a second model of the same scenario: the same sessions on a fleet without contention
-(``loadtests.sim.ceiling``), whose completed requests are the closed loop's own limit. ``kvroute demo``
-and ``kvroute bench peers`` report it (``requests_ceiling``, ``requests_of_ceiling``).
+``loadtests.scenario.ceiling`` is a second model of the same scenario: the same sessions on a fleet
+without contention (``loadtests.sim.ceiling``), whose completed requests are the closed loop's own
+limit. ``kvroute demo`` and ``kvroute bench peers`` report it (``requests_ceiling``,
+``requests_of_ceiling``).
 """
 
 from __future__ import annotations
@@ -37,14 +38,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from loadtests.demo import DemoScenario, demo_scenario
-from loadtests.sim.ceiling import run_ceiling
-from loadtests.sim.run import SimConfig, run_sim
-from loadtests.textgen import BYTES_PER_TOKEN
-from loadtests.workloads import SessionSpec
-from replica.emulator.profiles import get_profile
-from replica.emulator.tokenizer import encode_text, render_chat
-from router.policy.params import PolicyParams
+from loadtests.scenario import DemoScenario, ceiling, demo_scenario, sim_config
+from loadtests.sim.run import run_sim
 
 __all__ = [
     "CHR_ABS",
@@ -75,80 +70,6 @@ WORKLOADS: dict[str, dict[str, Any]] = {
 COMPARED = ("chr", "ideal_chr", "pooled_chr", "routing_loss", "dispersion", "dispersion_floor", "dispersion_sticky", "dispersion_between", "p_load_ge12",
             "ttft_p50_s", "ttft_p99_s", "ttft_floor_p99_s", "engine_queue_p99_s", "engine_queue_share", "e2e_p99_s", "requests", "errors", "sessions_moved", "route_reasons",
             "cold_prefill_by_route", "routing_loss_by_route")  # fmt: skip
-
-
-def _page(scenario: DemoScenario, specs: Sequence[SessionSpec]) -> int:
-    """The live fleet's page in model tokens, rounded to a multiple of the traces' block size (the
-    simulator names blocks by the trace's hash ids, so its pages must align with them)."""
-    page = scenario.page_size * scenario.token_unit
-    blocks = {c.block_size for s in specs for c in s.walk() if c.block_size}
-    if not blocks:
-        return page
-    b = max(blocks)
-    return max(b, round(page / b) * b)
-
-
-def _cap_turn_think(specs: Sequence[SessionSpec], cap_s: float) -> list[SessionSpec]:
-    """The live driver waits ``min(think_s, cap)`` before a chain's turns; a branch still starts at its
-    own ``start_s`` (``loadtests.live._Run.chain``)."""
-
-    def cap(s: SessionSpec) -> SessionSpec:
-        turns = tuple(replace(t, think_s=min(t.think_s, cap_s)) if t.think_s > cap_s else t for t in s.turns)
-        return replace(s, turns=turns, branches=tuple(cap(b) for b in s.branches))
-
-    return [cap(s) for s in specs]
-
-
-def framing_tokens(token_unit: int) -> int:
-    """Model tokens of what ends a rendered prompt and is not reused by the next turn: the emulator's
-    chat template closes the one user message and adds the generation prompt."""
-    body = "abcd" * 64
-    head = "<|im_user|>user<|im_middle|>"
-    whole = encode_text(render_chat([{"role": "user", "content": body}])).num_tokens
-    return (whole - len((head + body).encode()) // BYTES_PER_TOKEN) * token_unit
-
-
-def sim_config(scenario: DemoScenario) -> tuple[SimConfig, list[SessionSpec]]:
-    """The simulator's model of one live ``bench peers`` run of kvroute (module docstring)."""
-    specs = _cap_turn_think(scenario.workload(), scenario.max_think_modelled_s)
-    ts = scenario.time_scale
-    # the engine settings the live replicas get (``--set``), in model tokens here as there
-    profile = get_profile(scenario.profile).with_overrides(**scenario.engine_overrides())
-    profile = profile.with_overrides(page_size=_page(scenario, specs))
-    if not scenario.host_tier:
-        profile = profile.with_overrides(host_capacity_tokens=0)
-    params = PolicyParams()
-    for kv in scenario.policy_params:
-        key, _, value = kv.partition("=")
-        params = params.with_changes(**{key.strip(): float(value)})
-    modelled = scenario.duration_s / ts
-    cfg = SimConfig(
-        replicas=scenario.replicas,
-        policy="kv_aware",
-        policy_params=params,
-        profile=profile,
-        scrape_interval_s=max(0.05, 1.0 * ts) / ts,  # loadtests.demo: KVROUTE_HEALTH__SCRAPE_INTERVAL_S
-        sample_interval_s=scenario.sample_interval_s / ts,
-        warmup_s=modelled * scenario.warmup_frac,
-        duration_s=modelled,
-        drain_s=scenario.drain_s / ts,
-        lanes=scenario.sessions,
-        striped_lanes=True,
-        turn_framing_tokens=framing_tokens(scenario.token_unit),
-        start_mid_session=False,
-        seed=scenario.seed,
-        kv_events=scenario.kv_events,
-    )
-    return cfg, specs
-
-
-def ceiling(scenario: DemoScenario) -> dict[str, Any] | None:
-    """The scenario's no-contention ceiling (``loadtests.sim.ceiling.run_ceiling``); None when the live
-    replicas' time model is unknown (extra emulator flags)."""
-    if scenario.replica_profile() is None:
-        return None
-    cfg, specs = sim_config(scenario)
-    return run_ceiling(specs, cfg)
 
 
 def run_sim_for(scenario: DemoScenario, policy: str = "kv_aware") -> dict[str, Any]:

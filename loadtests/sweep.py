@@ -1,5 +1,5 @@
 """``kvroute bench sweep``: policy variants against the default, paired by seed, in the simulator's
-model of the live bench (``loadtests.parity.sim_config``: the scenario ``kvroute bench peers`` runs).
+model of the live bench (``loadtests.scenario.sim_config``: the scenario ``kvroute bench peers`` runs).
 
 For each seed the default and every variant run on the same workload, fleet and seed; the JSON gives
 the default's mean per measure and, per variant, the mean difference (variant − default) with its

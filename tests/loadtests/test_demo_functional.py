@@ -45,6 +45,7 @@ def test_tiny_demo_writes_both_policies(tmp_path: Path) -> None:
     assert doc["_scenario"]["replicas"] == 2 and doc["_scenario"]["policies"] == ["kv_aware", "hash"]
     # not a TTY: plain progress lines and the final comparison
     assert "[kvroute kv_aware]" in proc.stdout and "dispersion" in proc.stdout
+    assert f"complete {doc['kv_aware']['requests_ceiling']} (simulated)" in proc.stdout
     assert (tmp_path / "demo_load.png").stat().st_size > 5000
     assert (tmp_path / "demo_ttft_cdf.png").stat().st_size > 5000
 
@@ -78,8 +79,8 @@ async def test_engine_settings_reach_the_emulated_fleet_the_floor_and_the_simula
     import aiohttp
 
     from loadtests.demo import DemoScenario
-    from loadtests.parity import sim_config
     from loadtests.peers import emulated_fleet
+    from loadtests.scenario import sim_config
 
     scenario = DemoScenario(replicas=2, engine_set=("schedule_policy=lpm", "max_running_requests=7"))
     async with emulated_fleet(2, scenario.emulator_args()) as fleet, aiohttp.ClientSession() as http:

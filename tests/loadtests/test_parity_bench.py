@@ -74,7 +74,8 @@ def test_the_ceiling_is_a_fleet_without_contention_that_bounds_the_real_fleets_r
     from dataclasses import replace
 
     from loadtests.demo import DemoScenario
-    from loadtests.parity import ceiling, run_sim_for, sim_config
+    from loadtests.parity import run_sim_for
+    from loadtests.scenario import ceiling, sim_config
     from loadtests.sim.ceiling import ceiling_config, with_ceiling
     from loadtests.sim.run import run_sim
 
