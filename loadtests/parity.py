@@ -6,9 +6,9 @@ seed, durations) runs twice:
   * live: ``kvroute serve`` (kv_aware, embedded store) in front of ``kvroute emulate`` replicas,
     driven by the live load driver, exactly as ``kvroute bench peers --targets kvroute`` runs it;
   * simulated: ``kvroute sim``'s model of the same (``loadtests.scenario.sim_config``): the same
-    session specs, the same lanes (striped as the live driver runs them), the same profile in model tokens (the live fleet
-    runs ``token_unit`` model tokens per emulated token and ``time_scale`` wall seconds per modelled
-    second), the same warm-up, sampling and scrape intervals, the same policy parameters, and prompts
+    session specs, the same lanes (striped as the live driver runs them), the same profile in model
+    tokens (the live fleet runs ``token_unit`` model tokens per emulated token and ``time_scale`` wall
+    seconds per modelled second), the same warm-up, sampling and scrape intervals, the same policy parameters, and prompts
     named as the driver renders them (``turn_framing_tokens``: each turn's closing marker and the
     engine's output are not reused by the next turn).
 

@@ -2,8 +2,8 @@
 
 :class:`DemoScenario` is everything that defines a run of ``kvroute demo`` and ``kvroute bench peers``
 (fleet, workload, seed, durations, scaling; why the defaults: ``loadtests/demo.py``). Two models of
-the same run in the fleet simulator live beside it, so that the live commands and the simulator's
-need no import of each other:
+the same run in the fleet simulator live beside it, so that ``demo`` reports the ceiling without
+importing ``parity`` (which runs ``demo``'s live side):
 
   * :func:`sim_config`: the simulator's model of one live run of kvroute (``kvroute bench parity``
     holds it to the live gateway; ``loadtests/parity.py`` says how it matches the live fleet);
@@ -68,7 +68,7 @@ class DemoScenario:
     trace: str | None = None  # WEKA requests file (default: loadtests.workloads.DEFAULT_WEKA_TRACE)
     extra_emulator_args: tuple[str, ...] = ()
     # FIELD=VALUE profile fields of the emulated engines (``kvroute emulate --set``), e.g.
-    # schedule_policy=lpm; the simulator's model of the run takes the same (``loadtests.parity``)
+    # schedule_policy=lpm; the simulator's model of the run takes the same (``sim_config``)
     engine_set: tuple[str, ...] = ()
     # the replicas publish SGLang's KV events (free ports); kvroute subscribes and routes on exact
     # residency (docs/KV_EVENTS.md)
@@ -237,7 +237,7 @@ def sim_config(scenario: DemoScenario) -> tuple[SimConfig, list[SessionSpec]]:
         policy="kv_aware",
         policy_params=params,
         profile=profile,
-        scrape_interval_s=max(0.05, 1.0 * ts) / ts,  # loadtests.demo: KVROUTE_HEALTH__SCRAPE_INTERVAL_S
+        scrape_interval_s=max(0.05, 1.0 * ts) / ts,  # DemoScenario.kvroute_env: KVROUTE_HEALTH__SCRAPE_INTERVAL_S
         sample_interval_s=scenario.sample_interval_s / ts,
         warmup_s=modelled * scenario.warmup_frac,
         duration_s=modelled,
