@@ -223,7 +223,7 @@ async def run_demo(
             spec = PeerSpec(f"kvroute {policy}", "kvroute", policy, "kvroute")
             results[policy] = await run_policy(spec, scenario, sessions, log_dir=Path(tmp), live=live)
     ceil = ceiling(scenario)
-    doc: dict[str, Any] = {p: with_ceiling(dict(r.measures), ceil) for p, r in results.items()}
+    doc: dict[str, Any] = {p: with_ceiling(r.measures, ceil) for p, r in results.items()}
     if plots is not None:
         from loadtests.report import plot_load, plot_ttft_cdf
 
