@@ -9,12 +9,15 @@ DESIGN.md §3 rules, applied in this order for a request of a known session (doc
             it (pool, hard bound, max_overflow)        -> there (THICC_SPLIT, no break expected)
   evicted   session idle and its cache surely gone     -> place afresh by load (PLACED_EVICTED)
   thicc     ≥ thicc_threshold in flight at home (a request that does not continue the session's
-            context), or home over the hard bound mid-turn -> sticky overflow replica (THICC_SPLIT)
-  overload  session idle and home over the hard bound  -> reassign to a replica under it
+            context), or home overloaded mid-turn     -> sticky overflow replica (THICC_SPLIT)
+  overload  session idle and home overloaded           -> reassign to a replica under the bound
                                                           (REASSIGNED_OVERLOAD)
   affinity  otherwise                                  -> home (AFFINITY); idle overflows collapse
 
-A warm session is never moved for load below the hard bound: the move's cold prefill (seconds for a
+"Overloaded": over the hard bound (in-flight requests) and KV-bound (its sessions' working set
+exceeds its HBM + host tier). Below the bound, or where the working set fits, a warm session stays.
+
+A warm session is never moved for load otherwise: the move's cold prefill (seconds for a
 coding session's context) lands on one request and stalls the target's others, which costs more at
 the tail than the busier home (docs/POLICY.md, "Load moves").
 
@@ -56,6 +59,7 @@ __all__ = [
     "cache_surely_gone",
     "estimate_gone",
     "exact_gone",
+    "kv_bound",
     "load_score",
     "load_scores",
     "residency_horizon",
@@ -81,6 +85,13 @@ def residency_horizon(replica: ReplicaState, params: PolicyParams) -> float:
     what the engine's own answers showed (``residency_horizon_tokens``, rule 6 feedback), else its
     whole cache (HBM + host: an LRU drops what is older than its capacity)."""
     return float(replica.residency_horizon_tokens or total_capacity(replica, params))
+
+
+def kv_bound(replica: ReplicaState, params: PolicyParams) -> bool:
+    """Does the working set bound here (contexts of its sessions seen within the active window)
+    exceed the replica's whole KV, HBM + host tier? Then it evicts its own sessions' caches, and
+    rule 1's hard bound applies to them."""
+    return replica.active_context_tokens > total_capacity(replica, params)
 
 
 def estimate_gone(session: SessionState, home: ReplicaState, params: PolicyParams) -> bool:
@@ -323,7 +334,10 @@ class KvAwarePolicy:
                 )
             return RouteDecision(target.id, Reason.PLACED_EVICTED, effects, scores, AffinityBreak.EVICTED)
 
-        over = home.in_flight >= view.hard_bound and not view.panic
+        # rule 1's bound yields a warm cache only at a KV-bound home: where the working set fits,
+        # the turn is warm at home and waits seconds, while a move re-prefills its whole context
+        # and queues the target as long (docs/POLICY.md round 25)
+        over = home.in_flight >= view.hard_bound and not view.panic and kv_bound(home, p)
         # the parent chain's next turn carries the whole session context: its cache is at home
         extends = continues_context(sess.context_tokens, request.prompt_tokens_estimate)
         thicc = sess.in_flight_at(home.id) >= p.thicc_threshold

@@ -30,7 +30,9 @@ class PolicyParams:
     """No replica takes a new session while it holds ≥ ceil((1+ε)·mean) active sessions."""
     hard_bound_factor: float = 2.0
     hard_bound_min: int = 8
-    """Affinity yields when home in-flight ≥ max(hard_bound_min, hard_bound_factor · mean in-flight)."""
+    """The hard bound, max(hard_bound_min, hard_bound_factor · mean in-flight): nothing is placed on a
+    replica at or beyond it, and a warm session's affinity yields to it where the home is KV-bound
+    (its sessions' working set exceeds its HBM + host tier; docs/POLICY.md round 25)."""
 
     # ---- rule 4: scale-up ramp -------------------------------------------------------------------
     fresh_window_s: float = 120.0

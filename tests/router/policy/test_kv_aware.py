@@ -70,11 +70,16 @@ def _busy_home(**home: int) -> ClusterSnapshot:
     return snapshot(replica(A, in_flight=6, **home), replica(B), replica(C, in_flight=1), sess=session("s1", A, ctx=10_000))
 
 
+# a working set past a replica's whole KV (850k, no host tier): it evicts its own sessions, where
+# the hard bound applies (rule 1)
+KV_BOUND = CAPACITY + 50_000
+
+
 # a home over the hard bound (A at 9 in flight, bound 8) with the 50k session s1 idle on it, in a fleet
-# of `sessions` active sessions per replica (round 7's crowding limit is 12)
-def _hot_home(sessions: int = 0) -> ClusterSnapshot:
+# of `sessions` active sessions per replica (round 7's crowding limit is 12); `ws`: A's working set
+def _hot_home(sessions: int = 0, ws: int = KV_BOUND, host: int = 0) -> ClusterSnapshot:
     return snapshot(
-        replica(A, in_flight=9, sessions=sessions),
+        replica(A, in_flight=9, sessions=sessions, active_ctx=ws, host=host),
         replica(B, sessions=sessions),
         replica(C, in_flight=1, sessions=sessions),
         sess=session("s1", A),
@@ -432,9 +437,9 @@ CASES: dict[str, Case] = {
         AffinityBreak.THICC_SPLIT,
     ),
     "thicc_extending_spills_over_hard_bound": Case(
-        # mean in-flight 10/3 -> hard bound 8; home at 9: load safety beats the cache
+        # mean in-flight 10/3 -> hard bound 8; home at 9 and KV-bound: load safety beats the cache
         snapshot(
-            replica(A, in_flight=9),
+            replica(A, in_flight=9, active_ctx=KV_BOUND),
             replica(B),
             replica(C, in_flight=1),
             sess=session("s1", A, in_flight={A: 3}),
@@ -507,9 +512,9 @@ CASES: dict[str, Case] = {
         params=P.with_changes(max_overflow=1),
     ),
     "overload_mid_turn_spills": Case(
-        # mean in-flight 3 -> hard bound max(8, 6) = 8; A is at 9
+        # mean in-flight 3 -> hard bound max(8, 6) = 8; A is at 9 and KV-bound
         snapshot(
-            replica(A, in_flight=9),
+            replica(A, in_flight=9, active_ctx=KV_BOUND),
             replica(B),
             replica(C, in_flight=1),
             sess=session("s1", A, in_flight={A: 1}),
@@ -530,7 +535,7 @@ CASES: dict[str, Case] = {
     "overload_idle_reassigns_in_a_saturated_fleet": Case(
         # every engine queues, but home is over the hard bound: saturation stops soft moves only
         snapshot(
-            replica(A, in_flight=9, queued=1),
+            replica(A, in_flight=9, queued=1, active_ctx=KV_BOUND),
             replica(B, queued=1),
             replica(C, in_flight=1, queued=1),
             sess=session("s1", A),
@@ -539,10 +544,10 @@ CASES: dict[str, Case] = {
         *_MOVED_TO_B,
     ),
     "overload_idle_big_warm_session_leaves_too": Case(
-        # the same hot home (hard bound 8, A at 9) with a big warm session: the bound is hard at
-        # a turn start (rule 1), whatever the move's re-prefill costs
+        # the same hot home (hard bound 8, A at 9, KV-bound) with a big warm session: the bound is
+        # hard at a turn start (rule 1), whatever the move's re-prefill costs
         snapshot(
-            replica(A, in_flight=9), replica(B), replica(C, in_flight=1), sess=session("s1", A, ctx=200_000)
+            replica(A, in_flight=9, active_ctx=KV_BOUND), replica(B), replica(C, in_flight=1), sess=session("s1", A, ctx=200_000)
         ),
         request(),
         *_MOVED_TO_B,
@@ -550,19 +555,44 @@ CASES: dict[str, Case] = {
     "overload_idle_stays_when_no_one_is_under_the_bound": Case(
         # hard bound = max(8, 1.0 * mean 9.33) = 9.33: B and C would be over it with one more
         snapshot(
-            replica(A, in_flight=10), replica(B, in_flight=9), replica(C, in_flight=9), sess=session("s1", A)
+            replica(A, in_flight=10, active_ctx=KV_BOUND),
+            replica(B, in_flight=9),
+            replica(C, in_flight=9),
+            sess=session("s1", A),
         ),
         request(),
         A,
         Reason.AFFINITY,
         params=P.with_changes(hard_bound_factor=1.0),
     ),
-    "light_fleet_over_the_hard_bound_needs_no_pressure": Case(
-        # the pressure test is for soft moves: the empty-cache home of overload_idle_reassigns,
-        # over the hard bound in a light fleet (mean 10/3), still loses the idle session
-        _hot_home(),
+    # ---- rule 1's bound where the home's working set fits its KV (docs/POLICY.md round 25)
+    "over_the_bound_but_not_kv_bound_keeps_its_idle_session": Case(
+        # the hot home of overload_idle_reassigns with a working set that fits its HBM: the turn is
+        # warm at home and its wait is a few seconds of prefill and decode; a move re-prefills the
+        # whole context and queues the target as long
+        _hot_home(ws=CAPACITY - 50_000),
         request(),
-        *_MOVED_TO_B,
+        A,
+        Reason.AFFINITY,
+    ),
+    "over_the_bound_but_not_kv_bound_with_a_host_tier": Case(
+        # past its HBM but within HBM + host tier (HiCache): the working set is still held
+        _hot_home(ws=KV_BOUND, host=CAPACITY),
+        request(),
+        A,
+        Reason.AFFINITY,
+    ),
+    "over_the_bound_but_not_kv_bound_mid_turn_stays": Case(
+        # mid-turn at the same home: no spill either (a thicc session still splits, rule 2)
+        snapshot(
+            replica(A, in_flight=9, active_ctx=CAPACITY - 50_000),
+            replica(B),
+            replica(C, in_flight=1),
+            sess=session("s1", A, in_flight={A: 1}),
+        ),
+        request(),
+        A,
+        Reason.AFFINITY,
     ),
     "draining_home_idle_reassigns": Case(
         snapshot(
@@ -686,9 +716,9 @@ CASES: dict[str, Case] = {
     ),
     "joining_replicas_do_not_make_a_panic": Case(
         # a scale-up from 2 to 5: 2 ACTIVE of 5 registered is not "fewer than half healthy", so the
-        # hard bound still holds and s1 leaves its over-bound home at its turn start
+        # hard bound still holds and s1 leaves its overloaded home at its turn start
         snapshot(
-            replica(A, in_flight=9),
+            replica(A, in_flight=9, active_ctx=KV_BOUND),
             replica(B),
             replica("j1", status=S.JOINING),
             replica("j2", status=S.JOINING),
