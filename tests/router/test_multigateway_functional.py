@@ -18,6 +18,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -30,7 +31,7 @@ from router.store.redis import RedisStore
 
 ROOT = Path(__file__).resolve().parents[2]
 REPLICAS = [f"10.0.0.{i}:8000" for i in range(1, 5)]
-LEASE_TTL_S = 2.0  # short for the SIGKILL test, long enough for a starved process on a busy CI box
+LEASE_TTL_S = 3.0  # short for the SIGKILL test, long enough for a starved process on a busy CI box
 
 
 def _config(prefix: str = "kvroute") -> StoreConfig:
@@ -141,20 +142,37 @@ def _spawn(*args: str) -> subprocess.Popen[str]:
     )
 
 
+@pytest.fixture
+def spawn() -> Iterator[Callable[..., subprocess.Popen[str]]]:
+    """``_spawn``, with every worker still running killed at teardown: a worker left holding leases
+    after a failed assertion would put its load into the next tests on the session's Redis."""
+    procs: list[subprocess.Popen[str]] = []
+
+    def start(*args: str) -> subprocess.Popen[str]:
+        procs.append(_spawn(*args))
+        return procs[-1]
+
+    yield start
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+            p.wait(timeout=10)
+
+
 # ---- tests ---------------------------------------------------------------------------------------
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("refresh", [0.0, 0.05], ids=["3rt", "fast"])
 async def test_200_new_sessions_through_3_gateways_each_end_with_one_home(
-    redis_url: str, refresh: float
+    redis_url: str, refresh: float, spawn: Callable[..., subprocess.Popen[str]]
 ) -> None:
     admin = RedisStore.from_url(redis_url, "admin", _config(), SystemClock(), op_timeout_s=5.0)
     await _register(admin)
     sids = [f"race-{i}" for i in range(200)]
     start_at = 3  # processes to wait for at the barrier: all three start placing at the same moment
     procs = [
-        _spawn("race", redis_url, f"gw{i}", ",".join(sids), str(start_at), str(i), str(refresh))
+        spawn("race", redis_url, f"gw{i}", ",".join(sids), str(start_at), str(i), str(refresh))
         for i in range(3)
     ]
     outs = []
@@ -184,13 +202,13 @@ async def test_200_new_sessions_through_3_gateways_each_end_with_one_home(
 @pytest.mark.slow
 @pytest.mark.parametrize("refresh", [0.0, 0.05], ids=["3rt", "fast"])
 async def test_inflight_exact_under_load_and_sigkilled_gateway_leaves_no_phantom(
-    redis_url: str, refresh: float
+    redis_url: str, refresh: float, spawn: Callable[..., subprocess.Popen[str]]
 ) -> None:
     admin = RedisStore.from_url(redis_url, "admin", _config(), SystemClock(), op_timeout_s=5.0)
     await _register(admin)
     counts = [23, 17, 31]
     procs = [
-        _spawn("hold", redis_url, f"holder{i}", str(n), str(i), str(refresh)) for i, n in enumerate(counts)
+        spawn("hold", redis_url, f"holder{i}", str(n), str(i), str(refresh)) for i, n in enumerate(counts)
     ]
     helds: list[dict[str, int]] = []
     for p in procs:
