@@ -337,14 +337,14 @@ class KvAwarePolicy:
         # rule 1's bound yields a warm cache only at a KV-bound home: where the working set fits,
         # the turn is warm at home and waits seconds, while a move re-prefills its whole context
         # and queues the target as long (docs/POLICY.md round 25)
-        over = home.in_flight >= view.hard_bound and not view.panic and kv_bound(home, p)
+        overloaded = home.in_flight >= view.hard_bound and not view.panic and kv_bound(home, p)
         # the parent chain's next turn carries the whole session context: its cache is at home
         extends = continues_context(sess.context_tokens, request.prompt_tokens_estimate)
         thicc = sess.in_flight_at(home.id) >= p.thicc_threshold
-        if (thicc and not extends) or (over and not idle):
-            brk = AffinityBreak.OVERLOAD_SPILL if over else AffinityBreak.THICC_SPLIT
+        if (thicc and not extends) or (overloaded and not idle):
+            brk = AffinityBreak.OVERLOAD_SPILL if overloaded else AffinityBreak.THICC_SPLIT
             return self._spill(view, request, snapshot, sess, home, rng, Reason.THICC_SPLIT, brk)
-        if idle and over:
+        if idle and overloaded:
             # rule 1: the bound is hard; the session leaves for a replica under it, if there is one
             decision = self._try_move(
                 view,
