@@ -669,33 +669,33 @@ async def run_load(
             while pending := [t for t in run.tasks if not t.done()]:
                 await asyncio.wait(pending)
 
+        done_all = asyncio.create_task(all_done())
+        stop_wait = asyncio.create_task(run.stopping.wait())
         try:
-            done_all = asyncio.create_task(all_done())
-            stop_wait = asyncio.create_task(run.stopping.wait())
             await asyncio.wait(
                 [done_all, stop_wait],
                 timeout=max(run.deadline - time.monotonic(), 0.0),
                 return_when=asyncio.FIRST_COMPLETED,
             )
             run.stopping.set()
-            stop_wait.cancel()
             if not done_all.done():
                 # stopped: requests already in flight get drain_s to finish
                 try:
                     await asyncio.wait_for(asyncio.shield(done_all), timeout=config.drain_s)
                 except TimeoutError:
                     censored = stats.in_flight
-            done_all.cancel()
         finally:
-            sampler_task.cancel()
-            for t in run.tasks:
+            # on cancellation too: nothing of this run outlives it
+            helpers = [sampler_task, done_all, stop_wait]
+            for t in [*helpers, *run.tasks]:
                 t.cancel()
-            await asyncio.gather(sampler_task, *run.tasks, return_exceptions=True)
+            await asyncio.gather(*helpers, *run.tasks, return_exceptions=True)
+            if not queue_before.done():
+                queue_before.cancel()
         wall = time.monotonic() - run.t0
-        if queue_before.done():
+        if queue_before.done() and not queue_before.cancelled():
             queue = (queue_before.result(), await _engine_queue(probe, config.replica_urls))
         else:  # the run ended before its warm-up did: nothing measured
-            queue_before.cancel()
             queue = (None, None)
     measures = _measures(run, samples, config, wall, censored, queue)
     return LoadResult(

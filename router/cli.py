@@ -7,6 +7,7 @@ and benchmarks need the ``bench`` extra (rich, matplotlib); without it they say 
 
 from __future__ import annotations
 
+import asyncio
 import importlib
 import importlib.util
 import signal
@@ -34,8 +35,24 @@ _NEEDS_BENCH_EXTRA = frozenset({"bench", "demo", "load", "sim"})
 _BENCH_EXTRA = ("rich", "matplotlib")
 
 
-def _exit_on_sigterm(signum: int, frame: FrameType | None) -> None:
-    raise SystemExit(128 + signum)
+_terminated = False
+
+
+def _unwind_on_sigterm(signum: int, frame: FrameType | None) -> None:
+    global _terminated
+    if _terminated:  # already unwinding: the ``finally`` blocks have their own SIGKILL deadlines
+        return
+    _terminated = True
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:  # not inside ``asyncio.run``: unwind from here
+        raise SystemExit(128 + signum) from None
+    # Inside ``asyncio.run``: cancel its tasks, as Ctrl-C does, so they unwind with the event loop
+    # intact. An exception raised from the handler can land inside the loop's own bookkeeping and
+    # lose the wake-up that a ``finally`` block's ``await`` is waiting for.
+    for task in asyncio.all_tasks(loop):
+        task.cancel()
+    loop.call_soon_threadsafe(lambda: None)  # wake the loop if it sleeps in select()
 
 
 def _usage() -> str:
@@ -68,9 +85,16 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
     module = importlib.import_module(SUBCOMMANDS[cmd][0])
-    if cmd in _STARTS_FLEETS:
-        signal.signal(signal.SIGTERM, _exit_on_sigterm)
-    rc: int = module.cli_main(args[1:])
+    if cmd not in _STARTS_FLEETS:
+        rc: int = module.cli_main(args[1:])
+        return rc
+    signal.signal(signal.SIGTERM, _unwind_on_sigterm)
+    try:
+        rc = module.cli_main(args[1:])
+    except (asyncio.CancelledError, KeyboardInterrupt):
+        if not _terminated:
+            raise
+        return 128 + signal.SIGTERM
     return rc
 
 

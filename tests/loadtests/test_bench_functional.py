@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -15,6 +14,7 @@ import pytest
 
 from loadtests.peers import find_binary
 from tests.ci import missing
+from tests.proctree import children, sigterm_when
 
 KVROUTE = str(Path(sys.executable).parent / "kvroute")
 
@@ -178,28 +178,6 @@ def test_peers_bench_over_seeds(tmp_path: Path) -> None:
     assert bad.returncode == 2 and "--seeds" in bad.stderr
 
 
-def _stat(pid: int) -> list[str] | None:
-    """The fields of /proc/<pid>/stat after the command name (state, ppid, ...), None if gone."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-
-
-def _children(pid: int) -> set[int]:
-    """Pids whose parent is ``pid`` (the bench starts each child in its own session)."""
-    kids = set()
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit() and (fields := _stat(int(d.name))) is not None and int(fields[1]) == pid:
-            kids.add(int(d.name))
-    return kids
-
-
-def _alive(pid: int) -> bool:
-    fields = _stat(pid)
-    return fields is not None and fields[0] != "Z"
-
-
 @pytest.mark.slow
 def test_sigterm_stops_the_fleet_it_started() -> None:
     """SIGTERM to a running bench unwinds its ``finally`` blocks: the emulated fleet it started in
@@ -208,25 +186,11 @@ def test_sigterm_stops_the_fleet_it_started() -> None:
         [KVROUTE, "bench", "overhead", "--duration", "30", "--concurrency", "1", "--targets", "kvroute"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
-    kids: set[int] = set()
-    try:
-        deadline = time.monotonic() + 60
-        while not kids and time.monotonic() < deadline and proc.poll() is None:
-            time.sleep(0.2)
-            kids = _children(proc.pid)
-        assert kids, "the bench started no child process"
-        time.sleep(1.0)  # the fleet is up and the direct cells are running
-        proc.send_signal(signal.SIGTERM)
-        rc = proc.wait(timeout=30)
-        assert rc != 0  # interrupted, not a finished bench
-        deadline = time.monotonic() + 15
-        while any(_alive(k) for k in kids) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert not [k for k in kids if _alive(k)], "the bench's fleet outlived it"
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(timeout=10)
-        for k in kids:
-            if _alive(k):
-                os.killpg(k, signal.SIGKILL)
+    started: list[float] = []
+
+    def ready() -> bool:  # the fleet is up and the direct cells have run for a second
+        if not started and children(proc.pid):
+            started.append(time.monotonic())
+        return bool(started) and time.monotonic() - started[0] >= 1.0
+
+    assert sigterm_when(proc, ready) == 128 + signal.SIGTERM

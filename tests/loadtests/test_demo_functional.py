@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +13,7 @@ import pytest
 
 from loadtests.measures import MEASURE_FIELDS
 from tests.ci import missing
+from tests.proctree import sigterm_when
 
 KVROUTE = str(Path(sys.executable).parent / "kvroute")
 
@@ -48,6 +50,23 @@ def test_tiny_demo_writes_both_policies(tmp_path: Path) -> None:
     assert f"complete {doc['kv_aware']['requests_ceiling']} (simulated)" in proc.stdout
     assert (tmp_path / "demo_load.png").stat().st_size > 5000
     assert (tmp_path / "demo_ttft_cdf.png").stat().st_size > 5000
+
+
+@pytest.mark.slow
+def test_sigterm_mid_load_unwinds_the_demo(tmp_path: Path) -> None:
+    """SIGTERM while the load runs inside the event loop: the demo's tasks are cancelled and unwind
+    (the load driver, the gateway, the emulated fleet), it exits 143, and no child outlives it."""
+    log = tmp_path / "demo.out"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            [KVROUTE, "demo", "--replicas", "2", "--duration", "60", "--sessions", "8", "--time-scale", "0.05",
+             "--policies", "kv_aware", "--no-live"],
+            stdout=out, stderr=subprocess.STDOUT,
+        )
+        # the first progress line: the gateway and the fleet are up and requests are in flight
+        rc = sigterm_when(proc, lambda: b"[kvroute kv_aware]" in log.read_bytes())
+    assert rc == 128 + signal.SIGTERM, log.read_text()[-2000:]
+    assert "Traceback" not in log.read_text()
 
 
 def test_demo_rejects_bad_arguments() -> None:
