@@ -690,8 +690,7 @@ async def run_load(
             for t in [*helpers, *run.tasks]:
                 t.cancel()
             await asyncio.gather(*helpers, *run.tasks, return_exceptions=True)
-            if not queue_before.done():
-                queue_before.cancel()
+            queue_before.cancel()  # a no-op once it has its answer
         wall = time.monotonic() - run.t0
         if queue_before.done() and not queue_before.cancelled():
             queue = (queue_before.result(), await _engine_queue(probe, config.replica_urls))
