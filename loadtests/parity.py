@@ -1,9 +1,9 @@
 """``kvroute bench parity``: does the simulator predict the live gateway?
 
-For each workload and seed, the same scenario (``loadtests.scenario.DemoScenario``: fleet, workload,
-seed, durations) runs twice:
+For each workload, seed and policy (``--policies``, default ``kv_aware``), the same scenario
+(``loadtests.scenario.DemoScenario``: fleet, workload, seed, durations) runs twice:
 
-  * live: ``kvroute serve`` (kv_aware, embedded store) in front of ``kvroute emulate`` replicas,
+  * live: ``kvroute serve --policy P`` (embedded store) in front of ``kvroute emulate`` replicas,
     driven by the live load driver, exactly as ``kvroute bench peers --targets kvroute`` runs it;
   * simulated: ``kvroute sim``'s model of the same (``loadtests.scenario.sim_config``): the same
     session specs, the same lanes (striped as the live driver runs them), the same profile in model
@@ -16,8 +16,11 @@ The measures (``loadtests/measures.py``) of both are compared: CHR within ``CHR_
 ``DISPERSION_REL`` and TTFT p99 within ``TTFT_P99_REL`` (relative to live). The simulator is deterministic,
 a live run is not (the same seed's live CHR spans ~0.01 run to run), so ``--repeats N`` runs the live
 side N times and compares against the median of each measure (``median_measures``); every run's figures
-and whether each alone was within bounds are kept. JSON: ``{"rows": [{"workload", "seed", "sim",
-"live", "within_bounds", "checks", "live_runs", "runs_within_bounds"}], ...}``.
+and whether each alone was within bounds are kept. With more than one policy, ``rankings`` says for
+each workload, seed and measure whether the simulator orders the policies as the live gateway does
+(what a user comparing policies in the simulator relies on). JSON: ``{"rows": [{"workload", "seed",
+"policy", "sim", "live", "within_bounds", "checks", "live_runs", "runs_within_bounds"}], "rankings":
+[{"workload", "seed", "measure", "sim", "live", "agree"}], ...}``.
 
 ``loadtests.scenario.ceiling`` is a second model of the same scenario: the same sessions on a fleet
 without contention (``loadtests.sim.ceiling``), whose completed requests are the closed loop's own
@@ -40,6 +43,7 @@ from typing import Any
 
 from loadtests.scenario import DemoScenario, ceiling, demo_scenario, sim_config
 from loadtests.sim.run import run_sim
+from router.policy.registry import POLICIES
 
 __all__ = [
     "CHR_ABS",
@@ -50,6 +54,7 @@ __all__ = [
     "cli_main",
     "compare",
     "median_measures",
+    "rankings",
     "run_sim_for",
     "sim_config",
 ]
@@ -98,12 +103,13 @@ def compare(sim: dict[str, Any], live: dict[str, Any]) -> dict[str, Any]:
     return checks
 
 
-async def _live(scenario: DemoScenario, log_dir: Path) -> dict[str, Any]:
+async def _live(scenario: DemoScenario, log_dir: Path, policy: str = "kv_aware") -> dict[str, Any]:
     from loadtests.demo import run_policy
-    from loadtests.peers import PEERS
+    from loadtests.peers import PeerSpec
 
     log_dir.mkdir(parents=True, exist_ok=True)
-    result = await run_policy(PEERS["kvroute"], scenario, scenario.workload(), log_dir=log_dir, live=False)
+    spec = PeerSpec(f"kvroute {policy}", "kvroute", policy, "kvroute")
+    result = await run_policy(spec, scenario, scenario.workload(), log_dir=log_dir, live=False)
     return dict(result.measures)
 
 
@@ -137,48 +143,80 @@ def run_parity(
     log_dir: Path,
     kv_events: bool = False,
     repeats: int = 1,
+    policies: Sequence[str] = ("kv_aware",),
     say: Callable[[str], None] = lambda _: None,
 ) -> dict[str, Any]:
     rows: list[dict[str, Any]] = []
     for workload in workloads:
         for seed in seeds:
             scenario = demo_scenario(seed=seed, duration_s=duration_s, kv_events=kv_events, **WORKLOADS[workload])
-            say(f"{workload} seed {seed}: simulating")
-            sim = run_sim_for(scenario)
-            runs: list[dict[str, Any]] = []
-            for i in range(repeats):
-                say(f"{workload} seed {seed}: live run {i + 1}/{repeats} ({scenario.duration_s:.0f} s)")
-                sub = f"{workload}-{seed}" if repeats == 1 else f"{workload}-{seed}-run{i + 1}"
-                runs.append(_pick(asyncio.run(_live(scenario, log_dir / sub))))
-            live = _pick(median_measures(runs))
-            checks = compare(sim, live)
-            within = _within(checks)
-            rows.append(
-                {
-                    "workload": workload,
-                    "seed": seed,
-                    "sim": _pick(sim),
-                    "live": live,
-                    "within_bounds": within,
-                    "checks": checks,
-                    "live_runs": runs,
-                    "runs_within_bounds": sum(1 for r in runs if _within(compare(sim, r))),
-                }
-            )
-            say(
-                f"  chr sim {_f(sim.get('chr'))} live {_f(live.get('chr'))} | dispersion "
-                f"{_f(sim.get('dispersion'))} / {_f(live.get('dispersion'))} | TTFT p99 "
-                f"{_f(sim.get('ttft_p99_s'))} / {_f(live.get('ttft_p99_s'))} s -> {'ok' if within else 'OUT'}"
-            )
+            for policy in policies:
+                name = f"{workload} seed {seed}" + (f" {policy}" if len(policies) > 1 else "")
+                say(f"{name}: simulating")
+                sim = run_sim_for(scenario, policy)
+                runs: list[dict[str, Any]] = []
+                for i in range(repeats):
+                    say(f"{name}: live run {i + 1}/{repeats} ({scenario.duration_s:.0f} s)")
+                    sub = f"{workload}-{seed}" + (f"-{policy}" if len(policies) > 1 else "")
+                    sub += "" if repeats == 1 else f"-run{i + 1}"
+                    runs.append(_pick(asyncio.run(_live(scenario, log_dir / sub, policy))))
+                live = _pick(median_measures(runs))
+                checks = compare(sim, live)
+                within = _within(checks)
+                rows.append(
+                    {
+                        "workload": workload,
+                        "seed": seed,
+                        "policy": policy,
+                        "sim": _pick(sim),
+                        "live": live,
+                        "within_bounds": within,
+                        "checks": checks,
+                        "live_runs": runs,
+                        "runs_within_bounds": sum(1 for r in runs if _within(compare(sim, r))),
+                    }
+                )
+                say(
+                    f"  chr sim {_f(sim.get('chr'))} live {_f(live.get('chr'))} | dispersion "
+                    f"{_f(sim.get('dispersion'))} / {_f(live.get('dispersion'))} | TTFT p99 "
+                    f"{_f(sim.get('ttft_p99_s'))} / {_f(live.get('ttft_p99_s'))} s | requests "
+                    f"{sim.get('requests')} / {live.get('requests')} -> {'ok' if within else 'OUT'}"
+                )
     return {
         "bench": "parity",
         "bounds": {"chr_abs": CHR_ABS, "dispersion_rel": DISPERSION_REL, "ttft_p99_rel": TTFT_P99_REL},
         "scenarios": {w: WORKLOADS[w] for w in workloads},
+        "policies": list(policies),
         "duration_s": duration_s,
         "repeats": repeats,
         "rows": rows,
         "within_bounds": sum(1 for r in rows if r["within_bounds"]),
+        "rankings": rankings(rows) if len(policies) > 1 else [],
     }
+
+
+# the measures a user compares policies on, and whether more is better
+RANKED: dict[str, bool] = {"chr": True, "ttft_p99_s": False, "e2e_p99_s": False, "requests": True, "dispersion": False}
+
+
+def rankings(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per workload, seed and ``RANKED`` measure: the policies best first by the simulator and by the
+    live gateway, and whether the two orders agree."""
+    out: list[dict[str, Any]] = []
+    groups: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    for r in rows:
+        groups.setdefault((r["workload"], r["seed"]), []).append(r)
+    for (workload, seed), group in groups.items():
+        for measure, higher in RANKED.items():
+            sim, live = _order(group, "sim", measure, higher), _order(group, "live", measure, higher)
+            out.append({"workload": workload, "seed": seed, "measure": measure, "sim": sim, "live": live,
+                        "agree": sim == live and len(sim) == len(group)})  # fmt: skip
+    return out
+
+
+def _order(group: Sequence[dict[str, Any]], side: str, measure: str, higher: bool) -> list[str]:
+    have = [r for r in group if r[side].get(measure) is not None]
+    return [r["policy"] for r in sorted(have, key=lambda r: r[side][measure], reverse=higher)]
 
 
 def _f(x: Any) -> str:
@@ -193,6 +231,8 @@ def cli_main(argv: list[str]) -> int:
     )
     p.add_argument("--workload", default="weka,synthetic", help=f"comma list of {sorted(WORKLOADS)}")
     p.add_argument("--seeds", default="1,2,3", help="comma list of seeds")
+    p.add_argument("--policies", default="kv_aware",
+                   help=f"comma list of {sorted(POLICIES)}: each runs in the simulator and behind the live gateway")
     p.add_argument("--duration", type=float, default=d.duration_s, help="wall seconds of live load per run")
     p.add_argument("--kv-events", action="store_true",
                    help="the replicas publish SGLang's KV events, live and simulated; kvroute routes on exact residency")
@@ -215,8 +255,12 @@ def cli_main(argv: list[str]) -> int:
         p.error("--duration must be > 0")
     if ns.repeats < 1:
         p.error("--repeats must be >= 1")
+    policies = list(dict.fromkeys(x.strip() for x in ns.policies.split(",") if x.strip()))
+    if not policies or any(x not in POLICIES for x in policies):
+        p.error(f"--policies: a comma list of {sorted(POLICIES)}, not {ns.policies!r}")
     doc = run_parity(workloads, seeds, duration_s=ns.duration, log_dir=ns.log_dir, kv_events=ns.kv_events,
-                     repeats=ns.repeats, say=lambda m: print(m, file=sys.stderr, flush=True))  # fmt: skip
+                     repeats=ns.repeats, policies=policies,
+                     say=lambda m: print(m, file=sys.stderr, flush=True))  # fmt: skip
     text = json.dumps(doc, indent=2, default=_json_default)
     if ns.json is not None:
         ns.json.parent.mkdir(parents=True, exist_ok=True)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from loadtests.parity import compare, median_measures
+from loadtests.parity import compare, median_measures, rankings
 
 KVROUTE = str(Path(sys.executable).parent / "kvroute")
 
@@ -45,6 +45,54 @@ def test_parity_rejects_a_repeat_count_below_one() -> None:
     proc = subprocess.run([KVROUTE, "bench", "parity", "--repeats", "0"], check=False, capture_output=True,
                           text=True, timeout=60)  # fmt: skip
     assert proc.returncode == 2 and "--repeats" in proc.stderr
+
+
+def _row(policy: str, sim: dict[str, float], live: dict[str, float]) -> dict[str, object]:
+    return {"workload": "synthetic", "seed": 1, "policy": policy, "sim": sim, "live": live}
+
+
+def test_rankings_say_whether_the_simulator_orders_the_policies_as_the_live_gateway_does() -> None:
+    rows = [
+        _row("kv_aware", {"chr": 0.92, "ttft_p99_s": 12.0, "requests": 300}, {"chr": 0.93, "ttft_p99_s": 14.0, "requests": 310}),
+        _row("hash", {"chr": 0.90, "ttft_p99_s": 20.0, "requests": 250}, {"chr": 0.91, "ttft_p99_s": 13.0, "requests": 260}),
+        _row("random", {"chr": 0.50, "ttft_p99_s": 30.0, "requests": 200}, {"chr": 0.52, "ttft_p99_s": 31.0, "requests": 190}),
+    ]  # fmt: skip
+    by = {r["measure"]: r for r in rankings(rows)}
+    assert by["chr"]["sim"] == by["chr"]["live"] == ["kv_aware", "hash", "random"] and by["chr"]["agree"]
+    assert by["requests"]["agree"]  # more is better: the same order both sides
+    assert by["ttft_p99_s"]["sim"] == ["kv_aware", "hash", "random"]  # less is better
+    assert by["ttft_p99_s"]["live"] == ["hash", "kv_aware", "random"] and not by["ttft_p99_s"]["agree"]
+    # a measure one side does not report cannot agree
+    assert by["dispersion"]["sim"] == [] and not by["dispersion"]["agree"]
+    # groups are per workload and seed
+    other = [dict(r, seed=2) for r in rows[:2]]
+    assert {(r["seed"], r["measure"]) for r in rankings(rows + other)} >= {(1, "chr"), (2, "chr")}
+
+
+def test_parity_rejects_an_unknown_policy() -> None:
+    proc = subprocess.run([KVROUTE, "bench", "parity", "--policies", "kv_aware,nope"], check=False,
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert proc.returncode == 2 and "--policies" in proc.stderr and "nope" in proc.stderr
+
+
+@pytest.mark.slow
+def test_a_tiny_parity_run_of_two_policies_runs_each_both_ways_and_ranks_them(tmp_path: Path) -> None:
+    out = tmp_path / "parity.json"
+    argv = [KVROUTE, "bench", "parity", "--workload", "synthetic", "--seeds", "1", "--duration", "6",
+            "--policies", "kv_aware,hash", "--log-dir", str(tmp_path / "logs"), "--json", str(out)]  # fmt: skip
+    proc = subprocess.run(argv, check=False, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert doc["policies"] == ["kv_aware", "hash"]
+    assert [r["policy"] for r in doc["rows"]] == ["kv_aware", "hash"]
+    for r in doc["rows"]:
+        assert r["sim"]["requests"] > 0 and r["live"]["requests"] > 0 and r["live"]["errors"] == 0
+        # each policy's live gateway says so in its routing reasons: hash routes by the hash alone
+        reasons = set(r["live"]["route_reasons"])
+        assert reasons == {"hash"} if r["policy"] == "hash" else "hash" not in reasons, reasons
+    assert {x["measure"] for x in doc["rankings"]} == {"chr", "ttft_p99_s", "e2e_p99_s", "requests", "dispersion"}
+    assert all(sorted(x["sim"]) == sorted(x["live"]) == ["hash", "kv_aware"] for x in doc["rankings"])
+    assert (tmp_path / "logs" / "synthetic-1-kv_aware").is_dir() and (tmp_path / "logs" / "synthetic-1-hash").is_dir()
 
 
 @pytest.mark.slow
