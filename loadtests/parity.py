@@ -12,14 +12,21 @@ For each workload, seed and policy (``--policies``, default ``kv_aware``), the s
     named as the driver renders them (``turn_framing_tokens``: each turn's closing marker and the
     engine's output are not reused by the next turn).
 
-The measures (``loadtests/measures.py``) of both are compared: CHR within ``CHR_ABS`` (absolute), dispersion within
-``DISPERSION_REL`` and TTFT p99 within ``TTFT_P99_REL`` (relative to live). The simulator is deterministic,
-a live run is not (the same seed's live CHR spans ~0.01 run to run), so ``--repeats N`` runs the live
-side N times and compares against the median of each measure (``median_measures``); every run's figures
-and whether each alone was within bounds are kept. With more than one policy, ``rankings`` says for
-each workload, seed and measure whether the simulator orders the policies as the live gateway does
-(what a user comparing policies in the simulator relies on). JSON: ``{"rows": [{"workload", "seed",
-"policy", "sim", "live", "within_bounds", "checks", "live_runs", "runs_within_bounds"}], "rankings":
+The gateway names each replica by its ``host:port`` and every live fleet listens on fresh ports, so
+each live run is simulated with its own fleet's replica ids: placement by hash or rendezvous then
+starts from the same inputs in both (with the simulator's own ``r000``... names a hashing policy puts
+the sessions on other replicas). Each live gateway draws its tie-breaks from the OS, so the ``i``-th
+repeat's simulation draws its own too (``draw``): both sides are then samples of the same spread.
+
+The measures (``loadtests/measures.py``) of both are compared: CHR within ``CHR_ABS`` (absolute),
+dispersion within ``DISPERSION_REL`` and TTFT p99 within ``TTFT_P99_REL`` (relative to live). A live
+run is not deterministic (the same seed's live CHR spans ~0.01 run to run), so ``--repeats N`` runs
+the live side N times (each paired with its own simulation) and compares the medians of each measure
+(``median_measures``); every pair's figures and whether each pair alone was within bounds are kept.
+With more than one policy, ``rankings`` says for each workload, seed and measure whether the
+simulator orders the policies as the live gateway does (what a user comparing policies in the
+simulator relies on). JSON: ``{"rows": [{"workload", "seed", "policy", "sim", "live",
+"within_bounds", "checks", "live_runs", "sim_runs", "runs_within_bounds"}], "rankings":
 [{"workload", "seed", "measure", "sim", "live", "agree"}], ...}``.
 
 ``loadtests.scenario.ceiling`` is a second model of the same scenario: the same sessions on a fleet
@@ -77,9 +84,17 @@ COMPARED = ("chr", "ideal_chr", "pooled_chr", "routing_loss", "dispersion", "dis
             "cold_prefill_by_route", "routing_loss_by_route")  # fmt: skip
 
 
-def run_sim_for(scenario: DemoScenario, policy: str = "kv_aware") -> dict[str, Any]:
+def run_sim_for(
+    scenario: DemoScenario, policy: str = "kv_aware", replica_ids: Sequence[str] = (), draw: int = 0
+) -> dict[str, Any]:
+    """The simulator's measures of ``scenario`` under ``policy``. ``replica_ids`` names its replicas
+    (default r000, r001, ...): placement by hash or rendezvous depends on the names. ``draw`` > 0
+    draws the policy's tie-breaks from another random stream, as each live gateway draws its own (with
+    one gateway and no mid-session starts the simulator's seed draws nothing else; the sessions are
+    the scenario's)."""
     cfg, specs = sim_config(scenario)
-    return run_sim(specs, replace(cfg, policy=policy)).measures
+    seed = cfg.seed if draw == 0 else cfg.seed + 1_000_003 * draw
+    return run_sim(specs, replace(cfg, policy=policy, replica_ids=tuple(replica_ids), seed=seed)).measures
 
 
 def _rel(sim: float | None, live: float | None) -> float | None:
@@ -103,14 +118,15 @@ def compare(sim: dict[str, Any], live: dict[str, Any]) -> dict[str, Any]:
     return checks
 
 
-async def _live(scenario: DemoScenario, log_dir: Path, policy: str = "kv_aware") -> dict[str, Any]:
+async def _live(scenario: DemoScenario, log_dir: Path, policy: str = "kv_aware") -> tuple[dict[str, Any], tuple[str, ...]]:
+    """The live run's measures and its replicas' ids (``host:port``, as the gateway names them)."""
     from loadtests.demo import run_policy
     from loadtests.peers import PeerSpec
 
     log_dir.mkdir(parents=True, exist_ok=True)
     spec = PeerSpec(f"kvroute {policy}", "kvroute", policy, "kvroute")
     result = await run_policy(spec, scenario, scenario.workload(), log_dir=log_dir, live=False)
-    return dict(result.measures)
+    return dict(result.measures), result.replica_names
 
 
 def _pick(m: dict[str, Any]) -> dict[str, Any]:
@@ -152,14 +168,20 @@ def run_parity(
             scenario = demo_scenario(seed=seed, duration_s=duration_s, kv_events=kv_events, **WORKLOADS[workload])
             for policy in policies:
                 name = f"{workload} seed {seed}" + (f" {policy}" if len(policies) > 1 else "")
-                say(f"{name}: simulating")
-                sim = run_sim_for(scenario, policy)
                 runs: list[dict[str, Any]] = []
+                sims: list[dict[str, Any]] = []
                 for i in range(repeats):
                     say(f"{name}: live run {i + 1}/{repeats} ({scenario.duration_s:.0f} s)")
                     sub = f"{workload}-{seed}" + (f"-{policy}" if len(policies) > 1 else "")
                     sub += "" if repeats == 1 else f"-run{i + 1}"
-                    runs.append(_pick(asyncio.run(_live(scenario, log_dir / sub, policy))))
+                    measures, ids = asyncio.run(_live(scenario, log_dir / sub, policy))
+                    runs.append(_pick(measures))
+                    # each live fleet listens on its own ports, and the gateway names replicas by
+                    # them: the simulator's replicas take the same names, so that placement by hash
+                    # or rendezvous starts from the same inputs in both
+                    say(f"{name}: simulating with the live run's replica ids")
+                    sims.append(_pick(run_sim_for(scenario, policy, ids, draw=i)))
+                sim = _pick(median_measures(sims))
                 live = _pick(median_measures(runs))
                 checks = compare(sim, live)
                 within = _within(checks)
@@ -173,7 +195,8 @@ def run_parity(
                         "within_bounds": within,
                         "checks": checks,
                         "live_runs": runs,
-                        "runs_within_bounds": sum(1 for r in runs if _within(compare(sim, r))),
+                        "sim_runs": sims,
+                        "runs_within_bounds": sum(1 for m, r in zip(sims, runs, strict=True) if _within(compare(m, r))),
                     }
                 )
                 say(

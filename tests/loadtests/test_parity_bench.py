@@ -108,6 +108,8 @@ def test_a_tiny_parity_run_compares_the_simulator_with_each_live_run_and_their_m
     assert row["workload"] == "synthetic" and row["seed"] == 1
     assert len(row["live_runs"]) == 2 and all(r["requests"] > 0 and r["errors"] == 0 for r in row["live_runs"])
     assert row["live"] == median_measures(row["live_runs"])
+    # each live run has its own simulation, on the live fleet's replica ids and its own tie-break draws
+    assert len(row["sim_runs"]) == 2 and row["sim"] == median_measures(row["sim_runs"])
     assert row["sim"]["requests"] > 0
     assert 0 <= row["runs_within_bounds"] <= 2
     assert isinstance(row["within_bounds"], bool)
@@ -149,3 +151,20 @@ def test_the_ceiling_is_a_fleet_without_contention_that_bounds_the_real_fleets_r
     assert ceiling(replace(sc, extra_emulator_args=("--set", "max_running_requests=2"))) is None
     with pytest.raises(ValueError, match="closed loop"):  # open arrivals: every arrival is a request anyway
         ceiling_config(replace(base, lanes=0, striped_lanes=False))
+
+
+def test_the_simulator_names_its_replicas_as_the_live_fleet_and_draws_tie_breaks_per_repeat() -> None:
+    """Hash placement depends on the replicas' names, so parity simulates each live run on that run's
+    ``host:port`` ids; ``draw`` gives the policy's random choices another stream."""
+    from loadtests.demo import DemoScenario
+    from loadtests.parity import run_sim_for
+
+    sc = DemoScenario(replicas=3, sessions=9, duration_s=8.0, seed=3)
+    ids = ("127.0.0.1:41234", "127.0.0.1:41235", "127.0.0.1:41236")
+    base = run_sim_for(sc, "hash")
+    named = run_sim_for(sc, "hash", ids)
+    assert named["requests"] > 0 and named != base  # other names, other placement
+    assert run_sim_for(sc, "hash", ids) == named  # deterministic for given names and draw
+    assert run_sim_for(sc, "hash", ids, draw=1) == named  # hash draws nothing at random
+    draws = [run_sim_for(sc, "random", ids, draw=d) for d in range(3)]
+    assert len({repr(m) for m in draws}) > 1  # random placement: each draw its own
