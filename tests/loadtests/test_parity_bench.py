@@ -45,6 +45,9 @@ def test_parity_rejects_a_repeat_count_below_one() -> None:
     proc = subprocess.run([KVROUTE, "bench", "parity", "--repeats", "0"], check=False, capture_output=True,
                           text=True, timeout=60)  # fmt: skip
     assert proc.returncode == 2 and "--repeats" in proc.stderr
+    proc = subprocess.run([KVROUTE, "bench", "parity", "--sim-draws", "-1"], check=False, capture_output=True,
+                          text=True, timeout=60)  # fmt: skip
+    assert proc.returncode == 2 and "--sim-draws" in proc.stderr
 
 
 def _row(policy: str, sim: dict[str, float], live: dict[str, float]) -> dict[str, object]:
@@ -79,11 +82,15 @@ def test_parity_rejects_an_unknown_policy() -> None:
 def test_a_tiny_parity_run_of_two_policies_runs_each_both_ways_and_ranks_them(tmp_path: Path) -> None:
     out = tmp_path / "parity.json"
     argv = [KVROUTE, "bench", "parity", "--workload", "synthetic", "--seeds", "1", "--duration", "6",
-            "--policies", "kv_aware,hash", "--log-dir", str(tmp_path / "logs"), "--json", str(out)]  # fmt: skip
+            "--policies", "kv_aware,hash", "--sim-draws", "3", "--log-dir", str(tmp_path / "logs"),
+            "--json", str(out)]  # fmt: skip
     proc = subprocess.run(argv, check=False, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     doc = json.loads(out.read_text())
-    assert doc["policies"] == ["kv_aware", "hash"]
+    assert doc["policies"] == ["kv_aware", "hash"] and doc["sim_draws"] == 3
+    hash_row = doc["rows"][1]
+    # three simulations on the one live fleet's names: hash draws nothing at random, so all agree
+    assert len(hash_row["sim_runs"]) == 3 and hash_row["sim_runs"][0] == hash_row["sim_runs"][1] == hash_row["sim_runs"][2]
     assert [r["policy"] for r in doc["rows"]] == ["kv_aware", "hash"]
     for r in doc["rows"]:
         assert r["sim"]["requests"] > 0 and r["live"]["requests"] > 0 and r["live"]["errors"] == 0
@@ -107,8 +114,10 @@ def test_a_tiny_parity_run_compares_the_simulator_with_each_live_run_and_their_m
     row = doc["rows"][0]
     assert row["workload"] == "synthetic" and row["seed"] == 1
     assert len(row["live_runs"]) == 2 and all(r["requests"] > 0 and r["errors"] == 0 for r in row["live_runs"])
-    assert row["live"] == median_measures(row["live_runs"])
-    # each live run has its own simulation, on the live fleet's replica ids and its own tie-break draws
+    # each live run keeps its fleet's replica ids, and has its own simulation on them
+    assert all(len(r["replica_ids"]) == 8 and all(x.startswith("127.0.0.1:") for x in r["replica_ids"])
+               for r in row["live_runs"])  # fmt: skip
+    assert row["live"] == {k: v for k, v in median_measures(row["live_runs"]).items() if k != "replica_ids"}
     assert len(row["sim_runs"]) == 2 and row["sim"] == median_measures(row["sim_runs"])
     assert row["sim"]["requests"] > 0
     assert 0 <= row["runs_within_bounds"] <= 2
