@@ -11,6 +11,8 @@ group's id: SIGTERM, then SIGKILL after a grace period. Nothing is stopped by na
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import contextlib
 import json
 import os
@@ -18,12 +20,12 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
-from collections.abc import Iterator, Sequence
+from collections.abc import Coroutine, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
+
+import aiohttp
 
 from loadtests.procs import free_port
 from replica.launch import sglang_python
@@ -108,12 +110,30 @@ def start_real_server(
     return RealServer(port=port, cpu=cpu, proc=proc, log_path=log_path, args=tuple(argv))
 
 
-def _get(url: str, timeout_s: float) -> tuple[int, bytes]:
+T = TypeVar("T")
+
+
+def _blocking(coro: Coroutine[Any, Any, T]) -> T:
+    """Run ``coro`` to its end on a loop of its own in a worker thread: these helpers are called from
+    plain code and from coroutines alike (blocking them, as a fixture's setup does)."""
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, coro).result()
+
+
+async def _request(method: str, url: str, timeout_s: float) -> tuple[int, bytes]:
+    """One request on a fresh connection: (status, body); a connection or timeout failure is ``OSError``."""
     try:
-        with urllib.request.urlopen(url, timeout=timeout_s) as r:
-            return int(r.status), r.read()
-    except urllib.error.HTTPError as exc:
-        return int(exc.code), exc.read()
+        async with (
+            aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as http,
+            http.request(method, url) as r,
+        ):
+            return r.status, await r.read()
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        raise OSError(f"{method} {url}: {exc!r}") from exc
+
+
+def _get(url: str, timeout_s: float) -> tuple[int, bytes]:
+    return _blocking(_request("GET", url, timeout_s))
 
 
 def wait_healthy(servers: Sequence[RealServer], timeout_s: float = 180.0) -> None:
@@ -185,13 +205,9 @@ def flush_caches(urls: Sequence[str], timeout_s: float = 30.0) -> None:
     deadline = time.monotonic() + timeout_s
     for url in urls:
         while True:
-            req = urllib.request.Request(url + "/flush_cache", method="POST", data=b"")
-            try:
-                with urllib.request.urlopen(req, timeout=10) as r:
-                    if r.status == 200:
-                        break
-            except (urllib.error.HTTPError, OSError):
-                pass
+            with contextlib.suppress(OSError):
+                if _blocking(_request("POST", url + "/flush_cache", 10.0))[0] == 200:
+                    break
             if time.monotonic() > deadline:
                 raise RuntimeError(f"{url}/flush_cache did not succeed in {timeout_s:.0f}s")
             time.sleep(0.5)
