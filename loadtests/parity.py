@@ -96,7 +96,7 @@ def run_sim_for(
     one gateway and no mid-session starts the simulator's seed draws nothing else; the sessions are
     the scenario's)."""
     cfg, specs = sim_config(scenario)
-    seed = cfg.seed if draw == 0 else cfg.seed + 1_000_003 * draw
+    seed = cfg.seed + 1_000_003 * draw  # draw 0: the scenario's own seed
     return run_sim(specs, replace(cfg, policy=policy, replica_ids=tuple(replica_ids), seed=seed)).measures
 
 
@@ -173,18 +173,16 @@ def run_parity(
             for policy in policies:
                 name = f"{workload} seed {seed}" + (f" {policy}" if len(policies) > 1 else "")
                 runs: list[dict[str, Any]] = []
-                fleets: list[tuple[str, ...]] = []
                 for i in range(repeats):
                     say(f"{name}: live run {i + 1}/{repeats} ({scenario.duration_s:.0f} s)")
                     sub = f"{workload}-{seed}" + (f"-{policy}" if len(policies) > 1 else "")
                     sub += "" if repeats == 1 else f"-run{i + 1}"
                     measures, ids = asyncio.run(_live(scenario, log_dir / sub, policy))
                     runs.append({**_pick(measures), "replica_ids": list(ids)})
-                    fleets.append(ids)
                 # each live fleet listens on its own ports, and the gateway names replicas by them:
                 # simulation i runs on live run i's names (round robin beyond the runs) with draw i
                 say(f"{name}: simulating {max(repeats, sim_draws)} draws on the live runs' replica ids")
-                sims = [_pick(run_sim_for(scenario, policy, fleets[i % repeats], draw=i))
+                sims = [_pick(run_sim_for(scenario, policy, runs[i % repeats]["replica_ids"], draw=i))
                         for i in range(max(repeats, sim_draws))]  # fmt: skip
                 sim = _pick(median_measures(sims))
                 live = _pick(median_measures(runs))
@@ -195,7 +193,7 @@ def run_parity(
                         "workload": workload,
                         "seed": seed,
                         "policy": policy,
-                        "sim": _pick(sim),
+                        "sim": sim,
                         "live": live,
                         "within_bounds": within,
                         "checks": checks,
