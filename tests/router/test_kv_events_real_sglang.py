@@ -18,11 +18,8 @@ import contextlib
 import json
 import os
 import random
-import signal
-import subprocess
 import tempfile
 import time
-import urllib.request
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -31,7 +28,13 @@ import aiohttp
 import pytest
 
 from loadtests.procs import free_port
-from replica.launch import sglang_python
+from loadtests.real_sglang import (
+    RealServer,
+    runtime_missing,
+    start_real_server,
+    stop_real_server,
+    wait_healthy,
+)
 from router.clock import SystemClock
 from router.gateway.serve import RunningGateway, start_gateway
 from router.residency import EVENTS
@@ -44,72 +47,39 @@ pytestmark = pytest.mark.slow
 POOL = 3000
 
 
-def _sglang_python() -> str | None:
-    return sglang_python(os.environ)
-
-
 class _Server:
-    def __init__(self, python: str, port: int, kv_port: int, replay_port: int, log: Path) -> None:
-        self.python, self.port, self.kv_port, self.replay_port, self.log = python, port, kv_port, replay_port, log
-        self.proc: subprocess.Popen[bytes] | None = None
+    """One real SGLang (``kvroute launch --profile sglang-cpu-tiny``) publishing KV events on fixed
+    ports, so that a restart comes back on the same endpoints."""
+
+    def __init__(self, port: int, kv_port: int, replay_port: int, log_dir: Path) -> None:
+        self.port, self.kv_port, self.replay_port, self.log_dir = port, kv_port, replay_port, log_dir
+        self.real: RealServer | None = None
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self) -> None:
-        home = Path(self.python).parents[2]
         kv = {"publisher": "zmq", "endpoint": f"tcp://127.0.0.1:{self.kv_port}", "bind": True,
               "replay_endpoint": f"tcp://127.0.0.1:{self.replay_port}"}
-        cpus = sorted(os.sched_getaffinity(0))
-        argv = [
-            "taskset", "-c", str(cpus[-1]), self.python, "-m", "sglang.launch_server",
-            "--model-path", str(home / "model" / "tiny-qwen2"), "--load-format", "dummy", "--device", "cpu",
-            "--attention-backend", "torch_native", "--sampling-backend", "pytorch", "--disable-cuda-graph",
-            "--skip-server-warmup", "--disable-overlap-schedule", "--grammar-backend", "none",
-            "--dtype", "bfloat16", "--max-total-tokens", str(POOL), "--context-length", "4096",
-            "--enable-metrics", "--enable-cache-report", "--sleep-on-idle",
-            "--host", "127.0.0.1", "--port", str(self.port), "--kv-events-config", json.dumps(kv),
-        ]
-        env = {**os.environ, "SGLANG_USE_CPU_ENGINE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-               "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-        with self.log.open("ab") as out:
-            # its own process group: stopped by that id, never by name
-            self.proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         env=env, start_new_session=True)
-        deadline = time.monotonic() + 240
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"SGLang exited with {self.proc.returncode}: {self.log.read_text()[-3000:]}")
-            with contextlib.suppress(OSError), urllib.request.urlopen(self.url + "/health", timeout=5) as r:
-                if r.status == 200:
-                    return
-            time.sleep(0.5)
-        raise RuntimeError(f"SGLang not healthy in time: {self.log.read_text()[-3000:]}")
+        self.real = start_real_server(self.port, max(os.sched_getaffinity(0)), log_dir=self.log_dir,
+                                      max_total_tokens=POOL, context_length=4096,
+                                      sets=[f"kv-events-config={json.dumps(kv)}"])
+        wait_healthy([self.real], timeout_s=240)
 
     def stop(self) -> None:
-        p, self.proc = self.proc, None
-        if p is None:
-            return
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(p.pid, signal.SIGTERM)
-        try:
-            p.wait(20)
-        except subprocess.TimeoutExpired:
-            pass
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(p.pid, signal.SIGKILL)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            p.wait(10)
+        real, self.real = self.real, None
+        if real is not None:
+            stop_real_server(real)
 
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[_Server]:
-    py = _sglang_python()
-    if py is None:
-        missing("the CPU SGLang runtime is not built (replica/build_sglang_cpu_env.sh, $KVROUTE_SGLANG_HOME)")
+    why = runtime_missing()
+    if why is not None:
+        missing(why)
     with tempfile.TemporaryDirectory(prefix="kvroute-kv-events-") as tmp:
-        s = _Server(py, free_port(), free_port(), free_port(), Path(tmp) / "sglang.log")
+        s = _Server(free_port(), free_port(), free_port(), Path(tmp))
         try:
             s.start()
         except RuntimeError as exc:
