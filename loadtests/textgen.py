@@ -22,6 +22,7 @@ equals character length), JSON-safe without escapes, and generated in C, so 100 
 from __future__ import annotations
 
 import base64
+import hashlib
 import random
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -90,6 +91,21 @@ def _template_bytes(with_system: bool) -> int:
     return len(render_chat([*system, {"role": "user", "content": ""}, {"role": "user", "content": ""}]))
 
 
+@lru_cache(maxsize=1)
+def _common_template_bytes() -> int:
+    """Bytes of the template that every conversation renders alike around the shared prompt: the
+    system message's markers and the opening of the first user message (``<|im_end|><|im_user|>...``)."""
+    text = render_chat([{"role": "system", "content": ""}, {"role": "user", "content": "#"}],
+                       add_generation_prompt=False)
+    return text.index("#")
+
+
+def _conversation_id(key: str) -> str:
+    """The id message: a digest of the conversation's key, so that two conversations' prompts part
+    at its first character (ids such as ``s00007-...`` would share their first bytes)."""
+    return "[" + hashlib.blake2b(key.encode(), digest_size=5).hexdigest() + "]"
+
+
 @dataclass(slots=True)
 class Conversation:
     """A growing transcript for one session (or one branch / one context after a compaction).
@@ -102,17 +118,21 @@ class Conversation:
     append-only turn by turn (tool results, the model's previous replies, user text). One history
     message instead of one per turn keeps the chat template's per-message markers (~10 emulated
     tokens each, i.e. ~1000 model tokens at ``token_unit`` 100) from inflating the context. The id
-    message and the template's markers (the emulator's, ``render_chat``: ~30 emulated tokens in all)
-    count within the history's size, so the rendered prompt is as long as the workload says (a
-    trace's prompt sizes include its template, and the simulator takes them as they are). The
-    rendered prompt of turn T-1 is a prefix of turn T's up to its closing marker, which is what a
-    prefix cache needs.
+    message and the template's markers (the emulator's, ``render_chat``) count within the prompt's
+    size, so the rendered prompt is as long as the workload says (a trace's prompt sizes include its
+    template, and the simulator takes them as they are): the markers every conversation renders
+    alike (the system message's and the first user message's opening, ~18 emulated tokens) within
+    the shared prefix, so that conversations share exactly ``shared_prefix_tokens``; the id and the
+    rest (~25 emulated tokens, ~2,500 model tokens at ``token_unit`` 100) within the history, so a
+    conversation whose own part is smaller than that is sent at that size. The rendered prompt of
+    turn T-1 is a prefix of turn T's up to its closing marker, which is what a prefix cache needs.
     """
 
     key: str  # seed namespace: conversation id, so no two conversations share history text
     shared_prefix_tokens: int  # model tokens
     token_unit: int = 1
     _shared: str = ""
+    _shared_bytes: int = 0  # the shared text and the template around it
     _marker: str = ""
     _chunks: list[str] = field(default_factory=list)
     _history_model_tokens: int = 0
@@ -122,8 +142,10 @@ class Conversation:
         if self.token_unit < 1:
             raise ValueError(f"token_unit must be >= 1, got {self.token_unit}")
         n = self._bytes_for(self.shared_prefix_tokens)
-        self._shared = shared_prefix(n) if n > 0 else ""
-        self._marker = f"[{self.key}]"  # AgentX-style cache-bust id right after the shared prefix
+        if n > 0:
+            self._shared = shared_prefix(max(n - _common_template_bytes(), 1))
+            self._shared_bytes = len(self._shared) + _common_template_bytes()
+        self._marker = _conversation_id(self.key)  # AgentX-style cache-bust id right after the shared prefix
         # the history message is never empty (routers may refuse an empty message: sglang-router
         # answers 400): its first character is there from the start and never truncated
         self._chunks = [filler(f"{self.key}/0", 1)]
@@ -131,9 +153,10 @@ class Conversation:
 
     @property
     def _lead_bytes(self) -> int:
-        """Bytes the history's budget spends before the history text: the id and the template
-        (markers, generation prompt)."""
-        return len(self._marker) + _template_bytes(bool(self._shared))
+        """Bytes the history's budget spends besides the history text: the id and the template
+        (markers, generation prompt) but for what the shared prefix's budget holds."""
+        shared = bool(self._shared)
+        return len(self._marker) + _template_bytes(shared) - (_common_template_bytes() if shared else 0)
 
     def _bytes_for(self, model_tokens: int) -> int:
         return (max(model_tokens, 0) * BYTES_PER_TOKEN + self.token_unit // 2) // self.token_unit
@@ -186,4 +209,4 @@ class Conversation:
     @property
     def prompt_tokens(self) -> int:
         """Emulated tokens of the prompt as the emulator renders it."""
-        return (len(self._shared) + self._history_bytes) // BYTES_PER_TOKEN
+        return (self._shared_bytes + self._history_bytes) // BYTES_PER_TOKEN

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
 import json
+import os
 
 import pytest
 
@@ -35,9 +37,26 @@ def test_shared_prefix_is_identical_across_conversations() -> None:
     b = Conversation(key="b", shared_prefix_tokens=500)
     a.add(100)
     b.add(100)
-    assert a.messages[0] == b.messages[0] == {"role": "system", "content": shared_prefix(500 * BYTES_PER_TOKEN)}
-    assert a.messages[1] == {"role": "user", "content": "[a]"} and b.messages[1]["content"] == "[b]"
+    assert a.messages[0] == b.messages[0]
+    assert a.messages[0]["content"] == shared_prefix(len(a.messages[0]["content"]))
+    assert a.messages[1]["content"] != b.messages[1]["content"]  # the id messages part at once
     assert a.messages[2]["content"] != b.messages[2]["content"]
+    # what the two render alike (the shared prompt and the template around it) is the shared prefix
+    common = len(os.path.commonprefix([_render(a), _render(b)]))
+    assert common // BYTES_PER_TOKEN == 500
+    assert a.prompt_tokens == len(_render(a)) // BYTES_PER_TOKEN == 600
+
+
+def test_conversations_share_exactly_the_shared_prefix_at_any_unit() -> None:
+    for unit in (1, 100):
+        keys = [f"s{i:05d}-{i * 7919:08x}~0" for i in range(40)]  # ids with a long common head
+        convs = [Conversation(key=k, shared_prefix_tokens=20_000, token_unit=unit) for k in keys]
+        for c in convs:
+            c.add(10_000)
+        shared_bytes = 20_000 * BYTES_PER_TOKEN // unit
+        for a, b in itertools.pairwise(convs):
+            common = len(os.path.commonprefix([_render(a), _render(b)]))
+            assert shared_bytes <= common < shared_bytes + BYTES_PER_TOKEN, (unit, a.key, b.key)
 
 
 def test_conversation_is_append_only_and_counts_tokens() -> None:
@@ -117,7 +136,7 @@ def test_truncate_never_cuts_into_the_conversations_id() -> None:
     first = c.messages[-1]["content"][0]
     c.truncate(0)
     # the id stays, and the history keeps its first character: no router sees an empty message
-    assert c.messages == [{"role": "user", "content": "[s~0]"}, {"role": "user", "content": first}]
+    assert c.messages[0]["content"].startswith("[") and c.messages[1:] == [{"role": "user", "content": first}]
     c.add(50)
     assert c.prompt_tokens == 50 and c.messages[-1]["content"].startswith(first)
 
