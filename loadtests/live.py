@@ -39,7 +39,7 @@ import random
 import sys
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -62,6 +62,7 @@ __all__ = [
     "LoadSampler",
     "Outcome",
     "cli_main",
+    "rendered_turns",
     "run_load",
 ]
 
@@ -362,6 +363,28 @@ async def _fleet_kv(session: aiohttp.ClientSession, replica_urls: Sequence[str])
 # ---- the driver ------------------------------------------------------------------------------------
 
 
+def rendered_turns(spec: SessionSpec, token_unit: int) -> Iterator[tuple[Conversation, bool]]:
+    """Each turn of one chain as the driver renders it: its conversation (the messages it sends) and
+    whether it continues the previous turn's. Pure: the parity tests hold the simulator's inputs to it."""
+    inputs = turn_inputs(spec)
+    overlaps = turn_overlaps(spec)
+    starts = conversation_starts(spec)
+    shared_model = int(spec.shared_prefix_tokens)
+    conv: Conversation | None = None
+    for k in range(len(spec.turns)):
+        continuation = conv is not None and starts[k] != k
+        if conv is None or not continuation:
+            # a new context (first turn, compaction): shared prefix + new text
+            conv = Conversation(key=f"{spec.session_id}~{k}", shared_prefix_tokens=shared_model, token_unit=token_unit)
+            conv.add(max(inputs[k] - shared_model, 1))
+        else:
+            # the previous turn's context up to where this one departs from it (the trace may
+            # rewrite its tail), then what is new: the previous reply, tool results, user text
+            conv.truncate(overlaps[k] - shared_model)
+            conv.add(max(inputs[k] - shared_model - conv.history_model_tokens, 0))
+        yield conv, continuation
+
+
 class _Run:
     def __init__(
         self,
@@ -433,27 +456,13 @@ class _Run:
         if not await self.sleep_modelled(delay_modelled_s):
             return
         sid = str(spec.routing_key)
-        inputs = turn_inputs(spec)
-        overlaps = turn_overlaps(spec)
-        starts = conversation_starts(spec)
-        shared_model = int(spec.shared_prefix_tokens)
-        conv: Conversation | None = None
+        rendered = rendered_turns(spec, c.token_unit)
         for k, turn in enumerate(spec.turns):
             if k > 0 and not await self.sleep_modelled(min(float(turn.think_s), c.max_think_modelled_s)):
                 return
             if not self.may_issue():
                 return
-            continuation = conv is not None and starts[k] != k
-            if conv is None or not continuation:
-                # a new context (first turn, compaction): shared prefix + new text
-                conv = Conversation(key=f"{spec.session_id}~{k}", shared_prefix_tokens=shared_model,
-                                    token_unit=c.token_unit)
-                conv.add(max(inputs[k] - shared_model, 1))
-            else:
-                # the previous turn's context up to where this one departs from it (the trace may
-                # rewrite its tail), then what is new: the previous reply, tool results, user text
-                conv.truncate(overlaps[k] - shared_model)
-                conv.add(max(inputs[k] - shared_model - conv.history_model_tokens, 0))
+            conv, continuation = next(rendered)
             out = max(1, emulated_tokens(int(turn.output_tokens), c.token_unit))
             messages = conv.messages
             body = json.dumps(self._body(messages, out), separators=(",", ":")).encode()

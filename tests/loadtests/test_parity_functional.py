@@ -14,6 +14,7 @@ default, or fills by another rule, fails the test.
 from __future__ import annotations
 
 import dataclasses
+import os
 import random
 from collections.abc import Iterator
 from typing import Any
@@ -222,3 +223,48 @@ def test_identical_inputs_give_identical_decisions() -> None:
     fresh = make_policy("kv_aware")
     for req, snap, decision in rec.calls:
         assert fresh.route(req, snap, random.Random(7)) == decision
+
+
+def test_the_live_prompts_are_the_workloads_and_share_what_the_simulator_shares() -> None:
+    """The simulator's model of a live bench run (``sim_config``) takes the workload's prompt sizes and
+    names the first ``shared_prefix_tokens`` of every conversation alike. The live driver renders chat
+    text in the emulator's tokens (``token_unit`` model tokens each): every turn must be as long as the
+    workload says (to one emulated token) unless its own part is smaller than the id and the template,
+    and two conversations must share exactly their shared prefix, as the simulator's names do (before
+    round 28 they shared ~1,600 model tokens more and live hit rates were inflated)."""
+    from loadtests.ideal import InfiniteCache
+    from loadtests.live import rendered_turns
+    from loadtests.parity import WORKLOADS
+    from loadtests.scenario import demo_scenario, sim_config
+    from loadtests.sim.prompts import ChainNamer
+
+    scenario = demo_scenario(seed=1, **WORKLOADS["synthetic"])
+    unit = scenario.token_unit
+    cfg, specs = sim_config(scenario)
+    page_model = cfg.profile.page_size
+    live_cache = InfiniteCache(page_model // unit)
+    chains = [c for s in specs[:40] for c in s.walk()]
+    assert any(c.parent is not None for c in chains)  # sub-agents too
+    floored = turns = 0
+    first_blocks: dict[int, list[list[int]]] = {}  # shared prefix size -> first turns' live blocks
+    for chain in chains:
+        sizes = turn_inputs(chain)
+        for k, (conv, _) in enumerate(rendered_turns(chain, unit)):
+            live = conv.prompt_tokens * unit
+            turns += 1
+            if sizes[k] - chain.shared_prefix_tokens < 2_500:
+                floored += live > sizes[k] + unit
+                assert live <= chain.shared_prefix_tokens + 2_500 + unit
+            else:
+                assert abs(live - sizes[k]) <= unit, (chain.session_id, k, live, sizes[k])
+            if k == 0:
+                blocks, _ = live_cache.blocks(conv.messages, conv.key)
+                first_blocks.setdefault(chain.shared_prefix_tokens, []).append(blocks)
+    assert floored <= 0.02 * turns
+    for shared, firsts in first_blocks.items():
+        # the simulator: the first shared // page names of every chain of this shared size are alike
+        namers = [ChainNamer(c, i, i, page_model) for i, c in enumerate(ch for ch in chains if ch.shared_prefix_tokens == shared)]
+        sim_common = min(len(os.path.commonprefix([namers[0].names(0), n.names(0)])) for n in namers[1:])
+        live_common = min(len(os.path.commonprefix([firsts[0], b])) for b in firsts[1:])
+        assert sim_common == shared // page_model
+        assert live_common == sim_common, (shared, live_common, sim_common)
