@@ -19,7 +19,7 @@ import redis.asyncio as aioredis
 import redis.exceptions as rexc
 from redis.asyncio.cluster import RedisCluster
 from redis.backoff import NoBackoff
-from redis.retry import Retry
+from redis.asyncio.retry import Retry
 
 from router.clock import Clock, SystemClock
 from router.errors import ConfigError, ReplicaNotFoundError, StaleSessionError, StoreError
