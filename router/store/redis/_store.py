@@ -18,8 +18,8 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 import redis.asyncio as aioredis
 import redis.exceptions as rexc
 from redis.asyncio.cluster import RedisCluster
-from redis.backoff import NoBackoff
 from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
 
 from router.clock import Clock, SystemClock
 from router.errors import ConfigError, ReplicaNotFoundError, StaleSessionError, StoreError
