@@ -132,7 +132,6 @@ class Conversation:
     shared_prefix_tokens: int  # model tokens
     token_unit: int = 1
     _shared: str = ""
-    _shared_bytes: int = 0  # the shared text and the template around it
     _marker: str = ""
     _chunks: list[str] = field(default_factory=list)
     _history_model_tokens: int = 0
@@ -144,7 +143,6 @@ class Conversation:
         n = self._bytes_for(self.shared_prefix_tokens)
         if n > 0:
             self._shared = shared_prefix(max(n - _common_template_bytes(), 1))
-            self._shared_bytes = len(self._shared) + _common_template_bytes()
         self._marker = _conversation_id(self.key)  # AgentX-style cache-bust id right after the shared prefix
         # the history message is never empty (routers may refuse an empty message: sglang-router
         # answers 400): its first character is there from the start and never truncated
@@ -209,4 +207,5 @@ class Conversation:
     @property
     def prompt_tokens(self) -> int:
         """Emulated tokens of the prompt as the emulator renders it."""
-        return (self._shared_bytes + self._history_bytes) // BYTES_PER_TOKEN
+        shared = len(self._shared) + _common_template_bytes() if self._shared else 0  # with the markers around it
+        return (shared + self._history_bytes) // BYTES_PER_TOKEN
