@@ -50,7 +50,6 @@ def policy_params(draw: st.DrawFn) -> PolicyParams:
     return PolicyParams().with_changes(
         thicc_threshold=draw(st.integers(1, 5)),
         max_overflow=draw(st.integers(0, 3)),
-        bounded_load_epsilon=draw(st.floats(0.0, 1.0)),
         hard_bound_min=draw(st.integers(1, 12)),
         panic_threshold=draw(st.floats(0.0, 1.0)),
         w_sessions=draw(st.floats(0.0, 1.0)),

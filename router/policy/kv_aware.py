@@ -54,6 +54,7 @@ from router.policy.hashing import hrw_weight
 from router.policy.params import PolicyParams
 
 __all__ = [
+    "BOUNDED_LOAD_EPSILON",
     "KV_AWARE",
     "KvAwarePolicy",
     "cache_surely_gone",
@@ -68,6 +69,11 @@ __all__ = [
 KV_AWARE = "kv_aware"
 
 _GONE = frozenset({ReplicaStatus.DOWN, ReplicaStatus.JOINING})
+
+BOUNDED_LOAD_EPSILON = 0.25
+"""Rule 3's session cap: no replica takes a new session while it holds ≥ ceil((1+ε)·mean) active
+sessions (consistent hashing with bounded loads). A constant: no value measured changed a result
+outside the seed spread, with one gateway or ten lagged ones (docs/POLICY.md rounds 16 and 29)."""
 
 
 def hbm_capacity(replica: ReplicaState, params: PolicyParams) -> int:
@@ -576,7 +582,7 @@ class KvAwarePolicy:
         mean = fleet_in_flight / n
         hard = max(float(p.hard_bound_min), p.hard_bound_factor * mean)
         sessions = max(snapshot.sessions_active, fleet_sessions)
-        cap = math.ceil((1.0 + p.bounded_load_epsilon) * (sessions + 1) / n)
+        cap = math.ceil((1.0 + BOUNDED_LOAD_EPSILON) * (sessions + 1) / n)
         share = max(1, math.ceil(p.ramp_cap_factor * (fleet_recent + 1) / n))
         return _View(
             snapshot,

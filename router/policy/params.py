@@ -26,8 +26,6 @@ class PolicyParams:
     """At most this many overflow replicas per session (a session spans ≤ 1 + max_overflow)."""
 
     # ---- rules 1 and 3: load bounds -------------------------------------------------------------
-    bounded_load_epsilon: float = 0.25
-    """No replica takes a new session while it holds ≥ ceil((1+ε)·mean) active sessions."""
     hard_bound_factor: float = 2.0
     hard_bound_min: int = 8
     """The hard bound, max(hard_bound_min, hard_bound_factor · mean in-flight): nothing is placed on a

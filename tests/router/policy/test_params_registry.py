@@ -17,13 +17,12 @@ def test_defaults_are_documented_values() -> None:
     p = PolicyParams()
     assert p.default_capacity_tokens == 850_000
     assert p.thicc_threshold >= 2 and p.max_overflow >= 1
-    assert 0 < p.bounded_load_epsilon < 1
 
 
 def test_with_changes_returns_a_new_validated_copy() -> None:
     p = PolicyParams()
-    q = p.with_changes(thicc_threshold=5, bounded_load_epsilon=0.1, hard_bound_min=10.0)
-    assert (q.thicc_threshold, q.bounded_load_epsilon, q.hard_bound_min) == (5, 0.1, 10)
+    q = p.with_changes(thicc_threshold=5, w_sessions=0.1, hard_bound_min=10.0)
+    assert (q.thicc_threshold, q.w_sessions, q.hard_bound_min) == (5, 0.1, 10)
     assert isinstance(q.hard_bound_min, int)
     assert p.thicc_threshold == PolicyParams().thicc_threshold  # unchanged: frozen
     with pytest.raises(dataclasses.FrozenInstanceError):
@@ -38,7 +37,8 @@ def test_with_changes_returns_a_new_validated_copy() -> None:
         ({"thicc_threshold": 2.5}, "thicc_threshold"),
         ({"thicc_threshold": "3"}, "thicc_threshold"),
         ({"max_overflow": True}, "max_overflow"),
-        ({"bounded_load_epsilon": -0.1}, "bounded_load_epsilon"),
+        ({"w_sessions": -0.1}, "w_sessions"),
+        ({"bounded_load_epsilon": 0.5}, "bounded_load_epsilon"),  # a constant since round 29
         ({"panic_threshold": 1.5}, "panic_threshold"),
         ({"hard_bound_factor": 0.5}, "hard_bound_factor"),
         ({"score_quantum": 0.5}, "score_quantum"),  # removed in round 16: unknown now

@@ -22,6 +22,7 @@ from router.model import (
     SetOverflow,
 )
 from router.policy import POLICIES, KvAwarePolicy, PolicyParams, make_policy
+from router.policy.kv_aware import BOUNDED_LOAD_EPSILON
 from router.store.base import StoreConfig
 from router.store.memory import MemoryCore
 from tests.builders import replica, session, snapshot
@@ -157,16 +158,13 @@ def _done(core: MemoryCore, lease: Lease, prompt: int, cached: int) -> None:
 @given(
     n=st.integers(2, 12),
     n_sessions=st.integers(10, 150),
-    eps=st.floats(0.05, 1.0),
     hold=st.integers(0, 3),
     seed=st.integers(0, 10_000),
 )
-def test_bounded_load_holds_through_memory_core(
-    n: int, n_sessions: int, eps: float, hold: int, seed: int
-) -> None:
+def test_bounded_load_holds_through_memory_core(n: int, n_sessions: int, hold: int, seed: int) -> None:
     clock = VirtualClock(0.0)
     core = _core(n, clock)
-    policy = KvAwarePolicy(PolicyParams().with_changes(bounded_load_epsilon=eps))
+    policy = KvAwarePolicy()
     rng = random.Random(seed)
     held: list[tuple[Lease, int]] = []
     for i in range(n_sessions):
@@ -179,7 +177,7 @@ def test_bounded_load_holds_through_memory_core(
             old, p = held.pop(0)
             _done(core, old, p, 0)
         counts = [r.sessions_active for r in core.replicas()]
-        assert max(counts) <= math.ceil((1 + eps) * (i + 1) / n)
+        assert max(counts) <= math.ceil((1 + BOUNDED_LOAD_EPSILON) * (i + 1) / n)
     assert sum(r.sessions_active for r in core.replicas()) == n_sessions
 
 
