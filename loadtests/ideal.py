@@ -78,6 +78,10 @@ class PooledCache:
         self._cache = PrefixCache(max(capacity_tokens, page_size), page_size, max(host_capacity_tokens, 0))
         self._fresh = 1 << 64  # names of reply pages: past every 64-bit block hash
 
+    def resize(self, capacity_tokens: int, host_capacity_tokens: int = 0) -> None:
+        """The fleet grew or shrank (scale-up, scale-down, a failure): the pool is its KV now."""
+        self._cache.resize(max(capacity_tokens, self.page_size), max(host_capacity_tokens, 0))
+
     def hit(self, hashes: list[int], prompt_tokens: int) -> int:
         """Tokens the pooled cache holds of this prompt's prefix now (same units as the pages)."""
         cap = min(len(hashes), max(prompt_tokens - 1, 0) // self.page_size)

@@ -348,6 +348,13 @@ class _Sim:
             return
         self.core.set_status(rep.id, ReplicaStatus.ACTIVE)
         rep.status = ReplicaStatus.ACTIVE
+        self._resize_pool()
+
+    def _resize_pool(self) -> None:
+        """``pooled_chr`` pools the KV of the replicas that serve now (ACTIVE or DRAINING): a scale
+        event or a failure changes the bound as it changes the fleet."""
+        n, prof = len(self._serving()), self.cfg.profile
+        self.pooled.resize(n * prof.capacity_tokens, n * prof.host_tokens)
 
     def _scale(self, t: float, ev: ScaleEvent) -> None:
         live = [r for r in self.order if not r.removed and not r.dead and r.status in (
@@ -366,6 +373,7 @@ class _Sim:
         if rep.status is ReplicaStatus.DRAINING and rep.in_flight == 0 and not rep.removed:
             self.core.remove_replica(rep.id)
             rep.removed = True
+            self._resize_pool()
             if self.residency is not None:
                 self.residency.drop(rep.id)
 
@@ -376,6 +384,7 @@ class _Sim:
         if rep.dead or rep.removed:
             return
         rep.dead = True
+        self._resize_pool()
         if self.residency is not None:  # its publisher is gone: no exact answer (the estimate decides)
             self.residency.drop(rep.id)
         for rid in sorted(rep.requests):

@@ -386,6 +386,18 @@ class PrefixCache:
         if not self.evict_whole_nodes:
             self._compress(lease.node)
 
+    def resize(self, capacity_tokens: int, host_capacity_tokens: int | None = None) -> None:
+        """New capacities (a pool whose fleet grew or shrank); what no longer fits is evicted LRU
+        first, as by an insert. Pinned blocks stay until released."""
+        if capacity_tokens <= 0 or (host_capacity_tokens is not None and host_capacity_tokens < 0):
+            raise ValueError("capacity_tokens must be > 0, host_capacity_tokens >= 0")
+        self.capacity_tokens = capacity_tokens
+        if host_capacity_tokens is not None:
+            self.host_capacity_tokens = host_capacity_tokens
+            self._host_cap_blocks = host_capacity_tokens // self.page_size
+        self._make_room(0)
+        self._trim_host()
+
     def flush(self) -> bool:
         """Drop every unpinned block on both tiers. Refused (False) while anything is running."""
         if self._reserved or self._evictable_blocks != self._dev_blocks:

@@ -122,3 +122,22 @@ def test_pooled_cache_host_tier_extends_the_pool() -> None:
     pool.insert(a)
     pool.insert(b)  # a demoted to the host tier, still a hit
     assert pool.hit(a, 25) == 24 and pool.hit(b, 25) == 24
+
+
+def test_pooled_cache_follows_the_fleets_size() -> None:
+    """A scale event resizes the pool: grown, it keeps what it held and takes more; shrunk, it evicts
+    least recent first, as an insert would."""
+    from loadtests.ideal import PooledCache
+
+    pool = PooledCache(capacity_tokens=24, page_size=4)  # 6 blocks
+    a, b = list(range(100, 106)), list(range(200, 206))
+    pool.insert(a)
+    pool.resize(48)  # 12 blocks: a and b both fit now
+    pool.insert(b)
+    assert pool.hit(a, 25) == 24 and pool.hit(b, 25) == 24
+    pool.resize(32)  # 8 blocks: a (least recent) keeps its first 2
+    assert pool.hit(a, 25) == 8 and pool.hit(b, 25) == 24
+    pool.resize(16, host_capacity_tokens=16)  # 4 + 4 blocks: a's 2 and b's tail demoted to the host
+    assert pool.hit(b, 25) == 24 and pool.hit(a, 25) == 8
+    pool.resize(16, host_capacity_tokens=8)  # a host tier of 2 blocks: a's, the oldest there, go
+    assert pool.hit(b, 25) == 24 and pool.hit(a, 25) == 0

@@ -295,3 +295,13 @@ def test_simulated_replicas_evict_as_the_emulator_does(whole_nodes: bool) -> Non
         SimReplica.make(0, replace(profile, evict_whole_nodes=not whole_nodes)).engine.cache, turns
     )
     assert other != simulated  # the sequence tells the two granularities apart
+
+
+def test_pooled_bound_follows_a_scale_up(small_specs: list[SessionSpec]) -> None:
+    """``pooled_chr`` pools the KV of the replicas serving now: after a scale-up the bound grows
+    with the fleet. It used to stay at the first fleet's size: then the doubled fleet hit more than
+    its "bound" (routing loss -0.0035 here) and the pool was no higher than the small fleet's."""
+    up = run_sim(small_specs, _small_cfg("kv_aware", scale=(ScaleEvent(30.0, 16),))).measures
+    small = run_sim(small_specs, _small_cfg("kv_aware")).measures
+    assert up["routing_loss"] > 0, up["routing_loss"]
+    assert up["pooled_chr"] > small["pooled_chr"] + 0.004
