@@ -151,6 +151,8 @@ def _parse_body(body: bytes) -> dict[str, Any]:
             obj = json.loads(body)  # integers over 64 bits, NaN: what json accepted stays accepted
         except (ValueError, UnicodeDecodeError) as exc:
             raise BadRequestError(f"request body is not valid JSON: {exc}") from None
+        except RecursionError:  # orjson's depth limit is 1024, json's is the interpreter's stack
+            raise BadRequestError("request body is not valid JSON: nested too deeply") from None
     if not isinstance(obj, dict):
         raise BadRequestError("request body must be a JSON object")
     return obj
@@ -161,10 +163,10 @@ def _chain_key(body: bytes, route: str, policy: object) -> str | None:
     when the body says nothing (the replica judges a malformed body, not the router)."""
     try:
         obj = _parse_body(body)
-    except BadRequestError:
+        p = _prefix_params(policy)
+        return chain_key(obj, route, p.prefix_block_chars, p.prefix_blocks)
+    except (BadRequestError, RecursionError):  # RecursionError: an anchor too deep to render
         return None
-    p = _prefix_params(policy)
-    return chain_key(obj, route, p.prefix_block_chars, p.prefix_blocks)
 
 
 def _routing_key(
@@ -175,7 +177,10 @@ def _routing_key(
     obj = _parse_body(body)
     model = obj.get("model") if isinstance(obj.get("model"), str) else None
     p = _prefix_params(policy)
-    key = prefix_key(obj, route, p.prefix_block_chars, p.prefix_blocks)
+    try:
+        key = prefix_key(obj, route, p.prefix_block_chars, p.prefix_blocks)
+    except RecursionError:  # valid JSON (orjson reads 1024 levels) too deep to render: no key
+        key = None
     return key, (KeySource.PREFIX if key is not None else KeySource.NONE), model
 
 

@@ -11,14 +11,22 @@ from collections.abc import Iterable, Mapping
 
 import mmh3
 
-__all__ = ["HrwTopCache", "hrw_rank", "hrw_top", "hrw_weight"]
+__all__ = ["HrwTopCache", "hrw_rank", "hrw_top", "hrw_weight", "utf8"]
 
 _SEED = 0x6B76  # "kv": fixed forever, changing it remaps every stateless key
 
 
+def utf8(text: str) -> str | bytes:
+    """What mmh3 may hash for ``text``: ``text`` itself when ASCII (an O(1) check), else its UTF-8
+    bytes - the same hash mmh3 computes for a ``str`` - with lone surrogates kept as their 3-byte
+    form. mmh3 5.x dereferences NULL on a ``str`` it cannot encode (a JSON ``"\\ud800"``, a header
+    byte that is not UTF-8): a segfault that takes the whole gateway down."""
+    return text if text.isascii() else text.encode("utf-8", "surrogatepass")
+
+
 def hrw_weight(key: str, replica_id: str) -> int:
     """The weight of ``replica_id`` for ``key``: an unsigned 64-bit mmh3 hash of both."""
-    h: int = mmh3.hash64(f"{key}\x00{replica_id}", _SEED, signed=False)[0]
+    h: int = mmh3.hash64(utf8(f"{key}\x00{replica_id}"), _SEED, signed=False)[0]
     return h
 
 

@@ -30,6 +30,8 @@ from typing import Any
 
 import mmh3
 
+from router.policy.hashing import utf8
+
 __all__ = ["chain_key", "prefix_key", "render_chat_anchor"]
 
 _SEP = "\x1e"
@@ -149,7 +151,7 @@ def _blocks(text: str, block_chars: int, blocks: int, full_only: bool) -> list[s
 def _chain(seed: str, blocks: Sequence[str]) -> str:
     h = seed
     for block in blocks:
-        h = format(mmh3.hash128(h + _SEP + block, 0x6B76, signed=False), "032x")
+        h = format(mmh3.hash128(utf8(h + _SEP + block), 0x6B76, signed=False), "032x")
     return h
 
 
