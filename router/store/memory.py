@@ -114,6 +114,9 @@ class MemoryCore:
         self._serving_since: float | None = None  # the first acquire: later ACTIVE replicas scaled up
         self._lease_ids = itertools.count(1)
         self._leases: dict[str, Lease] = {}
+        # the registration each lease counted on: a replica removed and registered again under the
+        # same id while the lease ran is a new registration, whose count the lease never raised
+        self._lease_rep: dict[str, _Replica] = {}
         # ---- caches of the read path (see the module docstring) ----
         self._view: tuple[ReplicaState, ...] | None = None  # sorted by id; None = rebuild
         self._order: tuple[_Replica, ...] | None = None  # replicas sorted by id; None = re-sort
@@ -423,13 +426,17 @@ class MemoryCore:
             prev_context_tokens=prev_ctx,
         )
         self._leases[lease.lease_id] = lease
+        self._lease_rep[lease.lease_id] = rep
         return lease
 
     def release(self, lease: Lease, completion: Completion) -> None:
         if self._leases.pop(lease.lease_id, None) is None:
             return  # double release is a no-op: load must never go negative
+        counted = self._lease_rep.pop(lease.lease_id, None)
         now = self.clock.now()
         rep = self._replicas.get(lease.replica_id)
+        if rep is not counted:
+            rep = None  # removed (and maybe registered again) since: its count left with it
         s = self._sessions.get(lease.session_id) if lease.session_id is not None else None
         if rep is not None and s is not None and s.home == lease.replica_id and s.residency_mark > 0:
             found = residency_feedback(lease, completion)
