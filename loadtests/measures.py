@@ -26,7 +26,9 @@ Definitions (exact, so that tests can pin them):
     count under ``"none"``; empty when no record has one, as for the peers).
   * ``affinity_breaks`` = count of records by ``break_reason`` (records with a reason only).
   * ``sessions_moved`` / ``sessions_moved_by_scaleup``: counted by the driver (home changes) via
-    ``session_moved``; only moves at ``t >= warmup_s`` count.
+    ``session_moved``; only moves at ``t >= warmup_s`` count. The simulator counts a move as by
+    the scale-up when its new home joined by scale-up and the session did not have to move anyway
+    (kvroute's ``placed_evicted``, ``reassigned_gone``, ``reassigned_draining``).
   * ``gateway_overhead_*_ms``: percentiles of ``add_gateway_overhead`` samples; None when none.
   * ``dispersion_floor`` = 1 - Σf² / Σf over sessions, f = the fraction of the measured window in
     which the session had at least one request in flight (the union of its records'

@@ -24,7 +24,8 @@ Model (docs/SIMULATOR.md has the long form):
   * Measures: every request is a ``RequestRecord`` (cached tokens from the engine, ideal from one
     infinite cache, break reason from ``router.policy.classify_break``); per-replica in-flight is
     sampled every ``sample_interval_s`` over serving replicas; a session's home change counts as
-    a move (by scale-up when the new home joined by scale-up).
+    a move (by scale-up when the new home joined by scale-up and the session did not have to move
+    anyway: ``_FORCED_MOVES``); ``pooled_chr`` pools the KV of the replicas serving at each moment.
 """
 
 from __future__ import annotations
@@ -87,6 +88,10 @@ def body_bytes(prompt_tokens: int) -> int:
 
 def default_profile(page_size: int = DEFAULT_PAGE_SIZE) -> Profile:
     return get_profile("kimi-k2.6-b200-tp4").with_overrides(page_size=page_size)
+
+
+# re-homings a session undergoes whether or not a replica joined (DESIGN rule 4 is about the others)
+_FORCED_MOVES = frozenset({Reason.PLACED_EVICTED, Reason.REASSIGNED_GONE, Reason.REASSIGNED_DRAINING})
 
 
 @dataclass(frozen=True, slots=True)
@@ -608,7 +613,10 @@ class _Sim:
             root.last_replica = lease.replica_id
         if moved_to is not None:
             rep_new = self.reps.get(moved_to)
-            self.measures.session_moved(t, by_scaleup=rep_new is not None and rep_new.by_scaleup)
+            # by the scale-up: onto a replica that joined by it, unless the session had to move anyway
+            # (its cache gone, its home down or draining), where a new replica is a target like any
+            forced = lease.reason in _FORCED_MOVES
+            self.measures.session_moved(t, by_scaleup=rep_new is not None and rep_new.by_scaleup and not forced)
 
     def _release(self, req: _Req, completion: Completion) -> None:
         lease = req.lease

@@ -330,7 +330,7 @@ class KvAwarePolicy:
                 return followed
         if idle and cache_surely_gone(sess, home, p):
             target, scores = self._place(
-                view, request, snapshot, rng, key=sid, ctx=ctx, avoid=frozenset(), binding=True, moving=True
+                view, request, snapshot, rng, key=sid, ctx=ctx, avoid=frozenset(), binding=True
             )
             effects = self._collapse(sess, keep_only=())
             if target.id != old_home:
@@ -405,7 +405,7 @@ class KvAwarePolicy:
         """Rebind the session elsewhere (compare-and-set on its current home)."""
         ctx = sess.context_tokens or request.prompt_tokens_estimate
         target, scores = self._place(
-            view, request, snapshot, rng, key=sess.session_id, ctx=ctx, avoid=avoid, binding=True, moving=True
+            view, request, snapshot, rng, key=sess.session_id, ctx=ctx, avoid=avoid, binding=True
         )
         bind = BindSession(sess.session_id, target.id, only_if=sess.home, reason=reason)
         overflow = tuple(o for o in sess.overflow if o != target.id and sess.in_flight_at(o) > 0)
@@ -503,12 +503,13 @@ class KvAwarePolicy:
         ctx: int,
         avoid: frozenset[ReplicaId],
         binding: bool,
-        moving: bool = False,
     ) -> tuple[ReplicaState, tuple[tuple[ReplicaId, float], ...]]:
         """Rule 3/4: the replica with the least expected delay among those passing the filters.
 
-        ``binding``: the pick becomes the session's home (session cap and ramp cap apply).
-        ``moving``: an existing session is re-homed; fresh replicas take only new sessions (rule 4).
+        ``binding``: the pick becomes the session's home (session cap and ramp cap apply). A session
+        re-homed for its own reason (cache gone, home overloaded, draining or down) may go to a
+        replica that joined by scale-up like anywhere else: it moves whether or not one joined
+        (docs/POLICY.md round 29).
         """
         p = self.params
         # each filter is dropped if it would leave nobody (``[...] or cands``); written out inline
@@ -524,17 +525,12 @@ class KvAwarePolicy:
             cands = [r for r in cands if r.in_flight < hard] or cands
             if binding:
                 since, now = view.serving_since, snapshot.now
-                # "joined by scale-up": became ACTIVE after the store started routing (the initial
-                # fleet turns ACTIVE one by one in the first health round), i.e. after ``since``
-                if moving and since is not None:
-                    # young (joined less than rehome_delay_s ago): takes no re-homed session yet,
-                    # so a scale-up moves no existing session (rule 4)
-                    young_s = p.rehome_delay_s
-                    cands = [r for r in cands if not (r.joined_at > since and now - r.joined_at < young_s)] or cands
                 cap = view.session_cap
                 cands = [r for r in cands if r.sessions_active < cap] or cands
                 if since is not None:
-                    # fresh (joined less than fresh_window_s ago): only up to the ramp share (rule 4)
+                    # fresh (joined by scale-up, i.e. ACTIVE after the store started routing: the
+                    # initial fleet turns ACTIVE one by one in the first health round, before
+                    # ``since``, less than fresh_window_s ago): only up to the ramp share (rule 4)
                     fresh_s, share = p.fresh_window_s, view.ramp_share
                     cands = [
                         r

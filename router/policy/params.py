@@ -35,9 +35,6 @@ class PolicyParams:
     # ---- rule 4: scale-up ramp -------------------------------------------------------------------
     fresh_window_s: float = 120.0
     """A replica that became ACTIVE by scale-up less than this long ago is *fresh* and ramp-capped."""
-    rehome_delay_s: float = 600.0
-    """A replica that joined by scale-up takes no *re-homed* session (reassigned, evicted) for this
-    long: it fills with new sessions only, so a scale-up moves nothing."""
     ramp_cap_factor: float = 1.5
     """A fresh replica takes at most ramp_cap_factor × its fair share of the placements in the
     store's ramp window (``ReplicaState.placed_recent``), and at least one."""
