@@ -140,12 +140,26 @@ class _ClientGone(Exception):
 
 
 class _ClientError(Exception):
-    """Bad input. ``plain``: SGLang's schema gate answers ``{"error": "<text>"}`` (a bare string)."""
+    """Bad input. ``plain``: SGLang's schema gate answers ``{"error": "<text>"}`` (a bare string).
 
-    def __init__(self, message: str, status: int = 400, plain: bool = False) -> None:
+    ``stage`` says where SGLang 0.5.23 finds the error, which decides how a *streamed* request
+    learns of it (unstreamed: always the status with an error body):
+
+    * ``None``: before the response starts (pydantic, the schema gate): the status, for streams too;
+    * ``"tokenizer"``: in the tokenizer manager (context checks, bad sampling values): ``/generate``
+      has already answered 200 ``text/event-stream`` and sends one ``data: {"error": ...}`` event and
+      ``[DONE]``; the OpenAI routes still answer the status;
+    * ``"scheduler"``: refused by the scheduler (input over ``max_req_input_len``): every route's
+      stream is 200 and carries the refusal in-stream (``_scheduler_refusal_stream``).
+    """
+
+    def __init__(
+        self, message: str, status: int = 400, plain: bool = False, stage: str | None = None
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.plain = plain
+        self.stage = stage
 
 
 @dataclass(slots=True)
@@ -458,23 +472,61 @@ def _salt(body: dict[str, Any]) -> int:
     return salt_seed(salt if isinstance(salt, str) else None)
 
 
-def _check_context(cfg: EmulatorConfig, prompt_tokens: int, max_tokens: int) -> None:
-    limit = cfg.profile.max_context_tokens
-    if prompt_tokens + max_tokens > limit:
+def _max_req_len(prof: Profile) -> int:
+    """SGLang's scheduler bound on prompt + output (``tp_worker``): one under the context length and
+    one under the KV pool, whichever is smaller."""
+    return min(prof.max_context_tokens - 1, prof.capacity_tokens - 1)
+
+
+def max_req_input_len(prof: Profile) -> int:
+    """The longest prompt SGLang's scheduler takes is one *under* this (``validate_input_length``)."""
+    return _max_req_len(prof) - 5
+
+
+def _check_context(cfg: EmulatorConfig, prompt_tokens: int, max_tokens: int | None, default: int) -> int:
+    """SGLang 0.5.23's length checks, in its order; returns the output length the request gets.
+
+    The tokenizer manager refuses a prompt of the context length or more, and prompt + ``max_tokens``
+    over it *only when the client gave* ``max_tokens`` (without one nothing is summed). The scheduler
+    then refuses a prompt of ``max_req_input_len`` or more, and caps the output at
+    ``max_req_len - prompt - 1``: a request without ``max_tokens`` near the limit is served, shorter.
+    """
+    prof = cfg.profile
+    limit = prof.max_context_tokens
+    if prompt_tokens >= limit:
+        raise _ClientError(
+            f"The input ({prompt_tokens} tokens) is longer than the model's context length ({limit} tokens).",
+            stage="tokenizer",
+        )
+    if max_tokens is not None and prompt_tokens + max_tokens > limit:
         raise _ClientError(
             f"Requested token count exceeds the model's maximum context length of {limit} tokens. "
             f"You requested a total of {prompt_tokens + max_tokens} tokens: {prompt_tokens} tokens from the "
             f"input messages and {max_tokens} tokens for the completion. Please reduce the number of tokens "
-            "in the input messages or the completion to fit within the limit."
+            "in the input messages or the completion to fit within the limit.",
+            stage="tokenizer",
         )
+    cap = max_req_input_len(prof)
+    if prompt_tokens >= cap:
+        raise _ClientError(
+            f"Input length ({prompt_tokens} tokens) exceeds the maximum allowed length ({cap} tokens). "
+            "Use a shorter input or enable --allow-auto-truncate.",
+            stage="scheduler",
+        )
+    wanted = default if max_tokens is None else max_tokens
+    return max(0, min(wanted, _max_req_len(prof) - prompt_tokens - 1))
+
+
+def _max_new_tokens_error(n: int) -> _ClientError:
+    return _ClientError(f"max_new_tokens must be at least 0, got {n}.", stage="tokenizer")
 
 
 def _stream_options(body: dict[str, Any], cfg: EmulatorConfig) -> bool:
     so = body.get("stream_options")
     if so is not None and not isinstance(so, dict):
         raise _ClientError("stream_options must be an object")
-    if isinstance(so, dict) and so.get("include_usage") is not None:
-        return bool(so["include_usage"])
+    if so:  # SGLang's should_include_usage: the server's default wins over a client's false
+        return bool(so.get("include_usage")) or cfg.stream_response_default_include_usage
     return cfg.stream_response_default_include_usage
 
 
@@ -493,9 +545,15 @@ def _parse_openai(body: dict[str, Any], request: web.Request, cfg: EmulatorConfi
                 prompt = encode_text(render_chat(msgs, tools if isinstance(tools, list) else None))
             except ValueError as exc:
                 raise _ClientError(str(exc)) from None
-        max_tokens = _int_field(body, "max_completion_tokens")
+        max_tokens = _openai_max_tokens(body, "max_completion_tokens")
         if max_tokens is None:
-            max_tokens = _int_field(body, "max_tokens")
+            max_tokens = _openai_max_tokens(body, "max_tokens")
+        limit = cfg.profile.max_context_tokens
+        if max_tokens and max_tokens > limit:  # serving_chat's own check, before the tokenizer's
+            raise _ClientError(
+                f"max_completion_tokens is too large: {max_tokens}."
+                f"This model supports at most {limit} completion tokens."
+            )
     else:
         p = body.get("prompt")
         if isinstance(p, str):
@@ -511,9 +569,9 @@ def _parse_openai(body: dict[str, Any], request: web.Request, cfg: EmulatorConfi
             max_tokens = 16
     if prompt.num_tokens == 0:
         raise _ClientError("The prompt is empty")
-    explicit = max_tokens is not None
-    n_out = max_tokens if max_tokens is not None else cfg.default_max_tokens
-    _check_context(cfg, prompt.num_tokens, n_out)
+    n_out = _check_context(cfg, prompt.num_tokens, max_tokens, cfg.default_max_tokens)
+    # without a max_tokens the output ends on EOS ("stop"), unless the context cut it short
+    explicit = max_tokens is not None or n_out < cfg.default_max_tokens
     stream = bool(body.get("stream", False))
     rid = body.get("rid")
     session = body.get("session_id")
@@ -528,6 +586,13 @@ def _parse_openai(body: dict[str, Any], request: web.Request, cfg: EmulatorConfi
         routing_key=request.headers.get("x-smg-routing-key") or _opt_str(body.get("routing_key")),
         session_id=_opt_str(session),
     )
+
+
+def _openai_max_tokens(body: dict[str, Any], key: str) -> int | None:
+    v = body.get(key)
+    if isinstance(v, int) and not isinstance(v, bool) and v < 0:
+        raise _max_new_tokens_error(v)
+    return _int_field(body, key)
 
 
 def _opt_str(v: Any) -> str | None:
@@ -560,19 +625,22 @@ def _parse_generate(body: dict[str, Any], request: web.Request, cfg: EmulatorCon
     elif isinstance(body.get("text"), list) or body.get("input_ids") is not None:
         raise _ClientError("batch requests are not supported by the emulator")
     else:
-        raise _ClientError("Either text or input_ids should be provided.")
+        raise _ClientError("Either text, input_ids or input_embeds should be provided.", stage="tokenizer")
+    mnt = sp.get("max_new_tokens")
+    if mnt is not None and (isinstance(mnt, bool) or not isinstance(mnt, int)):
+        kind = f"string {json.dumps(mnt)}" if isinstance(mnt, str) else json.dumps(mnt)
+        raise _ClientError(f"invalid type: {kind}, expected i64", plain=True)
+    if mnt is not None and mnt < 0:
+        raise _max_new_tokens_error(mnt)
     if prompt.num_tokens == 0:
         raise _ClientError("The input is empty")
-    explicit = "max_new_tokens" in sp
-    mnt = sp.get("max_new_tokens", cfg.default_max_tokens)
-    if isinstance(mnt, bool) or not isinstance(mnt, int) or mnt < 0:
-        raise _ClientError(f"invalid type: {json.dumps(mnt)}, expected u32", plain=True)
-    _check_context(cfg, prompt.num_tokens, mnt)
+    n_out = _check_context(cfg, prompt.num_tokens, mnt, cfg.default_max_tokens)
+    explicit = mnt is not None or n_out < cfg.default_max_tokens
     rid = body.get("rid")
     return _Parsed(
         rid=rid if isinstance(rid, str) and rid else uuid.uuid4().hex,
         prompt=prompt,
-        max_tokens=mnt,
+        max_tokens=n_out,
         explicit_max=explicit,
         stream=bool(body.get("stream", False)),
         include_usage=False,
@@ -756,14 +824,105 @@ class _Handlers:
         await resp.write(data)
         return n_chunks + 1
 
+    # ---- errors a stream reports in-stream (SGLang 0.5.23; see _ClientError.stage) ---------
+    async def _sse_response(self, request: web.Request, events: list[bytes]) -> web.StreamResponse:
+        resp = web.StreamResponse(headers=_SSE_HEADERS)
+        await resp.prepare(request)
+        for e in events:
+            await resp.write(e)
+        await resp.write(_DONE)
+        await resp.write_eof()
+        return resp
+
+    async def _scheduler_refusal_stream(
+        self, request: web.Request, body: dict[str, Any], obj: str, exc: _ClientError
+    ) -> web.StreamResponse:
+        """A streamed OpenAI request the scheduler refuses: 200, an error event (Python's default
+        ``json.dumps`` spacing, type ``BAD_REQUEST``), then -- with usage on -- a usage chunk that
+        counts the one-token stand-in prompt the scheduler ran instead (prompt 1, completion 1)."""
+        err = {
+            "object": "error",
+            "message": str(exc),
+            "type": "BAD_REQUEST",
+            "param": None,
+            "code": exc.status,
+        }
+        events = [b"data: " + json.dumps({"error": err}, ensure_ascii=False).encode() + b"\n\n"]
+        if _stream_options(body, self.cfg):
+            rid = body.get("rid")
+            usage: dict[str, Any] = {
+                "prompt_tokens": 1,
+                "total_tokens": 2,
+                "completion_tokens": 1,
+                "prompt_tokens_details": {"cached_tokens": 0} if self.cfg.enable_cache_report else None,
+                "reasoning_tokens": 0,
+            }
+            if obj == "chat.completion.chunk":
+                usage["completion_tokens_details"] = None
+            else:
+                usage = {k: v for k, v in usage.items() if v is not None}
+            chunk = {
+                "id": rid if isinstance(rid, str) and rid else uuid.uuid4().hex,
+                "object": obj,
+                "created": int(time.time()),
+                "model": body.get("model") if isinstance(body.get("model"), str) else "default",
+                "choices": [],
+                "usage": usage,
+            }
+            events.append(_sse(chunk))
+        return await self._sse_response(request, events)
+
+    async def _generate_error_stream(
+        self, request: web.Request, body: dict[str, Any], exc: _ClientError
+    ) -> web.StreamResponse:
+        """A streamed ``/generate`` answers 200 before the tokenizer manager validates it: a
+        tokenizer error is one ``error`` event; a scheduler refusal is a finished chunk (abort, the
+        one-token stand-in prompt and its one output token)."""
+        if exc.stage == "tokenizer":
+            err = {
+                "message": str(exc),
+                "type": "invalid_request_error",
+                "code": exc.status,
+                "retryable": False,
+            }
+            return await self._sse_response(request, [_sse({"error": err})])
+        rid = body.get("rid")
+        text = output_text(1, _text_seed(uuid.uuid4().hex))
+        reason = {
+            "type": "abort",
+            "message": str(exc),
+            "status_code": exc.status,
+            "err_type": "BadRequestError",
+        }
+        meta = {
+            "id": rid if isinstance(rid, str) and rid else uuid.uuid4().hex,
+            "finish_reason": reason,
+            "prompt_tokens": 1,
+            "weight_version": "default",
+            "num_retractions": 0,
+            "reasoning_tokens": 0,
+            "completion_tokens": 1,
+            "cached_tokens": 0,
+            "cached_tokens_details": None,
+            "dp_rank": None,
+            "e2e_latency": 0.0,
+            "response_sent_to_client_ts": time.time(),
+        }
+        return await self._sse_response(
+            request, [_sse({"text": text, "output_ids": token_ids(encode_text(text)), "meta_info": meta})]
+        )
+
     # ---- data plane ----------------------------------------------------------------------
     async def chat(self, request: web.Request) -> web.StreamResponse:
         if not request.content_type.startswith("application/json"):
             return _openai_error("Content-Type must be application/json", 400)
+        body: dict[str, Any] = {}
         try:
             body = await _read_json(request)
             parsed = _parse_openai(body, request, self.cfg, chat=True)
         except _ClientError as exc:
+            if exc.stage == "scheduler" and body.get("stream"):
+                return await self._scheduler_refusal_stream(request, body, "chat.completion.chunk", exc)
             return _openai_error(str(exc), exc.status)
         model = body.get("model") if isinstance(body.get("model"), str) else "default"
         want_details = bool(body.get("return_cached_tokens_details"))
@@ -829,10 +988,13 @@ class _Handlers:
         return await self._run(request, parsed, "/v1/chat/completions", respond, lambda m, s: _openai_error(m, s, _error_type(s)))
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
+        body: dict[str, Any] = {}
         try:
             body = await _read_json(request)
             parsed = _parse_openai(body, request, self.cfg, chat=False)
         except _ClientError as exc:
+            if exc.stage == "scheduler" and body.get("stream"):
+                return await self._scheduler_refusal_stream(request, body, "text_completion", exc)
             return _openai_error(str(exc), exc.status)
         model = body.get("model") if isinstance(body.get("model"), str) else "default"
 
@@ -877,10 +1039,13 @@ class _Handlers:
         return await self._run(request, parsed, "/v1/completions", respond, lambda m, s: _openai_error(m, s, _error_type(s)))
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
+        body: dict[str, Any] = {}
         try:
             body = await _read_json(request)
             parsed = _parse_generate(body, request, self.cfg)
         except _ClientError as exc:
+            if exc.stage is not None and body.get("stream"):
+                return await self._generate_error_stream(request, body, exc)
             return _json({"error": str(exc) if exc.plain else {"message": str(exc)}}, exc.status)
         want_prompt_ids = bool(body.get("return_prompt_token_ids"))
         incremental = self.cfg.incremental_streaming_output
@@ -1000,7 +1165,7 @@ class _Handlers:
             **args,
             "launch_command": f"kvroute emulate --profile {prof.name} --time-scale {cfg.time_scale}",
             "status": rep.status, "max_total_num_tokens": load.capacity_tokens,
-            "max_req_input_len": prof.max_context_tokens - 1, "startup_time": rep.startup_time,
+            "max_req_input_len": max_req_input_len(prof), "startup_time": rep.startup_time,
             "kv_events_config": rep.kv_config.raw if rep.kv_config is not None else None,
             "kv_events": rep.kv_config.describe(
                 prof.page_size,

@@ -181,6 +181,123 @@ async def test_wire_fidelity(fleet: list[RealServer]) -> None:
     assert diff == [], "\n".join(diff)
 
 
+# ---- limits and in-stream errors -------------------------------------------------------------------
+
+# (route, prompt length in token ids, max tokens (None: not sent), stream, extra body fields), chosen
+# around the fleet's limits: context 8192, scheduler bound max_req_len = min(8192, pool 12000) - 1 =
+# 8191 and max_req_input_len = 8191 - 5 = 8186
+LIMIT_CASES: list[tuple[str, int, int | None, bool, dict[str, Any]]] = [
+    # no max_tokens near the context: served, the output cut to max_req_len - prompt - 1 (40)
+    ("/generate", 8150, None, False, {}),
+    ("/v1/chat/completions", 8150, None, False, {}),
+    ("/v1/chat/completions", 8150, None, True, {}),
+    # prompt + max_tokens = the context: allowed, and cut the same way (90, not 92)
+    ("/v1/completions", 8100, 92, False, {}),
+    # a prompt of the context length or more: refused by the tokenizer manager, even with max 0
+    ("/generate", 8192, 0, False, {}),
+    ("/v1/chat/completions", 8200, 1, True, {}),
+    # ... which a streamed /generate reports in-stream (200, an error event, [DONE])
+    ("/generate", 8200, 1, True, {}),
+    ("/generate", 8100, 200, True, {}),
+    # a prompt at max_req_input_len or more: refused by the scheduler (in-stream on every route)
+    ("/generate", 8188, 1, False, {}),
+    ("/generate", 8188, 1, True, {}),
+    ("/v1/chat/completions", 8188, 1, True, {}),
+    ("/v1/completions", 8188, 1, True, {}),
+    # bad sampling values: the tokenizer manager again (in-stream on /generate)
+    ("/generate", 10, -1, True, {}),
+    ("/v1/chat/completions", 10, -1, False, {}),
+    # --stream-response-default-include-usage wins over a client's include_usage false
+    ("/v1/chat/completions", 10, 2, True, {"stream_options": {"include_usage": False}}),
+    ("/v1/completions", 10, 2, True, {"stream_options": {"include_usage": False}}),
+]
+
+
+def limit_body(
+    route: str, n: int, max_tokens: int | None, stream: bool, extra: dict[str, Any]
+) -> dict[str, Any]:
+    ids = [10 + i % 1990 for i in range(n)]  # within the tiny model's vocabulary
+    if route == "/generate":
+        sp: dict[str, Any] = {"ignore_eos": True}
+        if max_tokens is not None:
+            sp["max_new_tokens"] = max_tokens
+        return {"input_ids": ids, "sampling_params": sp, "stream": stream, **extra}
+    body: dict[str, Any] = {"model": "m", "stream": stream, "ignore_eos": True, **extra}
+    if route == "/v1/completions":
+        body["prompt"] = ids
+    else:
+        body.update(input_ids=ids, messages=[{"role": "user", "content": "x"}])
+    if max_tokens is not None:
+        body["max_tokens"] = max_tokens
+    return body
+
+
+def outcome(status: int, content_type: str, raw: bytes) -> list[Any]:
+    """What a client (and the gateway's usage sniffer) sees, without the sampled text, ids and times:
+    the status, then the error message or the output length and finish reason; for a stream each
+    event that is not plain content (errors, finishes, usage chunks, ``[DONE]``)."""
+    out: list[Any] = [status, content_type.split(";")[0]]
+    if not content_type.startswith("text/event-stream"):
+        doc = json.loads(raw)
+        if isinstance(doc.get("error"), dict):
+            return [*out, "error", doc["error"].get("message")]
+        if "error" in doc or doc.get("object") == "error":
+            return [*out, "error", doc.get("message", doc.get("error"))]
+        if "meta_info" in doc:
+            m = doc["meta_info"]
+            return [*out, m["completion_tokens"], m["finish_reason"]]
+        return [*out, doc["usage"]["completion_tokens"], doc["choices"][0]["finish_reason"]]
+    for e in raw.split(b"\n\n"):
+        if not e:
+            continue
+        if not e.startswith(b"data: "):
+            out.append(("not an SSE data line", e[:80]))
+        elif e == b"data: [DONE]":
+            out.append("[DONE]")
+        else:
+            d = json.loads(e[6:])
+            if "error" in d:
+                err = d["error"]
+                out.append(("error", err.get("message"), err.get("code"), err.get("type")))
+            elif "meta_info" in d and d["meta_info"]["finish_reason"] is not None:
+                m = d["meta_info"]
+                out.append(("finished", m["finish_reason"], m["prompt_tokens"], m["completion_tokens"]))
+            elif d.get("usage"):
+                u = d["usage"]
+                out.append(("usage", u["prompt_tokens"], u["completion_tokens"]))
+            elif d.get("choices") and d["choices"][0].get("finish_reason") is not None:
+                out.append(("finish", d["choices"][0]["finish_reason"]))
+    return out
+
+
+async def run_limit_cases(base: str) -> list[list[Any]]:
+    got = []
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as s:
+        for case in LIMIT_CASES:
+            async with s.post(base + case[0], json=limit_body(*case)) as r:
+                got.append(outcome(r.status, r.headers.get("Content-Type", ""), await r.read()))
+    return got
+
+
+async def test_limits_and_in_stream_errors_fidelity(fleet: list[RealServer]) -> None:
+    """The context and input-length limits (which requests are served, refused, or cut short, and
+    how a stream reports a refusal: status or in-stream event), bad sampling values, and the server's
+    include-usage default: the same outcome from the emulator as from the real engine."""
+    real = await run_limit_cases(fleet[0].url)
+    async with running_emulators(1, config=emulator_config()) as (emu_rep,):
+        emu = await run_limit_cases(emu_rep.url)
+    rows = [
+        {"case": f"{c[0]} n={c[1]} max={c[2]} stream={c[3]} {c[4] or ''}", "real": r, "emulator": e}
+        for c, r, e in zip(LIMIT_CASES, real, emu, strict=True)
+    ]
+    print(json.dumps(rows, indent=1, default=str))
+    # the real engine behaves as the cases say (guards against a fleet set up otherwise)
+    assert real[0][2:] == [40, {"type": "length", "length": 40}], real[0]
+    assert real[6][:2] == [200, "text/event-stream"] and real[6][2][0] == "error", real[6]
+    bad = [row for row in rows if row["real"] != row["emulator"]]
+    assert not bad, json.dumps(bad, indent=1, default=str)
+
+
 # ---- cache -----------------------------------------------------------------------------------------
 
 
