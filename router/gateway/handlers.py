@@ -169,6 +169,21 @@ def _chain_key(body: bytes, route: str, policy: object) -> str | None:
         return None
 
 
+def _refuse_empty_generate(body: bytes) -> None:
+    """``/generate`` with an empty ``text`` is refused here: SGLang 0.5.23's scheduler crashes on it
+    (a reshape of 0 elements; the whole server exits), and the gateway's retry would take the next
+    replica down with it. A body that does not parse is the replica's to judge, as elsewhere."""
+    try:
+        obj = _parse_body(body)
+    except BadRequestError:
+        return
+    text, ids = obj.get("text"), obj.get("input_ids")
+    empty_text = text == "" or (isinstance(text, list) and any(t == "" for t in text))
+    empty_ids = ids == [] or (isinstance(ids, list) and any(i == [] for i in ids))
+    if empty_text or empty_ids:
+        raise BadRequestError("the input is empty: text and input_ids must not be empty")
+
+
 def _routing_key(
     session_id: str | None, body: bytes, route: str, policy: object
 ) -> tuple[str | None, KeySource, str | None]:
@@ -671,6 +686,8 @@ async def serve_inference(
         session_id = session_id_from_headers(headers, cfg)
         body = await read_body()
         prog.t0 = clock.now()  # the client's upload time is not ours
+        if route == "/generate":
+            _refuse_empty_generate(body)
         key, source, model = _routing_key(session_id, body, route, rt.policy)
         req = route_request(key, source, route=route, model=model, body_bytes=len(body), session=None)
         fwd = _forward_headers(headers, remote, cfg, session_id, request_id)

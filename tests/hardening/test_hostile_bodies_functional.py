@@ -189,3 +189,27 @@ async def test_session_id_bytes_that_are_not_utf8_never_crash_the_gateway(
     _assert_alive(p)
     assert answer.startswith(b"HTTP/1.1 "), answer[:200]
     assert int(answer.split(b" ", 2)[1]) < 500, answer[:300]
+
+
+@pytest.mark.parametrize(
+    "body",
+    [b'{"text": ""}', b'{"text": ["a", ""]}', b'{"input_ids": []}', b'{"text": "", "stream": true}'],
+    ids=["empty-text", "empty-in-batch", "empty-ids", "empty-text-stream"],
+)
+async def test_empty_generate_input_never_reaches_a_replica(fake_replicas: Any, procs: Procs, body: bytes) -> None:
+    # a real SGLang 0.5.23 exits on {"text": ""} (its scheduler reshapes 0 elements), and a retry of
+    # the dropped connection took the next replica down with it: the gateway refuses it itself
+    (rep,) = await fake_replicas(1)
+    url, p = await _serve(procs, rep.url)
+    await _wait_ready(url)
+    seen = len(rep.state.requests)
+    async with aiohttp.ClientSession() as s, s.post(url + "/generate", data=body) as r:
+        status, answer = r.status, await r.json()
+    assert status == 400 and answer["error"]["code"] == "bad_request", answer
+    assert "empty" in answer["error"]["message"]
+    assert len(rep.state.requests) == seen  # nothing proxied
+    ok = b'{"text": "hi", "sampling_params": {"max_new_tokens": 2}}'
+    async with aiohttp.ClientSession() as s, s.post(url + "/generate", data=ok) as r:
+        assert r.status == 200
+    assert len(rep.state.requests) == seen + 1
+    _assert_alive(p)

@@ -383,3 +383,21 @@ async def test_a_busy_real_engine_is_not_ejected_and_a_down_one_is_still_tried(
 
 async def _status(gw: Any, want: ReplicaStatus) -> bool:
     return all(r.status is want for r in await gw.store.replicas())
+
+
+async def test_empty_generate_input_is_refused_before_it_can_kill_the_engine(
+    fleet: list[RealServer], gateway_factory: Any
+) -> None:
+    """SGLang 0.5.23 exits on ``/generate`` with ``{"text": ""}`` (its scheduler fails to reshape 0
+    elements); the gateway's retry of the dropped connection took a second engine down with it. The
+    gateway answers 400 itself, and the engines keep serving."""
+    gw = await gateway_factory([r.url for r in fleet], health=REAL_HEALTH, timeouts=REAL_TIMEOUTS)
+    async with aiohttp.ClientSession() as s:
+        for doc in ({"text": ""}, {"text": "", "stream": True}, {"input_ids": []}):
+            status, body, _ = await _post(s, gw.url + "/generate", doc)
+            assert status == 400, body
+            assert json.loads(body)["error"]["code"] == "bad_request"
+        for r in fleet:
+            assert get_json(r.url + "/get_model_info")  # alive
+        status, body, _ = await _post(s, gw.url + "/generate", _request("/generate", False, "still here"))
+        assert status == 200, body
