@@ -272,9 +272,13 @@ class UsageSniffer:
     ``"usage"`` or ``"meta_info"`` *and* ``"prompt_tokens"``. Only the last candidate is kept (raw) and
     parsed once at the end, so cumulative ``/generate`` streams cost no per-chunk JSON parsing.
     JSON: the body is accumulated up to ``max_json_bytes`` and parsed at the end.
+
+    ``errored``: the engine reported a failure inside a 200 stream -- an ``{"error": ...}`` event, or a
+    ``/generate`` chunk finished with ``abort`` -- as SGLang does for a prompt its scheduler refuses
+    (then a usage chunk counts the one-token stand-in it ran: nothing to learn from).
     """
 
-    __slots__ = ("_buf", "_last", "_max", "_mode", "_overflow", "events")
+    __slots__ = ("_buf", "_last", "_max", "_mode", "_overflow", "errored", "events")
 
     def __init__(
         self,
@@ -289,6 +293,7 @@ class UsageSniffer:
         self._last: bytes | None = None
         self._max = max_json_bytes if self._mode == "json" else max_line_bytes
         self._overflow = False
+        self.errored = False
         self.events = 0  # complete SSE data lines seen
 
     @property
@@ -312,7 +317,7 @@ class UsageSniffer:
             # that holds a usage candidate (one per stream)
             n = chunk.count(b"\ndata:") + chunk.startswith(b"data:")
             self.events += n
-            if n and b'"prompt_tokens"' in chunk:
+            if n and (b'"prompt_tokens"' in chunk or b'{"error"' in chunk):
                 for line in chunk.split(b"\n"):
                     if line.startswith(b"data:"):
                         self._candidate(line)
@@ -346,7 +351,9 @@ class UsageSniffer:
         self._candidate(line)
 
     def _candidate(self, line: bytes) -> None:
-        if b'"prompt_tokens"' in line and (b'"usage"' in line or b'"meta_info"' in line):
+        if line[5:].lstrip().startswith(b'{"error"'):
+            self.errored = True
+        elif b'"prompt_tokens"' in line and (b'"usage"' in line or b'"meta_info"' in line):
             self._last = line
 
     def result(self) -> Usage | None:
@@ -354,9 +361,15 @@ class UsageSniffer:
             if self._overflow or not self._buf:
                 return None
             return usage_from_json(_loads(self._buf))
-        if self._last is None:
+        if self._last is None or self.errored:
             return None
-        return usage_from_json(_loads(self._last[5:].strip()))
+        obj = _loads(self._last[5:].strip())
+        meta = obj.get("meta_info") if isinstance(obj, dict) else None
+        finish = meta.get("finish_reason") if isinstance(meta, dict) else None
+        if isinstance(finish, dict) and finish.get("type") == "abort":
+            self.errored = True
+            return None
+        return usage_from_json(obj)
 
 
 def _loads(raw: bytes | bytearray) -> Any:

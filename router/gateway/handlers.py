@@ -591,6 +591,12 @@ class _Proxy:
 
     def _completion(self, sniffer: UsageSniffer | None, ok: bool) -> Completion:
         usage = sniffer.result() if sniffer is not None else None
+        if sniffer is not None and sniffer.errored:
+            # the engine failed the request inside its 200 stream: relayed as it is, counted failed,
+            # and nothing learnt (its usage, if any, counts a stand-in prompt)
+            self.p.ok = False
+            self.p.error = "upstream_error_event"
+            return Completion(ok=False)
         if usage is not None and usage.prompt_tokens is not None:
             self.p.prompt_tokens = usage.prompt_tokens
             self.p.cached_tokens = usage.cached_tokens

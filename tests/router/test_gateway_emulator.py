@@ -263,3 +263,28 @@ async def test_a_sub_agent_continues_where_its_own_context_is(emulators: Any, ga
         status, _, h = await _post(s, url, _agent_chat(parent_sys, "Fix the failing test in foo.py. ",
                                                        "history " * 330, 4), "thicc-1")  # fmt: skip
         assert status == 200 and h["X-Kvroute-Replica"] == home
+
+
+async def test_a_prompt_the_engine_refuses_in_stream_is_a_failure_and_teaches_nothing(
+    emulators: Any, gateway_factory: Any
+) -> None:
+    # SGLang 0.5.23 answers a streamed prompt over max_req_input_len with 200, an error event and a
+    # usage chunk of prompt_tokens 1 (the emulator does the same, checked against the real engine):
+    # the gateway relays it unchanged, counts the request failed and learns no context of 1 token
+    (rep,) = await emulators(1)
+    log = EventLog()
+    gw = await gateway_factory([rep.url], hooks=(log,))
+    short = "fix the failing test in module_x.py please. " * 20
+    async with aiohttp.ClientSession() as s:
+        status, _, _ = await _post(s, gw.url + "/v1/chat/completions", _chat(short, True, 4), "big-1")
+        assert status == 200
+        long = "fix the failing test in module_x.py please. " * 800  # ~8,800 tokens: over 8,186
+        status, body, _ = await _post(s, gw.url + "/v1/chat/completions", _chat(long, True, 4), "big-1")
+    assert status == 200
+    assert b'data: {"error": {' in body and body.endswith(b"data: [DONE]\n\n"), body[-300:]
+    await wait_for(lambda: len(log.of(RequestFinished)) == 2)
+    first, refused = log.of(RequestFinished)
+    assert first.ok and refused.status == 200 and not refused.ok
+    assert refused.error == "upstream_error_event" and refused.prompt_tokens is None
+    sess = await gw.store.session("big-1")
+    assert sess is not None and sess.context_tokens == first.prompt_tokens + first.completion_tokens

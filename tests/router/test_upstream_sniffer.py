@@ -33,3 +33,50 @@ def test_crlf_and_comment_lines() -> None:
     sn.feed(b'data: {"meta_info":{"prompt_tokens":3,"completion_tokens":1,"cached_tokens":0}}\r\n\r\n')
     assert sn.events == 2
     assert sn.result() == Usage(3, 0, 1)
+
+
+def test_an_error_event_in_a_200_stream_is_a_failure_with_nothing_to_learn() -> None:
+    # SGLang 0.5.23, a streamed chat prompt its scheduler refuses: an error event (Python's spacing),
+    # then a usage chunk that counts the one-token stand-in it ran
+    refusal = [
+        (
+            b'data: {"error": {"object": "error", "message": "Input length (9000 tokens) exceeds", '
+            b'"type": "BAD_REQUEST", "param": null, "code": 400}}\n\n'
+        ),
+        b'data: {"choices":[],"usage":{"prompt_tokens":1,"completion_tokens":1,"total_tokens":2}}\n\n',
+        b"data: [DONE]\n\n",
+    ]
+    for feed in ("whole", "bytewise"):
+        sn = UsageSniffer("text/event-stream")
+        for chunk in refusal:
+            if feed == "whole":
+                sn.feed(chunk)
+            else:
+                for b in chunk:
+                    sn.feed(bytes([b]))
+        assert sn.errored and sn.result() is None, feed
+    compact = UsageSniffer("text/event-stream")  # /generate's tokenizer errors: compact JSON
+    compact.feed(b'data: {"error":{"message":"max_new_tokens must be at least 0","code":400}}\n\ndata: [DONE]\n\n')
+    assert compact.errored and compact.result() is None
+
+
+def test_a_generate_stream_finished_by_abort_is_a_failure() -> None:
+    sn = UsageSniffer("text/event-stream")
+    sn.feed(
+        b'data: {"text":"x","meta_info":{"id":"r","finish_reason":{"type":"abort","message":"Input length",'
+        b'"status_code":400},"prompt_tokens":1,"completion_tokens":1,"cached_tokens":0}}\n\ndata: [DONE]\n\n'
+    )
+    assert sn.result() is None and sn.errored
+    ok = UsageSniffer("text/event-stream")
+    ok.feed(
+        b'data: {"text":"x","meta_info":{"id":"r","finish_reason":{"type":"length","length":2},'
+        b'"prompt_tokens":5,"completion_tokens":2,"cached_tokens":0}}\n\ndata: [DONE]\n\n'
+    )
+    assert ok.result() == Usage(5, 0, 2) and not ok.errored
+
+
+def test_the_word_error_in_content_is_no_error_event() -> None:
+    sn = UsageSniffer("text/event-stream")
+    for chunk in [b'data: {"choices":[{"delta":{"content":"{\\"error\\": 1} and \\"error\\""}}]}\n\n', *_STREAM]:
+        sn.feed(chunk)
+    assert not sn.errored and sn.result() == Usage(7, 5, 2)
