@@ -861,7 +861,7 @@ class _Handlers:
                 usage["completion_tokens_details"] = None
             else:
                 usage = {k: v for k, v in usage.items() if v is not None}
-            chunk = {
+            chunk: dict[str, Any] = {
                 "id": rid if isinstance(rid, str) and rid else uuid.uuid4().hex,
                 "object": obj,
                 "created": int(time.time()),
