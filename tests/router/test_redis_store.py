@@ -133,8 +133,8 @@ async def test_lost_lease_is_restored_exactly(redis_url, stores, clock) -> None:
     assert (await g2.snapshot("s")).replicas[0].in_flight == 3
     # g1's lease is wiped (as if it had stalled past its TTL and another gateway collected it)
     r = aioredis.Redis.from_url(redis_url)
-    await r.zrem("{kvroute}:gw", "g1")
-    await r.delete("{kvroute}:gw:g1:if")
+    await r.zrem("{kvroute}:gw", g1.lease_holder)
+    await r.delete(f"{{kvroute}}:gw:{g1.lease_holder}:if")
     snap = await g2.snapshot("s")
     assert snap.replicas[0].in_flight == 0 and snap.session is not None and snap.session.in_flight == ()
     deadline = time.monotonic() + 3
@@ -347,6 +347,40 @@ async def test_leases_outstanding_across_an_outage_are_counted_exactly(
     assert (await other.replicas())[0].in_flight == 0
     for st in made:
         await st.close()
+
+
+async def test_a_lease_released_while_the_resync_restores_is_not_counted_again(redis_url, stores, clock) -> None:  # type: ignore[no-untyped-def]
+    """Redis stalls (keeps its data); the store degrades. A lease that ends while the resync's restore
+    is on the wire is released locally: the restore carried it (its counts were taken before), so a
+    second restore must follow. It did not: the first one cleared the request for it on return, and
+    Redis kept the lease counted on the replica and on the session for good."""
+    s = new_store(stores, redis_url, clock, op_timeout_s=0.1, retry_min_s=0.05, retry_max_s=0.1)
+    other = new_store(stores, redis_url, clock, "g2")
+    await s.upsert_replica(spec("r0"), A)
+    await s.start()
+    first = await s.acquire(bind("a", "r0"), RouteRequest("a"))
+    second = await s.acquire(RouteDecision("r0", Reason.AFFINITY), RouteRequest("b"))
+    r = aioredis.Redis.from_url(redis_url)
+    await r.execute_command("CLIENT", "PAUSE", "300", "ALL")  # type: ignore[no-untyped-call]
+    await s.snapshot(None)  # times out: degraded
+    assert s.degraded
+    deadline = time.monotonic() + 5
+    while s._gate.is_set():  # the resync's restore is in flight
+        assert time.monotonic() < deadline, s.stats()
+        await asyncio.sleep(0)
+    assert s.degraded
+    await s.release(first, Completion(ok=False))
+    deadline = time.monotonic() + 5
+    while True:
+        snap = await other.snapshot("a")
+        if not s.degraded and snap.replicas[0].in_flight == 1 and snap.session and not snap.session.in_flight:
+            break
+        assert time.monotonic() < deadline, (snap.replicas, snap.session, s.stats())
+        await asyncio.sleep(0.05)
+    await s.release(second, Completion(ok=False))
+    snap = await other.snapshot("a")
+    assert snap.replicas[0].in_flight == 0 and snap.session is not None and snap.session.in_flight == ()
+    await r.aclose()
 
 
 # ---- fast path: local replica table + session cache (replica_refresh_s > 0) ----------------------

@@ -89,6 +89,11 @@ class RedisStore:
         self.gateway_id = gateway_id or f"{socket.gethostname()[:24]}-{secrets.token_hex(4)}"
         if "|" in self.gateway_id:
             raise ValueError(f"gateway id must not contain '|': {self.gateway_id!r}")
+        # The name this process holds its lease and in-flight counts under in Redis: unique per process.
+        # A gateway restarted under the same configured id (a pod's name survives a container restart;
+        # deploy/ sets KVROUTE_GATEWAY_ID to it) must not adopt the session counts its SIGKILLed
+        # predecessor left behind: those belong to a lease that expires, and are then dropped.
+        self.lease_holder = f"{self.gateway_id}~{secrets.token_hex(4)}"
         self.config = config or StoreConfig()
         self.residency: ResidencyView | None = None  # fills SessionState.resident_* (router/residency.py)
         self.clock = clock or SystemClock()
@@ -101,9 +106,9 @@ class RedisStore:
         )  # fmt: skip
         self._lease_ms = max(1, int(self.config.lease_ttl_s * 1000))
         self._session_ttl_ms = max(1, int(self.config.session_ttl_s * 1000))
-        self._own = OwnLeases(self.gateway_id)
-        self._fallback = Fallback(self._wire, self.clock, self.config, self.gateway_id)
-        self._fast = FastPath(self._wire, self.config, self.gateway_id, self._own, self._fallback, replica_refresh_s)
+        self._own = OwnLeases(self.lease_holder)
+        self._fallback = Fallback(self._wire, self.clock, self.config, self.lease_holder)
+        self._fast = FastPath(self._wire, self.config, self.lease_holder, self._own, self._fallback, replica_refresh_s)
         self._registry = Registry(
             self._wire, self.config, self._fallback, self._fast, started=self._ensure_started, failed=self._fail
         )
@@ -265,7 +270,7 @@ class RedisStore:
                 elif self._need_restore:
                     await self._restore()
                 else:
-                    lost, _dead = await self._wire.eval("lease", ["beat", self.gateway_id, self._lease_ms])
+                    lost, _dead = await self._wire.eval("lease", ["beat", self.lease_holder, self._lease_ms])
                     if int(lost):
                         self._need_restore = True
                         continue
@@ -290,10 +295,17 @@ class RedisStore:
         try:
             async with asyncio.timeout(self.op_timeout_s * 4):
                 await self._writes_idle.wait()
-            args: list[str | int | float] = ["restore", self.gateway_id, self._lease_ms, *self._own.restore_args()]
-            await self._wire.eval("lease", args, "restore")
-            self._own.suspects.clear()
+            # cleared before the counts are taken: a lease released (locally, while degraded) during
+            # the round trip asks for another restore, which must not be overwritten afterwards
             self._need_restore = False
+            args: list[str | int | float] = ["restore", self.lease_holder, self._lease_ms, *self._own.restore_args()]
+            sent = set(self._own.suspects)
+            try:
+                await self._wire.eval("lease", args, "restore")
+            except BaseException:
+                self._need_restore = True
+                raise
+            self._own.suspects -= sent
         except TimeoutError as exc:
             raise StoreError("redis restore: hot-path writes did not drain") from exc
         finally:
@@ -411,7 +423,7 @@ class RedisStore:
         now = self.clock.now()
         c = self.config
         args: list[str | int | float] = [
-            self.gateway_id,
+            self.lease_holder,
             self._wire.fleet(now),
             c.session_ttl_s,
             self._session_ttl_ms,
@@ -483,12 +495,15 @@ class RedisStore:
             return  # unknown or already released: load must never go negative
         if self.degraded:
             self._fallback.fallback_total += 1  # the restore at resync drops it from Redis's count
+            if lease.session_id is not None:
+                # ... and the session's field: the restore resets only the sessions it is told of
+                self._own.suspects.add(lease.session_id)
             self._need_restore = True
             self._wake.set()
             return
         has_prompt = completion.prompt_tokens is not None
         args: list[str | int | float] = [
-            self.gateway_id,
+            self.lease_holder,
             self._wire.now(),
             self._session_ttl_ms,
             lease.replica_id,
@@ -516,6 +531,8 @@ class RedisStore:
                 fast.cache_row(lease.session_id, res)
         except StoreError as exc:
             self._fallback.fallback_total += 1
+            if lease.session_id is not None:  # the decrement may not have landed: reset the session too
+                self._own.suspects.add(lease.session_id)
             self._fail(exc)
 
     def _cache_capacity(self, rid: ReplicaId) -> int:
@@ -584,7 +601,7 @@ class RedisStore:
                     await task
         if not self.degraded:
             with contextlib.suppress(StoreError):
-                await self._wire.eval("lease", ["bye", self.gateway_id], "bye")
+                await self._wire.eval("lease", ["bye", self.lease_holder], "bye")
         with contextlib.suppress(rexc.RedisError, OSError):
             await self.client.aclose()
 
@@ -593,6 +610,7 @@ class RedisStore:
         return {
             "backend": "redis",
             "gateway_id": self.gateway_id,
+            "lease_holder": self.lease_holder,
             "degraded": self.degraded,
             "degraded_total": self.degraded_total,
             "fallback_total": self.fallback_total,
