@@ -169,3 +169,27 @@ async def test_request_ending_during_a_redis_outage_leaves_no_phantom_session_lo
             )
             await asyncio.sleep(0.2)
         assert await _replica_in_flight(http, gw) == 0
+
+
+async def test_home_index_of_expired_sessions_does_not_grow_and_no_key_leaks(redis_url: str) -> None:
+    r = aioredis.Redis.from_url(redis_url, decode_responses=True)
+    async with contextlib.aclosing(r), _fleet() as (log_dir, replica, gateways), aiohttp.ClientSession(
+        timeout=aiohttp.ClientTimeout(total=30)
+    ) as http:
+        gateways.append(await _gateway(log_dir, redis_url, replica, "gw-keys", "store.session_ttl_s=1"))
+        gw = gateways[0].url
+        for i in range(30):
+            status, _ = await _post(http, gw, f"short-lived-{i}", 2, False)
+            assert status == 200
+        rid = replica.removeprefix("http://")
+        home = P + "home:" + rid
+        assert await r.zcard(home) > 0
+        # no admin view is read: only the gateway's own traffic (its replica-table refresh) runs
+        deadline = time.monotonic() + 6
+        while (n := await r.zcard(home)) != 0:
+            assert time.monotonic() < deadline, f"{n} expired sessions still indexed in {home}"
+            await asyncio.sleep(0.2)
+        assert not [k async for k in r.scan_iter(P + "s:*")]
+        fixed = {P + x for x in ("seq", "replicas", "gw", "t0", f"r:{rid}", f"act:{rid}", f"actx:{rid}", f"plc:{rid}")}
+        no_ttl = [k async for k in r.scan_iter(P + "*") if await r.pttl(k) == -1 and k not in fixed]
+        assert no_ttl == [], no_ttl

@@ -38,6 +38,15 @@ local function forget_active(rid, sid)
   end
 end
 
+-- The admin / drain index of sessions homed on rid. Its members are stale once their session has been
+-- idle for the session TTL, so the key expires that long after its last write: a replica removed for
+-- good (or a fleet that stopped) leaves nothing behind. The snapshot prunes it while the replica lives.
+local function index_home(rid, score, sid, ttl_ms)
+  local hk = K('home:' .. rid)
+  redis.call('ZADD', hk, score, sid)
+  redis.call('PEXPIRE', hk, ttl_ms)
+end
+
 local function touch_active(rid, sid, seen, ctx)
   forget_active(rid, sid)
   redis.call('ZADD', K('act:' .. rid), seen, sid)

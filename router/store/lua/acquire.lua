@@ -108,7 +108,7 @@ for _ = 1, neff do
         if r ~= rid then keep[#keep + 1] = r end
       end
       redis.call('HSET', sk, 'home', rid, 'mark', 0, 'ovf', table.concat(keep, ','))
-      redis.call('ZADD', K('home:' .. rid), redis.call('HGET', sk, 'seen'), s)
+      index_home(rid, redis.call('HGET', sk, 'seen'), s, ttl_ms)
       if rep_live(rid, now) then
         if placed == '1' then redis.call('ZADD', K('plc:' .. rid), NOW, seq .. ':' .. i) end
         touch_active(rid, s, NOW, tonumber(redis.call('HGET', sk, 'ctx') or '0'))
@@ -149,7 +149,7 @@ if sid ~= '' then
   end
   local home = redis.call('HGET', sk, 'home')
   if home then
-    redis.call('ZADD', K('home:' .. home), NOW, sid)
+    index_home(home, NOW, sid, ttl_ms)
     if rep_live(home, now) then touch_active(home, sid, NOW, prev) end
   end
 end

@@ -61,7 +61,7 @@ if ok and has_prompt and home and rid == home then
   if live then redis.call('HSET', sk, 'mark', tw) end
 end
 if home then
-  redis.call('ZADD', K('home:' .. home), NOW, sid)
+  index_home(home, NOW, sid, ttl_ms)
   if rep_live(home, now) then touch_active(home, sid, NOW, ctx) end
 end
 redis.call('PEXPIRE', sk, ttl_ms)

@@ -22,7 +22,7 @@ for _ = 1, n do
       redis.call('ZREM', K('home:' .. home), sid)
     end
     redis.call('HSET', sk, 'home', rid, 'mark', 0)
-    redis.call('ZADD', K('home:' .. rid), NOW, sid)
+    index_home(rid, NOW, sid, ttl_ms)
     if rep_live(rid, now) then touch_active(rid, sid, NOW, tonumber(redis.call('HGET', sk, 'ctx'))) end
     home = rid
   end

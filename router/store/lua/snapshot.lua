@@ -10,9 +10,19 @@ local inflight = inflight_sums(alive, skip)
 local ids = redis.call('SMEMBERS', K('replicas'))
 table.sort(ids)
 local reps, active = {}, 0
+-- the home index keeps a member per session ever homed on rid until something reads it (the admin
+-- view, a drain): drop, a few per call, those whose session expired or moved
+local old_home = '(' .. string.format('%.17g', now - ttl)
+local function prune_home(rid)
+  local hk = K('home:' .. rid)
+  for _, s in ipairs(redis.call('ZRANGEBYSCORE', hk, '-inf', old_home, 'LIMIT', 0, 32)) do
+    if redis.call('HGET', K('s:' .. s), 'home') ~= rid then redis.call('ZREM', hk, s) end
+  end
+end
 for _, rid in ipairs(ids) do
   local row = replica_row(rid, now, aw, rw, inflight)
   if row then
+    prune_home(rid)
     reps[#reps + 1] = row
     active = active + row[8]
   end
