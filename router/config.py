@@ -68,6 +68,16 @@ __all__ = [
 ENV_PREFIX = "KVROUTE_"
 DEFAULT_SESSION_HEADERS = ("Modal-Session-Id", "x-session-id", "X-SMG-Routing-Key")
 _HEADER_NAME = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")  # RFC 9110 token
+# keys whose value is a credential: a start-up error names the key, never echoes the value
+_SECRET_KEYS = frozenset({"admin_token"})
+# ``scheme://user:password@host``: error messages show ``scheme://***@host`` (a Redis URL carries its
+# password, and the messages are printed on stderr, which log collectors keep)
+_USERINFO = re.compile(r"(//)[^/@\s'\"]*@")
+
+
+def _mask_userinfo(text: str) -> str:
+    return _USERINFO.sub(r"\1***@", text)
+
 
 _FROZEN = ConfigDict(frozen=True, extra="forbid")
 
@@ -194,7 +204,7 @@ def _default_gateway_id() -> str:
 def replica_id_from_url(url: str) -> str:
     """``host:port`` of a replica URL (the default port of the scheme if none is given)."""
     parts = urlsplit(url)
-    port = parts.port or (443 if parts.scheme == "https" else 80)
+    port = parts.port if parts.port is not None else (443 if parts.scheme == "https" else 80)
     host = parts.hostname or ""
     if ":" in host:  # IPv6 literal
         host = f"[{host}]"
@@ -298,9 +308,11 @@ class GatewayConfig(BaseSettings):
             if parts.scheme not in ("http", "https") or not parts.hostname:
                 raise ValueError(f"[{i}] {url!r}: expected http://host:port")
             try:
-                _ = parts.port
+                port = parts.port
             except ValueError:
                 raise ValueError(f"[{i}] {url!r}: bad port") from None
+            if port == 0:
+                raise ValueError(f"[{i}] {url!r}: bad port (0)")
             if parts.query or parts.fragment or parts.username or parts.password:
                 raise ValueError(f"[{i}] {url!r}: no query, fragment or credentials allowed")
             rid = replica_id_from_url(url)
@@ -652,10 +664,15 @@ def _format_errors(exc: ValidationError) -> str:
         where = f"{dotted} ({_env_name(loc)})" if loc else dotted
         got = err.get("input")
         suffix = (
-            f" (got {got!r})" if loc and not isinstance(got, dict | list | tuple) and got is not None else ""
+            f" (got {got!r})"
+            if loc
+            and loc[0] not in _SECRET_KEYS
+            and not isinstance(got, dict | list | tuple)
+            and got is not None
+            else ""
         )
         lines.append(f"{where}: {msg}{suffix}")
-    return "invalid configuration: " + "; ".join(lines)
+    return _mask_userinfo("invalid configuration: " + "; ".join(lines))
 
 
 def load_config(argv: Sequence[str] = (), environ: Mapping[str, str] | None = None) -> GatewayConfig:

@@ -239,6 +239,8 @@ async def validate_replica_url(
         raise BadRequestError(f"url: not a valid URL ({exc})") from None
     if parts.scheme not in {"http", "https"}:
         raise BadRequestError("url: scheme must be http or https")
+    if port == 0:  # nothing listens there, and the id would read as the scheme's default port
+        raise BadRequestError("url: port must be 1-65535")
     host = parts.hostname
     if not host:
         raise BadRequestError("url: missing host")
@@ -289,7 +291,7 @@ async def _json_body(request: web.Request) -> dict[str, Any]:
         raise BadRequestError(f"body: larger than {_MAX_BODY} bytes")
     try:
         data = json.loads(raw or b"null")
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, an int over the digit limit
         raise BadRequestError(f"body: invalid JSON ({exc})") from None
     if not isinstance(data, dict):
         raise BadRequestError("body: expected a JSON object")
@@ -301,6 +303,13 @@ def _path_id(request: web.Request, name: str) -> str:
     if not val or len(val) > 256 or not set(val) <= _ID_CHARS:
         raise BadRequestError(f"{name}: invalid id")
     return val
+
+
+def _credential_bytes(value: str) -> bytes:
+    """A client-sent credential as bytes for ``hmac.compare_digest``. aiohttp decodes header bytes
+    that are not UTF-8 into lone surrogates, which a strict ``encode()`` refuses (that was an
+    unauthenticated 500); ``surrogatepass`` encodes any string, and such bytes never equal the token."""
+    return value.encode("utf-8", "surrogatepass")
 
 
 def _int_field(data: Mapping[str, Any], key: str, default: int = 0) -> int:
@@ -339,7 +348,7 @@ def make_admin_app(
                 and request.method == "GET"
                 and "token" in request.query
             ):
-                if not hmac.compare_digest(request.query["token"].encode(), token):
+                if not hmac.compare_digest(_credential_bytes(request.query["token"]), token):
                     return _kv_error(UnauthorizedError("invalid admin token"))
                 rest = {k: v for k, v in request.query.items() if k != "token"}
                 location = str(request.rel_url.with_path("/admin/ui").with_query(rest))
@@ -355,10 +364,10 @@ def make_admin_app(
                 return resp
             auth = request.headers.get("Authorization", "")
             scheme, _, cred = auth.partition(" ")
-            ok = scheme.lower() == "bearer" and hmac.compare_digest(cred.strip().encode(), token)
+            ok = scheme.lower() == "bearer" and hmac.compare_digest(_credential_bytes(cred.strip()), token)
             if not ok and request.method in {"GET", "HEAD"}:
                 cookie = request.cookies.get(ADMIN_COOKIE)
-                ok = cookie is not None and hmac.compare_digest(cookie.encode(), cookie_value)
+                ok = cookie is not None and hmac.compare_digest(_credential_bytes(cookie), cookie_value)
             if not ok:
                 resp401 = _kv_error(
                     UnauthorizedError("missing admin token" if not auth else "invalid admin token")
@@ -538,7 +547,7 @@ def make_admin_app(
             raise BadRequestError("params: expected an object")
         try:
             holder.replace(name, changes)
-        except (ValueError, TypeError) as exc:
+        except (ValueError, TypeError, OverflowError) as exc:
             msg = str(exc)
             raise BadRequestError(msg if ":" in msg else f"params: {msg}") from None
         return web.json_response(_config_body())

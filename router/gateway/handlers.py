@@ -124,6 +124,13 @@ def session_id_from_headers(headers: Mapping[str, str], cfg: GatewayConfig) -> s
             raise BadRequestError(
                 f"{name}: session id has characters outside {cfg.limits.session_id_pattern}"
             )
+        if not value.isascii():
+            # header bytes that are not UTF-8 reach us as lone surrogates; a widened pattern may
+            # let them through, and the Redis store (and the forwarded header) cannot encode them
+            try:
+                value.encode()
+            except UnicodeEncodeError:
+                raise BadRequestError(f"{name}: session id is not valid UTF-8") from None
         return value
     return None
 

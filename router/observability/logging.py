@@ -41,8 +41,11 @@ _SECRET_NAME = re.compile(
     r"(authorization|token|api[-_]?key|cookie|password|secret|credential)", re.IGNORECASE
 )
 _BEARER = re.compile(r"(?i)\b(bearer|basic)\s+[A-Za-z0-9._~+/=-]+")
+# ``name=value`` / ``Name: value`` pairs; ``authorization`` and ``cookie`` too, since a header line
+# quoted in an error (aiohttp's parser quotes the line it refuses) may carry a key without a scheme
 _KV_SECRET = re.compile(
-    r"(?i)\b([a-z_-]*(?:token|api[-_]?key|password|secret)[a-z_-]*)(\s*[=:]\s*)([^\s&,;\"']+)"
+    r"(?i)\b([a-z_-]*(?:token|api[-_]?key|password|secret|authorization|cookie)[a-z_-]*)"
+    r"(\s*[=:]\s*)(?!(?:bearer|basic)\s)([^\s&,;\"']+)"
 )
 
 # Attributes every LogRecord has: anything else on a record came from ``extra=`` and is emitted.

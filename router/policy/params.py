@@ -95,6 +95,7 @@ _POSITIVE_INT = {
     "prefix_blocks",
 }
 _FRACTION = {"panic_threshold", "working_set_limit"}
+_MAX_INT = 2**53  # integer parameters beyond this lose precision in the policy's float arithmetic
 
 
 def _coerce(key: str, want: type, value: Any) -> Any:
@@ -108,7 +109,10 @@ def _coerce(key: str, want: type, value: Any) -> Any:
         raise ValueError(f"{key}: expected an integer, got {value!r}")
     if want is float:
         if isinstance(value, int | float):
-            return float(value)
+            try:
+                return float(value)
+            except OverflowError:  # an int past float's range (JSON allows any number of digits)
+                raise ValueError(f"{key}: must be finite") from None
         raise ValueError(f"{key}: expected a number, got {value!r}")
     raise ValueError(f"{key}: unsupported type")  # pragma: no cover - all fields are numbers
 
@@ -116,7 +120,10 @@ def _coerce(key: str, want: type, value: Any) -> Any:
 def _validate(key: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise ValueError(f"{key}: expected a number, got {value!r}")  # noqa: TRY004
-    if not math.isfinite(value):
+    if isinstance(value, int):
+        if abs(value) > _MAX_INT:  # math.isfinite() of a larger int raises OverflowError
+            raise ValueError(f"{key}: must be at most 2**53")
+    elif not math.isfinite(value):
         raise ValueError(f"{key}: must be finite")
     if key in _POSITIVE_INT and value < 1:
         raise ValueError(f"{key}: must be ≥ 1, got {value!r}")
