@@ -93,6 +93,14 @@ async def _wait_ready(url: str) -> None:
     raise AssertionError("gateway never served")
 
 
+async def _gateway_on_one_replica(fake_replicas: Any, procs: Procs, *args: str) -> tuple[Any, str, Any]:
+    """One test replica and a gateway in front of it that has served a first request."""
+    (rep,) = await fake_replicas(1)
+    url, p = await _serve(procs, rep.url, *args)
+    await _wait_ready(url)
+    return rep, url, p
+
+
 async def _raw(port: int, raw: bytes, timeout_s: float = 10.0) -> bytes:
     r, w = await asyncio.open_connection("127.0.0.1", port)
     try:
@@ -130,9 +138,7 @@ def _assert_clean(status: int, body: bytes) -> None:
 async def test_hostile_body_without_session_gets_a_clean_answer(
     fake_replicas: Any, procs: Procs, body: bytes
 ) -> None:
-    (rep,) = await fake_replicas(1)
-    url, p = await _serve(procs, rep.url)
-    await _wait_ready(url)
+    _, url, p = await _gateway_on_one_replica(fake_replicas, procs)
     try:
         status, answer = await _post(url, body, route="/v1/completions" if body is SURROGATE_PROMPT else CHAT)
     except aiohttp.ClientError as exc:
@@ -152,9 +158,7 @@ async def test_hostile_body_of_a_split_session_is_the_replicas_to_judge(
     fake_replicas: Any, procs: Procs, body: bytes
 ) -> None:
     # a session with a request in flight makes the gateway parse the next one's body (chain_key)
-    (rep,) = await fake_replicas(1)
-    url, p = await _serve(procs, rep.url)
-    await _wait_ready(url)
+    rep, url, p = await _gateway_on_one_replica(fake_replicas, procs)
     sid = {"Modal-Session-Id": "thicc-1"}
     assert (await _post(url, OK_BODY, sid))[0] == 200  # the session has a home
     rep.state.first_delay_s = 1.0
@@ -175,9 +179,9 @@ async def test_session_id_bytes_that_are_not_utf8_never_crash_the_gateway(
     fake_replicas: Any, procs: Procs
 ) -> None:
     # an operator widens the session id pattern (non-ASCII ids): bytes that are not UTF-8 get through it
-    (rep,) = await fake_replicas(1)
-    url, p = await _serve(procs, rep.url, "--policy", "hash", "--set", r"limits.session_id_pattern=^\S+$")
-    await _wait_ready(url)
+    _, url, p = await _gateway_on_one_replica(
+        fake_replicas, procs, "--policy", "hash", "--set", r"limits.session_id_pattern=^\S+$"
+    )
     port = int(url.rsplit(":", 1)[1])
     raw = (
         b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
@@ -199,9 +203,7 @@ async def test_session_id_bytes_that_are_not_utf8_never_crash_the_gateway(
 async def test_empty_generate_input_never_reaches_a_replica(fake_replicas: Any, procs: Procs, body: bytes) -> None:
     # a real SGLang 0.5.23 exits on {"text": ""} (its scheduler reshapes 0 elements), and a retry of
     # the dropped connection took the next replica down with it: the gateway refuses it itself
-    (rep,) = await fake_replicas(1)
-    url, p = await _serve(procs, rep.url)
-    await _wait_ready(url)
+    rep, url, p = await _gateway_on_one_replica(fake_replicas, procs)
     seen = len(rep.state.requests)
     async with aiohttp.ClientSession() as s, s.post(url + "/generate", data=body) as r:
         status, answer = r.status, await r.json()

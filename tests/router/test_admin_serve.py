@@ -3,12 +3,6 @@
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import os
-import signal
-import sys
-from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
@@ -16,6 +10,7 @@ import pytest
 
 from replica.emulator.runner import running_emulators
 from replica.emulator.server import EmulatorConfig
+from tests.gateway_proc import serve_gateway
 from tests.router.test_metrics_functional import stack_factory
 
 __all__ = ["stack_factory"]  # fixture shared with the metrics tests
@@ -23,70 +18,32 @@ __all__ = ["stack_factory"]  # fixture shared with the metrics tests
 pytestmark = pytest.mark.slow
 
 
-@contextlib.asynccontextmanager
-async def _serve(replica_url: str, env_extra: dict[str, str]) -> AsyncIterator[str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVROUTE_")}
-    env.update(env_extra)
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "router",
-        "serve",
-        "--port",
-        "0",
-        "--replica",
-        replica_url,
-        env=env,
-        stdout=asyncio.subprocess.DEVNULL,
-        stderr=asyncio.subprocess.PIPE,
-    )
-    try:
-        assert proc.stderr is not None
-        url = ""
-        async with asyncio.timeout(30):
-            while not url:
-                line = (await proc.stderr.readline()).decode()
-                assert line, "gateway exited before listening"
-                if "listening on " in line and line.startswith("kvroute gateway"):
-                    url = line.rsplit("listening on ", 1)[1].strip()
-        yield url
-    finally:
-        if proc.returncode is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                async with asyncio.timeout(15):
-                    await proc.wait()
-            except TimeoutError:
-                proc.kill()
-                await proc.wait()
-
-
 async def test_serve_mounts_admin_and_metrics() -> None:
     async with (
         running_emulators(1, config=EmulatorConfig(time_scale=0.001)) as reps,
-        _serve(reps[0].url, {"KVROUTE_ADMIN_TOKEN": "proc-token"}) as url,
+        serve_gateway("--replica", reps[0].url, env={"KVROUTE_ADMIN_TOKEN": "proc-token"}) as gw,
         aiohttp.ClientSession() as s,
     ):
-        async with s.get(url + "/admin/stats") as r:
+        async with s.get(gw.url + "/admin/stats") as r:
             assert r.status == 401
-        async with s.get(url + "/admin/stats", headers={"Authorization": "Bearer proc-token"}) as r:
+        async with s.get(gw.url + "/admin/stats", headers={"Authorization": "Bearer proc-token"}) as r:
             assert r.status == 200
             body = await r.json()
         assert [rep["url"] for rep in body["replicas"]] == [reps[0].url]
-        async with s.get(url + "/metrics") as r:
+        async with s.get(gw.url + "/metrics") as r:
             assert r.status == 200 and "kvroute_replica_in_flight_requests" in await r.text()
 
 
 async def test_serve_without_token_disables_admin() -> None:
     async with (
         running_emulators(1, config=EmulatorConfig(time_scale=0.001)) as reps,
-        _serve(reps[0].url, {}) as url,
+        serve_gateway("--replica", reps[0].url, env={}) as gw,
         aiohttp.ClientSession() as s,
     ):
-        async with s.get(url + "/admin/config", headers={"Authorization": "Bearer anything"}) as r:
+        async with s.get(gw.url + "/admin/config", headers={"Authorization": "Bearer anything"}) as r:
             assert r.status == 404
             assert (await r.json())["error"]["code"] == "not_found"
-        async with s.get(url + "/metrics") as r:
+        async with s.get(gw.url + "/metrics") as r:
             assert r.status == 200
 
 

@@ -17,9 +17,7 @@ import contextlib
 import json
 import os
 import shutil
-import signal
 import sys
-import tempfile
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -30,6 +28,7 @@ import pytest
 from loadtests.redis_server import RedisServer, redis_server_binary
 from replica.emulator.runner import running_emulators
 from replica.emulator.server import EmulatorConfig
+from tests.gateway_proc import Serve, clean_env, serve_gateway
 
 pytestmark = pytest.mark.slow
 
@@ -39,53 +38,8 @@ CHAT = "/v1/chat/completions"
 CHROMIUM = os.environ.get("KVROUTE_CHROMIUM", "/usr/bin/chromium")
 
 
-def _env(extra: dict[str, str]) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVROUTE_")}
-    env.update(extra)
-    return env
-
-
-class Serve:
-    """A ``kvroute serve`` subprocess whose stderr (the JSON logs) goes to a file."""
-
-    def __init__(self, url: str, log: Path) -> None:
-        self.url = url
-        self.log = log
-
-    def logs(self) -> str:
-        return self.log.read_text(errors="replace")
-
-
-@contextlib.asynccontextmanager
-async def _serve(*args: str, env: dict[str, str] | None = None) -> AsyncIterator[Serve]:
-    tmp = Path(tempfile.mkdtemp(prefix="kvroute-review-"))
-    log = tmp / "stderr.log"
-    with log.open("wb") as err:
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "router", "serve", "--port", "0", "--host", "127.0.0.1", *args,
-            env=_env({"KVROUTE_ADMIN_TOKEN": TOKEN, **(env or {})}),
-            stdout=asyncio.subprocess.DEVNULL, stderr=err,
-        )  # fmt: skip
-    try:
-        url = ""
-        async with asyncio.timeout(30):
-            while not url:
-                assert proc.returncode is None, log.read_text()
-                for line in log.read_text(errors="replace").splitlines():
-                    if line.startswith("kvroute gateway listening on "):
-                        url = line.rsplit(" ", 1)[1].strip()
-                await asyncio.sleep(0.05)
-        yield Serve(url, log)
-    finally:
-        if proc.returncode is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                async with asyncio.timeout(15):
-                    await proc.wait()
-            except TimeoutError:
-                proc.kill()
-                await proc.wait()
-        shutil.rmtree(tmp, ignore_errors=True)
+def _serve(*args: str, env: dict[str, str] | None = None) -> contextlib.AbstractAsyncContextManager[Serve]:
+    return serve_gateway(*args, env={"KVROUTE_ADMIN_TOKEN": TOKEN, **(env or {})})
 
 
 async def _raw(url: str, request: bytes) -> tuple[int, bytes]:
@@ -116,7 +70,7 @@ async def _raw(url: str, request: bytes) -> tuple[int, bytes]:
 async def test_config_errors_never_print_secrets(args: list[str], secret: str, key: str) -> None:
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "router", "serve", "--port", "0", *args,
-        env=_env({}), stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        env=clean_env({}), stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
     )  # fmt: skip
     out, err = await asyncio.wait_for(proc.communicate(), 60)
     assert proc.returncode == 2

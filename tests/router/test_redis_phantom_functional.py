@@ -60,17 +60,32 @@ async def _gateway(log_dir: Path, redis_url: str, replica: str, gid: str, *sets:
     return p
 
 
+class Fleet:
+    """One emulated replica (small profile, real time), the gateways a test starts (stopped at the
+    end), a Redis client and an HTTP session."""
+
+    def __init__(self, log_dir: Path, replica: str, r: aioredis.Redis, http: aiohttp.ClientSession) -> None:
+        self.log_dir = log_dir
+        self.replica = replica
+        self.r = r
+        self.http = http
+        self.gateways: list[RunningProcess] = []
+
+
 @contextlib.asynccontextmanager
-async def _fleet() -> AsyncIterator[tuple[Path, str, list[RunningProcess]]]:
-    """A log dir, one emulated replica (small profile, real time) and a list of gateways to stop."""
+async def _fleet(redis_url: str) -> AsyncIterator[Fleet]:
     with tempfile.TemporaryDirectory(prefix="kvroute-phantom-") as tmp:
-        log_dir = Path(tmp)
-        async with emulated_fleet(1, ("--profile", "small-test", "--time-scale", "1"), log_dir=log_dir) as fleet:
-            gateways: list[RunningProcess] = []
+        r = aioredis.Redis.from_url(redis_url, decode_responses=True)
+        async with (
+            contextlib.aclosing(r),
+            emulated_fleet(1, ("--profile", "small-test", "--time-scale", "1"), log_dir=Path(tmp)) as emus,
+            aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as http,
+        ):
+            fleet = Fleet(Path(tmp), emus.urls[0], r, http)
             try:
-                yield log_dir, fleet.urls[0], gateways
+                yield fleet
             finally:
-                for g in gateways:
+                for g in fleet.gateways:
                     await stop_process(g, grace_s=5)
 
 
@@ -106,10 +121,8 @@ async def _post(http: aiohttp.ClientSession, gw: str, sid: str, max_tokens: int,
 
 async def test_gateway_restarted_under_the_same_id_leaves_no_phantom_session_load(redis_url: str) -> None:
     sid = "restart-same-id"
-    r = aioredis.Redis.from_url(redis_url, decode_responses=True)
-    async with contextlib.aclosing(r), _fleet() as (log_dir, replica, gateways), aiohttp.ClientSession(
-        timeout=aiohttp.ClientTimeout(total=30)
-    ) as http:
+    async with _fleet(redis_url) as f:
+        r, http, log_dir, replica, gateways = f.r, f.http, f.log_dir, f.replica, f.gateways
         lease = "store.lease_ttl_s=2"
         gateways.append(await _gateway(log_dir, redis_url, replica, "gw-pod-0", lease))
         # a long stream (several seconds on the emulator) is in flight when the gateway is killed
@@ -139,10 +152,8 @@ async def test_gateway_restarted_under_the_same_id_leaves_no_phantom_session_loa
 
 async def test_request_ending_during_a_redis_outage_leaves_no_phantom_session_load(redis_url: str) -> None:
     sid = "ends-while-redis-away"
-    r = aioredis.Redis.from_url(redis_url, decode_responses=True)
-    async with contextlib.aclosing(r), _fleet() as (log_dir, replica, gateways), aiohttp.ClientSession(
-        timeout=aiohttp.ClientTimeout(total=30)
-    ) as http:
+    async with _fleet(redis_url) as f:
+        r, http, log_dir, replica, gateways = f.r, f.http, f.log_dir, f.replica, f.gateways
         gateways.append(await _gateway(log_dir, redis_url, replica, "gw-outage", "store.lease_ttl_s=2"))
         gw = gateways[0].url
         req = asyncio.create_task(_post(http, gw, sid, 400, True))  # ~2 s on the emulator
@@ -172,10 +183,8 @@ async def test_request_ending_during_a_redis_outage_leaves_no_phantom_session_lo
 
 
 async def test_home_index_of_expired_sessions_does_not_grow_and_no_key_leaks(redis_url: str) -> None:
-    r = aioredis.Redis.from_url(redis_url, decode_responses=True)
-    async with contextlib.aclosing(r), _fleet() as (log_dir, replica, gateways), aiohttp.ClientSession(
-        timeout=aiohttp.ClientTimeout(total=30)
-    ) as http:
+    async with _fleet(redis_url) as f:
+        r, http, log_dir, replica, gateways = f.r, f.http, f.log_dir, f.replica, f.gateways
         gateways.append(await _gateway(log_dir, redis_url, replica, "gw-keys", "store.session_ttl_s=1"))
         gw = gateways[0].url
         for i in range(30):
