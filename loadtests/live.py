@@ -36,6 +36,7 @@ import json
 import math
 import os
 import random
+import re
 import sys
 import time
 from collections import Counter
@@ -878,9 +879,25 @@ async def _amain(ns: argparse.Namespace) -> int:
     if ns.json:
         ns.json.write_text(text + "\n")
     print(text)
+    sent, failed = result.measures["requests"], result.measures["errors"]
+    if sent and failed == sent:  # a wrong URL or a dead fleet is not a measurement
+        kinds = ", ".join(f"{k} {n}" for k, n in result.measures["error_kinds"].items())
+        print(f"kvroute load: every request failed ({failed}: {kinds})", file=sys.stderr)
+        return 1
     return 0
 
 
 def cli_main(argv: list[str]) -> int:
-    ns = _parser().parse_args(argv)
-    return run_on_loop(_amain(ns), os.environ)
+    parser = _parser()
+    ns = parser.parse_args(argv)
+    if not re.fullmatch(r"https?://[^/\s:]+(:\d{1,5})?/?", ns.url):
+        parser.error(f"--url: expected http://host:port, got {ns.url!r}")
+    if ns.sessions < 1:
+        parser.error("--sessions must be >= 1")
+    if ns.json is not None and not ns.json.parent.is_dir():
+        parser.error(f"--json: no such directory: {ns.json.parent}")
+    try:
+        return run_on_loop(_amain(ns), os.environ)
+    except (ValueError, OSError) as exc:  # a bad setting (LoadConfig) or an unreadable trace
+        print(f"kvroute load: {exc}", file=sys.stderr)
+        return 2

@@ -44,7 +44,7 @@ from loadtests.workloads import (
     read_weka,
     with_arrivals,
 )
-from replica.emulator.profiles import get_profile
+from replica.emulator.profiles import Profile, get_profile
 from router.policy.params import PolicyParams
 from router.policy.registry import POLICIES
 
@@ -273,6 +273,28 @@ def _simulate_all(specs: Sequence[SessionSpec], base: SimConfig, runs: Sequence[
         yield from pool.map(_worker_run, *zip(*runs, strict=True))
 
 
+def _sim_config(args: argparse.Namespace, profile: Profile, lanes: int, duration: float, warmup: float) -> SimConfig:
+    scale = tuple(ScaleEvent(at, to) for at, to in args.scale_up + args.scale_down)
+    fails = tuple(FailureEvent(at, idx) for at, idx in args.fail)
+    return SimConfig(
+        replicas=args.replicas,
+        profile=profile,
+        gateways=args.gateways,
+        state_lag_s=args.state_lag_s,
+        gateway_assign=args.gateway_assign,
+        scrape_interval_s=args.scrape_interval_s,
+        sample_interval_s=args.sample_interval_s,
+        warmup_s=warmup,
+        duration_s=duration,
+        lanes=lanes,
+        start_mid_session=not args.no_mid_start and lanes > 0,
+        scale=scale,
+        failures=fails,
+        seed=args.seed,
+        kv_events=args.kv_events,
+    )
+
+
 def cli_main(argv: list[str]) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -298,8 +320,8 @@ def cli_main(argv: list[str]) -> int:
         return 2
     duration = args.duration if args.duration is not None else d["duration_s"]
     warmup = args.warmup if args.warmup is not None else d["warmup_s"]
-    scale = tuple(ScaleEvent(at, to) for at, to in args.scale_up + args.scale_down)
-    fails = tuple(FailureEvent(at, idx) for at, idx in args.fail)
+    if duration <= 0 or warmup < 0:
+        parser.error("--duration must be > 0 and --warmup >= 0")
     runs: list[tuple[str, str, PolicyParams]] = [(p, p, params) for p in policies]
     try:
         runs += [(label, pol, params.with_changes(**ch)) for label, pol, ch in args.variant]
@@ -308,23 +330,10 @@ def cli_main(argv: list[str]) -> int:
         return 2
     if len({label for label, _, _ in runs}) != len(runs):
         parser.error("policy and variant labels must be unique")
-    base = SimConfig(
-        replicas=args.replicas,
-        profile=profile,
-        gateways=args.gateways,
-        state_lag_s=args.state_lag_s,
-        gateway_assign=args.gateway_assign,
-        scrape_interval_s=args.scrape_interval_s,
-        sample_interval_s=args.sample_interval_s,
-        warmup_s=warmup,
-        duration_s=duration,
-        lanes=lanes,
-        start_mid_session=not args.no_mid_start and lanes > 0,
-        scale=scale,
-        failures=fails,
-        seed=args.seed,
-        kv_events=args.kv_events,
-    )
+    try:
+        base = _sim_config(args, profile, lanes, duration, warmup)
+    except ValueError as exc:
+        parser.error(str(exc))
     results: list[SimResult] = []
     with _settled_gc():
         for res in _simulate_all(specs, base, runs, args.jobs):

@@ -161,6 +161,37 @@ async def test_kvroute_load_cli_against_an_emulated_fleet(tmp_path: Path) -> Non
     assert m["p_load_le1"] > 0
 
 
+@pytest.mark.parametrize(
+    ("args", "rc", "says"),
+    [
+        (["--url", "notaurl"], 2, "--url: expected http://host:port"),
+        (["--sessions", "0"], 2, "--sessions must be >= 1"),
+        (["--duration", "-1"], 2, "duration_s must be > 0"),
+        (["--time-scale", "0"], 2, "time_scale must be > 0"),
+        (["--workload", "weka", "--trace", "/nonexistent/trace.jsonl"], 2, "No such file"),
+        (["--json", "/nonexistent/dir/out.json"], 2, "--json: no such directory"),
+        ([], 1, "every request failed"),  # nothing listens on the port: not a measurement
+    ],
+    ids=["url", "sessions", "duration", "time-scale", "trace", "json-dir", "all-failed"],
+)
+async def test_kvroute_load_cli_refuses_bad_input_without_a_traceback(args: list[str], rc: int, says: str) -> None:
+    import asyncio
+    import socket
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{s.getsockname()[1]}"
+    argv = ["--url", dead, "--duration", "1", "--no-progress", *args]
+    proc = await asyncio.create_subprocess_exec(
+        str(Path(sys.executable).parent / "kvroute"), "load", *argv,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    _, stderr = await asyncio.wait_for(proc.communicate(), timeout=60)
+    err = stderr.decode()
+    assert proc.returncode == rc, err[-2000:]
+    assert says in err and "Traceback" not in err, err[-2000:]
+
+
 async def test_engine_queue_sums_replicas_and_refuses_what_lacks_the_histogram() -> None:
     """The fleet's reading is the sum of each replica's ``/metrics``; an exposition without SGLang's
     queue-time histogram (a server that is not an engine) gives None, never zeros."""

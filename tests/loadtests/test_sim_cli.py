@@ -110,6 +110,12 @@ def test_cli_rejects_bad_arguments(tmp_path: Path, capsys: pytest.CaptureFixture
     assert cli_main(["--variant", "v=kv_aware:nope=1", "--json", str(tmp_path / "x.json"), "--quiet"]) == 2
     with pytest.raises(SystemExit):
         cli_main(["--variant", "hash=hash:", "--json", str(tmp_path / "x.json")])  # label clash
+    for bad in (["--duration", "-5"], ["--warmup", "-1"], ["--state-lag-s", "-1"]):
+        with pytest.raises(SystemExit) as exc:
+            cli_main([*bad, "--replicas", "2", "--json", str(tmp_path / "x.json")])
+        assert exc.value.code == 2, bad
+        assert "kvroute sim: error:" in capsys.readouterr().err
+    assert not (tmp_path / "x.json").exists()
 
 
 @pytest.mark.slow
