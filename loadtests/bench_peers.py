@@ -233,9 +233,9 @@ def bench_peers_main(argv: list[str]) -> int:
     ns = p.parse_args(argv)
     targets = [t for t in ns.targets.split(",") if t]
     try:
-        _scenario(ns, ns.seed).replica_profile()
-    except ValueError as exc:
-        p.error(f"--engine-set: {exc}")
+        _scenario(ns, ns.seed).check()
+    except (ValueError, OSError) as exc:
+        p.error(str(exc))
     unknown = [t for t in targets if t not in routers]
     if unknown:
         p.error(f"unknown targets {unknown}; choose from {routers}")

@@ -295,9 +295,15 @@ def cli_main(argv: list[str]) -> int:
         workload_kind=ns.workload, trace=ns.trace, engine_set=tuple(ns.engine_set),
     )
     try:
-        scenario.replica_profile()
-    except ValueError as exc:
-        p.error(f"--engine-set: {exc}")
+        scenario.check()
+    except (ValueError, OSError) as exc:
+        p.error(str(exc))
+    for out_path in (ns.json.parent if ns.json else None, ns.plots):
+        try:  # before the run, not after it
+            if out_path is not None:
+                out_path.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            p.error(f"cannot write there: {exc}")
     live = sys.stdout.isatty() and not ns.no_live
     print(
         f"kvroute demo: {ns.replicas} emulated replicas ({ns.profile}), {ns.sessions} coding-agent sessions, "

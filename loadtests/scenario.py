@@ -139,6 +139,17 @@ class DemoScenario:
             "KVROUTE_HEALTH__SCRAPE_INTERVAL_S": f"{max(0.05, scrape_s * ts):g}",
         }
 
+    def check(self) -> None:
+        """Raise ValueError (or OSError for an unreadable trace) on a setting that a run would
+        otherwise trip over only after its fleet has started."""
+        self.replica_profile()
+        self.load_config("http://127.0.0.1:1", ())
+        if self.workload_kind == "weka" and self.trace:
+            with Path(self.trace).open("rb"):
+                pass
+        elif self.workload_kind not in ("synthetic", "weka"):
+            raise ValueError(f"unknown workload {self.workload_kind!r} (synthetic | weka)")
+
     def load_config(self, url: str, replica_urls: Sequence[str], *, fresh: bool = False) -> LoadConfig:
         return LoadConfig(
             url=url,

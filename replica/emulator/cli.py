@@ -200,6 +200,10 @@ def cli_main(argv: list[str]) -> int:
     if ns.replicas < 1:
         print("kvroute emulate: --replicas must be >= 1", file=sys.stderr)
         return 2
+    if ns.base_port and not 1 <= ns.base_port <= 65536 - ns.replicas:  # the OS would wrap 99999 to 34463
+        print(f"kvroute emulate: --base-port {ns.base_port}: ports base..base+{ns.replicas - 1} must be "
+              "1-65535 (0: free ports)", file=sys.stderr)
+        return 2
     try:
         config = build_config(ns)
     except ValueError as exc:

@@ -70,6 +70,12 @@ async def test_emulate_base_port_and_bad_args() -> None:
     )
     _, err = await proc.communicate()
     assert proc.returncode == 2 and b"no_such_field" in err
+    for bad in (["--base-port", "99999"], ["--replicas", "2", "--base-port", "65535"], ["--base-port", "-1"]):
+        proc = await asyncio.create_subprocess_exec(
+            KVROUTE, "emulate", *bad, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
+        )
+        out, err = await asyncio.wait_for(proc.communicate(), 30)
+        assert proc.returncode == 2 and b"--base-port" in err and not out, (bad, err)  # nothing served
 
 
 def test_build_config_flags_override_profile() -> None:
