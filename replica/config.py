@@ -4,6 +4,7 @@ Rules:
   1. Frozen; built once by :func:`load_config` from an injected ``environ`` mapping and ``argv``
      (flags win over ``KVROUTE_SIDECAR_*`` variables, which win over defaults).
   2. Everything is validated at start-up; a :class:`router.errors.ConfigError` names the flag.
+  3. A URL in an error message is shown through :func:`redact_url`: never its password.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from router.errors import ConfigError
+from router.observability.logging import redact_url
 
 __all__ = ["ENV_PREFIX", "AgentConfig", "build_arg_parser", "load_config", "replica_id_for"]
 
@@ -67,15 +69,41 @@ def replica_id_for(url: str) -> str:
 
 def _check_url(key: str, url: str) -> str:
     parts = urlsplit(url)
+    shown = redact_url(url)
     if parts.scheme not in {"http", "https"} or not parts.hostname:
-        raise ConfigError(f"{key}: expected an http(s) URL with a host, got {url!r}")
+        raise ConfigError(f"{key}: expected an http(s) URL with a host, got {shown!r}")
     try:
         _ = parts.port
     except ValueError as exc:
-        raise ConfigError(f"{key}: bad port in {url!r}") from exc
+        raise ConfigError(f"{key}: bad port in {shown!r}") from exc
     if parts.query or parts.fragment:
-        raise ConfigError(f"{key}: no query or fragment allowed in {url!r}")
+        raise ConfigError(f"{key}: no query or fragment allowed in {shown!r}")
     return url.rstrip("/")
+
+
+def _check_redis_url(url: str) -> str:
+    """What redis-py would refuse only later (with a traceback: a port out of range) or silently
+    ignore (a database that is not a number: it used db 0) is refused here, naming the problem."""
+    parts = urlsplit(url)
+    shown = redact_url(url)
+    if parts.scheme not in {"redis", "rediss", "unix"}:
+        raise ConfigError(f"--redis: expected redis://, rediss:// or unix://, got {shown!r}")
+    if parts.scheme == "unix":
+        if not parts.path:
+            raise ConfigError(f"--redis: a unix:// URL needs the socket's path, got {shown!r}")
+        return url
+    if not parts.hostname:
+        raise ConfigError(f"--redis: no host in {shown!r}")
+    try:
+        port = parts.port
+    except ValueError as exc:
+        raise ConfigError(f"--redis: bad port in {shown!r} (expected 1..65535)") from exc
+    if port == 0:
+        raise ConfigError(f"--redis: bad port in {shown!r} (expected 1..65535)")
+    db = parts.path.removeprefix("/")
+    if db and not db.isdigit():
+        raise ConfigError(f"--redis: the database must be a number (redis://host:6379/0), got {shown!r}")
+    return url
 
 
 def build_arg_parser() -> argparse.ArgumentParser:
@@ -164,8 +192,8 @@ def validate(cfg: AgentConfig) -> AgentConfig:
     engine = _check_url("--engine-url", cfg.engine_url)
     advertise = _check_url("--advertise-url", cfg.advertise_url) if cfg.advertise_url else ""
     gateways = tuple(_check_url("--gateway", g) for g in cfg.gateways)
-    if cfg.redis_url is not None and urlsplit(cfg.redis_url).scheme not in {"redis", "rediss", "unix"}:
-        raise ConfigError(f"--redis: expected redis://, rediss:// or unix://, got {cfg.redis_url!r}")
+    if cfg.redis_url is not None:
+        _check_redis_url(cfg.redis_url)
     if cfg.redis_url is None and not gateways:
         raise ConfigError("need a registry: --redis URL or at least one --gateway URL (admin API)")
     if not 0 <= cfg.listen_port < 65536:

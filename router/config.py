@@ -47,6 +47,7 @@ from pydantic_settings.sources.utils import parse_env_vars
 
 from router.errors import ConfigError
 from router.model import ReplicaSpec
+from router.observability.logging import redact_url
 from router.store.base import StoreConfig
 
 __all__ = [
@@ -70,14 +71,6 @@ DEFAULT_SESSION_HEADERS = ("Modal-Session-Id", "x-session-id", "X-SMG-Routing-Ke
 _HEADER_NAME = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")  # RFC 9110 token
 # keys whose value is a credential: a start-up error names the key, never echoes the value
 _SECRET_KEYS = frozenset({"admin_token"})
-# ``scheme://user:password@host``: error messages show ``scheme://***@host`` (a Redis URL carries its
-# password, and the messages are printed on stderr, which log collectors keep)
-_USERINFO = re.compile(r"(//)[^/@\s'\"]*@")
-
-
-def _mask_userinfo(text: str) -> str:
-    return _USERINFO.sub(r"\1***@", text)
-
 
 _FROZEN = ConfigDict(frozen=True, extra="forbid")
 
@@ -672,7 +665,7 @@ def _format_errors(exc: ValidationError) -> str:
             else ""
         )
         lines.append(f"{where}: {msg}{suffix}")
-    return _mask_userinfo("invalid configuration: " + "; ".join(lines))
+    return redact_url("invalid configuration: " + "; ".join(lines))
 
 
 def load_config(argv: Sequence[str] = (), environ: Mapping[str, str] | None = None) -> GatewayConfig:

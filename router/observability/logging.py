@@ -29,6 +29,7 @@ __all__ = [
     "current_request_id",
     "redact",
     "redact_text",
+    "redact_url",
     "request_id_scope",
     "set_request_id",
 ]
@@ -47,6 +48,10 @@ _KV_SECRET = re.compile(
     r"(?i)\b([a-z_-]*(?:token|api[-_]?key|password|secret|authorization|cookie)[a-z_-]*)"
     r"(\s*[=:]\s*)(?!(?:bearer|basic)\s)([^\s&,;\"']+)"
 )
+
+# ``scheme://user:password@host``: shown as ``scheme://***@host`` (a Redis URL carries its password,
+# and start-up errors are printed on stderr, which log collectors keep)
+_USERINFO = re.compile(r"(//)[^/@\s'\"]*@")
 
 # Attributes every LogRecord has: anything else on a record came from ``extra=`` and is emitted.
 _RESERVED = frozenset(
@@ -76,6 +81,11 @@ def redact_text(text: str) -> str:
     """Mask bearer credentials and ``token=...``-style pairs inside free text."""
     text = _BEARER.sub(lambda m: f"{m.group(1)} {REDACTED}", text)
     return _KV_SECRET.sub(lambda m: f"{m.group(1)}{m.group(2)}{REDACTED}", text)
+
+
+def redact_url(text: str) -> str:
+    """``text`` with the user-info of every URL in it masked (``redis://***@host:6379/0``)."""
+    return _USERINFO.sub(r"\1***@", text)
 
 
 def redact(value: Any, _depth: int = 0) -> Any:
