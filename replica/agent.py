@@ -12,8 +12,10 @@ Lifecycle (one :class:`Agent`)::
   A new replica starts as ``joining``; the gateways promote it after their first good health check.
 - REGISTERED: every ``heartbeat_interval_s`` scrapes ``/metrics`` and heartbeats the registry with
   the load (running, queued, KV utilisation, cache hit rate, host-tier use); the heartbeat refreshes
-  the registry TTL, so a sidecar that dies leaves no entry behind. ``/health`` (or the deeper
-  ``/health_generate``) is checked every ``health_interval_s``; ``unhealthy_after`` failures in a row
+  the registry TTL, so a sidecar that dies leaves no entry behind. A beat waits for the scrape at most
+  (``replica_ttl_s`` - ``heartbeat_interval_s``) / 2, then refreshes the entry with the last known load
+  (a slow engine must not let its entry expire). ``/health`` (or the deeper ``/health_generate``) is
+  checked every ``health_interval_s`` in a task of its own; ``unhealthy_after`` failures in a row
   withdraw the replica from the registry (ENGINE_DOWN), a good check registers it again (``joining``).
 - DRAINING: marks the replica ``draining`` (gateways send it no new sessions and move its sessions at
   their next turn), keeps heartbeating, waits until its in-flight count is 0 (the registry's exact
@@ -313,6 +315,14 @@ class Agent:
         self._drain = asyncio.Event()
         self._engine_answering = False  # the last /metrics scrape succeeded (busy vs dead)
         self._drained = asyncio.Event()
+        # Engine probes run as tasks of their own, so that an engine answering near the probe
+        # timeout never holds back the registry refresh (the TTL is as short as that timeout).
+        self._scrape_task: asyncio.Task[EngineLoad | None] | None = None
+        self._scrape_started = 0.0
+        self._health_task: asyncio.Task[None] | None = None
+        # Every registry write of the loop (heartbeats, the health check's withdraw/rejoin, drain)
+        # holds this lock, so a background write never interleaves with a beat's.
+        self._registry_lock = asyncio.Lock()
         self._status = AgentStatus(
             phase=AgentPhase.WAITING_ENGINE,
             replica_id=cfg.id,
@@ -376,7 +386,20 @@ class Agent:
             self._set(phase=AgentPhase.DRAINED)
             return 0
         finally:
+            await self._cancel_probes()
             self._drained.set()
+
+    async def _cancel_probes(self, *, scrape: bool = True) -> None:
+        """Cancel the outstanding health check (and, with ``scrape``, the ``/metrics`` scrape)."""
+        tasks = [self._health_task, self._scrape_task if scrape else None]
+        self._health_task = None
+        if scrape:
+            self._scrape_task = None
+        for task in tasks:
+            if task is not None and not task.done():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
 
     async def _wait_and_register(self) -> ReplicaSpec | None:
         cfg = self.cfg
@@ -432,21 +455,52 @@ class Agent:
             log.info("registered", extra={"replica": spec.id, "spec": asdict(spec)})
             return spec
 
-    async def _beat(self, spec: ReplicaSpec, status: ReplicaStatus | None) -> EngineLoad | None:
-        """Scrape load and heartbeat the registry once; never raises."""
+    async def _scrape(self) -> EngineLoad | None:
+        """One ``/metrics`` scrape; ``None`` when the engine did not answer (in time, or sensibly)."""
         try:
-            load: EngineLoad | None = await self.probe.load(self.clock.now())
-            self._engine_answering = True
+            load = await self.probe.load(self.clock.now())
         except EngineProbeError as exc:
             log.debug("metrics scrape failed", extra={"error": str(exc)})
-            load = None
             self._engine_answering = False
-        try:
-            await self.registrar.heartbeat(spec, load, status)
-        except RegistrationError as exc:
-            log.warning("heartbeat failed", extra={"error": str(exc)})
-            self._set(heartbeats_failed=self._status.heartbeats_failed + 1, load=load or self._status.load)
-            return load
+            return None
+        self._engine_answering = True
+        return load
+
+    def _scrape_wait_s(self) -> float:
+        """How long a beat waits for the scrape: half the slack between the TTL and the beat, so
+        that a beat which waits this long, and the next one, both land inside the entry's TTL."""
+        return max(0.0, (self.cfg.replica_ttl_s - self.cfg.heartbeat_interval_s) / 2)
+
+    async def _beat(self, spec: ReplicaSpec, status: ReplicaStatus | None) -> EngineLoad | None:
+        """Heartbeat the registry once, with a fresh load if the engine answers within
+        :meth:`_scrape_wait_s`, else with the last known one (a late scrape keeps running; the next
+        beat reports it). A beat of the REGISTERED phase (``status`` None) writes nothing once the
+        replica was withdrawn meanwhile. Never raises."""
+        task = self._scrape_task
+        if task is not None and task.done() and self.clock.now() - self._scrape_started > self.cfg.replica_ttl_s:
+            task = None  # finished long ago (no beats while withdrawn): too old to report
+        if task is None:
+            self._scrape_started = self.clock.now()
+            task = self._scrape_task = asyncio.get_running_loop().create_task(
+                self._scrape(), name="kvroute-sidecar-scrape"
+            )
+        await asyncio.wait({task}, timeout=self._scrape_wait_s())
+        fresh = task.done()
+        load: EngineLoad | None = None
+        if fresh:
+            self._scrape_task = None
+            load = task.result()
+        else:
+            log.debug("engine /metrics is slow: heartbeat with the last known load")
+        async with self._registry_lock:
+            if status is None and self._status.phase is not AgentPhase.REGISTERED:
+                return load  # withdrawn by the health check while this beat waited
+            try:
+                await self.registrar.heartbeat(spec, load if fresh else self._status.load, status)
+            except RegistrationError as exc:
+                log.warning("heartbeat failed", extra={"error": str(exc)})
+                self._set(heartbeats_failed=self._status.heartbeats_failed + 1, load=load or self._status.load)
+                return load
         self._set(
             last_heartbeat_ok_at=self.clock.now(),
             heartbeats_ok=self._status.heartbeats_ok + 1,
@@ -460,12 +514,21 @@ class Agent:
         while not self._drain.is_set():
             tick = self.clock.now()
             self.last_tick = tick
-            if tick >= next_health:
+            health = self._health_task
+            if health is not None and health.done():
+                self._health_task = None
+                health.result()  # a bug in the check surfaces here, as it did when awaited inline
+            if tick >= next_health and self._health_task is None:
+                # in the background: a /health answering late must not delay the heartbeat
                 next_health = tick + cfg.health_interval_s
-                await self._check_health(spec)
+                self._health_task = asyncio.get_running_loop().create_task(
+                    self._check_health(spec), name="kvroute-sidecar-health"
+                )
             if self._status.phase is AgentPhase.REGISTERED:
                 await self._beat(spec, None)
             await self._pause(cfg.heartbeat_interval_s - (self.clock.now() - tick))
+        # draining: a health check still in flight must not rejoin (or withdraw) the replica now
+        await self._cancel_probes(scrape=False)
         return spec
 
     async def _check_health(self, spec: ReplicaSpec) -> None:
@@ -481,20 +544,23 @@ class Agent:
             return
         fails = 0 if ok else self._status.health_failures_in_row + 1
         self._set(health_failures_in_row=fails)
-        phase = self._status.phase
-        try:
-            if not ok and fails >= self.cfg.unhealthy_after and phase is AgentPhase.REGISTERED:
-                log.warning("engine unhealthy: withdrawing the replica", extra={"replica": spec.id})
-                self._set(phase=AgentPhase.ENGINE_DOWN)
-                await self.registrar.deregister(spec.id)
-            elif ok and phase is AgentPhase.ENGINE_DOWN:
-                log.info("engine healthy again: rejoining", extra={"replica": spec.id})
-                await self.registrar.register(spec)
-                self._set(phase=AgentPhase.REGISTERED)
-        except RegistrationError as exc:
-            log.warning("registry change not recorded (retried at the next check)", extra={"error": str(exc)})
-            if phase is AgentPhase.REGISTERED and self._status.phase is AgentPhase.ENGINE_DOWN:
-                self._set(phase=AgentPhase.REGISTERED, health_failures_in_row=fails)
+        async with self._registry_lock:  # runs beside the beats (its own task): one write at a time
+            phase = self._status.phase
+            try:
+                if not ok and fails >= self.cfg.unhealthy_after and phase is AgentPhase.REGISTERED:
+                    log.warning("engine unhealthy: withdrawing the replica", extra={"replica": spec.id})
+                    self._set(phase=AgentPhase.ENGINE_DOWN)
+                    await self.registrar.deregister(spec.id)
+                elif ok and phase is AgentPhase.ENGINE_DOWN:
+                    log.info("engine healthy again: rejoining", extra={"replica": spec.id})
+                    await self.registrar.register(spec)
+                    self._set(phase=AgentPhase.REGISTERED)
+            except RegistrationError as exc:
+                log.warning(
+                    "registry change not recorded (retried at the next check)", extra={"error": str(exc)}
+                )
+                if phase is AgentPhase.REGISTERED and self._status.phase is AgentPhase.ENGINE_DOWN:
+                    self._set(phase=AgentPhase.REGISTERED, health_failures_in_row=fails)
 
     async def _drain_and_deregister(self, spec: ReplicaSpec) -> None:
         cfg = self.cfg
@@ -510,7 +576,8 @@ class Agent:
             self.last_tick = now
             if not marked:
                 try:
-                    await self.registrar.set_status(spec, ReplicaStatus.DRAINING)
+                    async with self._registry_lock:
+                        await self.registrar.set_status(spec, ReplicaStatus.DRAINING)
                     marked = True
                 except RegistrationError as exc:
                     log.warning("could not mark draining, retrying", extra={"error": str(exc)})
@@ -533,7 +600,8 @@ class Agent:
             await asyncio.sleep(poll)
         for attempt in range(5):
             try:
-                await self.registrar.deregister(spec.id)
+                async with self._registry_lock:
+                    await self.registrar.deregister(spec.id)
                 break
             except RegistrationError as exc:
                 log.warning("deregister failed", extra={"error": str(exc), "attempt": attempt})
