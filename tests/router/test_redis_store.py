@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import pytest
 import redis
@@ -183,6 +184,22 @@ async def test_auth_and_tls_urls(tls: bool, clock: VirtualClock) -> None:
         assert "auth" in bad.last_error.lower() or "pass" in bad.last_error.lower()
         for s in made:
             await s.close()
+    finally:
+        server.cleanup()
+
+
+@pytest.mark.parametrize("query", ["", "?db=0", "?db=0&cluster=false"])
+async def test_unix_socket_url(query: str, clock: VirtualClock, tmp_path: Path) -> None:
+    sock = tmp_path / "redis.sock"
+    server = RedisServer(extra_args=("--unixsocket", str(sock), "--unixsocketperm", "700")).start()
+    try:
+        made: list[RedisStore] = []
+        s = new_store(made, f"unix://{sock}{query}", clock, op_timeout_s=3.0)
+        await s.upsert_replica(spec("r0"), A)
+        assert (await s.acquire(bind("s", "r0"), RouteRequest("s"))).replica_id == "r0"
+        assert s.degraded_total == 0 and not s.degraded
+        for st in made:
+            await st.close()
     finally:
         server.cleanup()
 

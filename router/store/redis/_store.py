@@ -13,7 +13,7 @@ import secrets
 import socket
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
-from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+from urllib.parse import parse_qsl, urlencode
 
 import redis.asyncio as aioredis
 import redis.exceptions as rexc
@@ -57,11 +57,16 @@ _CHAIN_UNSAFE = re.compile(r"[,=]")
 
 
 def _split_cluster_flag(url: str) -> tuple[str, bool]:
-    parts = urlsplit(url)
-    query = parse_qsl(parts.query, keep_blank_values=True)
+    """``url`` without its ``cluster=`` query key, and whether that key asked for Redis Cluster.
+    Only the query is rewritten: a round trip through urlunsplit would turn ``unix:///path`` into
+    ``unix:/path``, which redis-py refuses."""
+    base, sep, q = url.partition("?")
+    if not sep:
+        return url, False
+    query = parse_qsl(q, keep_blank_values=True)
     flag = any(k == "cluster" and v.lower() in {"1", "true", "yes"} for k, v in query)
     rest = urlencode([(k, v) for k, v in query if k != "cluster"])
-    return urlunsplit(parts._replace(query=rest)), flag
+    return base + ("?" + rest if rest else ""), flag
 
 
 class RedisStore:
