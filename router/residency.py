@@ -26,6 +26,8 @@ Rule 2 (tips): each session points at the deepest block it stored (its *tip*); t
         gone): a session's conversations (the parent's and its sub-agents') carry the same id,
         and the one that decides whether the session can move is its longest, the parent's; a
         sub-agent's shorter context stored after it must not make the session look evicted.
+        A walk up that meets a cycle (a publisher naming a block its own ancestor) leaves the
+        session unknown (``None``) rather than looping.
 Rule 2b (own part): each session also keeps its *base*, the end of the block its first stored run
         hung below (what it found cached when it first stored there: the prefix it shares with the
         sessions before it; the lowest such end if it later stores from higher up the tree). The
@@ -79,6 +81,9 @@ _UNKNOWN_END = -1
 # tip sentinels (block hashes are int64, these are not)
 _ZERO = 1 << 64  # the session had blocks here and lost them all: exactly 0 resident
 _UNKNOWN = (1 << 64) + 1  # the session's tip went below a block we never saw: unknown
+# steps of a walk up the tree before it starts to look for a cycle (no set to build on the common,
+# short walks: a radix cache evicts leaves first, so the nearest resident ancestor is close)
+_WALK_UNCHECKED = 64
 
 
 class ResidencyView(Protocol):
@@ -232,6 +237,8 @@ class ReplicaResidency:
                 continue
             p = blocks[h][0]
             new = _ZERO
+            steps = 0
+            seen: set[int] | None = None
             while p is not None:
                 pb = blocks.get(p)
                 if pb is None:
@@ -240,6 +247,16 @@ class ReplicaResidency:
                 if pb[2]:
                     new = p
                     break
+                # a publisher can name a block as its own ancestor (a bug, or hostile): past a depth
+                # honest eviction rarely walks, remember the way up, and a loop makes it unknown
+                steps += 1
+                if steps > _WALK_UNCHECKED:
+                    if seen is None:
+                        seen = set()
+                    elif p in seen:
+                        new = _UNKNOWN
+                        break
+                    seen.add(p)
                 p = pb[0]
             for sid in sids:
                 self._move_tip(sid, new)
