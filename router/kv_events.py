@@ -16,6 +16,8 @@ Rules:
        * otherwise, or with no replay socket or no answer in time: the mirror is dropped and marked
          incomplete (``estimate``) until the engine clears its cache (``AllBlocksCleared``) or
          restarts. Without a replay socket, a first live batch with sequence 0 is a complete start.
+     A replay is bounded as a whole (10 x ``replay_timeout_s``, 200,000 batches): past either, it
+     is abandoned as if unanswered and the live stream followed.
   3. Live batches must arrive with consecutive sequence numbers. A jump is a *gap* (ZMQ drops
      messages past the high-water mark): the missing range is replayed; if it cannot be, the mirror
      is dropped and marked incomplete. A sequence number at or below the last one applied means the
@@ -59,6 +61,12 @@ __all__ = ["KvEventSubscriber", "KvEventsManager", "SubscriberStats", "json_fetc
 log = logging.getLogger("kvroute.kv_events")
 
 _YIELD_EVERY = 64
+# Bounds on one whole replay, whatever the publisher does: one that never sends its end marker (but
+# never pauses as long as ``replay_timeout_s`` either) would otherwise hold the subscriber in the
+# replay for good and buffer batches without limit. SGLang's buffer holds 10,000 batches by default,
+# so 200,000 is far beyond an honest answer; 10 x the timeout leaves an honest one time to stream.
+_REPLAY_BUDGET_TIMEOUTS = 10
+_REPLAY_MAX_BATCHES = 200_000
 _CONNECT_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED
 _DISCONNECT_EVENTS = zmq.EVENT_DISCONNECTED
 
@@ -261,19 +269,22 @@ class KvEventSubscriber:
         self._last = seq
         self.stats.last_seq = seq
         try:
-            batch = decode_batch(payload)
+            # applying decodes too (``token_ids``' length is read only then): a bad field can be
+            # met halfway through a batch, which leaves the mirror untrustworthy either way
+            events = feed_batch(decode_batch(payload), self.sink)
         except WireError as exc:
             self.stats.decode_errors += 1
             self._drop(str(exc))
             return
-        self.stats.events += feed_batch(batch, self.sink)
+        self.stats.events += events
         self.stats.batches += 1
         t1 = time.perf_counter()
         self.stats.apply_s += t1 - t0
         self.stats.last_batch_at = time.monotonic()
 
     async def _replay(self, start: int) -> list[tuple[int, bytes]] | None:
-        """Every buffered batch from ``start`` (``None``: no answer within the timeout)."""
+        """Every buffered batch from ``start`` (``None``: no answer within the timeout, or no end
+        marker within ``_REPLAY_BUDGET_TIMEOUTS`` timeouts and ``_REPLAY_MAX_BATCHES`` batches)."""
         assert self.replay_endpoint is not None
         dealer = self._ctx.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
@@ -281,8 +292,15 @@ class KvEventSubscriber:
             dealer.connect(self.replay_endpoint)
             await dealer.send_multipart([b"", start.to_bytes(8, "big")])
             out: list[tuple[int, bytes]] = []
+            deadline = time.monotonic() + _REPLAY_BUDGET_TIMEOUTS * self.replay_timeout_s
             while True:
-                if not await dealer.poll(int(self.replay_timeout_s * 1000)):
+                left_s = deadline - time.monotonic()
+                if left_s <= 0 or len(out) >= _REPLAY_MAX_BATCHES:
+                    self.stats.replay_failures += 1
+                    log.info("kv events %s: replay from %d abandoned after %d batches (no end marker)",
+                             self.name, start, len(out))
+                    return None
+                if not await dealer.poll(max(1, int(min(self.replay_timeout_s, left_s) * 1000))):
                     self.stats.replay_failures += 1
                     log.info("kv events %s: replay from %d timed out", self.name, start)
                     return None
