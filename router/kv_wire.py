@@ -5,7 +5,8 @@ Source: ``sglang/srt/disaggregation/kv_events.py`` (publisher, schema) and
 descriptor). docs/KV_EVENTS.md has the whole picture.
 
 Wire:
-  * one ZMQ PUB socket per DP rank at ``tcp://<replica host>:<endpoint_port_base + rank>``; each message
+  * one ZMQ PUB socket per DP rank at ``tcp://<replica host>:<endpoint_port_base + rank>`` (the host
+    of the registered replica URL, never the descriptor's ``endpoint_host``); each message
     is multipart ``[topic, seq, payload]``: ``seq`` an 8-byte big-endian counter from 0 per publisher
     process, ``payload`` a msgpack array ``[ts, events, attn_dp_rank]``;
   * events are msgpack maps tagged by ``type`` (msgspec ``tag=True``): ``BlockStored``,
@@ -98,7 +99,12 @@ def decode_batch(payload: bytes) -> EventBatch:
 def decode_seq(frame: bytes) -> int:
     if len(frame) != 8:
         raise WireError(f"sequence frame has {len(frame)} bytes, expected 8")
-    return int.from_bytes(frame, "big", signed=True)
+    # unsigned: a publisher counts up from 0 (the replay's end marker, -1, is matched on its bytes
+    # before this); a negative number would later be sent back as a replay start and not fit
+    seq = int.from_bytes(frame, "big")
+    if seq >= 1 << 63:
+        raise WireError("negative sequence number")
+    return seq
 
 
 def token_count(raw: msgspec.Raw | bytes | memoryview) -> int:
@@ -163,12 +169,10 @@ def feed_batch(batch: EventBatch, sink: EventSink) -> int:
 
 # ---- /server_info.kv_events ---------------------------------------------------------------------
 
-_WILDCARDS = frozenset({"*", "0.0.0.0", "::", "[::]", ""})
-
 
 @dataclass(frozen=True, slots=True)
 class KvEventsDescriptor:
-    """Where one replica publishes (``/server_info.kv_events``, wildcard host replaced)."""
+    """Where one replica publishes (``/server_info.kv_events``, on the registered replica's host)."""
 
     host: str  # bracketed if IPv6
     port_base: int
@@ -194,20 +198,18 @@ def _port(v: Any) -> int | None:
 
 def parse_descriptor(server_info: Mapping[str, Any], replica_url: str) -> KvEventsDescriptor | None:
     """The publisher of a replica from its ``/server_info`` (``None``: it publishes nothing we can
-    subscribe to). A wildcard ``endpoint_host`` is replaced by the replica URL's host, as SGLang
-    tells subscribers to do."""
+    subscribe to). The host is always the registered replica URL's: ``endpoint_host`` is ignored,
+    as the replica is not trusted to send the gateway's connections anywhere else (the egress
+    rules vetted the registered host, not what the replica reports)."""
     kv = server_info.get("kv_events")
     if not isinstance(kv, Mapping) or kv.get("publisher") != "zmq":
         return None
     port = _port(kv.get("endpoint_port_base"))
     if port is None:
         return None
-    host = kv.get("endpoint_host")
-    if not isinstance(host, str) or host in _WILDCARDS:
-        parts = urlsplit(replica_url)
-        host = parts.hostname or "127.0.0.1"
-        if ":" in host:
-            host = f"[{host}]"
+    host = urlsplit(replica_url).hostname or "127.0.0.1"
+    if ":" in host:
+        host = f"[{host}]"
     topic = kv.get("topic")
     block = kv.get("block_size")
     dp = kv.get("dp_size")

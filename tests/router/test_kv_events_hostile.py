@@ -22,6 +22,7 @@ import zmq.asyncio
 
 import router.kv_events
 from router.kv_events import KvEventSubscriber
+from router.kv_wire import END_SEQ, WireError, decode_seq, parse_descriptor
 from router.residency import ReplicaResidency
 from tests.router.conftest import wait_for
 from tests.router.test_kv_events_functional import publisher, stored, subscribed
@@ -170,3 +171,40 @@ async def test_a_replay_without_end_is_abandoned_and_the_live_stream_followed(
         await pub.send(0, [stored([1, 2], None, "a")])
         await until(lambda: sink.resident_tokens("a") == 8)
         assert sub.stats.last_seq == 0
+
+
+# ---- 4. negative sequence numbers -----------------------------------------------------------------
+
+
+def test_a_negative_sequence_number_is_a_wire_error() -> None:
+    with pytest.raises(WireError):
+        decode_seq(seq_frame(-5))
+    with pytest.raises(WireError):
+        decode_seq(END_SEQ)  # the replay's end marker is matched on its bytes, never decoded
+    assert decode_seq(seq_frame(2**63 - 1)) == 2**63 - 1
+
+
+async def test_a_replay_of_negative_sequence_numbers_does_not_kill_the_subscriber() -> None:
+    async def script(start: int) -> AsyncIterator[list[bytes]]:
+        yield [b"", seq_frame(-5), payload([stored([1], None)])]
+        yield [b"", END_SEQ, b""]
+
+    sink = ReplicaResidency()
+    async with HostilePublisher(script) as pub, following(pub, sink) as (sub, task):
+        await until(lambda: sub.stats.syncs >= 1 and not sink.stale)
+        await pub.send(3, [stored([7, 8], None, "a")])  # a gap after the replay: replayed from its start
+        await until(lambda: sink.resident_tokens("a") == 8 or task.done())
+        assert not task.done()
+        assert sub.stats.decode_errors >= 1
+
+
+# ---- 5. the endpoint host comes from the registered URL only -----------------------------------
+
+
+@pytest.mark.parametrize("host", ["169.254.169.254", "evil.example.com", "127.0.0.1", "[::1]", "10.0.0.8"])
+def test_a_hostile_endpoint_host_is_ignored(host: str) -> None:
+    kv = {"publisher": "zmq", "endpoint_host": host, "endpoint_port_base": 5557,
+          "replay_endpoint_port_base": 5558}
+    d = parse_descriptor({"kv_events": kv}, "http://10.0.0.7:30000")
+    assert d is not None
+    assert (d.endpoint(), d.replay_endpoint()) == ("tcp://10.0.0.7:5557", "tcp://10.0.0.7:5558")

@@ -106,8 +106,9 @@ def test_descriptor_from_server_info() -> None:
     assert d.block_size == 64 and d.dp_size == 2
     v6 = parse_descriptor({"kv_events": {**kv, "endpoint_host": "::"}}, "http://[::1]:30000")
     assert v6 is not None and v6.endpoint() == "tcp://[::1]:5557"
+    # the registered URL's host, never the one the replica names (tests/router/test_kv_events_hostile.py)
     named = parse_descriptor({"kv_events": {**kv, "endpoint_host": "engine-0.svc"}}, "http://1.2.3.4:1")
-    assert named is not None and named.endpoint() == "tcp://engine-0.svc:5557"
+    assert named is not None and named.endpoint() == "tcp://1.2.3.4:5557"
     no_replay = parse_descriptor({"kv_events": {k: v for k, v in kv.items() if "replay" not in k}}, "http://h:1")
     assert no_replay is not None and no_replay.replay_endpoint() is None
     for bad in (None, {"publisher": "null"}, {**kv, "endpoint_port_base": 0}, {**kv, "endpoint_port_base": "x"}):
