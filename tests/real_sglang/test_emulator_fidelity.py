@@ -11,12 +11,14 @@ per-request ``cached_tokens`` must agree within 5 % (of the prompt) or the test 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import random
 from collections.abc import Iterator
 from typing import Any
 
 import aiohttp
+import pytest
 
 from loadtests.real_sglang import RealServer, flush_caches
 from replica.emulator.profiles import get_profile
@@ -296,6 +298,119 @@ async def test_limits_and_in_stream_errors_fidelity(fleet: list[RealServer]) -> 
     assert real[6][:2] == [200, "text/event-stream"] and real[6][2][0] == "error", real[6]
     bad = [row for row in rows if row["real"] != row["emulator"]]
     assert not bad, json.dumps(bad, indent=1, default=str)
+
+
+# ---- client errors and odd requests ----------------------------------------------------------------
+
+_MSGS = [{"role": "user", "content": "hello there"}]
+_CHAT = {"model": "m", "messages": _MSGS, "max_tokens": 2}
+_COMP = {"model": "m", "prompt": "hi", "max_tokens": 2}
+_GEN = {"text": "hi", "sampling_params": {"max_new_tokens": 2}}
+
+# (case id, method, path, body: dict/list/str is sent as JSON, bytes as is with a JSON content type,
+# None: no body). Left out on purpose: a JSON array or string sent to /v1/chat/completions (SGLang
+# 0.5.23 crashes, 500 text/plain or a reset connection; the gateway refuses such bodies before they
+# reach an engine, the emulator answers 400 like the other routes), ``n`` > 1 and ``logprobs`` (not
+# emulated: 400 and null; nothing the gateway reads).
+CLIENT_CASES: list[tuple[str, str, str, Any]] = [
+    ("bad-json-chat", "POST", "/v1/chat/completions", b"{not json"),
+    ("bad-json-completions", "POST", "/v1/completions", b"{not json"),
+    ("bad-json-generate", "POST", "/generate", b"{not json"),
+    ("string-body-completions", "POST", "/v1/completions", "hi"),
+    ("array-body-generate", "POST", "/generate", [1, 2]),
+    ("no-messages", "POST", "/v1/chat/completions", {"model": "m", "max_tokens": 2}),
+    ("no-prompt", "POST", "/v1/completions", {"model": "m", "max_tokens": 2}),
+    ("empty-messages", "POST", "/v1/chat/completions", {**_CHAT, "messages": []}),
+    ("text-parts", "POST", "/v1/chat/completions",
+     {**_CHAT, "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]}),
+    ("unknown-role", "POST", "/v1/chat/completions", {**_CHAT, "messages": [{"role": "wizard", "content": "hi"}]}),
+    ("max-tokens-0-chat", "POST", "/v1/chat/completions", {**_CHAT, "max_tokens": 0}),
+    ("max-tokens-neg-chat", "POST", "/v1/chat/completions", {**_CHAT, "max_tokens": -1}),
+    ("max-tokens-0-completions", "POST", "/v1/completions", {**_COMP, "max_tokens": 0}),
+    ("max-tokens-neg-completions", "POST", "/v1/completions", {**_COMP, "max_tokens": -1}),
+    ("max-tokens-string-chat", "POST", "/v1/chat/completions", {**_CHAT, "max_tokens": "2"}),
+    ("temperature-neg-chat", "POST", "/v1/chat/completions", {**_CHAT, "temperature": -1}),
+    ("temperature-neg-completions-stream", "POST", "/v1/completions", {**_COMP, "temperature": -1, "stream": True}),
+    ("top-p-2-chat", "POST", "/v1/chat/completions", {**_CHAT, "top_p": 2}),
+    ("top-p-2-generate", "POST", "/generate", {**_GEN, "sampling_params": {"max_new_tokens": 2, "top_p": 2}}),
+    ("top-p-2-generate-stream", "POST", "/generate",
+     {**_GEN, "sampling_params": {"max_new_tokens": 2, "top_p": 2}, "stream": True}),
+    ("stop-chat", "POST", "/v1/chat/completions", {**_CHAT, "stop": ["zzzq", "\n\n"]}),
+    ("stop-completions-stream", "POST", "/v1/completions", {**_COMP, "stop": "zzzq", "stream": True}),
+    ("unknown-model-chat", "POST", "/v1/chat/completions", {**_CHAT, "model": "no-such-model"}),
+    ("unknown-model-completions", "POST", "/v1/completions", {**_COMP, "model": "no-such-model"}),
+    ("unknown-route", "POST", "/v1/nope", {"a": 1}),
+    ("unknown-route-get", "GET", "/nope", None),
+    ("get-chat", "GET", "/v1/chat/completions", None),
+    ("get-generate", "GET", "/generate", None),
+    ("generate-input-ids", "POST", "/generate", {"input_ids": [11, 12, 13], "sampling_params": {"max_new_tokens": 2}}),
+    ("generate-text-and-ids", "POST", "/generate", {**_GEN, "input_ids": [11, 12]}),
+    ("stream-yes-chat", "POST", "/v1/chat/completions", {**_CHAT, "stream": "yes"}),
+    ("stream-yes-generate", "POST", "/generate", {**_GEN, "stream": "yes"}),
+]
+# values, not just types, for these keys (the error's kind, the finish reason); meta_info is compared on
+# what readers take from it (the rest are per-request timings)
+_VALUE_KEYS = frozenset({"object", "type", "code", "param", "finish_reason"})
+_META_READ = frozenset({"id", "finish_reason", "prompt_tokens", "completion_tokens", "cached_tokens"})
+
+
+def _shape(v: Any, key: str = "") -> Any:
+    if isinstance(v, dict):
+        keep = _META_READ if key == "meta_info" else v.keys()
+        return {k: _shape(x, k) for k, x in sorted(v.items()) if k in keep}
+    if isinstance(v, list):  # the distinct item shapes, in order
+        items = [json.dumps(_shape(x), sort_keys=True) for x in v]
+        return [json.loads(i) for i in dict.fromkeys(items)]
+    if key in _VALUE_KEYS:
+        return f"={v!r}"
+    return "null" if v is None else type(v).__name__
+
+
+async def client_outcome(base: str, method: str, path: str, body: Any) -> dict[str, Any]:
+    """Status, content type and the body's shape (a stream: its distinct event shapes in order)."""
+    kw: dict[str, Any] = {}
+    if isinstance(body, bytes):
+        kw = {"data": body, "headers": {"Content-Type": "application/json"}}
+    elif body is not None:
+        kw = {"json": body}
+    async with (
+        aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as s,
+        s.request(method, base + path, **kw) as r,
+    ):
+        raw = await r.read()
+        ct = r.headers.get("Content-Type", "").split(";")[0]
+    out: dict[str, Any] = {"status": r.status, "content-type": ct}
+    if ct == "text/event-stream":
+        events: list[Any] = []
+        for e in raw.split(b"\n\n"):
+            if e:
+                sh = e.decode() if not e.startswith(b"data: {") else _shape(json.loads(e[6:]))
+                if not events or events[-1] != sh:
+                    events.append(sh)
+        out["events"] = events
+    else:
+        try:
+            out["body"] = _shape(json.loads(raw))
+        except ValueError:
+            out["body"] = raw.decode(errors="replace")
+    return out
+
+
+@pytest.mark.parametrize(("method", "path", "body"), [c[1:] for c in CLIENT_CASES], ids=[c[0] for c in CLIENT_CASES])
+async def test_client_error_fidelity(fleet: list[RealServer], method: str, path: str, body: Any) -> None:
+    """Requests a client may get wrong (bad JSON, missing or mistyped fields, bad sampling values,
+    unknown roles, routes and methods) and odd ones that are served: the status, content type and
+    body shape (error keys and their ``object``/``type``/``code``) match the real engine's, since the
+    gateway relays them to the user unchanged."""
+    real = await client_outcome(fleet[0].url, method, path, body)
+    async with running_emulators(1, config=emulator_config()) as (emu_rep,):
+        emu = await client_outcome(emu_rep.url, method, path, body)
+    if real != emu:
+        diff = difflib.unified_diff(
+            json.dumps(real, indent=1).splitlines(), json.dumps(emu, indent=1).splitlines(),
+            "real SGLang", "emulator", lineterm="",
+        )
+        pytest.fail("\n".join(diff))
 
 
 # ---- cache -----------------------------------------------------------------------------------------
