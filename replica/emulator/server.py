@@ -21,8 +21,10 @@ Test hooks (not part of SGLang): ``POST/GET/DELETE /_emulator/faults`` and ``GET
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
+import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -145,7 +147,10 @@ class _ClientError(Exception):
     ``stage`` says where SGLang 0.5.23 finds the error, which decides how a *streamed* request
     learns of it (unstreamed: always the status with an error body):
 
-    * ``None``: before the response starts (pydantic, the schema gate): the status, for streams too;
+    * ``None``: before the response starts (the schema gate, the serving layer's own checks): the
+      status, for streams too;
+    * ``"validation"``: FastAPI's request validation (bad JSON, a missing or mistyped field):
+      400 ``{"object": "error", ..., "type": "Bad Request"}`` on every route, ``/generate`` too;
     * ``"tokenizer"``: in the tokenizer manager (context checks, bad sampling values): ``/generate``
       has already answered 200 ``text/event-stream`` and sends one ``data: {"error": ...}`` event and
       ``[DONE]``; the OpenAI routes still answer the status;
@@ -439,6 +444,12 @@ def _error_type(status: int) -> str:
     }.get(status, "InternalServerError")
 
 
+def _weight_metadata(completion_tokens: int) -> dict[str, Any]:
+    """An unstreamed OpenAI response's ``metadata``: one weight version served every output token."""
+    return {"weight_version": "default",
+            "weight_versions": [{"version": "default", "start": 0, "end": completion_tokens}]}
+
+
 def _sse(obj: Any) -> bytes:
     return b"data: " + _dumps(obj).encode() + b"\n\n"
 
@@ -447,24 +458,84 @@ _DONE = b"data: [DONE]\n\n"
 _SSE_HEADERS = {"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache"}
 
 
+def _validation_error(message: str) -> _ClientError:
+    """FastAPI's request validation refused the body (SGLang's ``RequestValidationError`` handler
+    names the type by the status phrase, ``Bad Request``, not ``BadRequestError``)."""
+    return _ClientError(f"1 validation error:\n  {message}", stage="validation")
+
+
+def _validation_response(exc: _ClientError) -> web.Response:
+    return _openai_error(str(exc), exc.status, "Bad Request")
+
+
 async def _read_json(request: web.Request) -> dict[str, Any]:
     try:
         body = await request.read()
         obj = _loads(body)
     except (ValueError, UnicodeDecodeError) as exc:
-        raise _ClientError(f"Invalid JSON body: {exc}") from None
+        raise _validation_error(f"JSON decode error: {exc}") from None
     if not isinstance(obj, dict):
-        raise _ClientError("The request body must be a JSON object")
+        # real SGLang's chat route crashes here (500, or a reset connection): the gateway refuses such
+        # bodies itself, so the emulator answers like the other routes do
+        raise _validation_error("Input should be a valid dictionary or object to extract fields from")
     return obj
 
 
-def _int_field(body: dict[str, Any], key: str, minimum: int = 0) -> int | None:
+def _lax_int(body: dict[str, Any], key: str) -> int | None:
+    """``body[key]`` as pydantic's lax ``int`` takes it: ``2``, ``2.0`` and ``"2"`` are 2; anything
+    else is a validation error."""
     v = body.get(key)
-    if v is None:
-        return None
-    if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
+    if v is None or (isinstance(v, int) and not isinstance(v, bool)):
+        return v
+    if isinstance(v, float) and v.is_integer():
+        return int(v)
+    if isinstance(v, str):
+        with contextlib.suppress(ValueError):
+            return int(v.strip())
+    raise _validation_error(f"{key}: Input should be a valid integer")
+
+
+def _int_field(body: dict[str, Any], key: str, minimum: int = 0) -> int | None:
+    v = _lax_int(body, key)
+    if v is not None and v < minimum:
         raise _ClientError(f"{key} must be an integer >= {minimum}")
     return v
+
+
+# roles SGLang's ChatCompletionRequest takes (its message union refuses any other)
+_CHAT_ROLES = frozenset({"system", "user", "assistant", "tool", "function", "developer"})
+
+
+def _verify_sampling(values: dict[str, Any]) -> None:
+    """SGLang's ``SamplingParams.verify`` on the values a request sets (the tokenizer manager runs it
+    after the context checks). The messages print the values as the engine holds them: floats from
+    the OpenAI routes (pydantic made them so), the client's numbers from ``/generate``."""
+
+    def num(key: str, default: float) -> float:
+        v = values.get(key)
+        return v if isinstance(v, int | float) and not isinstance(v, bool) else default
+
+    temperature, top_p, min_p = num("temperature", 1.0), num("top_p", 1.0), num("min_p", 0.0)
+    top_k = num("top_k", -1)
+    if not math.isfinite(temperature) or temperature < 0.0:
+        raise _ClientError(f"temperature must be a non-negative finite number, got {temperature}.", stage="tokenizer")
+    if 0 <= temperature < 1e-6:
+        top_k = 1  # greedy (SamplingParams.__init__)
+    if not 0.0 < top_p <= 1.0:
+        raise _ClientError(f"top_p must be in (0, 1], got {top_p}.", stage="tokenizer")
+    if not 0.0 <= min_p <= 1.0:
+        raise _ClientError(f"min_p must be in [0, 1], got {min_p}.", stage="tokenizer")
+    if top_k != -1 and top_k < 1:
+        raise _ClientError(f"top_k must be -1 (disable) or at least 1, got {top_k}.", stage="tokenizer")
+    for key in ("frequency_penalty", "presence_penalty"):
+        v = num(key, 0.0)
+        if not -2.0 <= v <= 2.0:
+            raise _ClientError(f"{key} must be in [-2, 2], got {v}.", stage="tokenizer")
+    rp = num("repetition_penalty", 1.0)
+    if not 0.0 < rp <= 2.0:
+        raise _ClientError(
+            f"repetition_penalty must be in (0, 2] (1.0 = no penalty), got {rp}.", stage="tokenizer"
+        )
 
 
 def _salt(body: dict[str, Any]) -> int:
@@ -483,12 +554,15 @@ def max_req_input_len(prof: Profile) -> int:
     return _max_req_len(prof) - 5
 
 
-def _check_context(cfg: EmulatorConfig, prompt_tokens: int, max_tokens: int | None, default: int) -> int:
+def _check_context(
+    cfg: EmulatorConfig, prompt_tokens: int, max_tokens: int | None, default: int,
+    verify: Callable[[], None] = lambda: None,
+) -> int:
     """SGLang 0.5.23's length checks, in its order; returns the output length the request gets.
 
     The tokenizer manager refuses a prompt of the context length or more, and prompt + ``max_tokens``
     over it *only when the client gave* ``max_tokens`` (without one nothing is summed). The scheduler
-    then refuses a prompt of ``max_req_input_len`` or more, and caps the output at
+    then checks the sampling values (``verify``); the scheduler refuses a prompt of ``max_req_input_len`` or more, and caps the output at
     ``max_req_len - prompt - 1``: a request without ``max_tokens`` near the limit is served, shorter.
     """
     prof = cfg.profile
@@ -506,6 +580,7 @@ def _check_context(cfg: EmulatorConfig, prompt_tokens: int, max_tokens: int | No
             "in the input messages or the completion to fit within the limit.",
             stage="tokenizer",
         )
+    verify()
     cap = max_req_input_len(prof)
     if prompt_tokens >= cap:
         raise _ClientError(
@@ -538,8 +613,15 @@ def _parse_openai(body: dict[str, Any], request: web.Request, cfg: EmulatorConfi
             prompt = _ids_prompt(body["input_ids"])
         else:
             msgs = body.get("messages")
-            if not isinstance(msgs, list) or not msgs:
+            if not isinstance(msgs, list):
+                raise _validation_error("messages: Field required")
+            if not msgs:
                 raise _ClientError("messages must be a non-empty list")
+            for i, m in enumerate(msgs):
+                if not isinstance(m, dict) or m.get("role") not in _CHAT_ROLES:
+                    raise _validation_error(
+                        f"messages.{i}.role: 'role' must be one of " + ", ".join(sorted(_CHAT_ROLES))
+                    )
             tools = body.get("tools")
             try:
                 prompt = encode_text(render_chat(msgs, tools if isinstance(tools, list) else None))
@@ -563,13 +645,19 @@ def _parse_openai(body: dict[str, Any], request: web.Request, cfg: EmulatorConfi
         elif isinstance(p, list) and len(p) == 1 and isinstance(p[0], str | list):
             return _parse_openai({**body, "prompt": p[0]}, request, cfg, chat)
         else:
-            raise _ClientError("prompt must be a string or a list of token ids")
-        max_tokens = _int_field(body, "max_tokens", 1)
+            raise _validation_error("prompt: Field required (a string or a list of token ids)")
+        max_tokens = _lax_int(body, "max_tokens")
         if max_tokens is None:
             max_tokens = 16
+        elif max_tokens <= 0:  # CompletionRequest's own validator
+            raise _validation_error("max_tokens: Value error, max_tokens must be positive")
     if prompt.num_tokens == 0:
         raise _ClientError("The prompt is empty")
-    n_out = _check_context(cfg, prompt.num_tokens, max_tokens, cfg.default_max_tokens)
+    n_out = _check_context(
+        cfg, prompt.num_tokens, max_tokens, cfg.default_max_tokens,
+        lambda: _verify_sampling({k: float(v) if k != "top_k" and isinstance(v, int | float) else v
+                                  for k, v in body.items()}),
+    )
     # without a max_tokens the output ends on EOS ("stop"), unless the context cut it short
     explicit = max_tokens is not None or n_out < cfg.default_max_tokens
     stream = bool(body.get("stream", False))
@@ -618,10 +706,14 @@ def _parse_generate(body: dict[str, Any], request: web.Request, cfg: EmulatorCon
             f"unknown field `{unknown[0]}`, expected one of " + ", ".join(f"`{k}`" for k in SAMPLING_PARAMS),
             plain=True,
         )
-    if isinstance(body.get("text"), str):
-        prompt = encode_text(body["text"])
-    elif body.get("input_ids") is not None:
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        kind = f"string {json.dumps(stream)}" if isinstance(stream, str) else json.dumps(stream)
+        raise _ClientError(f"invalid type: {kind}, expected a boolean", plain=True)
+    if body.get("input_ids") is not None:  # the engine tokenizes text only when no ids were given
         prompt = _ids_prompt(body["input_ids"])
+    elif isinstance(body.get("text"), str):
+        prompt = encode_text(body["text"])
     elif isinstance(body.get("text"), list) or body.get("input_ids") is not None:
         raise _ClientError("batch requests are not supported by the emulator")
     else:
@@ -634,7 +726,7 @@ def _parse_generate(body: dict[str, Any], request: web.Request, cfg: EmulatorCon
         raise _max_new_tokens_error(mnt)
     if prompt.num_tokens == 0:
         raise _ClientError("The input is empty")
-    n_out = _check_context(cfg, prompt.num_tokens, mnt, cfg.default_max_tokens)
+    n_out = _check_context(cfg, prompt.num_tokens, mnt, cfg.default_max_tokens, lambda: _verify_sampling(sp))
     explicit = mnt is not None or n_out < cfg.default_max_tokens
     rid = body.get("rid")
     return _Parsed(
@@ -642,7 +734,7 @@ def _parse_generate(body: dict[str, Any], request: web.Request, cfg: EmulatorCon
         prompt=prompt,
         max_tokens=n_out,
         explicit_max=explicit,
-        stream=bool(body.get("stream", False)),
+        stream=stream,
         include_usage=False,
         salt=_salt(body),
         routing_key=_opt_str(body.get("routing_key")) or request.headers.get("x-smg-routing-key"),
@@ -915,12 +1007,14 @@ class _Handlers:
     # ---- data plane ----------------------------------------------------------------------
     async def chat(self, request: web.Request) -> web.StreamResponse:
         if not request.content_type.startswith("application/json"):
-            return _openai_error("Content-Type must be application/json", 400)
+            return _validation_response(_validation_error("Unsupported Media Type: Only 'application/json' is allowed"))
         body: dict[str, Any] = {}
         try:
             body = await _read_json(request)
             parsed = _parse_openai(body, request, self.cfg, chat=True)
         except _ClientError as exc:
+            if exc.stage == "validation":
+                return _validation_response(exc)
             if exc.stage == "scheduler" and body.get("stream"):
                 return await self._scheduler_refusal_stream(request, body, "chat.completion.chunk", exc)
             return _openai_error(str(exc), exc.status)
@@ -948,7 +1042,7 @@ class _Handlers:
                     choice["meta_info"] = self._meta(p, fl, n, fin, False)
                 out: dict[str, Any] = {
                     "id": p.rid, "object": "chat.completion", "created": created, "model": model,
-                    "choices": [choice], "usage": self._usage(fl, n), "metadata": {"weight_version": "default"},
+                    "choices": [choice], "usage": self._usage(fl, n), "metadata": _weight_metadata(n),
                 }
                 if want_details:
                     out["sglext"] = {"cached_tokens_details": {"device": fl.cached_device, "host": fl.cached_host}}
@@ -993,6 +1087,8 @@ class _Handlers:
             body = await _read_json(request)
             parsed = _parse_openai(body, request, self.cfg, chat=False)
         except _ClientError as exc:
+            if exc.stage == "validation":
+                return _validation_response(exc)
             if exc.stage == "scheduler" and body.get("stream"):
                 return await self._scheduler_refusal_stream(request, body, "text_completion", exc)
             return _openai_error(str(exc), exc.status)
@@ -1010,7 +1106,7 @@ class _Handlers:
                     "id": p.rid, "object": "text_completion", "created": created, "model": model,
                     "choices": [{"index": 0, "text": output_text(n, _text_seed(p.rid)), "logprobs": None,
                                  "finish_reason": reason, "matched_stop": matched}],
-                    "usage": self._usage(fl, n), "metadata": {"weight_version": "default"},
+                    "usage": self._usage(fl, n), "metadata": _weight_metadata(n),
                 })
             resp = web.StreamResponse(headers=_SSE_HEADERS)
             await resp.prepare(request)
@@ -1044,7 +1140,9 @@ class _Handlers:
             body = await _read_json(request)
             parsed = _parse_generate(body, request, self.cfg)
         except _ClientError as exc:
-            if exc.stage is not None and body.get("stream"):
+            if exc.stage == "validation":
+                return _validation_response(exc)
+            if exc.stage is not None and body.get("stream") is True:
                 return await self._generate_error_stream(request, body, exc)
             return _json({"error": str(exc) if exc.plain else {"message": str(exc)}}, exc.status)
         want_prompt_ids = bool(body.get("return_prompt_token_ids"))

@@ -159,7 +159,7 @@ async def test_completions_stream_and_nonstream(emu: Running, http: aiohttp.Clie
     assert chunks[-1]["choices"] == [] and "completion_tokens_details" not in chunks[-1]["usage"]
     status, doc, _ = await post(http, f"{emu.url}/v1/completions", {"prompt": [5, 6, 7], "max_tokens": 2})
     assert status == 200 and doc["usage"]["prompt_tokens"] == 3 and doc["choices"][0]["finish_reason"] == "length"
-    assert doc["metadata"] == {"weight_version": "default"}
+    assert doc["metadata"] == {"weight_version": "default", "weight_versions": [{"version": "default", "start": 0, "end": doc["usage"]["completion_tokens"]}]}
 
 
 # ---- cache behaviour through HTTP ------------------------------------------------------------
@@ -326,7 +326,8 @@ async def test_errors_are_sglang_shaped(emu: Running, http: aiohttp.ClientSessio
                          headers={"Content-Type": "application/json"}) as r:
         assert r.status == 400
         err = await r.json()
-    assert err["object"] == "error" and err["code"] == 400 and err["type"] == "BadRequestError"
+    # FastAPI's validation handler names the type by the status phrase (real SGLang 0.5.23)
+    assert err["object"] == "error" and err["code"] == 400 and err["type"] == "Bad Request"
     async with http.post(f"{emu.url}/v1/chat/completions", data=b"{}", headers={"Content-Type": "text/plain"}) as r:
         assert r.status == 400
     status, err, _ = await post(http, f"{emu.url}/v1/chat/completions", {"messages": []})
@@ -344,8 +345,26 @@ async def test_errors_are_sglang_shaped(emu: Running, http: aiohttp.ClientSessio
     assert status == 400 and err["object"] == "error"
     async with http.get(f"{emu.url}/nope") as r:
         assert r.status == 404
+    # the sampling values SamplingParams.verify refuses, printed as the engine holds them
+    status, err, _ = await post(http, f"{emu.url}/v1/chat/completions", {**chat_body([{"role": "user", "content": "x"}]), "temperature": -1})
+    assert (status, err["type"], err["message"]) == (
+        400, "BadRequestError", "temperature must be a non-negative finite number, got -1.0.")
+    status, err, _ = await post(http, f"{emu.url}/generate", {"text": "x", "sampling_params": {"top_p": 2}})
+    assert (status, err) == (400, {"error": {"message": "top_p must be in (0, 1], got 2."}})
+    status, err, _ = await post(http, f"{emu.url}/v1/chat/completions",
+                                chat_body([{"role": "wizard", "content": "x"}]))
+    assert status == 400 and err["type"] == "Bad Request"
+    status, err, _ = await post(http, f"{emu.url}/generate", {"text": "x", "stream": "yes"})
+    assert (status, err) == (400, {"error": 'invalid type: string "yes", expected a boolean'})
     st = await state(http, emu)
     assert st["running"] == 0 and st["requests_served"] == 0
+
+
+async def test_generate_prefers_input_ids_over_text(emu: Running, http: aiohttp.ClientSession) -> None:
+    """SGLang tokenizes ``text`` only when no ``input_ids`` came: the ids are the prompt."""
+    body = {"text": "a much longer text than two tokens", "input_ids": [11, 12], "sampling_params": {"max_new_tokens": 1}}
+    status, doc, _ = await post(http, f"{emu.url}/generate", body)
+    assert status == 200 and doc["meta_info"]["prompt_tokens"] == 2
 
 
 # ---- disconnect, abort, faults ---------------------------------------------------------------
