@@ -618,7 +618,8 @@ def _parse_openai(body: dict[str, Any], request: web.Request, cfg: EmulatorConfi
             if not msgs:
                 raise _ClientError("messages must be a non-empty list")
             for i, m in enumerate(msgs):
-                if not isinstance(m, dict) or m.get("role") not in _CHAT_ROLES:
+                role = m.get("role") if isinstance(m, dict) else None
+                if not isinstance(role, str) or role not in _CHAT_ROLES:  # a list role is unhashable
                     raise _validation_error(
                         f"messages.{i}.role: 'role' must be one of " + ", ".join(sorted(_CHAT_ROLES))
                     )

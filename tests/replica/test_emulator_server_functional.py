@@ -360,6 +360,27 @@ async def test_errors_are_sglang_shaped(emu: Running, http: aiohttp.ClientSessio
     assert st["running"] == 0 and st["requests_served"] == 0
 
 
+@pytest.mark.parametrize(
+    ("route", "raw"),
+    [
+        ("/v1/chat/completions", b'{"messages": [{"role": "user"}, {"role": []}]}'),
+        ("/v1/chat/completions", b'{"messages": [{"role": {"a": 1}, "content": "x"}]}'),
+        ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "temperature": 1' + b"0" * 400 + b"}"),
+        ("/v1/completions", b'{"prompt": "x", "top_p": -1' + b"0" * 400 + b"}"),
+        ("/v1/completions", b'{"prompt": "x", "max_tokens": 1e400}'),
+        ("/generate", b'{"text": "x", "sampling_params": {"temperature": 1' + b"0" * 400 + b"}}"),
+        ("/generate", b'{"text": "x", "sampling_params": {"top_k": [1]}}'),
+    ],
+    ids=["list-role", "dict-role", "huge-temperature", "huge-top-p", "inf-max-tokens", "generate-huge", "generate-list"],
+)
+async def test_hostile_values_get_a_client_error_not_a_500(
+    emu: Running, http: aiohttp.ClientSession, route: str, raw: bytes
+) -> None:
+    async with http.post(f"{emu.url}{route}", data=raw, headers={"Content-Type": "application/json"}) as r:
+        body = await r.read()
+        assert r.status < 500, (r.status, body[:300])
+
+
 async def test_generate_prefers_input_ids_over_text(emu: Running, http: aiohttp.ClientSession) -> None:
     """SGLang tokenizes ``text`` only when no ``input_ids`` came: the ids are the prompt."""
     body = {"text": "a much longer text than two tokens", "input_ids": [11, 12], "sampling_params": {"max_new_tokens": 1}}

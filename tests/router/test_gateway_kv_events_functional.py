@@ -193,6 +193,12 @@ async def test_one_gateway_publishes_another_reads_through_redis(kv_emulators: l
         assert await b_sees()
         bsvc = b.runtime.residency
         assert bsvc is not None and bsvc.mode == "redis"
+        # the other replica's mirror reaches Redis when gw-a's subscriber has replayed it, which on a
+        # loaded machine can come after the session's: wait for it (bounded), then it must be exact
+        for _ in range(500):
+            if {bsvc.view.source(u.removeprefix("http://")) for u in urls} == {"events"}:
+                break
+            await asyncio.sleep(0.01)
         assert {bsvc.view.source(u.removeprefix("http://")) for u in urls} == {"events"}
         async with http.get(b.url + "/admin/stats") as r:
             body = await r.json()
