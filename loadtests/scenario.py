@@ -144,10 +144,9 @@ class DemoScenario:
         otherwise trip over only after its fleet has started."""
         self.replica_profile()
         self.load_config("http://127.0.0.1:1", ())
-        if self.workload_kind == "weka" and self.trace:
-            with Path(self.trace).open("rb"):
-                pass
-        elif self.workload_kind not in ("synthetic", "weka"):
+        if self.workload_kind == "weka":
+            self.workload()  # reads and checks the trace (a fraction of a second)
+        elif self.workload_kind != "synthetic":
             raise ValueError(f"unknown workload {self.workload_kind!r} (synthetic | weka)")
 
     def load_config(self, url: str, replica_urls: Sequence[str], *, fresh: bool = False) -> LoadConfig:

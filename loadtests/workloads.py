@@ -34,7 +34,7 @@ import math
 import os
 import random
 from collections import Counter, defaultdict
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, overload
@@ -488,6 +488,19 @@ def _weka_sessions_path(path: Path) -> Path:
     return path.with_name(name)
 
 
+def _checked_trace(kind: str, path: Path, read: Callable[[], list[SessionSpec]]) -> list[SessionSpec]:
+    """``read()``, with a file that is not such a trace (bad JSON, a missing or mistyped field) or
+    holds no session refused as a ValueError that names the file (OSError passes: unreadable)."""
+    try:
+        specs = read()
+    except (KeyError, TypeError, ValueError, IndexError) as exc:  # json's errors are ValueErrors
+        what = f"missing field {exc}" if isinstance(exc, KeyError) else str(exc)
+        raise ValueError(f"{path}: not a {kind} trace ({what})") from None
+    if not specs:
+        raise ValueError(f"{path}: no sessions in this {kind} trace")
+    return specs
+
+
 def read_weka(path: str | Path = DEFAULT_WEKA_TRACE, *, limit: int | None = None) -> list[SessionSpec]:
     """Read the flattened WEKA kv-cache-tester Claude Code trace (traces/README.md).
 
@@ -496,8 +509,15 @@ def read_weka(path: str | Path = DEFAULT_WEKA_TRACE, *, limit: int | None = None
     sessions (first ones in file order). Sub-agents become branches: each spawns after the parent's
     last request that started before it, ``start_s`` = the gap from that request's recorded end
     (``t_abs + api_time``), floored at 0. ``think_s`` = the recorded ``think_time``. Every
-    session starts at 0 (the trace has no global clock): use ``with_arrivals``.
+    session starts at 0 (the trace has no global clock): use ``with_arrivals``. A file that is not
+    such a trace, or holds no session, is a ValueError that names it.
     """
+    path = Path(path)
+    return _checked_trace("WEKA", path, lambda: _read_weka(path, limit))
+
+
+def _read_weka(path: Path, limit: int | None) -> list[SessionSpec]:
+    """The reader behind ``read_weka``."""
     path = Path(path)
     prefix: dict[tuple[str, str], int] = {}
     meta_path = _weka_sessions_path(path)
@@ -628,7 +648,14 @@ def read_mooncake(path: str | Path = DEFAULT_MOONCAKE_TRACE, *, limit: int | Non
     starts minus the previous request's nominal service time (uncached/10k tok/s + 30 ms/output
     token), floored at 0. ``shared_prefix_tokens`` = the leading popular blocks x 512.
     ``limit`` caps the number of sessions (in order of first appearance).
+    A file that is not such a trace, or holds no session, is a ValueError that names it.
     """
+    path = Path(path)
+    return _checked_trace("Mooncake", path, lambda: _read_mooncake(path, limit))
+
+
+def _read_mooncake(path: Path, limit: int | None) -> list[SessionSpec]:
+    """The reader behind ``read_mooncake``."""
     path = Path(path)
     with path.open() as f:
         rows = [json.loads(line) for line in f if line.strip()]

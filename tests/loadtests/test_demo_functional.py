@@ -75,12 +75,13 @@ def test_sigterm_mid_load_unwinds_the_demo(tmp_path: Path) -> None:
         (["demo", "--replicas", "0"], "--replicas"),
         (["demo", "--time-scale", "0"], "time_scale must be > 0"),
         (["demo", "--workload", "weka", "--trace", "/nonexistent/trace.jsonl"], "No such file"),
+        (["demo", "--workload", "weka", "--trace", "/dev/null"], "no sessions in this WEKA trace"),
         (["demo", "--json", "/proc/no/such/dir/out.json"], "cannot write there"),  # refused before the run
         (["demo", "--engine-set", "bogus=1"], "unknown profile field 'bogus'"),
         (["bench", "peers", "--seeds", "1", "--duration", "-1"], "duration_s must be > 0"),
         (["bench", "peers", "--workload", "weka", "--trace", "/nonexistent/trace.jsonl"], "No such file"),
     ],
-    ids=["replicas", "time-scale", "trace", "json-dir", "engine-set", "peers-duration", "peers-trace"],
+    ids=["replicas", "time-scale", "trace", "empty-trace", "json-dir", "engine-set", "peers-duration", "peers-trace"],
 )
 def test_demo_and_peers_refuse_bad_arguments_before_starting_a_fleet(args: list[str], says: str) -> None:
     proc = subprocess.run([KVROUTE, *args], check=False, capture_output=True, text=True, timeout=30)

@@ -218,3 +218,21 @@ def test_turn_overlaps_follow_the_trace_hashes_or_the_append_convention() -> Non
         block_size=10,
     )  # fmt: skip
     assert turn_overlaps(trace) == (0, 30)
+
+
+@pytest.mark.parametrize(
+    ("text", "says"),
+    [
+        ('{"bad json\n', "not a {kind} trace"),
+        ('{"a": 1}\n', "not a {kind} trace (missing field"),
+        ("", "no sessions in this {kind} trace"),
+    ],
+    ids=["bad-json", "wrong-schema", "empty"],
+)
+@pytest.mark.parametrize("kind", ["WEKA", "Mooncake"])
+def test_a_file_that_is_not_a_trace_is_a_value_error_naming_it(tmp_path: Path, kind: str, text: str, says: str) -> None:
+    path = tmp_path / "trace.jsonl"
+    path.write_text(text)
+    with pytest.raises(ValueError) as exc:
+        (read_weka if kind == "WEKA" else read_mooncake)(path)
+    assert str(exc.value).startswith(f"{path}: ") and says.format(kind=kind) in str(exc.value)
