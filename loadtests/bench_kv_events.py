@@ -162,8 +162,13 @@ def cli_main(argv: list[str]) -> int:
     p.add_argument("--replicas", type=int, default=8)
     p.add_argument("--seed", type=int, default=1)
     ns = p.parse_args(argv)
-    pages = [int(x) for x in ns.pages.split(",") if x]
-    ctxs = [int(x) for x in ns.context.split(",") if x]
+    try:
+        pages = [int(x) for x in ns.pages.split(",") if x]
+        ctxs = [int(x) for x in ns.context.split(",") if x]
+    except ValueError:
+        p.error("--pages and --context: comma lists of integers")
+    if min(pages + ctxs, default=0) < 1 or min(ns.turns, ns.sessions, ns.replicas) < 1:
+        p.error("--pages, --context, --turns, --sessions and --replicas must be >= 1")
     out: dict[str, Any] = {
         "event_cost": [event_cost(pg, ns.turns, seed=ns.seed) for pg in pages],
         # bounded: at most 2 M blocks in one mirror

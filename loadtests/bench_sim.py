@@ -103,6 +103,9 @@ def cli_main(argv: list[str]) -> int:
     if ns.replicas < 1 or ns.gateways < 1 or ns.jobs < 1:
         print("kvroute bench sim: --replicas, --gateways and --jobs must be >= 1", file=sys.stderr)
         return 2
+    if ns.duration <= 0 or ns.warmup < 0:
+        print("kvroute bench sim: --duration must be > 0 and --warmup >= 0", file=sys.stderr)
+        return 2
     try:
         result = run_bench(ns)
     except (RuntimeError, subprocess.TimeoutExpired) as exc:

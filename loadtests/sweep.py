@@ -64,6 +64,10 @@ def cli_main(argv: list[str]) -> int:
     w = WORKLOADS[ns.workload]
     base_sc = replace(d, workload_kind=w["workload_kind"], sessions=w["sessions"], host_tier=w["host_tier"],
                       kv_events=ns.kv_events, duration_s=ns.duration)  # fmt: skip
+    try:
+        base_sc.check()
+    except (ValueError, OSError) as exc:
+        p.error(str(exc))
 
     def run(seed: int, params: tuple[str, ...]) -> dict[str, Any]:
         return run_sim_for(replace(base_sc, seed=seed, policy_params=params))

@@ -194,3 +194,20 @@ def test_sigterm_stops_the_fleet_it_started() -> None:
         return bool(started) and time.monotonic() - started[0] >= 1.0
 
     assert sigterm_when(proc, ready) == 128 + signal.SIGTERM
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["sweep", "--seeds", "1", "--variant", "w_sessions=1", "--duration", "-5"], "duration_s must be > 0"),
+        (["sim", "--duration", "-1"], "--duration must be > 0"),
+        (["kv-events", "--sessions", "0"], "must be >= 1"),
+        (["kv-events", "--pages", "x"], "comma lists of integers"),
+    ],
+    ids=["sweep-duration", "sim-duration", "kv-events-sessions", "kv-events-pages"],
+)
+def test_benches_refuse_bad_arguments_in_one_line(args: list[str], says: str) -> None:
+    kvroute = str(Path(sys.executable).parent / "kvroute")
+    proc = subprocess.run([kvroute, "bench", *args], check=False, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert says in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]
