@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
@@ -15,20 +15,13 @@ import redis.asyncio as aioredis
 
 from router.residency import EVENTS
 from router.store.residency import RedisResidencyMirror
-from tests.replica.test_agent_functional import Procs, _readline, _rid, _until, start_sidecar
+from tests.replica.test_agent_functional import Procs, _readline, _rid, _until, procs, start_sidecar
+
+__all__ = ["procs"]  # fixture shared with the sidecar tests
 
 pytestmark = pytest.mark.slow
 
 KV = json.dumps({"publisher": "zmq", "endpoint": "tcp://127.0.0.1:*", "replay_endpoint": "tcp://127.0.0.1:*"})
-
-
-@pytest.fixture
-def procs() -> Iterator[Procs]:
-    ps = Procs()
-    try:
-        yield ps
-    finally:
-        ps.cleanup()
 
 
 @contextlib.asynccontextmanager

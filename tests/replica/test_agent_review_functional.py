@@ -17,17 +17,20 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 from aiohttp import web
 from redis.asyncio import Redis
 
-from loadtests.procs import Procs, read_line
+from loadtests.procs import read_line
 from router.store.keys import KeySpace
+from tests.replica.test_agent_functional import Procs, procs
 
 ROOT = Path(__file__).resolve().parents[2]
+__all__ = ["procs"]  # fixture shared with the sidecar tests
+
 PY = sys.executable
 MODEL = "slow-model"
 
@@ -91,15 +94,6 @@ async def slow_engine() -> AsyncIterator[tuple[SlowEngine, str]]:
         await runner.cleanup()
 
 
-@pytest.fixture
-def procs() -> Iterator[Procs]:
-    ps = Procs()
-    try:
-        yield ps
-    finally:
-        ps.cleanup()
-
-
 async def _entry(r: Redis, keys: KeySpace, rid: str) -> tuple[bool, str]:
     """Whether the replica's registry entry is live (listed, not past its expiry), and its engine
     load document (``""`` until the first report)."""
@@ -122,12 +116,11 @@ async def test_a_slow_engine_stays_in_the_registry_and_keeps_reporting_load(
     rid = engine_url.removeprefix("http://")
     keys = KeySpace()
     p = procs.start(
-        [PY, "-m", "router.cli", "sidecar", "--engine-url", engine_url, "--redis", redis_url,
+        ["sidecar", "--engine-url", engine_url, "--redis", redis_url,
          "--listen-host", "127.0.0.1", "--listen-port", "0",
          # the defaults that matter: a 5 s TTL equal to the probe timeout, a beat every second
          "--heartbeat-interval", "1", "--replica-ttl", "5", "--probe-timeout", "5",
          "--health-interval", "2", "--drain-grace", "0.3", "--drain-timeout", "20"],
-        stderr_pipe=True,
     )  # fmt: skip
     doc = json.loads(await read_line(p.stdout, 60.0))
     assert doc["event"] == "listening"
