@@ -273,7 +273,7 @@ class HandoffManager:
                 if snap.session is None or snap.session.home != home or snap.session.in_flight_total:
                     return  # moved or busy meanwhile: the next scan decides again
                 req = route_request(
-                    sid, KeySource.HEADER, route=prompt.route, model=None, body_bytes=len(prompt.body),
+                    sid, KeySource.HEADER, route=prompt.route, body_bytes=len(prompt.body),
                     session=snap.session,
                 )
                 decision = rt.policy.route(req, snap, rt.rng)

@@ -267,7 +267,6 @@ class RouteRequest:
     session_key: str | None
     key_source: KeySource = KeySource.HEADER
     route: str = "/v1/chat/completions"
-    model: str | None = None
     prompt_tokens_estimate: int = 0  # from the body size (router.route_input); refined by responses
     excluded: frozenset[ReplicaId] = frozenset()  # replicas that already failed this request
     body_bytes: int = 0  # size of the request body

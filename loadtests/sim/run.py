@@ -552,7 +552,7 @@ class _Sim:
         snap = self._view(gw, t, key)
         # the conversation this turn continues (the gateway hashes the same thing from the body)
         ck = f"{chain.spec.session_id}~{chain.starts[req.turn]}"
-        request = route_request(key, KeySource.HEADER, route=CHAT_ROUTE, model=None,
+        request = route_request(key, KeySource.HEADER, route=CHAT_ROUTE,
                                 body_bytes=req.body_bytes, session=snap.session, excluded=req.excluded,
                                 chain_key=ck)
         try:

@@ -191,19 +191,16 @@ def _refuse_empty_generate(body: bytes) -> None:
         raise BadRequestError("the input is empty: text and input_ids must not be empty")
 
 
-def _routing_key(
-    session_id: str | None, body: bytes, route: str, policy: object
-) -> tuple[str | None, KeySource, str | None]:
+def _routing_key(session_id: str | None, body: bytes, route: str, policy: object) -> tuple[str | None, KeySource]:
     if session_id is not None:
-        return session_id, KeySource.HEADER, None
+        return session_id, KeySource.HEADER
     obj = _parse_body(body)
-    model = obj.get("model") if isinstance(obj.get("model"), str) else None
     p = _prefix_params(policy)
     try:
         key = prefix_key(obj, route, p.prefix_block_chars, p.prefix_blocks)
     except RecursionError:  # valid JSON (orjson reads 1024 levels) too deep to render: no key
         key = None
-    return key, (KeySource.PREFIX if key is not None else KeySource.NONE), model
+    return key, (KeySource.PREFIX if key is not None else KeySource.NONE)
 
 
 class _Relay:
@@ -336,7 +333,6 @@ class _Proxy:
                 self.req.session_key,
                 self.req.key_source,
                 route=self.req.route,
-                model=self.req.model,
                 body_bytes=self.req.body_bytes,
                 session=snap.session,
                 excluded=frozenset(excluded),
@@ -701,8 +697,8 @@ async def serve_inference(
         prog.t0 = clock.now()  # the client's upload time is not ours
         if route == "/generate":
             _refuse_empty_generate(body)
-        key, source, model = _routing_key(session_id, body, route, rt.policy)
-        req = route_request(key, source, route=route, model=model, body_bytes=len(body), session=None)
+        key, source = _routing_key(session_id, body, route, rt.policy)
+        req = route_request(key, source, route=route, body_bytes=len(body), session=None)
         fwd = _forward_headers(headers, remote, cfg, session_id, request_id)
         proxy = _Proxy(downstream, request_id, rt, body, req, fwd, prog)
         try:

@@ -15,11 +15,11 @@ def test_estimate_uses_the_sessions_learned_bytes_per_token() -> None:
 
 def test_route_request_reads_only_its_own_sessions_ratio() -> None:
     mine = SessionState("s1", home="r", bytes_per_token=2.0)
-    req = route_request("s1", KeySource.HEADER, route="/v1/completions", model="m", body_bytes=2000, session=mine,
+    req = route_request("s1", KeySource.HEADER, route="/v1/completions", body_bytes=2000, session=mine,
                         excluded=frozenset({"r9"}))  # fmt: skip
-    assert (req.session_key, req.key_source, req.route, req.model) == ("s1", KeySource.HEADER, "/v1/completions", "m")
+    assert (req.session_key, req.key_source, req.route) == ("s1", KeySource.HEADER, "/v1/completions")
     assert (req.body_bytes, req.prompt_tokens_estimate, req.excluded) == (2000, 1000, frozenset({"r9"}))
-    other = route_request("s2", KeySource.HEADER, route="/v1/completions", model=None, body_bytes=2000, session=mine)
+    other = route_request("s2", KeySource.HEADER, route="/v1/completions", body_bytes=2000, session=mine)
     assert other.prompt_tokens_estimate == 500  # another session's ratio is not this one's
 
 
@@ -33,7 +33,7 @@ def test_the_conversation_key_is_asked_for_only_when_the_session_may_be_split() 
         return "c1"
 
     def req(session: SessionState | None) -> str | None:
-        return route_request("s1", KeySource.HEADER, route="/v1/chat/completions", model=None, body_bytes=400,
+        return route_request("s1", KeySource.HEADER, route="/v1/chat/completions", body_bytes=400,
                              session=session, chain_key=key).chain_key  # fmt: skip
 
     assert req(None) is None and req(SessionState("s1")) is None  # new session: placed by load
@@ -44,6 +44,6 @@ def test_the_conversation_key_is_asked_for_only_when_the_session_may_be_split() 
     assert req(SessionState("s2", home="a", in_flight=(("a", 1),))) is None  # another session's state
     assert len(calls) == 2
     assert not wants_chain_key(SessionState("s1", home="a", chains=(("c1", "a"),)))
-    plain = route_request("s1", KeySource.HEADER, route="/v1/chat/completions", model=None, body_bytes=4,
+    plain = route_request("s1", KeySource.HEADER, route="/v1/chat/completions", body_bytes=4,
                           session=SessionState("s1", home="a", in_flight=(("a", 1),)), chain_key="k")  # fmt: skip
     assert plain.chain_key == "k"
