@@ -218,6 +218,10 @@ def bench_peers_main(argv: list[str]) -> int:
     p.add_argument("--workload", choices=["synthetic", "weka"], default="synthetic")
     p.add_argument("--trace", help="WEKA requests .jsonl (default: the copy in the shared traces)")
     p.add_argument(
+        "--no-session-id", action="store_true",
+        help="the clients send no session header; every router keys on the prompt (docs/BENCHMARKS.md)",
+    )
+    p.add_argument(
         "--policy-param",
         action="append",
         default=[],
@@ -324,7 +328,7 @@ def _scenario(ns: Any, seed: int) -> Any:
         token_unit=ns.token_unit, profile=ns.profile, seed=seed, host_tier=ns.hicache,
         workload_kind=ns.workload, trace=ns.trace, policy_params=tuple(ns.policy_param), kv_events=ns.kv_events,
         page_size=1 if real else None,  # SGLang's page size on CPU (the ideal caches pages like it)
-        engine_set=tuple(ns.engine_set),
+        engine_set=tuple(ns.engine_set), session_ids=not ns.no_session_id,
     )
 
 

@@ -807,6 +807,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--sample-interval", type=float, default=0.25, help="wall seconds between load samples")
     p.add_argument("--fresh-connections", action="store_true", help="new TCP connection per request")
     p.add_argument("--no-stream", action="store_true")
+    p.add_argument(
+        "--no-session-id", action="store_true",
+        help="send no session header (as a plain OpenAI client): the router keys on the prompt",
+    )
     p.add_argument("--max-think", type=float, default=120.0, help="cap on one think time, modelled s")
     p.add_argument(
         "--page-size", type=int,
@@ -849,6 +853,7 @@ async def _amain(ns: argparse.Namespace) -> int:
         max_think_modelled_s=ns.max_think,
         stream=not ns.no_stream,
         page_size=ns.page_size,
+        session_headers=() if ns.no_session_id else DEFAULT_SESSION_HEADERS,
     )
     show = not ns.no_progress and sys.stderr.isatty()
     if show:

@@ -80,6 +80,9 @@ WORKLOADS: dict[str, dict[str, Any]] = {
     "weka": {"workload_kind": "weka", "sessions": 80, "host_tier": True},
     # the same replay on HBM alone: the sessions do not fit the fleet (KV-bound)
     "weka-kv": {"workload_kind": "weka", "sessions": 80, "host_tier": False},
+    # clients that send no session id: every router keys on the prompt (kvroute: rule 7)
+    "synthetic-nosid": {"workload_kind": "synthetic", "sessions": 75, "host_tier": False, "session_ids": False},
+    "weka-nosid": {"workload_kind": "weka", "sessions": 80, "host_tier": True, "session_ids": False},
 }
 
 COMPARED = ("chr", "ideal_chr", "pooled_chr", "routing_loss", "dispersion", "dispersion_floor", "dispersion_sticky", "dispersion_between", "p_load_ge12",

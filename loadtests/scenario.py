@@ -14,21 +14,23 @@ importing ``parity`` (which runs ``demo``'s live side):
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from loadtests.live import LoadConfig
+from loadtests.live import DEFAULT_SESSION_HEADERS, LoadConfig
 from loadtests.sim.ceiling import run_ceiling
 from loadtests.sim.run import SimConfig
-from loadtests.textgen import BYTES_PER_TOKEN
+from loadtests.textgen import BYTES_PER_TOKEN, conversation_prefix_key
 from loadtests.workloads import SessionSpec
 from replica.emulator.profiles import Profile, get_profile, parse_overrides
 from replica.emulator.tokenizer import encode_text, render_chat
 from router.policy.params import PolicyParams
 
-__all__ = ["KV_EVENTS_CONFIG", "DemoScenario", "ceiling", "demo_scenario", "framing_tokens", "sim_config"]
+__all__ = [
+    "KV_EVENTS_CONFIG", "DemoScenario", "ceiling", "demo_scenario", "framing_tokens", "prefix_keys", "sim_config",
+]
 
 KV_EVENTS_CONFIG = '{"publisher":"zmq","endpoint":"tcp://127.0.0.1:*","replay_endpoint":"tcp://127.0.0.1:*"}'
 """SGLang's ``--kv-events-config`` for emulated replicas: a publisher and a replay socket on free ports
@@ -74,6 +76,9 @@ class DemoScenario:
     # residency (docs/KV_EVENTS.md)
     kv_events: bool = False
     policy_params: tuple[str, ...] = ()  # KEY=VALUE, passed to kvroute serve --policy-param (after the scaled ones)
+    # False: clients send no session header, as a plain OpenAI client; each router keys on the prompt
+    # (kvroute: rule 7's prefix key, docs/POLICY.md). The measures still group by the driver's sessions.
+    session_ids: bool = True
 
     def emulator_args(self) -> list[str]:
         return [
@@ -160,6 +165,7 @@ class DemoScenario:
             max_think_modelled_s=self.max_think_modelled_s,
             lanes=self.sessions,
             page_size=self.page_size,
+            session_headers=DEFAULT_SESSION_HEADERS if self.session_ids else (),
         )
 
     def workload(self) -> list[SessionSpec]:
@@ -255,8 +261,23 @@ def sim_config(scenario: DemoScenario) -> tuple[SimConfig, list[SessionSpec]]:
         start_mid_session=False,
         seed=scenario.seed,
         kv_events=scenario.kv_events,
+        session_ids=scenario.session_ids,
+        conversation_key=None if scenario.session_ids else prefix_keys(scenario.token_unit, params),
     )
     return cfg, specs
+
+
+def prefix_keys(token_unit: int, params: PolicyParams, model: str = "default") -> Callable[[SessionSpec, int], str]:
+    """The gateway's key for a conversation without a session id, as the live driver renders it at
+    ``token_unit`` for ``model`` (``LoadConfig.model``; ``SimConfig.conversation_key``)."""
+
+    def key(spec: SessionSpec, start: int) -> str:
+        return conversation_prefix_key(
+            spec.session_id, start, int(spec.shared_prefix_tokens), token_unit=token_unit, model=model,
+            block_chars=params.prefix_block_chars, blocks=params.prefix_blocks,
+        )
+
+    return key
 
 
 def ceiling(scenario: DemoScenario) -> dict[str, Any] | None:

@@ -32,6 +32,7 @@ from replica.emulator.tokenizer import render_chat
 __all__ = [
     "BYTES_PER_TOKEN",
     "Conversation",
+    "conversation_prefix_key",
     "emulated_tokens",
     "filler",
     "shared_prefix",
@@ -209,3 +210,19 @@ class Conversation:
         """Emulated tokens of the prompt as the emulator renders it."""
         shared = len(self._shared) + _common_template_bytes() if self._shared else 0  # with the markers around it
         return (shared + self._history_bytes) // BYTES_PER_TOKEN
+
+
+def conversation_prefix_key(
+    session_id: str, start: int, shared_prefix_tokens: int, *, token_unit: int, model: str, block_chars: int,
+    blocks: int,
+) -> str:
+    """The gateway's key (rule 7, ``router.policy.prefix_key``) for a request without a session id
+    that continues the conversation ``session_id`` began at turn ``start``, as ``loadtests.live``
+    renders it: the key reads the model and the messages up to the first user message, which are
+    the same on every turn of the conversation."""
+    from router.policy.prefix_key import prefix_key
+
+    conv = Conversation(key=f"{session_id}~{start}", shared_prefix_tokens=shared_prefix_tokens, token_unit=token_unit)
+    key = prefix_key({"model": model, "messages": conv.messages}, "/v1/chat/completions", block_chars, blocks)
+    assert key is not None  # a chat body with a user message always has one
+    return key

@@ -112,6 +112,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--variant", type=_variant, action="append", default=[], metavar="LABEL=POLICY:K=V,K=V",
                    help="also run POLICY with these PolicyParams changes, reported as LABEL (tuning)")
     p.add_argument("--synthetic", type=_kv, action="append", default=[], metavar="K=V", help="SyntheticParams")
+    p.add_argument("--no-session-id", action="store_true",
+                   help="the clients send no session id: the gateway keys each conversation by its prompt (rule 7)")
     p.add_argument("--kv-events", action="store_true",
                    help="replicas publish SGLang's KV events; kv_aware routes on exact residency")
     p.add_argument("--sample-interval-s", type=float, default=1.0)
@@ -292,6 +294,7 @@ def _sim_config(args: argparse.Namespace, profile: Profile, lanes: int, duration
         failures=fails,
         seed=args.seed,
         kv_events=args.kv_events,
+        session_ids=not args.no_session_id,
     )
 
 

@@ -34,7 +34,7 @@ import random
 import time
 import zlib
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -141,6 +141,12 @@ class SimConfig:
     # the replicas publish their cache changes as SGLang's KV events would, and the store routes on
     # exact residency (router.residency, fed directly: what a subscriber ends up with)
     kv_events: bool = False
+    # False: the clients send no session id; the gateway keys each request by its conversation's
+    # prompt (rule 7's prefix key: one key per conversation, sub-agents apart). ``conversation_key``
+    # (spec, turn the conversation began) names it as the gateway would (``loadtests.scenario``:
+    # from the live driver's prompt); None: by the conversation's own name
+    session_ids: bool = True
+    conversation_key: Callable[[SessionSpec, int], str] | None = None
 
     def __post_init__(self) -> None:
         if self.replicas < 1 or self.gateways < 1:
@@ -210,6 +216,7 @@ class _Req:
         "gw",
         "ideal",
         "input_tokens",
+        "key",
         "lease",
         "names",
         "output_tokens",
@@ -229,6 +236,7 @@ class _Req:
         self.names = names
         self.full = full
         self.t_start = t
+        self.key = chain.key  # the routing key (``_dispatch`` sets it per attempt)
         self.input_tokens = chain.namer.inputs[turn]
         self.body_bytes = body_bytes(self.input_tokens)
         self.output_tokens = chain.spec.turns[turn].output_tokens
@@ -314,6 +322,7 @@ class _Sim:
         self.reps: dict[str, SimReplica] = {}
         self.order: list[SimReplica] = []
         self.reqs: dict[str, _Req] = {}
+        self.prefix_keys: dict[str, str] = {}  # conversation -> the gateway's key (``session_ids`` off)
         self.next_rid = 0
         self.next_root = 0
         self.live_roots = 0
@@ -548,13 +557,16 @@ class _Sim:
         chain = req.chain
         gw = self._gateway(chain)
         req.gw = gw.index
-        key = chain.key
-        snap = self._view(gw, t, key)
         # the conversation this turn continues (the gateway hashes the same thing from the body)
         ck = f"{chain.spec.session_id}~{chain.starts[req.turn]}"
-        request = route_request(key, KeySource.HEADER, route=CHAT_ROUTE,
-                                body_bytes=req.body_bytes, session=snap.session, excluded=req.excluded,
-                                chain_key=ck)
+        if self.cfg.session_ids:
+            key, source = chain.key, KeySource.HEADER
+        else:
+            key, source = self._prefix_key(chain, req.turn, ck), KeySource.PREFIX
+        req.key = key
+        snap = self._view(gw, t, key)
+        request = route_request(key, source, route=CHAT_ROUTE, body_bytes=req.body_bytes, session=snap.session,
+                                excluded=req.excluded, chain_key=ck if source is KeySource.HEADER else None)
         try:
             decision = gw.policy.route(request, snap, gw.rng)
         except NoReplicaError:
@@ -584,7 +596,7 @@ class _Sim:
         req.pooled = self.pooled.hit(req.names, req.input_tokens)
         n = len(req.names)
         ereq = EngineRequest(req.rid, req.input_tokens, req.names, req.output_tokens, tuple(req.full[n:]),
-                             owner=req.chain.key if self.residency is not None else None)
+                             owner=req.key if self.residency is not None and self.cfg.session_ids else None)
         req.t_submit = t
         try:
             rep.submit(ereq, t)
@@ -596,11 +608,18 @@ class _Sim:
         self.reqs[req.rid] = req
         self._pump(rep, t)
 
+    def _prefix_key(self, chain: _Chain, turn: int, name: str) -> str:
+        key = self.prefix_keys.get(name)
+        if key is None:
+            of = self.cfg.conversation_key
+            key = self.prefix_keys[name] = of(chain.spec, chain.starts[turn]) if of is not None else name
+        return key
+
     def _count_move(self, t: float, req: _Req, snap: ClusterSnapshot, lease: Lease) -> None:
         """A session moved when its home changed (binding policies) or, for policies that bind
         nothing (the baselines), when its main chain's request went somewhere else than the last."""
         root = req.chain.root
-        key = req.chain.key
+        key = req.key
         prev_home = snap.session.home if snap.session is not None else None
         new_home = self.core.session_home(key)
         moved_to: str | None = None
@@ -686,7 +705,8 @@ class _Sim:
         the simulator, which knows what an infinite cache would have hit, classifies the loss
         itself: same replica as the chain's previous turn (or its first) -> evicted; another -> the
         baseline moved it (hash: membership change -> replica_gone; others -> overload_spill)."""
-        brk = classify_break(lease, completion, KeySource.HEADER, page_tokens=self.page)
+        source = KeySource.HEADER if self.cfg.session_ids else KeySource.PREFIX
+        brk = classify_break(lease, completion, source, page_tokens=self.page)
         if brk is not None:
             return brk.value
         if lease.prev_context_tokens > 0 or req.ideal <= 0:

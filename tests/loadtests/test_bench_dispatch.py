@@ -44,10 +44,14 @@ def test_peers_real_fleet_runs_in_real_time_and_needs_the_runtime(
 
     class NS:  # what the parser leaves for a real fleet once the defaults are filled in
         fleet, profile, hicache, workload, trace, policy_param = "real-sglang", "x", False, "synthetic", None, []
-        kv_events = False
+        kv_events = no_session_id = False
         engine_set = ()
         replicas, sessions, token_unit, time_scale = 2, 40, 40, 1.0
         duration = REAL_DEFAULTS["duration_s"]
 
     sc = _scenario(NS, 3)
     assert (sc.replicas, sc.time_scale, sc.token_unit, sc.page_size, sc.seed) == (2, 1.0, 40, 1, 3)
+    assert sc.session_ids and sc.load_config("http://127.0.0.1:1", ()).session_headers
+    NS.no_session_id = True  # clients without a session id: the driver sends no session header
+    sc = _scenario(NS, 3)
+    assert not sc.session_ids and sc.load_config("http://127.0.0.1:1", ()).session_headers == ()

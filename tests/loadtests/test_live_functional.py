@@ -15,7 +15,7 @@ from loadtests.measures import MEASURE_FIELDS
 from loadtests.peers import emulated_fleet
 from loadtests.workloads import SessionSpec, Turn
 from replica.emulator.profiles import get_profile
-from replica.emulator.runner import running_emulators
+from replica.emulator.runner import running_emulators, start_emulators, stop_emulators
 from replica.emulator.server import EmulatorConfig
 
 UNIT = 100
@@ -210,3 +210,50 @@ async def test_engine_queue_sums_replicas_and_refuses_what_lacks_the_histogram()
     assert engine_queue_from_metrics([texts[0], generate_latest(CollectorRegistry()).decode()]) is None
     with pytest.raises(ValueError):
         engine_queue_from_metrics(["not { a metric exposition"])
+
+
+@pytest.mark.parametrize("flag", [[], ["--no-session-id"]], ids=["session-id", "no-session-id"])
+async def test_kvroute_load_sends_session_ids_unless_told_not_to(tmp_path: Path, flag: list[str]) -> None:
+    """``--no-session-id`` drives a gateway as a plain OpenAI client would: no session header, so
+    the gateway keys every request by its conversation's prompt (rule 7), and a session's turns
+    still find their cache."""
+    import asyncio
+    import json
+
+    from router.clock import SystemClock
+    from router.gateway.serve import start_gateway
+    from router.model import KeySource
+    from router.policy import make_policy
+    from router.store.memory import MemoryStore
+    from tests.loadtests.test_parity_functional import RecordingPolicy
+    from tests.router.conftest import fast_config
+
+    out = tmp_path / "load.json"
+    reps = await start_emulators(2, config=_config(0.02))
+    try:
+        cfg = fast_config([r.url for r in reps])
+        clock = SystemClock()
+        policy = RecordingPolicy(make_policy("kv_aware"))
+        gw = await start_gateway(cfg, MemoryStore(clock, cfg.store.to_store_config()), policy=policy, clock=clock)
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                str(Path(sys.executable).parent / "kvroute"), "load", "--url", gw.url, "--sessions", "3",
+                "--lanes", "3", "--duration", "3", "--time-scale", "0.02", "--token-unit", str(UNIT),
+                "--json", str(out), "--no-progress", *flag,
+                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+            )  # fmt: skip
+            _, stderr = await asyncio.wait_for(proc.communicate(), timeout=60)
+        finally:
+            await gw.close()
+    finally:
+        await stop_emulators(reps)
+    assert proc.returncode == 0, stderr.decode()[-2000:]
+    m = json.loads(out.read_text())
+    assert m["requests"] >= 6 and m["errors"] == 0 and m["chr"] > 0.3
+    sources = {req.key_source for req, _, _ in policy.calls}
+    keys = {req.session_key for req, _, _ in policy.calls}
+    if flag:
+        assert sources == {KeySource.PREFIX} and all(k is not None and k.startswith("p") for k in keys)
+    else:
+        assert sources == {KeySource.HEADER} and not any(k is not None and k.startswith("p") for k in keys)
+    assert len(keys) >= 3  # a key per session (each synthetic session's main chain is one conversation)

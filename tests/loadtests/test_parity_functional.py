@@ -19,7 +19,10 @@ import random
 from collections.abc import Iterator
 from typing import Any
 
-from loadtests.live import LoadConfig, run_load
+import pytest
+
+from loadtests.live import DEFAULT_SESSION_HEADERS, LoadConfig, run_load
+from loadtests.scenario import prefix_keys
 from loadtests.sim.run import SimConfig, run_sim
 from loadtests.workloads import SessionSpec, Turn, turn_inputs
 from replica.emulator.profiles import get_profile
@@ -27,8 +30,9 @@ from replica.emulator.runner import start_emulators, stop_emulators
 from replica.emulator.server import EmulatorConfig
 from router.clock import SystemClock
 from router.gateway.serve import start_gateway
-from router.model import ClusterSnapshot, RouteDecision, RouteRequest
+from router.model import ClusterSnapshot, KeySource, RouteDecision, RouteRequest
 from router.policy import Policy, make_policy
+from router.policy.params import PolicyParams
 from router.store.memory import MemoryStore
 from tests.router.conftest import fast_config
 
@@ -69,7 +73,7 @@ def _sessions() -> list[SessionSpec]:
     ]
 
 
-async def _live(specs: list[SessionSpec]) -> tuple[RecordingPolicy, list[str]]:
+async def _live(specs: list[SessionSpec], session_ids: bool = True) -> tuple[RecordingPolicy, list[str]]:
     reps = await start_emulators(2, config=EmulatorConfig(profile=PROFILE, time_scale=TIME_SCALE))
     try:
         urls = [r.url for r in reps]
@@ -82,7 +86,8 @@ async def _live(specs: list[SessionSpec]) -> tuple[RecordingPolicy, list[str]]:
         )
         try:
             load = LoadConfig(url=gw.url, replica_urls=tuple(urls), time_scale=TIME_SCALE, token_unit=1,
-                              duration_s=30.0, warmup_s=0.0, drain_s=5.0, lanes=1, stream=True)  # fmt: skip
+                              duration_s=30.0, warmup_s=0.0, drain_s=5.0, lanes=1, stream=True,
+                              session_headers=DEFAULT_SESSION_HEADERS if session_ids else ())  # fmt: skip
             await run_load(specs, load)
         finally:
             await gw.close()
@@ -92,11 +97,12 @@ async def _live(specs: list[SessionSpec]) -> tuple[RecordingPolicy, list[str]]:
         await stop_emulators(reps)
 
 
-def _sim(specs: list[SessionSpec], ids: list[str]) -> RecordingPolicy:
+def _sim(specs: list[SessionSpec], ids: list[str], session_ids: bool = True) -> RecordingPolicy:
     policy = RecordingPolicy(make_policy("kv_aware"))
     cfg = SimConfig(
         replicas=len(ids), profile=PROFILE, lanes=1, striped_lanes=True, duration_s=1000.0, scrape_interval_s=5.0,
-        turn_framing_tokens=12, replica_ids=tuple(ids), seed=7,
+        turn_framing_tokens=12, replica_ids=tuple(ids), seed=7, session_ids=session_ids,
+        conversation_key=None if session_ids else prefix_keys(1, PolicyParams()),
     )  # fmt: skip
     run_sim(specs, cfg, policy=policy)
     return policy
@@ -182,11 +188,14 @@ def _diff(path: str, live: Any, sim: Any) -> Iterator[str]:
         yield f"{path}: {live!r} vs {sim!r}"
 
 
-async def test_the_simulator_and_the_gateway_fill_the_policys_inputs_alike() -> None:
+@pytest.mark.parametrize("session_ids", [True, False], ids=["session-id", "no-session-id"])
+async def test_the_simulator_and_the_gateway_fill_the_policys_inputs_alike(session_ids: bool) -> None:
+    """With session ids, and without: then the gateway keys every request by its conversation's
+    prompt (rule 7) and the simulator must name it by the same key."""
     KEYS.__init__()
     specs = _sessions()
-    live, ids = await _live(specs)
-    sim = _sim(specs, ids)
+    live, ids = await _live(specs, session_ids)
+    sim = _sim(specs, ids, session_ids)
     n_requests = sum(t.parallel for s in specs for t in s.turns)
     # one lane: the sessions in order, a parallel turn's requests one after another
     prompts = [n for spec in specs for n, t in zip(turn_inputs(spec), spec.turns, strict=True) for _ in range(t.parallel)]
@@ -201,19 +210,21 @@ async def test_the_simulator_and_the_gateway_fill_the_policys_inputs_alike() -> 
             for who, est in (("live", lreq.prompt_tokens_estimate), ("sim", sreq.prompt_tokens_estimate)):
                 if not _close(est, prompts[i], rel=0.02, absolute=48):
                     problems.append(f"#{i}.request.prompt_tokens_estimate ({who}): {est} for {prompts[i]} tokens")
-        if (ldec.replica_id, ldec.reason, ldec.effects) != (sdec.replica_id, sdec.reason, sdec.effects):
-            problems.append(
-                f"#{i}.decision: {ldec.replica_id}/{ldec.reason} vs {sdec.replica_id}/{sdec.reason}"
-            )
+        problems += _diff(f"#{i}.decision", ldec, sdec)  # replica, reason, effects (session keys mapped)
     assert not problems, "\n".join(problems)
     # the trace exercised what it should: placements, affinity, learned contexts and ratios
     reasons = {d.reason.value for _, _, d in live.calls}
     assert {"placed_new", "affinity"} <= reasons
     last = live.calls[-1][1].session
     assert last is not None and last.context_tokens > 0 and last.bytes_per_token > 0
-    named = [(req.chain_key, snap.session) for req, snap, _ in live.calls if req.chain_key is not None]
-    assert named, "no request named its conversation: the chain inputs were not compared"
-    assert any(s is not None and s.chains for _, snap, _ in live.calls for s in [snap.session])
+    sources = {req.key_source for req, _, _ in live.calls}
+    assert sources == {KeySource.HEADER if session_ids else KeySource.PREFIX}
+    if session_ids:
+        named = [(req.chain_key, snap.session) for req, snap, _ in live.calls if req.chain_key is not None]
+        assert named, "no request named its conversation: the chain inputs were not compared"
+        assert any(s is not None and s.chains for _, snap, _ in live.calls for s in [snap.session])
+    else:  # the simulator names each conversation with the gateway's own key (compared above)
+        assert len({req.session_key for req, _, _ in live.calls}) == len(specs)
 
 
 def test_identical_inputs_give_identical_decisions() -> None:
