@@ -596,7 +596,7 @@ class _Sim:
         req.pooled = self.pooled.hit(req.names, req.input_tokens)
         n = len(req.names)
         ereq = EngineRequest(req.rid, req.input_tokens, req.names, req.output_tokens, tuple(req.full[n:]),
-                             owner=req.key if self.residency is not None and self.cfg.session_ids else None)
+                             owner=req.key if self.residency is not None else None)
         req.t_submit = t
         try:
             rep.submit(ereq, t)

@@ -576,14 +576,14 @@ class _Proxy:
                 self._record_break(lease, completion)
 
     def _body_for(self, lease: Lease) -> bytes:
-        """The body, with the session id in it for a replica whose KV events we follow: SGLang then
-        names the session on the blocks the request stores (docs/KV_EVENTS.md)."""
+        """The body, with the session's key in it for a replica whose KV events we follow: SGLang then
+        names the session on the blocks the request stores (docs/KV_EVENTS.md). A prefix key too:
+        a key with no blocks on a complete replica reads as a cache that is gone."""
         svc = self.rt.residency
         sid = self.req.session_key
         if (
             svc is None
             or sid is None
-            or self.req.key_source is not KeySource.HEADER
             or not self.cfg.kv_events.forward_session_id
             or not svc.subscribed(lease.replica_id)
         ):

@@ -137,6 +137,37 @@ async def test_gateway_subscribes_forwards_and_fills_snapshots(kv_emulators: lis
         assert "sess-1" in home.replica.sessions
 
 
+async def test_requests_without_a_session_id_keep_their_cache_by_exact_residency(kv_emulators: list[Running]) -> None:
+    """A client that sends no session id: the gateway keys its conversation by the prompt (rule 7)
+    and names that key on the engine's blocks too, so exact residency knows the conversation is
+    resident and every later turn goes home. (Unnamed, the key had no blocks on a complete replica,
+    read as a cache that is gone: every turn was re-placed as evicted.)"""
+    urls = [r.url for r in kv_emulators]
+    cfg = fast_config(urls, admin_insecure=True, kv_events={"refresh_s": 0.2})
+    async with gateway(cfg) as gw, aiohttp.ClientSession() as http:
+        await wait_for(lambda: all(gw.runtime.residency.view.source(u.removeprefix("http://")) == "events" for u in urls))
+        msgs = [{"role": "system", "content": "You are terse. " * 8}, {"role": "user", "content": "task 7"},
+                {"role": "user", "content": "explain the radix cache " * 12}]  # fmt: skip
+        reasons: list[str] = []
+        cached: list[int] = []
+        replicas: set[str] = set()
+        for i in range(5):
+            body = {"model": "emulated/small-test", "messages": msgs, "max_tokens": 8}
+            async with http.post(gw.url + "/v1/chat/completions", json=body) as r:
+                assert r.status == 200, await r.text()
+                d = await r.json()
+                reasons.append(r.headers["X-Kvroute-Reason"])
+                replicas.add(r.headers["X-Kvroute-Replica"])
+            cached.append(d["usage"]["prompt_tokens_details"]["cached_tokens"])
+            await wait_for(lambda: synced(gw, kv_emulators))
+            msgs = [*msgs, {"role": "assistant", "content": d["choices"][0]["message"]["content"]},
+                    {"role": "user", "content": f"and then {i} " * 6}]  # fmt: skip
+        assert reasons == ["placed_new"] + ["affinity"] * 4, reasons
+        assert len(replicas) == 1 and all(c > 0 for c in cached[1:]), cached
+        sessions = [s for r in kv_emulators for s in r.replica.sessions]
+        assert len(sessions) == 1 and sessions[0].startswith("p")  # the engine saw the prefix key
+
+
 async def test_gateway_without_events_stays_off(emulators_plain: list[Running]) -> None:
     cfg = fast_config([r.url for r in emulators_plain], admin_insecure=True, kv_events={"refresh_s": 0.1})
     async with gateway(cfg) as gw, aiohttp.ClientSession() as http:
