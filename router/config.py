@@ -537,7 +537,7 @@ def build_arg_parser(prog: str = "kvroute serve") -> argparse.ArgumentParser:
         metavar="URL",
         help="replica base URL, e.g. http://10.0.0.5:30000 (repeatable)",
     )
-    p.add_argument("--policy", help="kv_aware (default), hash, least_loaded, round_robin, random")
+    p.add_argument("--policy", help=_policy_help())
     p.add_argument(
         "--policy-param",
         dest="policy_param",
@@ -595,6 +595,15 @@ def build_arg_parser(prog: str = "kvroute serve") -> argparse.ArgumentParser:
         help="any key by dotted path, e.g. --set limits.max_body_bytes=1048576 (value parsed as YAML)",
     )
     return p
+
+
+def _policy_help() -> str:
+    """The ``--policy`` choices, from the registry (router.policy.registry.POLICIES): never a
+    hand-kept list that drifts from what the gateway accepts."""
+    default = GatewayConfig.model_fields["policy"].default
+    names = sorted(_policy_names() or ())
+    others = [n for n in names if n != default]
+    return ", ".join([f"{default} (default)", *others])
 
 
 def _set_path(out: dict[str, Any], dotted: str, value: Any, origin: str) -> None:

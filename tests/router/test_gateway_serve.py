@@ -55,6 +55,20 @@ async def test_bad_config_exits_2_naming_the_key() -> None:
     assert proc.returncode == 2 and b"policy" in err
 
 
+async def test_help_lists_every_registered_policy() -> None:
+    """--policy's help is generated from the registry (sticky_least_loaded was missing)."""
+    from router.policy.registry import POLICIES
+
+    proc = await _spawn("--help")
+    out, err = await asyncio.wait_for(proc.communicate(), 20)
+    assert proc.returncode == 0, err.decode()
+    text = " ".join(out.decode().split())  # argparse wraps the help
+    choices = text.split("--policy POLICY ", 1)[1].split(" --policy-param", 1)[0]
+    assert choices.startswith("kv_aware (default)"), choices
+    listed = {c.strip().removesuffix(" (default)") for c in choices.split(",")}
+    assert listed == set(POLICIES), choices
+
+
 def _closed_port() -> int:
     """A port nothing listens on (a gateway that did start would find no Redis there)."""
     with socket.socket() as s:
