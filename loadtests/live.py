@@ -757,7 +757,9 @@ def _measures(
     for t in run.move_times:
         col.session_moved(t)
     col.set_engine_queue(*queue)
-    window = [o for o in run.outcomes if o.t_start >= warm_modelled]
+    # the collector's window ([warm-up, end)): requests started while the run drained are in neither
+    # figure, else error_kinds counted more failures than "errors" did
+    window = [o for o in run.outcomes if warm_modelled <= o.t_start < end_modelled]
     reasons = Counter(o.route_reason for o in window if o.route_reason)
     errors = Counter(_error_kind(o) for o in window if not o.ok)
     m = dict(col.result())

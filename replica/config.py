@@ -17,6 +17,7 @@ from urllib.parse import urlsplit
 
 from router.errors import ConfigError
 from router.observability.logging import redact_url
+from router.store.url import check_redis_url
 
 __all__ = ["ENV_PREFIX", "AgentConfig", "build_arg_parser", "load_config", "replica_id_for"]
 
@@ -82,28 +83,11 @@ def _check_url(key: str, url: str) -> str:
 
 
 def _check_redis_url(url: str) -> str:
-    """What redis-py would refuse only later (with a traceback: a port out of range) or silently
-    ignore (a database that is not a number: it used db 0) is refused here, naming the problem."""
-    parts = urlsplit(url)
-    shown = redact_url(url)
-    if parts.scheme not in {"redis", "rediss", "unix"}:
-        raise ConfigError(f"--redis: expected redis://, rediss:// or unix://, got {shown!r}")
-    if parts.scheme == "unix":
-        if not parts.path:
-            raise ConfigError(f"--redis: a unix:// URL needs the socket's path, got {shown!r}")
-        return url
-    if not parts.hostname:
-        raise ConfigError(f"--redis: no host in {shown!r}")
+    """The gateway's check (:func:`router.store.url.check_redis_url`), naming the flag."""
     try:
-        port = parts.port
+        return check_redis_url(url)
     except ValueError as exc:
-        raise ConfigError(f"--redis: bad port in {shown!r} (expected 1..65535)") from exc
-    if port == 0:
-        raise ConfigError(f"--redis: bad port in {shown!r} (expected 1..65535)")
-    db = parts.path.removeprefix("/")
-    if db and not db.isdigit():
-        raise ConfigError(f"--redis: the database must be a number (redis://host:6379/0), got {shown!r}")
-    return url
+        raise ConfigError(f"--redis: {exc}") from None
 
 
 def build_arg_parser() -> argparse.ArgumentParser:

@@ -49,6 +49,7 @@ from router.errors import ConfigError
 from router.model import ReplicaSpec
 from router.observability.logging import redact_url
 from router.store.base import StoreConfig
+from router.store.url import check_redis_url
 
 __all__ = [
     "DEFAULT_SESSION_HEADERS",
@@ -69,8 +70,9 @@ __all__ = [
 ENV_PREFIX = "KVROUTE_"
 DEFAULT_SESSION_HEADERS = ("Modal-Session-Id", "x-session-id", "X-SMG-Routing-Key")
 _HEADER_NAME = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")  # RFC 9110 token
-# keys whose value is a credential: a start-up error names the key, never echoes the value
-_SECRET_KEYS = frozenset({"admin_token"})
+# keys whose value is a credential (or carries one: a Redis URL's password): a start-up error names
+# the key, never echoes the value (the redis_url check shows the URL itself, redacted)
+_SECRET_KEYS = frozenset({"admin_token", "redis_url"})
 
 _FROZEN = ConfigDict(frozen=True, extra="forbid")
 
@@ -343,9 +345,7 @@ class GatewayConfig(BaseSettings):
         if v in (None, ""):
             return None
         assert v is not None
-        if urlsplit(v).scheme not in ("redis", "rediss", "unix"):
-            raise ValueError(f"{v!r}: expected redis://host:port/db, rediss://... or unix://...")
-        return v
+        return check_redis_url(v)  # the sidecar's check too; its message shows the URL redacted
 
     @field_validator("admin_networks", mode="before")
     @classmethod
@@ -537,7 +537,7 @@ def build_arg_parser(prog: str = "kvroute serve") -> argparse.ArgumentParser:
         metavar="URL",
         help="replica base URL, e.g. http://10.0.0.5:30000 (repeatable)",
     )
-    p.add_argument("--policy", help="kv_aware (default), hash, least_loaded, round_robin, random")
+    p.add_argument("--policy", help=_policy_help())
     p.add_argument(
         "--policy-param",
         dest="policy_param",
@@ -595,6 +595,15 @@ def build_arg_parser(prog: str = "kvroute serve") -> argparse.ArgumentParser:
         help="any key by dotted path, e.g. --set limits.max_body_bytes=1048576 (value parsed as YAML)",
     )
     return p
+
+
+def _policy_help() -> str:
+    """The ``--policy`` choices, from the registry (router.policy.registry.POLICIES): never a
+    hand-kept list that drifts from what the gateway accepts."""
+    default = GatewayConfig.model_fields["policy"].default
+    names = sorted(_policy_names() or ())
+    others = [n for n in names if n != default]
+    return ", ".join([f"{default} (default)", *others])
 
 
 def _set_path(out: dict[str, Any], dotted: str, value: Any, origin: str) -> None:

@@ -121,7 +121,12 @@ def _stop_event() -> asyncio.Event:
 
 async def _serve_in_process(ns: argparse.Namespace, config: EmulatorConfig) -> int:
     stop = _stop_event()
-    reps = await start_emulators(ns.replicas, ns.host, ns.base_port, config, first_index=ns.first_index)
+    try:
+        reps = await start_emulators(ns.replicas, ns.host, ns.base_port, config, first_index=ns.first_index)
+    except OSError as exc:  # a port in use, a host not ours: one line, as ``kvroute serve`` says it
+        ports = str(ns.base_port) if ns.replicas == 1 else f"{ns.base_port}-{ns.base_port + ns.replicas - 1}"
+        print(f"kvroute emulate: cannot listen on {ns.host}:{ports}: {exc}", file=sys.stderr)
+        return 1
     try:
         for r in reps:
             print(r.url)

@@ -72,7 +72,11 @@ async def start_emulators(
             runner = web.AppRunner(app, access_log=None, handle_signals=False)
             await runner.setup()
             site = web.TCPSite(runner, host, port, reuse_address=True)
-            await site.start()
+            try:
+                await site.start()
+            except BaseException:
+                await runner.cleanup()  # not in ``out`` yet: the except below would miss it
+                raise
             actual = _bound_port(runner) or port
             out.append(Running(name, f"http://{_url_host(host)}:{actual}", actual, app, runner))
     except BaseException:

@@ -6,8 +6,10 @@ Rules:
   2. The request id lives in a ``contextvars.ContextVar``: set it once per request (the gateway's
      middleware does, or :func:`request_id_scope`), and every log line in that task carries it.
   3. Secrets never reach a log line: header/field names that look like credentials
-     (``authorization``, ``*token*``, ``*api-key*``, ``cookie``, ``password``, ``secret``) are replaced by
-     ``"[REDACTED]"``, and ``Bearer xxx`` inside free text is masked.
+     (``authorization``, ``*token*``, ``*api-key*``, ``cookie``, ``password``, ``secret``,
+     ``credential``) are replaced by ``"[REDACTED]"``, and ``Bearer xxx`` inside free text is masked.
+     Token *counts* are not secrets: a name with ``tokens`` (``capacity_tokens``, ``prompt_tokens``,
+     ``tokens_written``) or ``tokenizer`` is logged as is.
 """
 
 from __future__ import annotations
@@ -38,14 +40,18 @@ REDACTED = "[REDACTED]"
 
 _request_id: contextvars.ContextVar[str | None] = contextvars.ContextVar("kvroute_request_id", default=None)
 
+# ``token`` names a credential (admin_token, X-Auth-Token, accessToken), ``tokens`` a count
+# (capacity_tokens, prompt_tokens, tokens_written) and ``tokeniz...`` a tokenizer: only the first is
+# redacted, so counts stay readable in the logs
+_TOKEN = r"token(?!s|i[sz])"
 _SECRET_NAME = re.compile(
-    r"(authorization|token|api[-_]?key|cookie|password|secret|credential)", re.IGNORECASE
+    rf"(authorization|{_TOKEN}|api[-_]?key|cookie|password|secret|credential)", re.IGNORECASE
 )
 _BEARER = re.compile(r"(?i)\b(bearer|basic)\s+[A-Za-z0-9._~+/=-]+")
 # ``name=value`` / ``Name: value`` pairs; ``authorization`` and ``cookie`` too, since a header line
 # quoted in an error (aiohttp's parser quotes the line it refuses) may carry a key without a scheme
 _KV_SECRET = re.compile(
-    r"(?i)\b([a-z_-]*(?:token|api[-_]?key|password|secret|authorization|cookie)[a-z_-]*)"
+    rf"(?i)\b([a-z_-]*(?:{_TOKEN}|api[-_]?key|password|secret|authorization|cookie)[a-z_-]*)"
     r"(\s*[=:]\s*)(?!(?:bearer|basic)\s)([^\s&,;\"']+)"
 )
 

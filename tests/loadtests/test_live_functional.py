@@ -171,8 +171,11 @@ async def test_kvroute_load_cli_against_an_emulated_fleet(tmp_path: Path) -> Non
         (["--workload", "weka", "--trace", "/nonexistent/trace.jsonl"], 2, "No such file"),
         (["--json", "/nonexistent/dir/out.json"], 2, "--json: no such directory"),
         ([], 1, "every request failed"),  # nothing listens on the port: not a measurement
+        # many sessions: some start as the run stops, outside the measured window; they were in the
+        # count by kind but not in the count of failures ("every request failed (56: ... 59)")
+        (["--sessions", "5000"], 1, "every request failed"),
     ],
-    ids=["url", "sessions", "duration", "time-scale", "trace", "json-dir", "all-failed"],
+    ids=["url", "sessions", "duration", "time-scale", "trace", "json-dir", "all-failed", "all-failed-many"],
 )
 async def test_kvroute_load_cli_refuses_bad_input_without_a_traceback(args: list[str], rc: int, says: str) -> None:
     import asyncio
@@ -190,6 +193,14 @@ async def test_kvroute_load_cli_refuses_bad_input_without_a_traceback(args: list
     err = stderr.decode()
     assert proc.returncode == rc, err[-2000:]
     assert says in err and "Traceback" not in err, err[-2000:]
+    if rc == 1:  # one count: the failures by kind add up to the failures (were 70 vs 71)
+        import re
+
+        (line,) = [x for x in err.splitlines() if "every request failed" in x]
+        m = re.fullmatch(r"kvroute load: every request failed \((\d+): (.+)\)", line)
+        assert m is not None, line
+        kinds = [kind.rsplit(" ", 1) for kind in m.group(2).split(", ")]
+        assert sum(int(n) for _, n in kinds) == int(m.group(1)) > 0, line
 
 
 async def test_engine_queue_sums_replicas_and_refuses_what_lacks_the_histogram() -> None:

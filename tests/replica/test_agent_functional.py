@@ -309,6 +309,14 @@ async def test_sidecar_registers_heartbeats_and_deregisters_on_sigterm(
     procs: Procs, redis_url: str, reader: Any
 ) -> None:
     _, (url,) = await start_emulators(procs, 1)
+    info = Procs(env={"KVROUTE_LOG_LEVEL": "info"})  # its ``registered`` line is checked at the end
+    try:
+        await _sidecar_lifecycle(info, url, redis_url, reader)
+    finally:
+        info.cleanup()
+
+
+async def _sidecar_lifecycle(procs: Procs, url: str, redis_url: str, reader: Any) -> None:
     sidecar, probe = await start_sidecar(procs, url, redis_url)
     rid = _rid(url)
 
@@ -346,6 +354,13 @@ async def test_sidecar_registers_heartbeats_and_deregisters_on_sigterm(
     sidecar.send_signal(signal.SIGTERM)
     assert await _wait_exit(sidecar, 20) == 0
     assert rid not in await _replicas(reader)
+    # its log names the capacities it registered: token counts are not secrets, not [REDACTED]
+    assert sidecar.stderr is not None
+    lines = [json.loads(x) for x in sidecar.stderr.read().decode().splitlines() if x.startswith("{")]
+    regs = [x for x in lines if x.get("msg") == "registered"]
+    assert len(regs) == 1, lines
+    reg = regs[0]
+    assert reg["spec"]["capacity_tokens"] == 850_000 and reg["spec"]["host_capacity_tokens"] == 1_700_000, reg
 
 
 async def test_sigterm_drains_a_replica_under_load_without_losing_a_request(

@@ -104,3 +104,33 @@ def test_cpu_bench_prints_json(capsys: pytest.CaptureFixture[str]) -> None:
     assert coding["sse_events_per_request"] > 4
     for w in doc["workloads"].values():
         assert 0 < w["cpu_ms_per_request"] < 200
+
+
+@pytest.mark.parametrize("processes", [False, True])
+async def test_emulate_on_a_port_in_use_is_a_one_line_error(processes: bool) -> None:
+    """As ``kvroute serve`` says it: ``cannot listen on ...``, exit 1, no traceback (was an OSError
+    traceback). With --processes the failing child says why and the supervisor that it failed."""
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        args = ["--replicas", "1", "--base-port", str(port), "--profile", "small-test"]
+        if processes:
+            args = ["--replicas", "2", "--base-port", str(port - 1), "--profile", "small-test", "--processes"]
+        proc = await asyncio.create_subprocess_exec(
+            KVROUTE, "emulate", *args, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
+        )
+        try:
+            out, err = await asyncio.wait_for(proc.communicate(), 30)
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
+    text = err.decode()
+    assert proc.returncode == 1, text[-2000:]
+    assert "Traceback" not in text and not out, text[-2000:]
+    lines = text.strip().splitlines()
+    assert f"kvroute emulate: cannot listen on 127.0.0.1:{port}" in lines[0], lines
+    assert len(lines) == (2 if processes else 1), lines

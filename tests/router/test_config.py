@@ -147,6 +147,43 @@ def test_errors_name_the_key(argv: list[str], env: dict[str, str], names: list[s
         assert name in str(info.value)
 
 
+@pytest.mark.parametrize(
+    "url",
+    [
+        "redis://127.0.0.1:6390/0",
+        "redis://:pw@10.0.0.5/3",
+        "rediss://user:pw@redis.example:6380/1",
+        "redis://127.0.0.1:7000/0?cluster=1",
+        "rediss://h:6380?cluster=true&ssl_cert_reqs=none",
+        "unix:///run/redis/redis.sock",
+        "unix:///run/redis/redis.sock?db=2",
+    ],
+)
+def test_redis_urls_the_store_takes_are_accepted(url: str) -> None:
+    assert load_config(["--redis", url], {}).redis_url == url
+
+
+@pytest.mark.parametrize(
+    ("url", "problem"),
+    [
+        ("redis://:pw@127.0.0.1:99999/x", "bad port"),
+        ("redis://:pw@127.0.0.1:0/0", "bad port"),
+        ("redis://:pw@127.0.0.1:6379/x", "database must be a number"),
+        ("redis://127.0.0.1:6379/x", "database must be a number"),
+        ("redis://:pw@/0", "no host"),
+        ("unix://", "socket's path"),
+    ],
+)
+def test_redis_url_mistakes_are_named_without_the_password(url: str, problem: str) -> None:
+    """The sidecar's check (router.store.url.check_redis_url): what redis-py would refuse later with a
+    traceback, or silently read as db 0, is refused at start-up."""
+    for argv, env in ((["--redis", url], {}), ([], {"KVROUTE_REDIS_URL": url})):
+        with pytest.raises(ConfigError) as info:
+            load_config(argv, env)
+        msg = str(info.value)
+        assert "redis_url" in msg and problem in msg and "pw" not in msg, msg
+
+
 def test_yaml_errors(tmp_path: Path) -> None:
     bad = tmp_path / "bad.yaml"
     bad.write_text("port: [1,\n")

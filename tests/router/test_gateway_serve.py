@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import socket
 import sys
 from typing import Any
 
@@ -52,6 +53,52 @@ async def test_bad_config_exits_2_naming_the_key() -> None:
     proc = await _spawn("--port", "0", "--policy", "nope")
     _, err = await asyncio.wait_for(proc.communicate(), 20)
     assert proc.returncode == 2 and b"policy" in err
+
+
+async def test_help_lists_every_registered_policy() -> None:
+    """--policy's help is generated from the registry (sticky_least_loaded was missing)."""
+    from router.policy.registry import POLICIES
+
+    proc = await _spawn("--help")
+    out, err = await asyncio.wait_for(proc.communicate(), 20)
+    assert proc.returncode == 0, err.decode()
+    text = " ".join(out.decode().split())  # argparse wraps the help
+    choices = text.split("--policy POLICY ", 1)[1].split(" --policy-param", 1)[0]
+    assert choices.startswith("kv_aware (default)"), choices
+    listed = {c.strip().removesuffix(" (default)") for c in choices.split(",")}
+    assert listed == set(POLICIES), choices
+
+
+def _closed_port() -> int:
+    """A port nothing listens on (a gateway that did start would find no Redis there)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.mark.parametrize(
+    ("url", "problem"),
+    [
+        ("redis://:pw@127.0.0.1:99999/x", b"bad port"),  # was: ValueError traceback, exit 1
+        ("redis://127.0.0.1:{port}/x", b"database must be a number"),  # was: started, silently db 0
+        ("redis://:pw@127.0.0.1:{port}/x", b"database must be a number"),
+    ],
+)
+async def test_a_bad_redis_url_is_a_one_line_error_exit_2(url: str, problem: bytes) -> None:
+    """docs/CONFIG.md: every config mistake is a one-line error and exit 2, never its password (the
+    sidecar's check, router.store.url.check_redis_url)."""
+    proc = await _spawn("--port", "0", "--redis", url.format(port=_closed_port()))
+    try:
+        out, err = await asyncio.wait_for(proc.communicate(), 20)
+    finally:
+        if proc.returncode is None:  # the old code started serving
+            proc.kill()
+            await proc.wait()
+    assert proc.returncode == 2, err.decode()[-2000:]
+    assert b"Traceback" not in err and b"pw" not in out + err
+    lines = err.decode().strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("kvroute serve:") and "redis_url" in lines[0], lines
+    assert problem in err
 
 
 @pytest.mark.slow

@@ -88,6 +88,41 @@ def test_redact_helpers() -> None:
     assert "zzz" not in redact_text("url?token=zzz&x=1")
 
 
+def test_token_counts_are_not_redacted_but_credentials_are() -> None:
+    """The sidecar's ``registered`` line showed capacity_tokens as [REDACTED]: ``*token*`` caught counts.
+    Credentials named with ``token`` stay redacted; ``*_tokens`` counts and the tokenizer do not."""
+    buf = io.StringIO()
+    handler = configure_logging("info", stream=buf, logger="kvroute.test.counts")
+    log = logging.getLogger("kvroute.test.counts")
+    try:
+        log.info(
+            "usage prompt_tokens=812 max_tokens: 64 with access_token=sekrit1 and X-Auth-Token: sekrit2",
+            extra={
+                "spec": {"capacity_tokens": 850000, "host_capacity_tokens": 4000000, "tp_size": 4},
+                "usage": {"prompt_tokens": 812, "completion_tokens": 3, "prompt_tokens_details": {"cached_tokens": 7}},
+                "tokens_written": 99,
+                "tokenizer_path": "/models/k2",
+                "admin_token": "sekrit3",
+                "headers": {"X-Auth-Token": "sekrit4", "x-api-key": "sekrit5", "Cookie": "sekrit6"},
+                "creds": {"accessToken": "sekrit7", "password": "sekrit8", "client_secret": "sekrit9"},
+            },
+        )
+    finally:
+        log.removeHandler(handler)
+    raw = buf.getvalue()
+    assert "sekrit" not in raw, raw
+    line = _lines(buf)[0]
+    assert line["spec"] == {"capacity_tokens": 850000, "host_capacity_tokens": 4000000, "tp_size": 4}
+    assert line["usage"] == {
+        "prompt_tokens": 812, "completion_tokens": 3, "prompt_tokens_details": {"cached_tokens": 7}
+    }
+    assert line["tokens_written"] == 99 and line["tokenizer_path"] == "/models/k2"
+    assert line["admin_token"] == REDACTED
+    assert line["headers"] == {"X-Auth-Token": REDACTED, "x-api-key": REDACTED, "Cookie": REDACTED}
+    assert line["creds"] == {"accessToken": REDACTED, "password": REDACTED, "client_secret": REDACTED}
+    assert "prompt_tokens=812" in str(line["msg"]) and "max_tokens: 64" in str(line["msg"])
+
+
 async def test_gateway_log_lines_carry_the_request_id(stack_factory: Any) -> None:
     """Through the live gateway: a retry logged inside a request carries that request's id."""
     import asyncio
