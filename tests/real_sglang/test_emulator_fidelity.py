@@ -417,10 +417,10 @@ async def test_client_error_fidelity(fleet: list[RealServer], method: str, path:
 
 # token ids, not text: the two tokenizers differ and the usage is compared exactly
 _NIDS = [10 + i for i in range(24)]
-_NC = {"model": "m", "messages": [{"role": "user", "content": "x"}], "input_ids": _NIDS, "max_tokens": 3,
+_NC: dict[str, Any] = {"model": "m", "messages": [{"role": "user", "content": "x"}], "input_ids": _NIDS, "max_tokens": 3,
        "ignore_eos": True}
-_NP = {"model": "m", "prompt": _NIDS, "max_tokens": 3, "ignore_eos": True}
-_NG = {"input_ids": _NIDS, "sampling_params": {"max_new_tokens": 3, "ignore_eos": True}}
+_NP: dict[str, Any] = {"model": "m", "prompt": _NIDS, "max_tokens": 3, "ignore_eos": True}
+_NG: dict[str, Any] = {"input_ids": _NIDS, "sampling_params": {"max_new_tokens": 3, "ignore_eos": True}}
 
 # (case id, path, body); the fleet includes usage in every stream. ``n`` 0 and negative are what SGLang
 # 0.5.23 does with them (a zero step in its usage sums; a negative one counts no prompt unstreamed)
@@ -518,18 +518,31 @@ async def n_outcome(base: str, path: str, body: dict[str, Any]) -> dict[str, Any
     out: dict[str, Any] = {"status": r.status, "content-type": ct}
     facts: dict[str, Any] = {}
     if ct == "text/event-stream":
-        events: list[Any] = []
+        # the choices' chunks interleave as the sequences happen to run: each choice's own events
+        # (and the rest: usage, errors, [DONE]) are compared in order, not the interleaving
+        events: dict[str, list[Any]] = {}
+        finished = False
         for e in raw.split(b"\n\n"):
             if not e:
                 continue
+            key = "other"
             if e.startswith(b"data: {"):
                 d = json.loads(e[6:])
                 _n_facts(d, facts)
                 sh = _n_shape(d)
+                choices = d.get("choices") or []
+                idx = d.get("index", choices[0].get("index") if len(choices) == 1 else None)
+                key = "other" if idx is None else f"choice {idx}"
+                delta = choices[0].get("delta") if len(choices) == 1 else None
+                if isinstance(delta, dict):  # chat: every finish chunk comes after all content
+                    if delta.get("content") is not None and finished:
+                        facts["chat content after a finish chunk"] = True
+                    finished = finished or choices[0].get("finish_reason") is not None
             else:
                 sh = e.decode()
-            if not events or events[-1] != sh:
-                events.append(sh)
+            seq = events.setdefault(key, [])
+            if not seq or seq[-1] != sh:
+                seq.append(sh)
         out["events"] = events
     else:
         doc = json.loads(raw)
