@@ -27,7 +27,7 @@ import json
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -178,6 +178,11 @@ class _Parsed:
     salt: int
     routing_key: str | None
     session_id: str | None
+    # ``n`` as the client sent it (SGLang's usage sums step over choices by it); the engine runs
+    # ``max(1, n)`` sequences
+    n: int = 1
+    logprobs: bool = False
+    top_logprobs: int = 0
 
 
 class _Flight:
@@ -410,6 +415,68 @@ def _text_seed(rid: str) -> int:
     return mmh3.hash(rid.encode(), signed=False) & 0xFFFF
 
 
+# ---- fake log-probabilities ---------------------------------------------------------------------
+# There is no model: values are deterministic per (sequence id, position, rank) and negative, the
+# alternatives sorted best first; tokens are the emulated output's own 4-byte tokens (alternatives:
+# tokens of the same filler text), so token strings agree with the text sent.
+
+_TokenLogprob = tuple[str, int, float, list[tuple[str, int, float]]]  # token, id, logprob, top
+
+
+def _fake_logprob(rid: str, i: int, rank: int) -> float:
+    return -round(0.01 + (mmh3.hash(f"{rid}:{i}:{rank}", signed=False) % 1_000_000) / 100_000, 6)
+
+
+def _token_id(tok: str) -> int:
+    return int.from_bytes(tok.encode().ljust(BYTES_PER_TOKEN, b"\0")[:BYTES_PER_TOKEN], "little")
+
+
+def _token_logprobs(rid: str, text: str, lo: int, hi: int, top: int) -> list[_TokenLogprob]:
+    """Tokens ``lo``..``hi`` of ``text`` (4 bytes a token) with fake logprobs and ``top`` alternatives."""
+    out: list[_TokenLogprob] = []
+    for i in range(lo, hi):
+        tok = text[i * BYTES_PER_TOKEN : (i + 1) * BYTES_PER_TOKEN]
+        alts = sorted((_fake_logprob(rid, i, r) for r in range(1, top + 1)), reverse=True)
+        top_list = [(a := output_text(1, mmh3.hash(f"{rid}:{i}:{r}", signed=False)), _token_id(a), lp)
+                    for r, lp in enumerate(alts, 1)]
+        out.append((tok, _token_id(tok), _fake_logprob(rid, i, 0), top_list))
+    return out
+
+
+def _chat_logprobs(lps: list[_TokenLogprob]) -> dict[str, Any]:
+    """``choices[].logprobs`` of /v1/chat/completions (OpenAI's shape, ``bytes`` = UTF-8 bytes)."""
+    return {"content": [
+        {"token": t, "bytes": list(t.encode()), "logprob": lp,
+         "top_logprobs": [{"token": a, "bytes": list(a.encode()), "logprob": alp} for a, _, alp in top]}
+        for t, _, lp, top in lps
+    ]}
+
+
+def _completion_logprobs(lps: list[_TokenLogprob], top: int) -> dict[str, Any]:
+    """``choices[].logprobs`` of /v1/completions: SGLang sends ``text_offset`` -1 for every token
+    and ``top_logprobs`` ``[]`` (not a list of empty dicts) when no alternatives were asked for."""
+    return {
+        "text_offset": [-1] * len(lps),
+        "token_logprobs": [lp for _, _, lp, _ in lps],
+        "tokens": [t for t, _, _, _ in lps],
+        "top_logprobs": [{a: alp for a, _, alp in tl} for _, _, _, tl in lps] if top else [],
+    }
+
+
+def _native_logprobs(lps: list[_TokenLogprob], total: int, top: int) -> dict[str, Any]:
+    """``meta_info`` fields of /generate with ``return_logprob``: ``[logprob, id, null]`` triples
+    (no text without ``return_text_in_logprobs``), the top lists only with ``top_logprobs_num``."""
+    d: dict[str, Any] = {
+        "input_token_logprobs": [],
+        "output_token_logprobs": [[lp, tid, None] for _, tid, lp, _ in lps],
+        "output_token_logprobs_length": total,
+    }
+    if top:
+        d["input_top_logprobs"] = []
+        d["output_top_logprobs"] = [[[alp, aid, None] for _, aid, alp in tl] for _, _, _, tl in lps]
+    return d
+
+
 REPLICA_KEY = web.AppKey("kvroute_emulator_replica", Replica)
 _BREAK_KEY = web.RequestKey("kvroute_emulator_break_after", int)
 
@@ -605,9 +672,40 @@ def _stream_options(body: dict[str, Any], cfg: EmulatorConfig) -> bool:
     return cfg.stream_response_default_include_usage
 
 
+_LAX_TRUE = frozenset({"1", "true", "t", "yes", "y", "on"})
+_LAX_FALSE = frozenset({"0", "false", "f", "no", "n", "off"})
+
+
+def _lax_bool(body: dict[str, Any], key: str) -> bool:
+    """``body[key]`` as pydantic's lax ``bool`` takes it (``"yes"``, ``1`` ... are true)."""
+    v = body.get(key)
+    if v is None or isinstance(v, bool):
+        return bool(v)
+    if isinstance(v, int | float) and v in (0, 1):
+        return bool(v)
+    if isinstance(v, str) and v.strip().lower() in _LAX_TRUE | _LAX_FALSE:
+        return v.strip().lower() in _LAX_TRUE
+    raise _validation_error(f"{key}: Input should be a valid boolean")
+
+
+def _openai_sampling_extras(body: dict[str, Any], chat: bool) -> tuple[int, bool, int]:
+    """(n, logprobs on, top logprobs) as SGLang 0.5.23 reads them: ``n`` any integer (0 and
+    negatives fail or miscount later, as there); chat's ``logprobs`` a bool with ``top_logprobs``
+    beside it (ignored without it), completions' ``logprobs`` the top count itself; no upper bound
+    on the count and a negative one is 0."""
+    n = _lax_int(body, "n")
+    if chat:
+        on = _lax_bool(body, "logprobs")
+        top = _lax_int(body, "top_logprobs") or 0
+    else:
+        lp = body.get("logprobs")
+        lp = _lax_int({"logprobs": int(lp) if isinstance(lp, bool) else lp}, "logprobs")
+        on, top = lp is not None, lp or 0
+    return (1 if n is None else n), on, (max(0, top) if on else 0)
+
+
 def _parse_openai(body: dict[str, Any], request: web.Request, cfg: EmulatorConfig, chat: bool) -> _Parsed:
-    if body.get("n") not in (None, 1):
-        raise _ClientError("n > 1 is not supported by the emulator")
+    n, logprobs, top_logprobs = _openai_sampling_extras(body, chat)
     if chat:
         if body.get("input_ids") is not None:
             prompt = _ids_prompt(body["input_ids"])
@@ -674,6 +772,9 @@ def _parse_openai(body: dict[str, Any], request: web.Request, cfg: EmulatorConfi
         salt=_salt(body),
         routing_key=request.headers.get("x-smg-routing-key") or _opt_str(body.get("routing_key")),
         session_id=_opt_str(session),
+        n=n,
+        logprobs=logprobs,
+        top_logprobs=top_logprobs,
     )
 
 
@@ -740,6 +841,10 @@ def _parse_generate(body: dict[str, Any], request: web.Request, cfg: EmulatorCon
         salt=_salt(body),
         routing_key=_opt_str(body.get("routing_key")) or request.headers.get("x-smg-routing-key"),
         session_id=_opt_str(body.get("session_id")),
+        # n <= 1 is one sequence and a single response object (SGLang's is_single)
+        n=n if isinstance(n := sp.get("n"), int) and not isinstance(n, bool) and n > 1 else 1,
+        logprobs=bool(body.get("return_logprob")),
+        top_logprobs=max(0, t) if isinstance(t := body.get("top_logprobs_num"), int) else 0,
     )
 
 
@@ -784,28 +889,45 @@ class _Handlers:
             return "length", None
         return "stop", EOS_TOKEN_ID
 
-    def _usage(self, fl: _Flight, completion: int) -> dict[str, Any]:
-        p = fl.prompt.num_tokens
+    def _usage(self, parsed: _Parsed, fls: list[_Flight], streamed: bool = False) -> dict[str, Any]:
+        """SGLang's UsageProcessor: completion tokens summed over the choices, prompt and cached
+        tokens once per prompt -- the choices at positions ``0, n, 2n ...`` unstreamed
+        (``range(0, len, n)``: none for a negative ``n``), those with ``index % n == 0`` streamed."""
+        n = parsed.n
+        firsts = [fl for i, fl in enumerate(fls) if i % n == 0] if streamed else fls[0 : len(fls) : n] if n > 0 else []
+        p = sum(fl.prompt.num_tokens for fl in firsts)
+        completion = sum(fl.finished.completion_tokens for fl in fls if fl.finished is not None)
+        cached = sum(fl.cached for fl in firsts)
         return {
             "prompt_tokens": p,
             "total_tokens": p + completion,
             "completion_tokens": completion,
-            "prompt_tokens_details": {"cached_tokens": fl.cached} if self.cfg.enable_cache_report else None,
+            "prompt_tokens_details": {"cached_tokens": cached} if self.cfg.enable_cache_report else None,
             "reasoning_tokens": 0,
             "completion_tokens_details": None,
         }
 
-    def _meta(self, parsed: _Parsed, fl: _Flight, completion: int, fin: Finished | None, first: bool) -> dict[str, Any]:
+    def _meta(
+        self, parsed: _Parsed, fl: _Flight, completion: int, fin: Finished | None, first: bool, first_lo: int = 0
+    ) -> dict[str, Any]:
         meta: dict[str, Any] = {
-            "id": parsed.rid,
+            "id": fl.rid,
             "finish_reason": None,
             "prompt_tokens": fl.prompt.num_tokens,
             "weight_version": "default",
             "num_retractions": 0,
+        }
+        if parsed.logprobs:  # /generate's return_logprob (the OpenAI routes never send meta_info with them)
+            text = output_text(parsed.max_tokens, _text_seed(fl.rid))
+            lo = first_lo if self.cfg.incremental_streaming_output else 0
+            meta.update(_native_logprobs(
+                _token_logprobs(fl.rid, text, lo, completion, parsed.top_logprobs), completion, parsed.top_logprobs
+            ))
+        meta.update({
             "reasoning_tokens": 0,
             "completion_tokens": completion,
             "cached_tokens": fl.cached,
-        }
+        })
         if fl.cached:
             meta["cached_tokens_details"] = {"device": fl.cached_device, "host": fl.cached_host}
         meta["dp_rank"] = None
@@ -837,7 +959,7 @@ class _Handlers:
         request: web.Request,
         parsed: _Parsed,
         endpoint: str,
-        respond: Callable[[_Parsed, _Flight], Awaitable[web.StreamResponse]],
+        respond: Callable[[_Parsed, list[_Flight]], Awaitable[web.StreamResponse]],
         error: Callable[[str, int], web.StreamResponse],
     ) -> web.StreamResponse:
         rep = self.rep
@@ -859,23 +981,74 @@ class _Handlers:
                             request.transport.abort()
                         return web.Response(status=499)
                     request[_BREAK_KEY] = fault.break_after_chunks
+            fls: list[_Flight] = []
             try:
-                fl = rep.submit(parsed, parsed.stream)
+                await self._submit(request, parsed, fls)
+                return await respond(parsed, fls)
             except _ClientError as exc:
                 return error(str(exc), exc.status)
-            try:
-                return await respond(parsed, fl)
             except (_ClientGone, ConnectionResetError):
                 return web.Response(status=499)  # client went away (or an emulated break)
             finally:
-                if not fl.done.is_set():
-                    rep.abort(fl.rid)
+                for fl in fls:
+                    if not fl.done.is_set():
+                        rep.abort(fl.rid)
         finally:
             active[key] -= 1
 
+    async def _submit(self, request: web.Request, parsed: _Parsed, fls: list[_Flight]) -> None:
+        """Submits the request's sequences into ``fls`` (appended as they go in, so the caller
+        aborts whatever is in there). ``n`` > 1 is SGLang's parallel sampling: a request with
+        ``max_new_tokens`` 0 caches the prompt first, then ``n`` sequences with fresh ids run as
+        requests of their own that share the cached prompt (each computes only its last token)."""
+        rep = self.rep
+        if parsed.n <= 1:
+            fls.append(rep.submit(parsed, parsed.stream))
+            return
+        # the warm-up is not a client request: kept out of the request metrics, like a health probe
+        warm = rep.submit(dataclasses.replace(parsed, rid=uuid.uuid4().hex, max_tokens=0), False, is_health=True)
+        fls.append(warm)
+        await self._wait_done(request, warm)
+        fls.remove(warm)
+        for _ in range(parsed.n):
+            fls.append(rep.submit(dataclasses.replace(parsed, rid=uuid.uuid4().hex), parsed.stream))
+
+    async def _progress_all(
+        self, request: web.Request, fls: list[_Flight]
+    ) -> AsyncIterator[tuple[int, int, int, Finished | None]]:
+        """``_progress_chunks`` of every sequence, merged as they come: (choice index, sent, now,
+        Finished on a sequence's last item)."""
+        if len(fls) == 1:
+            async for sent, total, fin in self._progress_chunks(request, fls[0]):
+                yield 0, sent, total, fin
+            return
+        gens = [self._progress_chunks(request, fl) for fl in fls]
+
+        async def step(i: int) -> tuple[int, int, Finished | None]:
+            return await gens[i].__anext__()
+
+        tasks = {asyncio.ensure_future(step(i)): i for i in range(len(gens))}
+        try:
+            while tasks:
+                done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+                for t in sorted(done, key=lambda t: tasks[t]):
+                    i = tasks.pop(t)
+                    try:
+                        sent, total, fin = t.result()
+                    except StopAsyncIteration:
+                        continue
+                    yield i, sent, total, fin
+                    tasks[asyncio.ensure_future(step(i))] = i
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            for g in gens:
+                await g.aclose()
+
     async def _progress_chunks(
         self, request: web.Request, fl: _Flight
-    ) -> AsyncIterator[tuple[int, int, Finished | None]]:
+    ) -> AsyncGenerator[tuple[int, int, Finished | None]]:
         """Yields (tokens already sent, tokens now, Finished on the last item) at decode steps."""
         rep = self.rep
         engine = rep.engine
@@ -893,6 +1066,10 @@ class _Handlers:
                     rep.poll()  # an engine event is due: let it land before reading again
                     fin = fl.finished
             if fin is not None:
+                if sent == 0 and fin.completion_tokens > 1 and fin.reason != "abort":
+                    # SGLang streams the prefill's token on its own, however soon the rest follows
+                    yield 0, 1, None
+                    sent = 1
                 yield sent, fin.completion_tokens, fin
                 return
             tokens = max(pr.tokens, 1)
@@ -1023,59 +1200,86 @@ class _Handlers:
         want_details = bool(body.get("return_cached_tokens_details"))
         want_meta = bool(body.get("return_meta_info"))
 
-        async def respond(p: _Parsed, fl: _Flight) -> web.StreamResponse:
+        async def respond(p: _Parsed, fls: list[_Flight]) -> web.StreamResponse:
             created = int(time.time())
+            texts = [output_text(p.max_tokens, _text_seed(fl.rid)) for fl in fls]
             if not p.stream:
-                await self._wait_done(request, fl)
-                fin = fl.finished
-                assert fin is not None
-                n = fin.completion_tokens
-                reason, matched = self._finish_reason(p, fin)
-                choice: dict[str, Any] = {
-                    "index": 0,
-                    "message": {"role": "assistant", "content": output_text(n, _text_seed(p.rid)),
-                                "reasoning_content": None},
-                    "logprobs": None,
-                    "finish_reason": reason,
-                    "matched_stop": matched,
-                }
-                if want_meta:
-                    choice["meta_info"] = self._meta(p, fl, n, fin, False)
+                for fl in fls:
+                    await self._wait_done(request, fl)
+                choices = []
+                for i, fl in enumerate(fls):
+                    fin = fl.finished
+                    assert fin is not None
+                    n = fin.completion_tokens
+                    reason, matched = self._finish_reason(p, fin)
+                    choice: dict[str, Any] = {
+                        "index": i,
+                        "message": {"role": "assistant", "content": texts[i][: n * BYTES_PER_TOKEN],
+                                    "reasoning_content": None},
+                        "logprobs": _chat_logprobs(_token_logprobs(fl.rid, texts[i], 0, n, p.top_logprobs))
+                        if p.logprobs else None,
+                        "finish_reason": reason,
+                        "matched_stop": matched,
+                    }
+                    if want_meta:
+                        choice["meta_info"] = self._meta(p, fl, n, fin, False)
+                    choices.append(choice)
+                if p.n == 0:  # SGLang's usage sum steps by n: range() refuses a zero step
+                    return _openai_error("range() arg 3 must not be zero", 400, "BadRequest")
+                n0 = fls[0].finished.completion_tokens if fls[0].finished is not None else 0
                 out: dict[str, Any] = {
-                    "id": p.rid, "object": "chat.completion", "created": created, "model": model,
-                    "choices": [choice], "usage": self._usage(fl, n), "metadata": _weight_metadata(n),
+                    "id": fls[0].rid, "object": "chat.completion", "created": created, "model": model,
+                    "choices": choices, "usage": self._usage(p, fls), "metadata": _weight_metadata(n0),
                 }
                 if want_details:
-                    out["sglext"] = {"cached_tokens_details": {"device": fl.cached_device, "host": fl.cached_host}}
+                    f0 = fls[0]
+                    out["sglext"] = {"cached_tokens_details": {"device": f0.cached_device, "host": f0.cached_host}}
                 return _json(out)
             resp = web.StreamResponse(headers=_SSE_HEADERS)
             await resp.prepare(request)
-            head = {"id": p.rid, "object": "chat.completion.chunk", "created": created, "model": model}
-            text = output_text(p.max_tokens, _text_seed(p.rid))
-            pre = (b"data: " + _dumps(head).encode()[:-1]
-                   + b',"choices":[{"index":0,"delta":{"reasoning_content":null,"content":')
+            heads = [{"id": fl.rid, "object": "chat.completion.chunk", "created": created, "model": model} for fl in fls]
+            # the hot path (no logprobs): a bytes template per choice, one json string encode a chunk
+            pres = [b"data: " + _dumps(h).encode()[:-1]
+                    + b',"choices":[{"index":%d,"delta":{"reasoning_content":null,"content":' % i
+                    for i, h in enumerate(heads)]
             post = b'},"logprobs":null,"finish_reason":null,"matched_stop":null}]}\n\n'
             n_chunks = 0
-            fin = None
-            async for sent, total, fin in self._progress_chunks(request, fl):
+            finished: dict[int, Finished] = {}  # in the order the choices finished
+            last = 0  # SGLang's closing chunks carry the id of the choice it heard from last
+            async for i, sent, total, fin in self._progress_all(request, fls):
+                last = i
+                if fin is not None:
+                    finished[i] = fin
                 if sent == 0 and total > 0:
-                    n_chunks = await self._write(request, resp, _sse({**head, "choices": [{
-                        "index": 0, "delta": {"reasoning_content": None, "role": "assistant", "content": ""},
+                    n_chunks = await self._write(request, resp, _sse({**heads[i], "choices": [{
+                        "index": i, "delta": {"reasoning_content": None, "role": "assistant", "content": ""},
                         "logprobs": None, "finish_reason": None, "matched_stop": None}]}), n_chunks)
-                if total > sent:  # the hot path: bytes template, one json string encode
-                    n_chunks = await self._write(
-                        request, resp, pre + json.dumps(text[sent * 4 : total * 4]).encode() + post, n_chunks
-                    )
-            assert fin is not None
-            reason, matched = self._finish_reason(p, fin)
-            await self._write(request, resp, _sse({**head, "choices": [{
-                "index": 0, "delta": {"reasoning_content": None}, "logprobs": None, "finish_reason": reason,
-                "matched_stop": matched}]}), n_chunks)
+                if total <= sent:
+                    continue
+                piece = texts[i][sent * BYTES_PER_TOKEN : total * BYTES_PER_TOKEN]
+                if p.logprobs:
+                    lps = _chat_logprobs(_token_logprobs(fls[i].rid, texts[i], sent, total, p.top_logprobs))
+                    data = _sse({**heads[i], "choices": [{
+                        "index": i, "delta": {"reasoning_content": None, "content": piece}, "logprobs": lps,
+                        "finish_reason": None, "matched_stop": None}]})
+                else:
+                    data = pres[i] + json.dumps(piece).encode() + post
+                n_chunks = await self._write(request, resp, data, n_chunks)
+            head = heads[last]
+            for i, fin in finished.items():
+                reason, matched = self._finish_reason(p, fin)
+                n_chunks = await self._write(request, resp, _sse({**head, "choices": [{
+                    "index": i, "delta": {"reasoning_content": None}, "logprobs": None, "finish_reason": reason,
+                    "matched_stop": matched}]}), n_chunks)
             if want_details:
+                f0 = fls[0]
                 await resp.write(_sse({**head, "choices": [], "sglext": {
-                    "cached_tokens_details": {"device": fl.cached_device, "host": fl.cached_host}}}))
+                    "cached_tokens_details": {"device": f0.cached_device, "host": f0.cached_host}}}))
             if p.include_usage:
-                await resp.write(_sse({**head, "choices": [], "usage": self._usage(fl, fin.completion_tokens)}))
+                if p.n == 0:  # SGLang's usage sum takes index % n: the error ends the stream, no [DONE]
+                    await resp.write_eof()
+                    return resp
+                await resp.write(_sse({**head, "choices": [], "usage": self._usage(p, fls, streamed=True)}))
             await resp.write(_DONE)
             await resp.write_eof()
             return resp
@@ -1095,40 +1299,58 @@ class _Handlers:
             return _openai_error(str(exc), exc.status)
         model = body.get("model") if isinstance(body.get("model"), str) else "default"
 
-        async def respond(p: _Parsed, fl: _Flight) -> web.StreamResponse:
+        async def respond(p: _Parsed, fls: list[_Flight]) -> web.StreamResponse:
             created = int(time.time())
+            texts = [output_text(p.max_tokens, _text_seed(fl.rid)) for fl in fls]
+
+            def logprobs(i: int, lo: int, hi: int) -> dict[str, Any] | None:
+                if not p.logprobs or hi <= lo:
+                    return None
+                return _completion_logprobs(_token_logprobs(fls[i].rid, texts[i], lo, hi, p.top_logprobs),
+                                            p.top_logprobs)
+
             if not p.stream:
-                await self._wait_done(request, fl)
-                fin = fl.finished
-                assert fin is not None
-                n = fin.completion_tokens
-                reason, matched = self._finish_reason(p, fin)
+                for fl in fls:
+                    await self._wait_done(request, fl)
+                choices = []
+                for i, fl in enumerate(fls):
+                    fin = fl.finished
+                    assert fin is not None
+                    n = fin.completion_tokens
+                    reason, matched = self._finish_reason(p, fin)
+                    choices.append({"index": i, "text": texts[i][: n * BYTES_PER_TOKEN], "logprobs": logprobs(i, 0, n),
+                                    "finish_reason": reason, "matched_stop": matched})
+                if p.n == 0:  # SGLang's usage sum steps by n: range() refuses a zero step
+                    return _openai_error("range() arg 3 must not be zero", 400, "BadRequest")
+                n0 = fls[0].finished.completion_tokens if fls[0].finished is not None else 0
                 return _json({
-                    "id": p.rid, "object": "text_completion", "created": created, "model": model,
-                    "choices": [{"index": 0, "text": output_text(n, _text_seed(p.rid)), "logprobs": None,
-                                 "finish_reason": reason, "matched_stop": matched}],
-                    "usage": self._usage(fl, n), "metadata": _weight_metadata(n),
+                    "id": fls[0].rid, "object": "text_completion", "created": created, "model": model,
+                    "choices": choices, "usage": self._usage(p, fls), "metadata": _weight_metadata(n0),
                 })
             resp = web.StreamResponse(headers=_SSE_HEADERS)
             await resp.prepare(request)
-            head = {"id": p.rid, "object": "text_completion", "created": created, "model": model}
-            text = output_text(p.max_tokens, _text_seed(p.rid))
+            heads = [{"id": fl.rid, "object": "text_completion", "created": created, "model": model} for fl in fls]
             n_chunks = 0
-            fin = None
-            async for sent, total, fin in self._progress_chunks(request, fl):
-                if total > sent:
-                    n_chunks = await self._write(request, resp, _sse({**head, "choices": [{
-                        "index": 0, "text": text[sent * 4 : total * 4], "logprobs": None, "finish_reason": None,
-                        "matched_stop": None}], "usage": None}), n_chunks)
-            assert fin is not None
-            reason, matched = self._finish_reason(p, fin)
-            await self._write(request, resp, _sse({**head, "choices": [{
-                "index": 0, "text": "", "logprobs": None, "finish_reason": reason, "matched_stop": matched}],
-                "usage": None}), n_chunks)
+            last = 0
+            async for i, sent, total, fin in self._progress_all(request, fls):
+                last = i
+                if total <= sent and fin is None:
+                    continue
+                # one chunk per engine output; the last one carries the finish reason with its text
+                end: tuple[str | None, int | None] = (None, None) if fin is None else self._finish_reason(p, fin)
+                n_chunks = await self._write(request, resp, _sse({**heads[i], "choices": [{
+                    "index": i, "text": texts[i][sent * BYTES_PER_TOKEN : total * BYTES_PER_TOKEN],
+                    "logprobs": logprobs(i, sent, total), "finish_reason": end[0], "matched_stop": end[1]}],
+                    "usage": None}), n_chunks)
             if p.include_usage:
-                usage = self._usage(fl, fin.completion_tokens)
-                usage = {k: v for k, v in usage.items() if v is not None}
-                await resp.write(_sse({**head, "choices": [], "usage": usage}))
+                if p.n == 0:  # SGLang's usage sum takes index % n: reported as an in-stream error
+                    err = {"object": "error", "message": "integer modulo by zero", "type": "BadRequestError",
+                           "param": None, "code": 400}
+                    await resp.write(b"data: " + json.dumps({"error": err}).encode() + b"\n\n")
+                else:
+                    usage = self._usage(p, fls, streamed=True)
+                    usage = {k: v for k, v in usage.items() if v is not None}
+                    await resp.write(_sse({**heads[last], "choices": [], "usage": usage}))
             await resp.write(_DONE)
             await resp.write_eof()
             return resp
@@ -1149,31 +1371,38 @@ class _Handlers:
         want_prompt_ids = bool(body.get("return_prompt_token_ids"))
         incremental = self.cfg.incremental_streaming_output
 
-        def doc(p: _Parsed, fl: _Flight, ids: list[int], lo: int, hi: int, fin: Finished | None, first: bool) -> dict[str, Any]:
+        def doc(p: _Parsed, fl: _Flight, lo: int, hi: int, fin: Finished | None, first: bool) -> dict[str, Any]:
             start = lo if incremental else 0
+            text = output_text(p.max_tokens, _text_seed(fl.rid))
+            ids = token_ids(encode_text(text))
             d: dict[str, Any] = {
-                "text": output_text(p.max_tokens, _text_seed(p.rid))[start * 4 : hi * 4],
+                "text": text[start * 4 : hi * 4],
                 "output_ids": ids[start:hi],
-                "meta_info": self._meta(p, fl, hi, fin, first),
+                "meta_info": self._meta(p, fl, hi, fin, first, first_lo=lo),
             }
             if want_prompt_ids:
                 d["prompt_token_ids"] = token_ids(fl.prompt)
             return d
 
-        async def respond(p: _Parsed, fl: _Flight) -> web.StreamResponse:
-            ids = token_ids(encode_text(output_text(p.max_tokens, _text_seed(p.rid))))
+        async def respond(p: _Parsed, fls: list[_Flight]) -> web.StreamResponse:
             if not p.stream:
-                await self._wait_done(request, fl)
-                fin = fl.finished
-                assert fin is not None
-                return _json(doc(p, fl, ids, 0, fin.completion_tokens, fin, False))
+                docs = []
+                for fl in fls:
+                    await self._wait_done(request, fl)
+                    fin = fl.finished
+                    assert fin is not None
+                    docs.append(doc(p, fl, 0, fin.completion_tokens, fin, False))
+                return _json(docs if p.n > 1 else docs[0])  # n > 1: a list, one object per sequence
             resp = web.StreamResponse(headers=_SSE_HEADERS)
             await resp.prepare(request)
             n_chunks = 0
-            first = True
-            async for sent, total, fin in self._progress_chunks(request, fl):
-                n_chunks = await self._write(request, resp, _sse(doc(p, fl, ids, sent, total, fin, first)), n_chunks)
-                first = False
+            firsts = set(range(len(fls)))
+            async for i, sent, total, fin in self._progress_all(request, fls):
+                d = doc(p, fls[i], sent, total, fin, i in firsts)
+                if p.n > 1:
+                    d["index"] = i  # which sequence this chunk is of (SGLang adds it after meta_info)
+                n_chunks = await self._write(request, resp, _sse(d), n_chunks)
+                firsts.discard(i)
             await resp.write(_DONE)
             await resp.write_eof()
             return resp

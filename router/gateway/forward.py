@@ -17,7 +17,7 @@ Rules:
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -241,25 +241,29 @@ def _from_obj(obj: Mapping[str, Any]) -> Usage | None:
     return None
 
 
-def usage_from_json(data: Any) -> Usage | None:
+def usage_from_json(data: Any, samples_per_prompt: int = 1) -> Usage | None:
     """Token counts from an OpenAI (``usage``) or native (``meta_info``) response object.
 
-    A list (batch ``/generate``) sums its items. ``cached_tokens`` is ``None`` when the engine did
-    not report it (``--enable-cache-report`` off).
+    A list (batch ``/generate``, or ``sampling_params.n`` > 1) sums the completion tokens of its
+    items and the prompt and cached tokens of one item per prompt: SGLang lists a prompt's
+    ``samples_per_prompt`` sequences together, each with the whole prompt's counts.
+    ``cached_tokens`` is ``None`` when the engine did not report it (``--enable-cache-report`` off).
     """
     if isinstance(data, Mapping):
         return _from_obj(data)
     if isinstance(data, list):
-        parts = [u for item in data if isinstance(item, Mapping) and (u := _from_obj(item)) is not None]
+        items = [_from_obj(item) if isinstance(item, Mapping) else None for item in data]
+        parts = [u for u in items if u is not None]
         if not parts:
             return None
+        firsts = [u for u in items[:: max(1, samples_per_prompt)] if u is not None]
 
         def total(vals: list[int | None]) -> int | None:
             return None if any(v is None for v in vals) else sum(v for v in vals if v is not None)
 
         return Usage(
-            total([p.prompt_tokens for p in parts]),
-            total([p.cached_tokens for p in parts]),
+            total([p.prompt_tokens for p in firsts]),
+            total([p.cached_tokens for p in firsts]),
             total([p.completion_tokens for p in parts]),
         )
     return None
@@ -356,11 +360,14 @@ class UsageSniffer:
         elif b'"prompt_tokens"' in line and (b'"usage"' in line or b'"meta_info"' in line):
             self._last = line
 
-    def result(self) -> Usage | None:
+    def result(self, samples_per_prompt: Callable[[], int] = lambda: 1) -> Usage | None:
+        """``samples_per_prompt``: asked only of a JSON list (``usage_from_json``), the rare case
+        that needs the request's ``n``."""
         if self._mode == "json":
             if self._overflow or not self._buf:
                 return None
-            return usage_from_json(_loads(self._buf))
+            data = _loads(self._buf)
+            return usage_from_json(data, samples_per_prompt() if isinstance(data, list) else 1)
         if self._last is None or self.errored:
             return None
         obj = _loads(self._last[5:].strip())

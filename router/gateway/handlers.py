@@ -191,6 +191,20 @@ def _refuse_empty_generate(body: bytes) -> None:
         raise BadRequestError("the input is empty: text and input_ids must not be empty")
 
 
+def _samples_per_prompt(body: bytes) -> int:
+    """A ``/generate`` body's ``sampling_params.n`` (SGLang's parallel sampling; a batch's list of
+    sampling params shares one ``n``): how many response items each prompt has. 1 when unreadable."""
+    try:
+        obj = _parse_body(body)
+    except BadRequestError:
+        return 1
+    sp = obj.get("sampling_params")
+    if isinstance(sp, list):
+        sp = sp[0] if sp else None
+    n = sp.get("n") if isinstance(sp, dict) else None
+    return n if isinstance(n, int) and not isinstance(n, bool) and n > 1 else 1
+
+
 def _routing_key(session_id: str | None, body: bytes, route: str, policy: object) -> tuple[str | None, KeySource]:
     if session_id is not None:
         return session_id, KeySource.HEADER
@@ -593,7 +607,7 @@ class _Proxy:
         return self._tagged
 
     def _completion(self, sniffer: UsageSniffer | None, ok: bool) -> Completion:
-        usage = sniffer.result() if sniffer is not None else None
+        usage = sniffer.result(lambda: _samples_per_prompt(self.body)) if sniffer is not None else None
         if sniffer is not None and sniffer.errored:
             # the engine failed the request inside its 200 stream: relayed as it is, counted failed,
             # and nothing learnt (its usage, if any, counts a stand-in prompt)

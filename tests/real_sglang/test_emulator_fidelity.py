@@ -413,6 +413,165 @@ async def test_client_error_fidelity(fleet: list[RealServer], method: str, path:
         pytest.fail("\n".join(diff))
 
 
+# ---- n choices and logprobs ------------------------------------------------------------------------
+
+# token ids, not text: the two tokenizers differ and the usage is compared exactly
+_NIDS = [10 + i for i in range(24)]
+_NC: dict[str, Any] = {"model": "m", "messages": [{"role": "user", "content": "x"}], "input_ids": _NIDS, "max_tokens": 3,
+       "ignore_eos": True}
+_NP: dict[str, Any] = {"model": "m", "prompt": _NIDS, "max_tokens": 3, "ignore_eos": True}
+_NG: dict[str, Any] = {"input_ids": _NIDS, "sampling_params": {"max_new_tokens": 3, "ignore_eos": True}}
+
+# (case id, path, body); the fleet includes usage in every stream. ``n`` 0 and negative are what SGLang
+# 0.5.23 does with them (a zero step in its usage sums; a negative one counts no prompt unstreamed)
+N_LOGPROB_CASES: list[tuple[str, str, dict[str, Any]]] = [
+    ("chat-n2", "/v1/chat/completions", {**_NC, "n": 2}),
+    ("chat-n3-greedy", "/v1/chat/completions", {**_NC, "n": 3, "temperature": 0}),
+    ("chat-n2-stream", "/v1/chat/completions", {**_NC, "n": 2, "stream": True}),
+    ("chat-n2-meta-top-without-logprobs", "/v1/chat/completions",
+     {**_NC, "n": 2, "return_meta_info": True, "top_logprobs": 2}),
+    ("chat-n0", "/v1/chat/completions", {**_NC, "n": 0}),
+    ("chat-n-neg", "/v1/chat/completions", {**_NC, "n": -1}),
+    ("chat-n-neg-stream", "/v1/chat/completions", {**_NC, "n": -1, "stream": True}),
+    ("chat-logprobs-top0", "/v1/chat/completions", {**_NC, "logprobs": True, "top_logprobs": 0}),
+    ("chat-logprobs-top2", "/v1/chat/completions", {**_NC, "logprobs": True, "top_logprobs": 2}),
+    ("chat-logprobs-top21", "/v1/chat/completions", {**_NC, "logprobs": True, "top_logprobs": 21}),
+    ("chat-logprobs-top2-stream", "/v1/chat/completions", {**_NC, "logprobs": True, "top_logprobs": 2, "stream": True}),
+    ("chat-logprobs-n2", "/v1/chat/completions", {**_NC, "logprobs": True, "top_logprobs": 1, "n": 2}),
+    ("completions-n2", "/v1/completions", {**_NP, "n": 2}),
+    ("completions-n2-stream", "/v1/completions", {**_NP, "n": 2, "stream": True}),
+    ("completions-n0-stream", "/v1/completions", {**_NP, "n": 0, "stream": True}),
+    ("completions-n-neg", "/v1/completions", {**_NP, "n": -1}),
+    ("completions-logprobs0", "/v1/completions", {**_NP, "logprobs": 0}),
+    ("completions-logprobs2", "/v1/completions", {**_NP, "logprobs": 2}),
+    ("completions-logprobs2-stream", "/v1/completions", {**_NP, "logprobs": 2, "stream": True}),
+    ("completions-logprobs1-n2", "/v1/completions", {**_NP, "logprobs": 1, "n": 2}),
+    ("generate-logprob-top2", "/generate", {**_NG, "return_logprob": True, "top_logprobs_num": 2}),
+    ("generate-logprob-stream", "/generate", {**_NG, "return_logprob": True, "stream": True}),
+    ("generate-n2", "/generate", {**_NG, "sampling_params": {**_NG["sampling_params"], "n": 2}}),
+    ("generate-n2-stream", "/generate", {**_NG, "sampling_params": {**_NG["sampling_params"], "n": 2}, "stream": True}),
+]
+_LOGPROB_META = frozenset({"input_token_logprobs", "output_token_logprobs", "output_token_logprobs_length",
+                           "input_top_logprobs", "output_top_logprobs"})
+
+
+def _n_shape(v: Any, key: str = "") -> Any:
+    """``_shape``, but ``meta_info`` also keeps its logprob fields, and a completions
+    ``top_logprobs`` entry (a dict keyed by token text) becomes one ``<token>`` key."""
+    if isinstance(v, dict):
+        if key == "meta_info":
+            v = {k: x for k, x in v.items() if k in _META_READ | _LOGPROB_META}
+        return {k: _n_shape(x, k) for k, x in sorted(v.items())}
+    if isinstance(v, list):
+        if key == "top_logprobs":
+            v = [{"<token>": next(iter(x.values()))} if isinstance(x, dict) and x and "token" not in x else x for x in v]
+        items = [json.dumps(_n_shape(x, key if key in ("top_logprobs",) else ""), sort_keys=True) for x in v]
+        return [json.loads(i) for i in dict.fromkeys(items)]
+    if key in _VALUE_KEYS:
+        return f"={v!r}"
+    return "null" if v is None else type(v).__name__
+
+
+def _n_facts(doc: Any, facts: dict[str, Any]) -> None:
+    """The model-independent values: choice indices, finishes per choice, token counts, list sizes."""
+    if isinstance(doc, list):
+        facts.setdefault("list lengths", []).append(len(doc))
+        for d in doc:
+            _n_facts(d, facts)
+        return
+    if not isinstance(doc, dict):
+        return
+    if "index" in doc and "meta_info" in doc:
+        facts.setdefault("generate chunk indices", set()).add(doc["index"])
+    if isinstance(doc.get("meta_info"), dict):
+        m = doc["meta_info"]
+        if m.get("finish_reason") is not None:
+            facts.setdefault("generate finished", []).append(
+                (m["prompt_tokens"], m["completion_tokens"], m["cached_tokens"], m.get("output_token_logprobs_length")))
+    for c in doc.get("choices") or []:
+        facts.setdefault("choice indices", set()).add(c.get("index"))
+        if c.get("finish_reason") is not None:
+            facts.setdefault("finishes", []).append(c["index"])
+        lp = c.get("logprobs")
+        if isinstance(lp, dict):
+            tops = [len(t["top_logprobs"]) for t in lp.get("content", [])] or [len(t) for t in lp.get("top_logprobs", [])]
+            facts.setdefault("logprob tokens per choice", {}).setdefault(c["index"], 0)
+            facts["logprob tokens per choice"][c["index"]] += len(lp.get("content") or lp.get("tokens") or [])
+            facts.setdefault("top logprobs sizes", set()).update(tops)
+    if isinstance(doc.get("usage"), dict):
+        u = doc["usage"]
+        d = u.get("prompt_tokens_details") or {}
+        facts["usage"] = (u["prompt_tokens"], u["completion_tokens"], u["total_tokens"], d.get("cached_tokens"))
+    if "id" in doc:
+        facts.setdefault("ids", set()).add(doc["id"])
+
+
+async def n_outcome(base: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    """Status, content type, the shape (a stream: its distinct event shapes in order) and the facts
+    (``_n_facts``; ids only counted: one per sequence in a stream)."""
+    async with (
+        aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as s,
+        s.post(base + path, json=body) as r,
+    ):
+        raw = await r.read()
+        ct = r.headers.get("Content-Type", "").split(";")[0]
+    out: dict[str, Any] = {"status": r.status, "content-type": ct}
+    facts: dict[str, Any] = {}
+    if ct == "text/event-stream":
+        # the choices' chunks interleave as the sequences happen to run: each choice's own events
+        # (and the rest: usage, errors, [DONE]) are compared in order, not the interleaving
+        events: dict[str, list[Any]] = {}
+        finished = False
+        for e in raw.split(b"\n\n"):
+            if not e:
+                continue
+            key = "other"
+            if e.startswith(b"data: {"):
+                d = json.loads(e[6:])
+                _n_facts(d, facts)
+                sh = _n_shape(d)
+                choices = d.get("choices") or []
+                idx = d.get("index", choices[0].get("index") if len(choices) == 1 else None)
+                key = "other" if idx is None else f"choice {idx}"
+                delta = choices[0].get("delta") if len(choices) == 1 else None
+                if isinstance(delta, dict):  # chat: every finish chunk comes after all content
+                    if delta.get("content") is not None and finished:
+                        facts["chat content after a finish chunk"] = True
+                    finished = finished or choices[0].get("finish_reason") is not None
+            else:
+                sh = e.decode()
+            seq = events.setdefault(key, [])
+            if not seq or seq[-1] != sh:
+                seq.append(sh)
+        out["events"] = events
+    else:
+        doc = json.loads(raw)
+        _n_facts(doc, facts)
+        out["body"] = _n_shape(doc)
+    if "finishes" in facts:
+        facts["finishes"] = sorted(facts["finishes"])
+    facts["ids"] = len(facts.get("ids", ()))
+    out["facts"] = {k: sorted(v) if isinstance(v, set) else v for k, v in facts.items()}
+    return out
+
+
+@pytest.mark.parametrize(("path", "body"), [c[1:] for c in N_LOGPROB_CASES], ids=[c[0] for c in N_LOGPROB_CASES])
+async def test_n_and_logprobs_fidelity(fleet: list[RealServer], path: str, body: dict[str, Any]) -> None:
+    """``n`` choices and logprobs on every route, streamed and not: status, content type, the shape
+    of every body or event (logprob entries included; their values and the text are the model's,
+    compared by type), the choice indices and finishes, the usage (prompt and cached tokens once per
+    prompt, completion tokens summed) and the number of sequence ids."""
+    real = await n_outcome(fleet[0].url, path, body)
+    async with running_emulators(1, config=emulator_config()) as (emu_rep,):
+        emu = await n_outcome(emu_rep.url, path, body)
+    if real != emu:
+        diff = difflib.unified_diff(
+            json.dumps(real, indent=1, default=str).splitlines(), json.dumps(emu, indent=1, default=str).splitlines(),
+            "real SGLang", "emulator", lineterm="",
+        )
+        pytest.fail("\n".join(diff))
+
+
 # ---- cache -----------------------------------------------------------------------------------------
 
 

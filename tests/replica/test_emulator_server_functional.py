@@ -162,6 +162,82 @@ async def test_completions_stream_and_nonstream(emu: Running, http: aiohttp.Clie
     assert doc["metadata"] == {"weight_version": "default", "weight_versions": [{"version": "default", "start": 0, "end": doc["usage"]["completion_tokens"]}]}
 
 
+# ---- n choices and logprobs (shapes checked against real SGLang in tests/real_sglang) ----------
+
+
+async def test_n_choices_share_the_prompt_and_usage_counts_it_once(emu: Running, http: aiohttp.ClientSession) -> None:
+    ids = list(range(100, 300))
+    base = {"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": 4}
+    status, one, _ = await post(http, f"{emu.url}/v1/chat/completions", {**base, "input_ids": ids})
+    assert status == 200
+    status, three, _ = await post(http, f"{emu.url}/v1/chat/completions", {**base, "input_ids": ids[::-1], "n": 3})
+    assert status == 200
+    assert [c["index"] for c in three["choices"]] == [0, 1, 2]
+    assert len({c["message"]["content"] for c in three["choices"]}) == 3  # sequences of their own
+    u = three["usage"]
+    assert u["prompt_tokens"] == one["usage"]["prompt_tokens"] == 200
+    assert u["completion_tokens"] == 12 and u["total_tokens"] == 212
+    # the warm-up request cached the prompt: each sequence recomputes only the tail
+    assert 200 - emu.replica.config.profile.page_size <= u["prompt_tokens_details"]["cached_tokens"] < 200
+
+
+async def test_n_choices_stream_each_with_its_id_role_and_finish(
+    emulators: EmuFactory, http: aiohttp.ClientSession
+) -> None:
+    async with emulators(1, time_scale=0.05, min_chunk_interval_s=0.0) as (emu,):
+        body = {"model": "m", "messages": [{"role": "user", "content": "go " * 50}], "max_tokens": 5, "n": 2,
+                "stream": True, "stream_options": {"include_usage": True}}
+        async with http.post(f"{emu.url}/v1/chat/completions", json=body) as r:
+            events = sse_events(await r.read())
+    assert events[-1] == b"[DONE]"
+    chunks = [compact(e) for e in events[:-1]]
+    *body_chunks, usage = chunks
+    text: dict[int, str] = {0: "", 1: ""}
+    ids: dict[int, set[str]] = {0: set(), 1: set()}
+    roles, finishes = [], []
+    for c in body_chunks:
+        (ch,) = c["choices"]
+        if ch["finish_reason"] is not None:
+            finishes.append(ch["index"])
+            continue
+        ids[ch["index"]].add(c["id"])
+        roles += [ch["index"]] if "role" in ch["delta"] else []
+        text[ch["index"]] += ch["delta"].get("content") or ""
+    assert sorted(roles) == [0, 1] and sorted(finishes) == [0, 1]
+    assert all(len(t) == 20 for t in text.values()) and text[0] != text[1]
+    assert all(len(v) == 1 for v in ids.values()) and ids[0] != ids[1]  # one id per sequence
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 10
+
+
+async def test_logprobs_spell_the_output_and_repeat_per_request(emu: Running, http: aiohttp.ClientSession) -> None:
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "logprobs": True,
+            "top_logprobs": 3, "rid": "lp-1"}
+    status, doc, _ = await post(http, f"{emu.url}/v1/chat/completions", chat)
+    assert status == 200
+    (choice,) = doc["choices"]
+    content = choice["logprobs"]["content"]
+    assert "".join(t["token"] for t in content) == choice["message"]["content"]
+    for t in content:
+        assert t["bytes"] == list(t["token"].encode()) and t["logprob"] < 0
+        tops = [a["logprob"] for a in t["top_logprobs"]]
+        assert len(tops) == 3 and tops == sorted(tops, reverse=True) and all(v < 0 for v in tops)
+    await post(http, f"{emu.url}/flush_cache", {})
+    _, again, _ = await post(http, f"{emu.url}/v1/chat/completions", chat)
+    assert again["choices"][0]["logprobs"] == choice["logprobs"]  # deterministic per request id
+
+    status, doc, _ = await post(http, f"{emu.url}/v1/completions",
+                                {"model": "m", "prompt": [5, 6, 7], "max_tokens": 3, "logprobs": 2})
+    lp = doc["choices"][0]["logprobs"]
+    assert "".join(lp["tokens"]) == doc["choices"][0]["text"] and lp["text_offset"] == [-1, -1, -1]
+    assert [len(t) for t in lp["top_logprobs"]] == [2, 2, 2]
+
+    status, doc, _ = await post(http, f"{emu.url}/generate", {"input_ids": [5, 6, 7], "return_logprob": True,
+                                                               "sampling_params": {"max_new_tokens": 3}})
+    meta = doc["meta_info"]
+    assert [t[1] for t in meta["output_token_logprobs"]] == doc["output_ids"]
+    assert meta["output_token_logprobs_length"] == 3 and "output_top_logprobs" not in meta
+
+
 # ---- cache behaviour through HTTP ------------------------------------------------------------
 
 

@@ -288,3 +288,30 @@ async def test_a_prompt_the_engine_refuses_in_stream_is_a_failure_and_teaches_no
     assert refused.error == "upstream_error_event" and refused.prompt_tokens is None
     sess = await gw.store.session("big-1")
     assert sess is not None and sess.context_tokens == first.prompt_tokens + first.completion_tokens
+
+
+async def test_parallel_samples_of_one_generate_prompt_count_the_prompt_once(
+    emulators: Any, gateway_factory: Any
+) -> None:
+    # /generate with sampling_params.n > 1 answers a list, one object per sequence, each with the whole
+    # prompt's counts (SGLang 0.5.23; the emulator does the same, checked against the real engine): the
+    # gateway learns the prompt once, not n times (which made the session's bytes per token n x small)
+    (rep,) = await emulators(1)
+    log = EventLog()
+    gw = await gateway_factory([rep.url], hooks=(log,))
+    text = "explain the failing assertion in test_parser.py. " * 20
+    async with aiohttp.ClientSession() as s:
+        for n in (1, 3):
+            body = {"text": text, "sampling_params": {"max_new_tokens": 4, "n": n, "ignore_eos": True}}
+            status, raw, _ = await _post(s, gw.url + "/generate", json.dumps(body).encode(), f"par-{n}")
+            assert status == 200, raw
+    await wait_for(lambda: len(log.of(RequestFinished)) == 2)
+    single, par = log.of(RequestFinished)
+    docs = json.loads(raw)
+    assert isinstance(docs, list) and len(docs) == 3
+    assert par.prompt_tokens == single.prompt_tokens == docs[0]["meta_info"]["prompt_tokens"]
+    assert par.cached_tokens == docs[0]["meta_info"]["cached_tokens"]
+    assert par.completion_tokens == 12  # every sequence's tokens were generated
+    one, three = await gw.store.session("par-1"), await gw.store.session("par-3")
+    assert one is not None and three is not None
+    assert three.bytes_per_token == pytest.approx(one.bytes_per_token, rel=0.05)

@@ -206,3 +206,13 @@ def test_sse_sniffer_is_split_invariant(cuts: list[int], crlf: bool) -> None:
         sn.feed(raw[a:b])
     assert sn.events == 3
     assert sn.result() == Usage(5210, 4096, 311)
+
+
+def test_usage_of_a_batch_with_parallel_samples_counts_each_prompt_once() -> None:
+    # SGLang's list for 2 prompts x n=2: a prompt's samples together, each with the prompt's counts
+    def item(prompt: int, cached: int, out: int) -> dict[str, object]:
+        return {"meta_info": {"prompt_tokens": prompt, "cached_tokens": cached, "completion_tokens": out}}
+
+    docs = [item(100, 99, 5), item(100, 99, 7), item(40, 39, 3), item(40, 39, 4)]
+    assert usage_from_json(docs, samples_per_prompt=2) == Usage(140, 138, 19)
+    assert usage_from_json(docs) == Usage(280, 276, 19)  # a plain batch of four prompts
