@@ -19,11 +19,12 @@ KVROUTE = str(Path(sys.executable).parent / "kvroute")
 
 
 @pytest.mark.slow
-def test_tiny_demo_writes_both_policies(tmp_path: Path) -> None:
+@pytest.mark.parametrize("flags", [[], ["--no-session-id"]], ids=["session-ids", "no-session-id"])
+def test_tiny_demo_writes_both_policies(tmp_path: Path, flags: list[str]) -> None:
     out = tmp_path / "demo.json"
     proc = subprocess.run(
         [KVROUTE, "demo", "--replicas", "2", "--duration", "4", "--sessions", "8", "--drain", "2",
-         "--time-scale", "0.05", "--json", str(out), "--plots", str(tmp_path)],
+         "--time-scale", "0.05", "--json", str(out), "--plots", str(tmp_path), *flags],
         check=False, capture_output=True, text=True, timeout=90,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -45,6 +46,7 @@ def test_tiny_demo_writes_both_policies(tmp_path: Path) -> None:
         assert m["requests_ceiling"] == doc["hash"]["requests_ceiling"] > 10
         assert m["requests_of_ceiling"] == pytest.approx(m["requests"] / m["requests_ceiling"])
     assert doc["_scenario"]["replicas"] == 2 and doc["_scenario"]["policies"] == ["kv_aware", "hash"]
+    assert doc["_scenario"]["session_ids"] == (not flags)  # --no-session-id: the clients sent none
     # not a TTY: plain progress lines and the final comparison
     assert "[kvroute kv_aware]" in proc.stdout and "dispersion" in proc.stdout
     assert f"complete {doc['kv_aware']['requests_ceiling']} (simulated)" in proc.stdout
