@@ -437,8 +437,10 @@ def _token_logprobs(rid: str, text: str, lo: int, hi: int, top: int) -> list[_To
     for i in range(lo, hi):
         tok = text[i * BYTES_PER_TOKEN : (i + 1) * BYTES_PER_TOKEN]
         alts = sorted((_fake_logprob(rid, i, r) for r in range(1, top + 1)), reverse=True)
-        top_list = [(a := output_text(1, mmh3.hash(f"{rid}:{i}:{r}", signed=False)), _token_id(a), lp)
-                    for r, lp in enumerate(alts, 1)]
+        # consecutive words of the wheel: distinct tokens, as an engine's top-k are (a completions
+        # response keys them by token, so two alike would collapse into one)
+        h = mmh3.hash(f"{rid}:{i}", signed=False)
+        top_list = [(a := output_text(1, h + r), _token_id(a), lp) for r, lp in enumerate(alts, 1)]
         out.append((tok, _token_id(tok), _fake_logprob(rid, i, 0), top_list))
     return out
 

@@ -705,3 +705,13 @@ async def test_queue_time_histogram_counts_the_wait_for_a_slot(emulators: EmuFac
     assert 0.25 * e2e["false"] <= by["_sum"].value <= 0.5 * e2e["false"]
     les = [float(s.labels["le"]) for s in fam.samples if s.name.endswith("_bucket")]
     assert les[:-1] == sorted(les[:-1]) and les[0] == 0.0 and les[-1] == float("inf")
+
+
+async def test_completions_top_logprobs_are_distinct_tokens(emu: Running, http: aiohttp.ClientSession) -> None:
+    """``/v1/completions`` keys each position's alternatives by token: like an engine's top-k they
+    must be distinct, or two collapse into one entry (a CI run's fidelity check saw a size 1 for 2)."""
+    for k in range(3):
+        status, doc, _ = await post(http, f"{emu.url}/v1/completions",
+                                    {"model": "m", "prompt": [5, 6, 7, k], "max_tokens": 200, "logprobs": 3})
+        assert status == 200
+        assert [len(t) for t in doc["choices"][0]["logprobs"]["top_logprobs"]] == [3] * 200
