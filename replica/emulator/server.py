@@ -884,6 +884,15 @@ class _Handlers:
                 if request.transport is None or request.transport.is_closing():
                     raise _ClientGone from None
 
+    async def _all_finished(self, request: web.Request, fls: list[_Flight]) -> list[Finished]:
+        """Every sequence's end, in choice order, once all have ended (an unstreamed answer)."""
+        out: list[Finished] = []
+        for fl in fls:
+            await self._wait_done(request, fl)
+            assert fl.finished is not None
+            out.append(fl.finished)
+        return out
+
     def _finish_reason(self, parsed: _Parsed, fin: Finished) -> tuple[str, int | None]:
         if fin.reason == "abort":
             return "abort", None
@@ -1206,14 +1215,10 @@ class _Handlers:
             created = int(time.time())
             texts = [output_text(p.max_tokens, _text_seed(fl.rid)) for fl in fls]
             if not p.stream:
-                for fl in fls:
-                    await self._wait_done(request, fl)
                 choices = []
-                for i, fl in enumerate(fls):
-                    fin = fl.finished
-                    assert fin is not None
-                    n = fin.completion_tokens
-                    reason, matched = self._finish_reason(p, fin)
+                for i, (fl, ended) in enumerate(zip(fls, await self._all_finished(request, fls), strict=True)):
+                    n = ended.completion_tokens
+                    reason, matched = self._finish_reason(p, ended)
                     choice: dict[str, Any] = {
                         "index": i,
                         "message": {"role": "assistant", "content": texts[i][: n * BYTES_PER_TOKEN],
@@ -1224,7 +1229,7 @@ class _Handlers:
                         "matched_stop": matched,
                     }
                     if want_meta:
-                        choice["meta_info"] = self._meta(p, fl, n, fin, False)
+                        choice["meta_info"] = self._meta(p, fl, n, ended, False)
                     choices.append(choice)
                 if p.n == 0:  # SGLang's usage sum steps by n: range() refuses a zero step
                     return _openai_error("range() arg 3 must not be zero", 400, "BadRequest")
@@ -1312,14 +1317,10 @@ class _Handlers:
                                             p.top_logprobs)
 
             if not p.stream:
-                for fl in fls:
-                    await self._wait_done(request, fl)
                 choices = []
-                for i, fl in enumerate(fls):
-                    fin = fl.finished
-                    assert fin is not None
-                    n = fin.completion_tokens
-                    reason, matched = self._finish_reason(p, fin)
+                for i, ended in enumerate(await self._all_finished(request, fls)):
+                    n = ended.completion_tokens
+                    reason, matched = self._finish_reason(p, ended)
                     choices.append({"index": i, "text": texts[i][: n * BYTES_PER_TOKEN], "logprobs": logprobs(i, 0, n),
                                     "finish_reason": reason, "matched_stop": matched})
                 if p.n == 0:  # SGLang's usage sum steps by n: range() refuses a zero step
@@ -1388,12 +1389,8 @@ class _Handlers:
 
         async def respond(p: _Parsed, fls: list[_Flight]) -> web.StreamResponse:
             if not p.stream:
-                docs = []
-                for fl in fls:
-                    await self._wait_done(request, fl)
-                    fin = fl.finished
-                    assert fin is not None
-                    docs.append(doc(p, fl, 0, fin.completion_tokens, fin, False))
+                fins = await self._all_finished(request, fls)
+                docs = [doc(p, fl, 0, fin.completion_tokens, fin, False) for fl, fin in zip(fls, fins, strict=True)]
                 return _json(docs if p.n > 1 else docs[0])  # n > 1: a list, one object per sequence
             resp = web.StreamResponse(headers=_SSE_HEADERS)
             await resp.prepare(request)
