@@ -52,8 +52,14 @@ class ReplicaStatus(StrEnum):
 
 class KeySource(StrEnum):
     HEADER = "header"  # session id from a configured header (Modal-Session-Id, ...)
+    BODY = "body"  # no header: the body's own ``session_id`` (SGLang's field; the engine names its blocks by it)
     PREFIX = "prefix"  # derived from a hash chain over the request's first prompt blocks
     NONE = "none"  # nothing to key on (e.g. an empty body)
+
+    @property
+    def named(self) -> bool:
+        """The client named the session (a header or the body), rather than the gateway keying it."""
+        return self is KeySource.HEADER or self is KeySource.BODY
 
 
 class Reason(StrEnum):

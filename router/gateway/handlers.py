@@ -115,24 +115,27 @@ def session_id_from_headers(headers: Mapping[str, str], cfg: GatewayConfig) -> s
         if value is None:
             continue
         value = value.strip()
-        if not value:
-            continue
-        limit = cfg.limits.max_session_id_len
-        if len(value) > limit:
-            raise BadRequestError(f"{name}: session id longer than {limit} characters")
-        if not _compiled(cfg.limits.session_id_pattern).match(value):
-            raise BadRequestError(
-                f"{name}: session id has characters outside {cfg.limits.session_id_pattern}"
-            )
-        if not value.isascii():
-            # header bytes that are not UTF-8 reach us as lone surrogates; a widened pattern may
-            # let them through, and the Redis store (and the forwarded header) cannot encode them
-            try:
-                value.encode()
-            except UnicodeEncodeError:
-                raise BadRequestError(f"{name}: session id is not valid UTF-8") from None
-        return value
+        if value:
+            return _checked_session_id(name, value, cfg)
     return None
+
+
+def _checked_session_id(name: str, value: str, cfg: GatewayConfig) -> str:
+    """``value`` if it is a session id the limits allow; ``BadRequestError`` naming ``name`` if not."""
+    limit = cfg.limits.max_session_id_len
+    if len(value) > limit:
+        raise BadRequestError(f"{name}: session id longer than {limit} characters")
+    if not _compiled(cfg.limits.session_id_pattern).match(value):
+        raise BadRequestError(f"{name}: session id has characters outside {cfg.limits.session_id_pattern}")
+    if not value.isascii():
+        # header bytes that are not UTF-8 reach us as lone surrogates (a JSON body can carry them as
+        # escapes); a widened pattern may let them through, and the Redis store (and the forwarded
+        # header) cannot encode them
+        try:
+            value.encode()
+        except UnicodeEncodeError:
+            raise BadRequestError(f"{name}: session id is not valid UTF-8") from None
+    return value
 
 
 @functools.lru_cache(maxsize=8)
@@ -205,10 +208,18 @@ def _samples_per_prompt(body: bytes) -> int:
     return n if isinstance(n, int) and not isinstance(n, bool) and n > 1 else 1
 
 
-def _routing_key(session_id: str | None, body: bytes, route: str, policy: object) -> tuple[str | None, KeySource]:
+def _routing_key(
+    session_id: str | None, body: bytes, route: str, policy: object, cfg: GatewayConfig
+) -> tuple[str | None, KeySource]:
+    """The session a request belongs to: the header's id; else the body's own ``session_id`` (SGLang's
+    field: the engine names the blocks the request stores by it, so exact residency must read the
+    session under that name); else the prompt's prefix key (rule 7)."""
     if session_id is not None:
         return session_id, KeySource.HEADER
     obj = _parse_body(body)
+    named = obj.get("session_id")
+    if isinstance(named, str) and named:  # other types are the replica's to refuse
+        return _checked_session_id("session_id", named, cfg), KeySource.BODY
     p = _prefix_params(policy)
     try:
         key = prefix_key(obj, route, p.prefix_block_chars, p.prefix_blocks)
@@ -350,7 +361,7 @@ class _Proxy:
                 body_bytes=self.req.body_bytes,
                 session=snap.session,
                 excluded=frozenset(excluded),
-                chain_key=self._chain_key if self.req.key_source is KeySource.HEADER else None,
+                chain_key=self._chain_key if self.req.key_source.named else None,
             )
             try:
                 decision = self.rt.policy.route(req, snap, self.rt.rng)
@@ -385,7 +396,7 @@ class _Proxy:
                     replica_id=lease.replica_id,
                     reason=lease.reason,
                     key_source=req.key_source,
-                    session_id=req.session_key if req.key_source is KeySource.HEADER else None,
+                    session_id=req.session_key if req.key_source.named else None,
                     attempt=attempt,
                     disagreement=lease.disagreement,
                     scores=decision.scores,
@@ -644,7 +655,7 @@ class _Proxy:
                 request_id=self.request_id,
                 at=self.rt.clock.now(),
                 replica_id=lease.replica_id,
-                session_id=lease.session_id if self.req.key_source is KeySource.HEADER else None,
+                session_id=lease.session_id if self.req.key_source.named else None,
                 reason=reason,
                 expected_cached_tokens=min(lease.prev_context_tokens, completion.prompt_tokens or 0),
                 cached_tokens=completion.cached_tokens or 0,
@@ -711,9 +722,9 @@ async def serve_inference(
         prog.t0 = clock.now()  # the client's upload time is not ours
         if route == "/generate":
             _refuse_empty_generate(body)
-        key, source = _routing_key(session_id, body, route, rt.policy)
+        key, source = _routing_key(session_id, body, route, rt.policy, cfg)
         req = route_request(key, source, route=route, body_bytes=len(body), session=None)
-        fwd = _forward_headers(headers, remote, cfg, session_id, request_id)
+        fwd = _forward_headers(headers, remote, cfg, key if source.named else None, request_id)
         proxy = _Proxy(downstream, request_id, rt, body, req, fwd, prog)
         try:
             await proxy.run()
@@ -739,7 +750,7 @@ async def serve_inference(
                     replica_id=prog.replica_id,
                     reason=prog.reason,
                     key_source=req.key_source,
-                    session_id=req.session_key if req.key_source is KeySource.HEADER else None,
+                    session_id=req.session_key if req.key_source.named else None,
                     retries=prog.retries,
                     ttft_s=prog.ttft_s,
                     e2e_s=e2e,

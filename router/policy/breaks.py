@@ -84,6 +84,6 @@ def classify_break(
     by_reason = _BY_REASON.get(lease.reason)
     if by_reason is not None:
         return by_reason
-    if key_source is not KeySource.HEADER:
+    if not key_source.named:
         return AffinityBreak.NO_SESSION_ID
     return AffinityBreak.EVICTED  # routed to where the cache should have been: the engine evicted it

@@ -231,6 +231,38 @@ async def test_body_header_and_session_id_limits(fake_replicas: Any, gateway_fac
     assert len(rep.state.requests) == 1  # nothing refused reached the replica
 
 
+async def test_a_body_session_id_keys_the_session_under_the_same_limits(fake_replicas: Any, gateway_factory: Any) -> None:
+    # SGLang's body field ``session_id`` names the session when no header does; it is held to the
+    # header's limits (it becomes a store key), and a header wins over it
+    (rep,) = await fake_replicas(1)
+    gw = await gateway_factory([rep.url], limits={"max_session_id_len": 64})
+
+    def body(sid: Any) -> bytes:
+        return json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}], "session_id": sid}).encode()
+
+    async with aiohttp.ClientSession() as s:
+        for sid in ("s" * 65, "ünïcode", "a b", "x;y", "\u202e", "\udcff"):
+            async with s.post(gw.url + CHAT, data=body(sid)) as r:
+                answer = await r.read()
+                assert r.status == 400, sid
+                assert _is_json_error(answer) and "session_id" in json.loads(answer)["error"]["message"], answer
+        assert rep.state.requests == []  # nothing refused reached the replica
+        async with s.post(gw.url + CHAT, data=body("b" * 64)) as r:
+            assert r.status == 200
+            await r.read()
+        async with s.post(gw.url + CHAT, data=body("mine"), headers={"Modal-Session-Id": "hdr"}) as r:
+            assert r.status == 200
+            await r.read()
+        async with s.post(gw.url + CHAT, data=body(7)) as r:  # not a string: keyed by the prompt, the replica judges it
+            assert r.status == 200
+            await r.read()
+    assert (await gw.store.snapshot("b" * 64)).session is not None
+    assert (await gw.store.snapshot("hdr")).session is not None
+    assert (await gw.store.snapshot("mine")).session is None
+    # the named session travels on as the routing key header, as a header's does
+    assert [q["headers"].get("x-smg-routing-key") for q in rep.state.requests] == ["b" * 64, "hdr", None]
+
+
 # ---- log redaction ------------------------------------------------------------------------------------
 
 

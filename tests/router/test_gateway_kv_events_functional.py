@@ -168,6 +168,36 @@ async def test_requests_without_a_session_id_keep_their_cache_by_exact_residency
         assert len(sessions) == 1 and sessions[0].startswith("p")  # the engine saw the prefix key
 
 
+async def test_a_body_that_names_its_own_session_id_keeps_its_cache_by_exact_residency(kv_emulators: list[Running]) -> None:
+    """A client that speaks SGLang's dialect names its session in the body (``session_id``) and sends
+    no header. The engine names the blocks by that id, so the gateway keys the session by it too:
+    exact residency finds the session resident and every later turn goes home. (Keyed by the prompt
+    instead, the key had no blocks on a complete replica, read as a cache that is gone: every turn
+    was re-placed as evicted.)"""
+    urls = [r.url for r in kv_emulators]
+    cfg = fast_config(urls, admin_insecure=True, kv_events={"refresh_s": 0.2})
+    async with gateway(cfg) as gw, aiohttp.ClientSession() as http:
+        await wait_for(lambda: all(gw.runtime.residency.view.source(u.removeprefix("http://")) == "events" for u in urls))
+        msgs = [{"role": "user", "content": "explain the radix cache " * 12}]
+        reasons: list[str] = []
+        cached: list[int] = []
+        for i in range(5):
+            body = {"model": "emulated/small-test", "messages": msgs, "max_tokens": 8, "session_id": "agent-42"}
+            async with http.post(gw.url + "/v1/chat/completions", json=body) as r:
+                assert r.status == 200, await r.text()
+                d = await r.json()
+                reasons.append(r.headers["X-Kvroute-Reason"])
+            cached.append(d["usage"]["prompt_tokens_details"]["cached_tokens"])
+            await wait_for(lambda: synced(gw, kv_emulators))
+            msgs = [*msgs, {"role": "assistant", "content": d["choices"][0]["message"]["content"]},
+                    {"role": "user", "content": f"and then {i} " * 6}]  # fmt: skip
+        assert reasons == ["placed_new"] + ["affinity"] * 4, reasons
+        assert all(c > 0 for c in cached[1:]), cached
+        snap = await gw.store.snapshot("agent-42")
+        assert snap.session is not None and snap.session.resident_tokens is not None and snap.session.resident_tokens > 0
+        assert [s for r in kv_emulators for s in r.replica.sessions] == ["agent-42"]
+
+
 async def test_gateway_without_events_stays_off(emulators_plain: list[Running]) -> None:
     cfg = fast_config([r.url for r in emulators_plain], admin_insecure=True, kv_events={"refresh_s": 0.1})
     async with gateway(cfg) as gw, aiohttp.ClientSession() as http:
