@@ -56,6 +56,7 @@ from router.policy.params import PolicyParams
 __all__ = [
     "BOUNDED_LOAD_EPSILON",
     "KV_AWARE",
+    "RAMP_CAP_FACTOR",
     "KvAwarePolicy",
     "cache_surely_gone",
     "estimate_gone",
@@ -74,6 +75,12 @@ BOUNDED_LOAD_EPSILON = 0.25
 """Rule 3's session cap: no replica takes a new session while it holds ≥ ceil((1+ε)·mean) active
 sessions (consistent hashing with bounded loads). A constant: no value measured changed a result
 outside the seed spread, with one gateway or ten lagged ones (docs/POLICY.md rounds 16 and 29)."""
+
+RAMP_CAP_FACTOR = 1.5
+"""Rule 4's ramp: a fresh replica takes at most this × its fair share of the placements in the
+store's ramp window (``ReplicaState.placed_recent``), and at least one. A constant: 0.01 and 100
+gave the default's runs to the last digit on four scale-ups with ten lagged gateways (docs/POLICY.md
+round 29)."""
 
 
 def hbm_capacity(replica: ReplicaState, params: PolicyParams) -> int:
@@ -579,7 +586,7 @@ class KvAwarePolicy:
         hard = max(float(p.hard_bound_min), p.hard_bound_factor * mean)
         sessions = max(snapshot.sessions_active, fleet_sessions)
         cap = math.ceil((1.0 + BOUNDED_LOAD_EPSILON) * (sessions + 1) / n)
-        share = max(1, math.ceil(p.ramp_cap_factor * (fleet_recent + 1) / n))
+        share = max(1, math.ceil(RAMP_CAP_FACTOR * (fleet_recent + 1) / n))
         return _View(
             snapshot,
             excluded,

@@ -34,10 +34,8 @@ class PolicyParams:
 
     # ---- rule 4: scale-up ramp -------------------------------------------------------------------
     fresh_window_s: float = 120.0
-    """A replica that became ACTIVE by scale-up less than this long ago is *fresh* and ramp-capped."""
-    ramp_cap_factor: float = 1.5
-    """A fresh replica takes at most ramp_cap_factor × its fair share of the placements in the
-    store's ramp window (``ReplicaState.placed_recent``), and at least one."""
+    """A replica that became ACTIVE by scale-up less than this long ago is *fresh* and ramp-capped
+    (``router.policy.kv_aware.RAMP_CAP_FACTOR``). A duration, so a time-scaled fleet scales it."""
 
     # ---- rule 6: residency -----------------------------------------------------------------------
     default_capacity_tokens: int = 850_000

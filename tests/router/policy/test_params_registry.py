@@ -39,6 +39,7 @@ def test_with_changes_returns_a_new_validated_copy() -> None:
         ({"max_overflow": True}, "max_overflow"),
         ({"w_sessions": -0.1}, "w_sessions"),
         ({"bounded_load_epsilon": 0.5}, "bounded_load_epsilon"),  # a constant since round 29
+        ({"ramp_cap_factor": 3}, "ramp_cap_factor"),  # a constant since round 31
         ({"panic_threshold": 1.5}, "panic_threshold"),
         ({"hard_bound_factor": 0.5}, "hard_bound_factor"),
         ({"score_quantum": 0.5}, "score_quantum"),  # removed in round 16: unknown now
