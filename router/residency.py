@@ -348,14 +348,16 @@ class ReplicaResidency:
             self._changed.add(sid)
 
 
-def with_residency(session: SessionState, view: ResidencyView | None) -> SessionState:
-    """``session`` with ``resident_tokens`` (on its home) and ``resident_on`` filled from ``view``."""
+def with_residency(session: SessionState, view: ResidencyView | None, engine_id: str | None = None) -> SessionState:
+    """``session`` with ``resident_tokens`` (on its home) and ``resident_on`` filled from ``view``.
+    ``engine_id``: the id the engine names this request's blocks by, when the request's body names
+    one other than the session's (SGLang's body ``session_id``); its reading replaces the session's."""
     if view is None:
         return session
-    sid = session.session_id
+    sid = session.session_id if engine_id is None else engine_id
     home = None if session.home is None else view.resident_tokens(session.home, sid)
     on = view.resident_on(sid)
-    if home is None and not on:
+    if engine_id is None and home is None and not on:
         return session
     return dataclasses.replace(session, resident_tokens=home, resident_on=on)
 

@@ -78,6 +78,7 @@ from router.model import (
 from router.policy.breaks import classify_break
 from router.policy.params import PolicyParams
 from router.policy.prefix_key import chain_key, prefix_key
+from router.residency import with_residency
 from router.route_input import route_request
 
 __all__ = [
@@ -208,6 +209,18 @@ def _samples_per_prompt(body: bytes) -> int:
     return n if isinstance(n, int) and not isinstance(n, bool) and n > 1 else 1
 
 
+def _body_session_id(body: bytes) -> str | None:
+    """The body's own ``session_id`` (SGLang's field), if it names one. Parsed only when the bytes
+    mention it."""
+    if b'"session_id"' not in body:
+        return None
+    try:
+        sid = _parse_body(body).get("session_id")
+    except BadRequestError:
+        return None
+    return sid if isinstance(sid, str) and sid else None
+
+
 def _routing_key(
     session_id: str | None, body: bytes, route: str, policy: object, cfg: GatewayConfig
 ) -> tuple[str | None, KeySource]:
@@ -216,10 +229,10 @@ def _routing_key(
     session under that name); else the prompt's prefix key (rule 7)."""
     if session_id is not None:
         return session_id, KeySource.HEADER
-    obj = _parse_body(body)
-    named = obj.get("session_id")
-    if isinstance(named, str) and named:  # other types are the replica's to refuse
+    named = _body_session_id(body)  # other types are the replica's to refuse
+    if named is not None:
         return _checked_session_id("session_id", named, cfg), KeySource.BODY
+    obj = _parse_body(body)
     p = _prefix_params(policy)
     try:
         key = prefix_key(obj, route, p.prefix_block_chars, p.prefix_blocks)
@@ -338,6 +351,12 @@ class _Proxy:
         self.p = prog
         self.request_id = request_id
         self._tagged: bytes | None = None  # the body with the session id (kv_events.forward_session_id)
+        # behind KV events, a header session whose body names another session_id: the engine names
+        # this request's blocks by the body's id, so residency is read under it
+        self._engine_id: str | None = None
+        if rt.residency is not None and req.key_source is KeySource.HEADER:
+            named = _body_session_id(body)
+            self._engine_id = named if named != req.session_key else None
         self._chain: tuple[str | None] | None = None  # RouteRequest.chain_key, once computed
 
     def _chain_key(self) -> str | None:
@@ -354,6 +373,8 @@ class _Proxy:
         while True:
             panicked = False
             snap = await self.rt.store.snapshot(self.req.session_key)
+            if self._engine_id is not None and snap.session is not None and self.rt.residency is not None:
+                snap = replace(snap, session=with_residency(snap.session, self.rt.residency.view, self._engine_id))
             req = self.req = route_request(
                 self.req.session_key,
                 self.req.key_source,

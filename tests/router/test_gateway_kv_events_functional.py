@@ -198,6 +198,38 @@ async def test_a_body_that_names_its_own_session_id_keeps_its_cache_by_exact_res
         assert [s for r in kv_emulators for s in r.replica.sessions] == ["agent-42"]
 
 
+async def test_a_header_session_whose_body_names_another_session_id_reads_residency_under_the_body_id(
+    kv_emulators: list[Running],
+) -> None:
+    """A client names the agent session in a header and each conversation in the body's
+    ``session_id`` (SGLang's field). The engine names the blocks by the body's id, so the gateway
+    reads exact residency under it: the conversation is resident at home and every turn goes there.
+    (Read under the header's id, which the engine never saw, the cache looked gone on a complete
+    replica: every later turn was re-placed as evicted.)"""
+    urls = [r.url for r in kv_emulators]
+    cfg = fast_config(urls, admin_insecure=True, kv_events={"refresh_s": 0.2})
+    async with gateway(cfg) as gw, aiohttp.ClientSession() as http:
+        await wait_for(lambda: all(gw.runtime.residency.view.source(u.removeprefix("http://")) == "events" for u in urls))
+        msgs = [{"role": "user", "content": "explain the radix cache " * 12}]
+        reasons: list[str] = []
+        cached: list[int] = []
+        for i in range(5):
+            body = {"model": "emulated/small-test", "messages": msgs, "max_tokens": 8, "session_id": "conv-a"}
+            async with http.post(gw.url + "/v1/chat/completions", json=body, headers={"Modal-Session-Id": "agent-1"}) as r:
+                assert r.status == 200, await r.text()
+                d = await r.json()
+                reasons.append(r.headers["X-Kvroute-Reason"])
+            cached.append(d["usage"]["prompt_tokens_details"]["cached_tokens"])
+            await wait_for(lambda: synced(gw, kv_emulators))
+            msgs = [*msgs, {"role": "assistant", "content": d["choices"][0]["message"]["content"]},
+                    {"role": "user", "content": f"and then {i} " * 6}]  # fmt: skip
+        assert reasons == ["placed_new"] + ["affinity"] * 4, reasons
+        assert all(c > 0 for c in cached[1:]), cached
+        assert [s for r in kv_emulators for s in r.replica.sessions] == ["conv-a"]
+        # the store keys the session by the header; the engine knows only the body's id
+        assert (await gw.store.snapshot("agent-1")).session is not None
+
+
 async def test_gateway_without_events_stays_off(emulators_plain: list[Running]) -> None:
     cfg = fast_config([r.url for r in emulators_plain], admin_insecure=True, kv_events={"refresh_s": 0.1})
     async with gateway(cfg) as gw, aiohttp.ClientSession() as http:
