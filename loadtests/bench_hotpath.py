@@ -29,7 +29,6 @@ import argparse
 import asyncio
 import gc
 import json
-import os
 import random
 import sys
 import time
@@ -37,6 +36,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from loadtests.soak import cpu_s
 from router.clock import SystemClock
 from router.events import Emitter, Event, RequestFinished, RequestRouted
 from router.model import (
@@ -193,12 +193,6 @@ def run_hotpath(
     }
 
 
-def _proc_cpu_s(pid: int) -> float:
-    """User + system CPU seconds of a process (Linux ``/proc``)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 async def _drive(url: str, *, concurrency: int, stream: bool, requests: int) -> int:
     """Send exactly ``requests`` requests with ``concurrency`` workers; returns the failures."""
     import aiohttp
@@ -244,9 +238,9 @@ async def run_cpu(
             for c in concurrencies:
                 for stream in (False, True):
                     await _drive(gw.url, concurrency=c, stream=stream, requests=min(300, requests))
-                    cpu0, t0 = _proc_cpu_s(pid), time.perf_counter()
+                    cpu0, t0 = cpu_s(pid), time.perf_counter()
                     errors = await _drive(gw.url, concurrency=c, stream=stream, requests=requests)
-                    cpu1, t1 = _proc_cpu_s(pid), time.perf_counter()
+                    cpu1, t1 = cpu_s(pid), time.perf_counter()
                     cells[f"c{c}_{'stream' if stream else 'json'}"] = {
                         "requests": requests,
                         "errors": errors,

@@ -10,24 +10,32 @@ out by itself. So this bench puts ``--replicas`` *static* replicas in one subpro
 of ``health.spread`` in ``--spreads`` (alternating, ``--repeat`` times), starts ``kvroute serve`` in
 front of all of them and measures c=1 latency for ``--duration`` seconds. Prints a table on stderr
 and JSON on stdout (p50 / p99 / p99.9 / max, ms).
+
+``--idle-cpu --gateways 1,2``: no traffic; for each count G, G gateways on one private Redis in front
+of the same static replicas, started a little apart, and over ``--duration`` seconds each gateway's
+own CPU per second (``/proc``, Linux) and the ``/metrics`` scrapes each replica answered per second
+(discovery rule 6: the gateways share one scrape per replica per interval through the store).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import sys
 import tempfile
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from loadtests.overhead import measure_cell
-from loadtests.peers import PEERS, running_router
+from loadtests.peers import PEERS, running_redis, running_router
 from loadtests.procs import read_urls, start_process, stop_process
+from loadtests.soak import cpu_s
 
-__all__ = ["cli_main", "run_probes_bench"]
+__all__ = ["cli_main", "run_idle_cpu_bench", "run_probes_bench"]
 
 _CHAT = {
     "id": "static",
@@ -56,12 +64,17 @@ async def _serve_static(n: int) -> None:
     )  # fmt: skip
     exposition = ReplicaMetrics("default", lambda: load, hicache=False).render()
     chat = json.dumps(_CHAT).encode()
+    scrapes = [0]  # /metrics answered by all of them (``GET /_scrapes`` on any)
 
     async def health(_: web.Request) -> web.Response:
         return web.Response(text="ok")
 
     async def metrics(_: web.Request) -> web.Response:
+        scrapes[0] += 1
         return web.Response(body=exposition, content_type="text/plain")
+
+    async def scrape_count(_: web.Request) -> web.Response:
+        return web.json_response({"scrapes": scrapes[0]})
 
     async def completions(request: web.Request) -> web.Response:
         await request.read()
@@ -74,6 +87,7 @@ async def _serve_static(n: int) -> None:
         app = web.Application()
         app.router.add_get("/health", health)
         app.router.add_get("/metrics", metrics)
+        app.router.add_get("/_scrapes", scrape_count)
         app.router.add_get("/v1/models", models)
         app.router.add_post("/v1/chat/completions", completions)
         runner = web.AppRunner(app, access_log=None)
@@ -114,6 +128,48 @@ async def run_probes_bench(
     return {"bench": "probes", "replicas": replicas, "duration_s": duration_s, "runs": runs}
 
 
+async def run_idle_cpu_bench(
+    *, replicas: int, gateways: Sequence[int], duration_s: float, warmup_s: float = 8.0, log: Any = None
+) -> dict[str, Any]:
+    import aiohttp
+
+    say = log or (lambda msg: print(msg, file=sys.stderr))
+    runs: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="kvroute-probes-") as tmp:
+        log_dir = Path(tmp)
+        argv = [sys.executable, "-m", "loadtests.bench_probes", "--serve", str(replicas)]
+        static = await start_process("static-replicas", argv, log_dir=log_dir, pipe_stdout=True)
+        try:
+            await read_urls(static, replicas, timeout_s=120)
+            urls = static.urls
+
+            async def scrapes(http: aiohttp.ClientSession) -> int:
+                async with http.get(urls[0] + "/_scrapes") as r:
+                    return int((await r.json())["scrapes"])
+
+            async with aiohttp.ClientSession() as http:
+                for g in gateways:
+                    async with running_redis(log_dir=log_dir) as redis, contextlib.AsyncExitStack() as stack:
+                        procs = []
+                        for i in range(g):
+                            env = {"KVROUTE_REDIS_URL": redis.url, "KVROUTE_GATEWAY_ID": f"bench-gw{i}"}
+                            procs.append(await stack.enter_async_context(
+                                running_router(PEERS["kvroute"], urls, log_dir=log_dir, env=env, timeout_s=120)))  # fmt: skip
+                            await asyncio.sleep(0.37)  # started apart, as gateways are: their rounds at other phases
+                        await asyncio.sleep(warmup_s)
+                        c0, n0, t0 = [cpu_s(p.proc.pid) for p in procs], await scrapes(http), time.monotonic()
+                        await asyncio.sleep(duration_s)
+                        c1, n1, t1 = [cpu_s(p.proc.pid) for p in procs], await scrapes(http), time.monotonic()
+                    cpu = [round((b - a) / (t1 - t0), 3) for a, b in zip(c0, c1, strict=True)]
+                    per_replica = round((n1 - n0) / (t1 - t0) / replicas, 3)
+                    runs.append({"gateways": g, "cpu_per_s": cpu, "cpu_per_s_total": round(sum(cpu), 3),
+                                 "scrapes_per_replica_per_s": per_replica})  # fmt: skip
+                    say(f"  {g} gateway(s): CPU/s {cpu} (total {sum(cpu):.2f}), {per_replica} scrapes per replica per s")
+        finally:
+            await stop_process(static)
+    return {"bench": "probes-idle-cpu", "replicas": replicas, "duration_s": duration_s, "runs": runs}
+
+
 def cli_main(argv: list[str]) -> int:
     if argv[:1] == ["--serve"]:
         asyncio.run(_serve_static(int(argv[1])))
@@ -124,7 +180,23 @@ def cli_main(argv: list[str]) -> int:
     p.add_argument("--repeat", type=int, default=2, help="runs per spread value (alternating)")
     p.add_argument("--duration", type=float, default=20.0, help="seconds of c=1 load per run")
     p.add_argument("--json", type=Path, help="also write the JSON here")
+    p.add_argument("--idle-cpu", action="store_true", help="no traffic: each gateway's CPU and the scrapes per replica")
+    p.add_argument("--gateways", default="1,2", help="with --idle-cpu: comma list of gateway counts (one Redis)")
+    p.add_argument("--warmup", type=float, default=8.0, help="with --idle-cpu: seconds before measuring")
     ns = p.parse_args(argv)
+    if ns.idle_cpu:
+        try:
+            counts = [int(x) for x in ns.gateways.split(",") if x.strip()]
+        except ValueError:
+            p.error(f"--gateways: a comma list of integers, not {ns.gateways!r}")
+        if ns.replicas < 1 or not counts or any(c < 1 for c in counts):
+            p.error("--replicas and every --gateways count at least 1")
+        if ns.duration <= 0 or ns.warmup < 0:
+            p.error("--duration must be > 0 and --warmup >= 0")
+        doc = asyncio.run(
+            run_idle_cpu_bench(replicas=ns.replicas, gateways=counts, duration_s=ns.duration, warmup_s=ns.warmup)
+        )
+        return _emit(doc, ns.json)
     try:
         spreads = [float(x) for x in ns.spreads.split(",") if x.strip()]
     except ValueError:
@@ -134,9 +206,13 @@ def cli_main(argv: list[str]) -> int:
     doc = asyncio.run(
         run_probes_bench(replicas=ns.replicas, spreads=spreads, repeat=ns.repeat, duration_s=ns.duration)
     )
+    return _emit(doc, ns.json)
+
+
+def _emit(doc: dict[str, Any], path: Path | None) -> int:
     text = json.dumps(doc, indent=2)
-    if ns.json:
-        ns.json.write_text(text + "\n")
+    if path:
+        path.write_text(text + "\n")
     print(text)
     return 0
 

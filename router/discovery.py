@@ -28,6 +28,15 @@ Rules:
      replica keeps its phase and the answers do not reach the event loop together: each answer
      costs loop time (a parsed ``/metrics`` the most), and many replicas answering at once would
      stall every request the gateway is relaying (``kvroute bench probes`` measures it).
+  6. One scrape per replica per interval, fleet-wide. A replica whose figures in the store were
+     written by someone else (its sidecar, another gateway on the same Redis) since this gateway
+     last scraped it is not scraped while they are younger than two intervals (stretched by the
+     jitter; the round reads the store once, up to ``spread`` of an interval before its last
+     probe): the latest writer keeps scraping, everyone else reads its figures. Many gateways in
+     front of many replicas otherwise each spend a large part of a core parsing every replica's
+     ``/metrics`` every second (docs/BENCHMARKS.md, "Scrapes shared through the store"), and each
+     engine answers every gateway. When the writer stops, its figures age out within about two
+     intervals and the next round scrapes them again.
 """
 
 from __future__ import annotations
@@ -58,6 +67,7 @@ __all__ = ["Discovery", "HealthTrack", "ProbeOutcome", "health_transition"]
 log = logging.getLogger("kvroute.discovery")
 
 _METRICS_OFF_BACKOFF = 30  # rounds to skip after a 404 on /metrics (engine without --enable-metrics)
+_OWN_STAMP_SLACK_S = 0.001  # our own stamp back from Redis (epoch seconds as a float: ~1e-6 s off)
 
 
 class ProbeOutcome(enum.Enum):
@@ -145,9 +155,11 @@ class Discovery:
         self._loads_off: dict[ReplicaId, int] = {}
         self._request_failures: dict[ReplicaId, int] = {}  # since the replica's last success
         self._alive_at: dict[ReplicaId, float] = {}  # last sign of life: good probe or answered request
+        self._scraped_at: dict[ReplicaId, float] = {}  # the stamp of our last figures (rule 6)
         self._lock = asyncio.Lock()  # status changes: health loop vs passive ejection
         self.scrapes_ok = 0
         self.scrapes_failed = 0
+        self.scrapes_shared = 0  # skipped: someone else's figures were fresh (rule 6)
         self.health_failures = 0
         self.health_busy = 0  # probe timeouts tolerated as "busy" (rule 3)
         self.health_rounds = 0
@@ -271,10 +283,21 @@ class Discovery:
                 self._connect_errors[r.id] = 0
                 self._emit(ReplicaReadmitted(at=now, replica_id=r.id))
 
+    def _reported_by_another(self, r: ReplicaState) -> bool:
+        """Rule 6: ``r``'s figures in the store are someone else's and younger than two intervals."""
+        seen = r.engine.updated_at
+        if seen <= 0 or self._clock.now() - seen >= 2.0 * self._cfg.scrape_interval_s * (1.0 + self._cfg.jitter):
+            return False
+        mine = self._scraped_at.get(r.id)
+        return mine is None or seen > mine + _OWN_STAMP_SLACK_S
+
     async def _scrape_one(self, r: ReplicaState) -> None:
         skip = self._metrics_off.get(r.id, 0)
         if skip > 0:
             self._metrics_off[r.id] = skip - 1
+            return
+        if self._reported_by_another(r):
+            self.scrapes_shared += 1
             return
         try:
             status, body = await self._client.fetch(
@@ -300,6 +323,7 @@ class Discovery:
             return
         load = await self._with_loads(r, load)
         self.scrapes_ok += 1
+        self._scraped_at[r.id] = load.updated_at
         await self._store.report_engine_load(r.id, load)
 
     async def _with_loads(self, r: ReplicaState, load: EngineLoad) -> EngineLoad:
@@ -367,6 +391,7 @@ class Discovery:
             self._loads_off,
             self._request_failures,
             self._alive_at,
+            self._scraped_at,
         ):
             for k in [k for k in d if k not in ids]:
                 del d[k]

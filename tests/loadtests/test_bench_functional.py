@@ -107,6 +107,17 @@ def test_tiny_probes_run(tmp_path: Path) -> None:
     assert bad.returncode == 2 and "--spreads within [0, 0.95]" in bad.stderr
 
 
+def test_tiny_idle_cpu_probes_run(tmp_path: Path) -> None:
+    # two gateways on one Redis scrape each replica about once per interval (1 s) between them,
+    # not once each (discovery rule 6), and each one's CPU is measured
+    doc, _ = _bench_json(tmp_path, ["probes", "--idle-cpu", "--replicas", "10", "--gateways", "2",
+                                    "--duration", "4", "--warmup", "2"], 180)  # fmt: skip
+    assert doc["bench"] == "probes-idle-cpu" and doc["replicas"] == 10
+    (run,) = doc["runs"]
+    assert run["gateways"] == 2 and len(run["cpu_per_s"]) == 2 and all(c > 0 for c in run["cpu_per_s"])
+    assert 0.5 <= run["scrapes_per_replica_per_s"] <= 1.4, run
+
+
 def test_peers_bench_refuses_the_floor_proxy() -> None:
     bad = subprocess.run(
         [KVROUTE, "bench", "peers", "--targets", "kvroute,python-floor"],
@@ -203,8 +214,9 @@ def test_sigterm_stops_the_fleet_it_started() -> None:
         (["sim", "--duration", "-1"], "--duration must be > 0"),
         (["kv-events", "--sessions", "0"], "must be >= 1"),
         (["kv-events", "--pages", "x"], "comma lists of integers"),
+        (["probes", "--idle-cpu", "--gateways", "2,x"], "--gateways: a comma list of integers"),
     ],
-    ids=["sweep-duration", "sim-duration", "kv-events-sessions", "kv-events-pages"],
+    ids=["sweep-duration", "sim-duration", "kv-events-sessions", "kv-events-pages", "probes-gateways"],
 )
 def test_benches_refuse_bad_arguments_in_one_line(args: list[str], says: str) -> None:
     kvroute = str(Path(sys.executable).parent / "kvroute")

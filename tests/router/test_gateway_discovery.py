@@ -14,7 +14,7 @@ from router.config import HealthConfig, TimeoutsConfig
 from router.discovery import Discovery, HealthTrack, ProbeOutcome, health_transition
 from router.events import ReplicaActivated, ReplicaEjected, ReplicaReadmitted
 from router.gateway.upstream import ReplicaHttpClient
-from router.model import ReplicaSpec, ReplicaStatus
+from router.model import EngineLoad, ReplicaSpec, ReplicaStatus
 from router.store.memory import MemoryStore
 from tests.router.conftest import EventLog
 
@@ -244,3 +244,77 @@ async def test_rounds_start_a_period_apart_however_long_they_take(fake_replicas:
     gaps = [b - a for a, b in itertools.pairwise(starts)]
     assert len(starts) >= 5, starts  # an interval after each round ended would give 3 (0.35 s apart)
     assert all(0.15 <= g <= 0.3 for g in gaps), gaps
+
+
+async def test_figures_someone_else_wrote_fresh_are_not_scraped_again(fake_replicas: Any) -> None:
+    """Rule 6: two gateways on one store (here one ``MemoryStore``, as on one Redis) scrape each
+    replica once per interval between them (the latest writer scrapes on); a sidecar's report counts
+    as well; figures that age past two intervals are scraped again."""
+    reps = await fake_replicas(3)
+    store = MemoryStore(SystemClock())
+    for r in reps:
+        await store.upsert_replica(ReplicaSpec(id=r.id, url=r.url))
+    client = ReplicaHttpClient(TimeoutsConfig(probe_s=1.0))
+    cfg = HealthConfig(scrape_interval_s=0.25, jitter=0.0)
+    a, b = _discovery(store, client, cfg), _discovery(store, client, cfg)
+    try:
+        await a.scrape_once()
+        await b.scrape_once()  # a's figures, fresh: b leaves them
+        assert [len(r.state.scraped_at) for r in reps] == [1, 1, 1]
+        assert (a.scrapes_ok, b.scrapes_ok, b.scrapes_shared) == (3, 0, 3)
+        await a.scrape_once()  # its own figures: a scrapes on
+        assert [len(r.state.scraped_at) for r in reps] == [2, 2, 2]
+        await asyncio.sleep(0.55)  # a stops: its figures age past two intervals
+        await b.scrape_once()
+        assert [len(r.state.scraped_at) for r in reps] == [3, 3, 3] and b.scrapes_ok == 3
+        # a sidecar reports the first replica's load: neither gateway scrapes it while it is fresh
+        (first, *_) = await store.replicas()
+        await asyncio.sleep(0.01)
+        await store.report_engine_load(first.id, EngineLoad(running=7, updated_at=SystemClock().now()))
+        await a.scrape_once()
+        await b.scrape_once()
+        assert {r.id: len(r.state.scraped_at) for r in reps}[first.id] == 3
+        assert {r.id: r.engine.running for r in await store.replicas()}[first.id] == 7
+    finally:
+        await client.close()
+
+
+async def test_two_gateways_on_one_redis_scrape_each_replica_once_per_interval(
+    fake_replicas: Any, redis_url: str
+) -> None:
+    """Rule 6 across processes' worth of state: two gateways share a real Redis (engine figures go
+    through the fleet clock there and back). Alone, each would scrape every replica every interval;
+    together they scrape it about once per interval between them, and both see figures that fresh."""
+    from router.gateway.serve import make_store, start_gateway
+    from tests.router.conftest import fast_config
+
+    reps = await fake_replicas(3)
+    urls = [r.url for r in reps]
+    interval, window = 0.2, 2.0
+    clock = SystemClock()
+    gws = []
+    try:
+        for gid in ("gw-a", "gw-b"):
+            cfg = fast_config(urls, redis_url=redis_url, gateway_id=gid,
+                              health={"scrape_interval_s": interval, "health_interval_s": 1.0})  # fmt: skip
+            gws.append(await start_gateway(cfg, make_store(cfg, clock), clock=clock, rng=random.Random(len(gws))))
+            await asyncio.sleep(interval / 2)  # the two rounds at different phases, as gateways started apart are
+        await asyncio.sleep(interval)
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        await asyncio.sleep(window)
+        t1 = loop.time()
+        for r in reps:
+            n = sum(t0 <= t < t1 for t in r.state.scraped_at)
+            assert n <= 1.3 * window / interval, (r.id, n)  # one gateway's worth (10), not two (20: each its own)
+            assert n >= 0.6 * window / interval, (r.id, n)  # and still about every interval
+        discoveries = [gw.runtime.discovery for gw in gws]
+        assert all(d is not None for d in discoveries)
+        assert sum(d.scrapes_shared for d in discoveries if d is not None) >= window / interval
+        for gw in gws:
+            now = clock.now()
+            ages = [now - r.engine.updated_at for r in await gw.store.replicas()]
+            assert all(age < 2.5 * interval for age in ages), ages
+    finally:
+        for gw in gws:
+            await gw.close()
