@@ -8,7 +8,8 @@ from typing import Any
 
 import pytest
 
-from loadtests.bench_hotpath import PHASES, _proc_cpu_s, cli_main, compare_overhead, run_cell
+from loadtests.bench_hotpath import PHASES, cli_main, compare_overhead, run_cell
+from loadtests.soak import cpu_s
 
 
 def test_known_sessions_route_by_affinity_new_ones_are_placed() -> None:
@@ -54,8 +55,8 @@ def test_compare_gives_after_over_before_ratios() -> None:
 
 
 def test_proc_cpu_counts_this_process() -> None:
-    before = _proc_cpu_s(os.getpid())
+    before = cpu_s(os.getpid())
     x = 0
-    while _proc_cpu_s(os.getpid()) - before < 0.05:
+    while cpu_s(os.getpid()) - before < 0.05:
         x += sum(range(1000))
     assert x > 0
