@@ -36,7 +36,9 @@ Rules:
      front of many replicas otherwise each spend a large part of a core parsing every replica's
      ``/metrics`` every second (docs/BENCHMARKS.md, "Scrapes shared through the store"), and each
      engine answers every gateway. When the writer stops, its figures age out within about two
-     intervals and the next round scrapes them again.
+     intervals and the next round scrapes them again. Stamps are epoch seconds of the writer's
+     host: figures from a host whose clock is behind by more than that are scraped anyway (as
+     without the rule); one whose clock is ahead keeps a dead writer's figures fresh by its lead.
 """
 
 from __future__ import annotations
