@@ -166,6 +166,74 @@ async def _redis_case(url: str, c: int, duration_s: float, replicas: int, refres
     return out
 
 
+async def _evalsha_usec(url: str) -> tuple[int, int]:
+    """(script calls, microseconds Redis spent in them) so far, from ``INFO commandstats``."""
+    import redis.asyncio as aioredis
+
+    r = aioredis.Redis.from_url(url)
+    try:
+        stats = await r.info("commandstats")
+    finally:
+        await r.aclose()
+    calls = usec = 0
+    for k, v in stats.items():
+        if k.split("|")[0] in _TOP_LEVEL:
+            calls, usec = calls + int(v["calls"]), usec + int(v["usec"])
+    return calls, usec
+
+
+async def _table_refresh_cost(url: str, replicas: int, refresh_s: float, reads: int = 40, idle_s: float = 3.0) -> dict[str, Any]:
+    """What reading the replica table costs Redis's one thread: one whole read (the snapshot script
+    without a session), and an idle fast-path gateway's background refreshes over ``idle_s`` (read in
+    parts on a large fleet, docs/REDIS.md): the share of Redis each gateway takes whatever its
+    traffic. Every replica has engine figures, as live."""
+    from router.model import EngineLoad
+    from router.store.redis import RedisStore
+
+    clock = SystemClock()
+    cfg = StoreConfig(key_prefix=f"benchtable-{int(time.time() * 1000)}")
+    store = RedisStore.from_url(url, "bench-table", cfg, clock)
+    await _register(store, replicas)
+    for r in await store.replicas():
+        await store.report_engine_load(r.id, EngineLoad(running=3, kv_util=0.5, capacity_tokens=850_000,
+                                                        updated_at=clock.now()))  # fmt: skip
+    await store.start()
+    await store.snapshot(None)
+    calls0, usec0 = await _evalsha_usec(url)
+    t0 = time.perf_counter()
+    for _ in range(reads):
+        await store.snapshot(None)
+    client_s = (time.perf_counter() - t0) / reads
+    calls1, usec1 = await _evalsha_usec(url)
+    await store.close()
+    out: dict[str, Any] = {
+        "replicas": replicas,
+        "redis_ms_per_whole_read": round((usec1 - usec0) / max(1, calls1 - calls0) / 1000, 3),
+        "gateway_ms_per_whole_read": round(1000 * client_s, 3),
+    }
+    if refresh_s > 0:
+        fast = RedisStore.from_url(url, "bench-table-fast", cfg, clock, replica_refresh_s=refresh_s)
+        await fast.start()
+        await fast.snapshot(None)
+        await asyncio.sleep(refresh_s * 3)
+        calls0, usec0 = await _evalsha_usec(url)
+        t0, n0 = time.perf_counter(), fast.refresh_total
+        await asyncio.sleep(idle_s)
+        calls1, usec1 = await _evalsha_usec(url)
+        took, n = time.perf_counter() - t0, fast.refresh_total - n0
+        stats = fast.stats()
+        await fast.close()
+        share = (usec1 - usec0) / 1e6 / took  # the lease heartbeat included: it is what a gateway costs
+        out |= {
+            "refresh_s": refresh_s,
+            "refreshes_per_s": round(n / took, 1),
+            "partial_refreshes": stats["partial_refresh_total"],
+            "redis_share_per_idle_gateway": round(share, 4),
+            "gateways_to_half_a_redis": round(0.5 / share, 1) if share > 0 else None,
+        }
+    return out
+
+
 async def run_bench(
     url: str, concurrencies: list[int], duration_s: float, replicas: int, refresh_s: float = 0.05
 ) -> dict[str, Any]:
@@ -193,6 +261,7 @@ async def run_bench(
             case["fast_latency_ratio_mean"] = round(f["mean_ms"] / max(m["mean_ms"], 1e-9), 2)
         out["cases"][f"c{c}"] = case
     out["round_trips_per_request"] = round(total_calls / max(1, total_req), 3)
+    out["table_refresh"] = await _table_refresh_cost(url, replicas, refresh_s)
     return out
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import pytest
@@ -23,6 +23,7 @@ from router.model import (
     EngineLoad,
     Reason,
     ReplicaSpec,
+    ReplicaState,
     ReplicaStatus,
     RouteDecision,
     RouteRequest,
@@ -519,6 +520,50 @@ async def test_fast_path_sees_its_own_registry_writes_at_once(redis_url, stores,
     rt = g1.round_trips_total
     await g1.replicas()
     assert g1.round_trips_total == rt  # a fresh table costs nothing
+
+
+async def test_fast_path_reads_a_large_table_in_parts(redis_url, stores, clock) -> None:  # type: ignore[no-untyped-def]
+    """Rule 1b of the fast path: a table larger than ``rows_per_refresh`` is read in parts; every
+    read brings everyone's in-flight, the rest of a row arrives within ``parts`` reads, a change of
+    membership reads the whole table, and our own placements count once, before and after the rows
+    that saw them arrive."""
+    g1 = new_store(stores, redis_url, clock, "g1", replica_refresh_s=0.02, rows_per_refresh=2)
+    g2 = new_store(stores, redis_url, clock, "g2")
+    for i in range(6):
+        await g2.upsert_replica(spec(f"r{i}"), A)
+    await g1.snapshot(None)
+
+    async def until(check: Callable[[dict[str, ReplicaState]], bool]) -> dict[str, ReplicaState]:
+        deadline = time.monotonic() + 5
+        while True:
+            reps = {r.id: r for r in (await g1.snapshot(None)).replicas}
+            if check(reps):
+                return reps
+            assert time.monotonic() < deadline, (reps, g1.stats())
+            await asyncio.sleep(0.01)
+
+    theirs = [await g2.acquire(RouteDecision(f"r{i}", Reason.AFFINITY), RouteRequest(f"t{i}")) for i in range(6)]
+    await until(lambda reps: all(r.in_flight == 1 for r in reps.values()))
+    assert g1.stats()["partial_refresh_total"] > 0
+    await g2.report_engine_load("r5", EngineLoad(running=7, updated_at=clock.now()))
+    await until(lambda reps: reps["r5"].engine.running == 7)
+    await g2.upsert_replica(spec("r6"), A)
+    await until(lambda reps: "r6" in reps)
+    await g2.remove_replica("r0")
+    await until(lambda reps: "r0" not in reps and len(reps) == 6)
+    # our own placement: counted at once, and once
+    lease = await g1.acquire(bind("a", "r4"), RouteRequest("a"))
+    reps = {r.id: r for r in (await g1.snapshot(None)).replicas}
+    assert reps["r4"].placed_recent == 1 and reps["r4"].in_flight == 2 and reps["r4"].sessions_active == 1
+    n = g1.stats()["partial_refresh_total"]
+    await until(lambda _: g1.stats()["partial_refresh_total"] >= n + 8)
+    reps = {r.id: r for r in (await g1.snapshot(None)).replicas}
+    assert reps["r4"].placed_recent == 1 and reps["r4"].in_flight == 2 and reps["r4"].sessions_active == 1
+    await g1.release(lease, Completion(ok=False))
+    for t in theirs[1:]:
+        await g2.release(t, Completion(ok=False))
+    await until(lambda reps: all(r.in_flight == 0 for r in reps.values()))
+    assert g1.degraded_total == 0
 
 
 def test_gateway_refresh_setting_config_then_env_then_default() -> None:

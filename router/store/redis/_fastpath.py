@@ -8,6 +8,12 @@ Rules:
      (``deltas``, dropped once a refresh that saw them arrives).
   2. A table older than ``max(0.5, 10 * refresh_s)`` or older than a registry write of ours
      (``mark_dirty``) is refreshed before use; concurrent snapshots share one refresh.
+  1b. A large table is read in parts: every refresh brings every replica's in-flight (what changes
+     with each request), but the rest of the rows (engine figures, windows, status) of only one
+     part of ``rows_per_refresh`` replicas, in turn. A whole read of 1,000 replicas costs Redis's one
+     thread ~7 ms: at 20 reads a second each gateway took 15 % of it (docs/REDIS.md, "Fleets of
+     1,000 replicas"). A change of membership, a table too old or a registry write of ours reads the
+     whole table.
   3. Sessions come from a bounded cache fed by the acquire and release replies; a session idle past
      its TTL, or unknown, is read from Redis (a cache miss).
   4. ``acquire`` is optimistic: the script gets the home the decision assumed; if another gateway
@@ -41,6 +47,7 @@ from router.store.redis._wire import RedisWire
 __all__ = ["FastPath", "merge_inflight"]
 
 _SESSION_CACHE_MAX = 50_000
+ROWS_PER_REFRESH = 100  # rule 1b: a table of up to this many replicas is read whole every refresh
 # per replica since a refresh: placements, tokens written, sessions made active, their context
 _PLACED, _WRITTEN, _SESSIONS, _CONTEXT = range(4)
 
@@ -65,6 +72,7 @@ class FastPath:
         own: OwnLeases,
         fallback: Fallback,
         refresh_s: float,
+        rows_per_refresh: int = ROWS_PER_REFRESH,
     ) -> None:
         if refresh_s < 0:
             raise ValueError(f"replica_refresh_s must be >= 0: {refresh_s}")
@@ -74,6 +82,8 @@ class FastPath:
         self._own = own
         self._fallback = fallback
         self.refresh_s = refresh_s
+        self.rows_per_refresh = max(1, rows_per_refresh)
+        self._part = 0  # the next part a partial refresh reads (rule 1b)
         # replicas, seq, active sessions, serving since
         self._table: tuple[tuple[ReplicaState, ...], int, int, float | None] | None = None
         self._table_at = 0.0  # event-loop time the table arrived
@@ -86,6 +96,7 @@ class FastPath:
         self.cache: OrderedDict[str, SessionState] = OrderedDict()  # others' in-flight only
         self._refreshing: asyncio.Future[SessionState | None] | None = None
         self.refresh_total = 0
+        self.partial_refresh_total = 0
         self.session_cache_misses = 0
         self.stale_total = 0
 
@@ -150,42 +161,94 @@ class FastPath:
     # ---- the replica table (rules 1-2) ---------------------------------------------------------------
 
     def _stale(self) -> bool:
-        if self._table is None or self._clean != self._dirty:
-            return True
+        return self._table is None or self._clean != self._dirty or self._stale_age()
+
+    def _stale_age(self) -> bool:
         age = asyncio.get_running_loop().time() - self._table_at
         return age > max(0.5, 10 * self.refresh_s)  # the refresher is starved or failing
 
-    async def refresh(self, session_key: str | None) -> SessionState | None:
-        """One full snapshot round trip: the replica table without our own in-flight (we add it
-        exactly), plus one session (``None``: none)."""
+    def _parts(self) -> int:
+        """How many parts the next refresh reads the table in (1: whole; rule 1b)."""
+        if self._table is None or self._clean != self._dirty or self._stale_age():
+            return 1
+        n = len(self._table[0])
+        return max(1, -(-n // self.rows_per_refresh))
+
+    async def refresh(self, session_key: str | None, *, whole: bool = False) -> SessionState | None:
+        """One snapshot round trip: the replica table without our own in-flight (we add it exactly),
+        whole or in part (rule 1b), plus one session (``None``: none)."""
+        parts = 1 if whole else self._parts()
+        part = self._part % parts
         self._sent += 1
         gen, dirty = self._sent, self._dirty
         cut: dict[ReplicaId, list[int]] = {}
         self._deltas.append(cut)  # deltas recorded from here on may not be in this reply
         c = self._config
-        seq, rows, srow, active, t0 = await self._wire.eval(
-            "snapshot",
-            [self._wire.now(), c.active_window_s, c.ramp_window_s, c.session_ttl_s, session_key or "",
-             self._gateway_id],
-            "refresh",
-        )  # fmt: skip
+        args: list[str | int | float] = [self._wire.now(), c.active_window_s, c.ramp_window_s, c.session_ttl_s,
+                                         session_key or "", self._gateway_id]  # fmt: skip
+        if parts > 1:
+            args += [part, parts]
+        reply = await self._wire.eval("snapshot", args, "refresh")
+        seq, rows, srow, active, t0 = reply[:5]
         self.refresh_total += 1
-        replicas = tuple(self._wire.replica_state(r) for r in rows)
+        fresh = tuple(self._wire.replica_state(r) for r in rows)
         if gen > self._applied:
+            replicas: tuple[ReplicaState, ...] | None = fresh
+            read: set[ReplicaId] | None = None  # the replicas whose rows this reply brings (None: all)
+            if parts > 1:
+                replicas, read = self._merged(fresh, reply[5], reply[6], part, parts)
+            if replicas is None:  # the fleet changed: read it whole now
+                self._deltas.remove(cut)
+                return await self.refresh(session_key, whole=True)
+            if parts > 1:
+                self.partial_refresh_total += 1
+                self._part = part + 1
+                active = sum(r.sessions_active for r in replicas)
             self._applied = gen
             self._table = (replicas, int(seq), int(active), self._wire.local(t0) if t0 else None)
             self._table_at = asyncio.get_running_loop().time()
             self._clean = max(self._clean, dirty)
             self.seq_local = 0
             self._fallback.last_replicas = replicas
-            for i, bucket in enumerate(self._deltas):
-                if bucket is cut:
-                    del self._deltas[:i]
-                    break
+            self._drop_seen_deltas(cut, read)
         if session_key is None:
             return None
         self.cache_row(session_key, srow)
         return self.cache.get(session_key)
+
+    def _merged(
+        self, fresh: tuple[ReplicaState, ...], ids: list[Any], flat: list[Any], part: int, parts: int
+    ) -> tuple[tuple[ReplicaState, ...] | None, set[ReplicaId]]:
+        """The table with this part's rows replaced and everyone's in-flight set from ``flat``; None
+        when the replicas are not those of the table (a row this reply lacks)."""
+        assert self._table is not None
+        old = {r.id: r for r in self._table[0]}
+        ids = [str(i) for i in ids]
+        read = {rid for i, rid in enumerate(ids) if i % parts == part}
+        if set(ids) - read != set(old) - read:
+            return None, read
+        inflight = {str(flat[i]): int(flat[i + 1]) for i in range(0, len(flat), 2)}
+        rows = {r.id: r for r in fresh}  # a replica of this part without a row expired: it is gone
+        out = []
+        for rid in ids:
+            r = rows.get(rid) if rid in read else old[rid]
+            if r is None:
+                continue
+            n = inflight.get(rid, 0)
+            out.append(r if r.in_flight == n else replace(r, in_flight=n))
+        return tuple(out), read
+
+    def _drop_seen_deltas(self, cut: dict[ReplicaId, list[int]], read: set[ReplicaId] | None) -> None:
+        """Our deltas recorded before ``cut`` are in the rows this reply brought (``read``; None: all)."""
+        i = next(i for i, bucket in enumerate(self._deltas) if bucket is cut)
+        if read is None:
+            del self._deltas[:i]
+            return
+        for bucket in self._deltas[:i]:
+            for rid in read.intersection(bucket):
+                del bucket[rid]
+        while len(self._deltas) > 1 and not self._deltas[0] and self._deltas[0] is not cut:
+            del self._deltas[0]
 
     async def _shared_refresh(self) -> None:
         """Single flight: concurrent snapshots that find the table stale wait for one refresh."""

@@ -44,7 +44,7 @@ from router.store.base import StoreConfig, residency_feedback
 from router.store.keys import KeySpace
 from router.store.memory import PLACEMENT_REASONS
 from router.store.redis._fallback import Fallback
-from router.store.redis._fastpath import FastPath
+from router.store.redis._fastpath import ROWS_PER_REFRESH, FastPath
 from router.store.redis._leases import OwnLeases
 from router.store.redis._registry import Registry
 from router.store.redis._wire import RedisWire, map_redis_errors
@@ -90,6 +90,7 @@ class RedisStore:
         retry_min_s: float = 0.05,
         retry_max_s: float = 2.0,
         replica_refresh_s: float = 0.0,
+        rows_per_refresh: int = ROWS_PER_REFRESH,
     ) -> None:
         self.gateway_id = gateway_id or f"{socket.gethostname()[:24]}-{secrets.token_hex(4)}"
         if "|" in self.gateway_id:
@@ -113,7 +114,9 @@ class RedisStore:
         self._session_ttl_ms = max(1, int(self.config.session_ttl_s * 1000))
         self._own = OwnLeases(self.lease_holder)
         self._fallback = Fallback(self._wire, self.clock, self.config, self.lease_holder)
-        self._fast = FastPath(self._wire, self.config, self.lease_holder, self._own, self._fallback, replica_refresh_s)
+        self._fast = FastPath(
+            self._wire, self.config, self.lease_holder, self._own, self._fallback, replica_refresh_s, rows_per_refresh
+        )
         self._registry = Registry(
             self._wire, self.config, self._fallback, self._fast, started=self._ensure_started, failed=self._fail
         )
@@ -623,6 +626,7 @@ class RedisStore:
             "round_trips_total": self.round_trips_total,
             "fast_path": self.fast,
             "refresh_total": self.refresh_total,
+            "partial_refresh_total": self._fast.partial_refresh_total,
             "session_cache_misses": self.session_cache_misses,
             "stale_total": self.stale_total,
             "leases_outstanding": len(self._own) + self._fallback.local_leases,
