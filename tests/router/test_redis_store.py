@@ -27,6 +27,7 @@ from router.model import (
     ReplicaStatus,
     RouteDecision,
     RouteRequest,
+    fleet_totals,
 )
 from router.store.base import StateStore, StoreConfig
 from router.store.factory import make_store
@@ -536,7 +537,9 @@ async def test_fast_path_reads_a_large_table_in_parts(redis_url, stores, clock) 
     async def until(check: Callable[[dict[str, ReplicaState]], bool]) -> dict[str, ReplicaState]:
         deadline = time.monotonic() + 5
         while True:
-            reps = {r.id: r for r in (await g1.snapshot(None)).replicas}
+            snap = await g1.snapshot(None)
+            assert snap.totals == fleet_totals(snap.replicas)  # kept, not scanned, on every snapshot
+            reps = {r.id: r for r in snap.replicas}
             if check(reps):
                 return reps
             assert time.monotonic() < deadline, (reps, g1.stats())
@@ -553,7 +556,9 @@ async def test_fast_path_reads_a_large_table_in_parts(redis_url, stores, clock) 
     await until(lambda reps: "r0" not in reps and len(reps) == 6)
     # our own placement: counted at once, and once
     lease = await g1.acquire(bind("a", "r4"), RouteRequest("a"))
-    reps = {r.id: r for r in (await g1.snapshot(None)).replicas}
+    snap = await g1.snapshot(None)
+    assert snap.totals == fleet_totals(snap.replicas)
+    reps = {r.id: r for r in snap.replicas}
     assert reps["r4"].placed_recent == 1 and reps["r4"].in_flight == 2 and reps["r4"].sessions_active == 1
     n = g1.stats()["partial_refresh_total"]
     await until(lambda _: g1.stats()["partial_refresh_total"] >= n + 8)

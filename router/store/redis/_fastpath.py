@@ -32,11 +32,14 @@ from typing import Any
 from router.model import (
     BindSession,
     ClusterSnapshot,
+    FleetTotals,
     Lease,
     ReplicaId,
     ReplicaState,
+    ReplicaStatus,
     RouteDecision,
     SessionState,
+    fleet_totals,
 )
 from router.store.base import StoreConfig
 from router.store.memory import PLACEMENT_REASONS
@@ -50,6 +53,8 @@ _SESSION_CACHE_MAX = 50_000
 ROWS_PER_REFRESH = 100  # rule 1b: a table of up to this many replicas is read whole every refresh
 # per replica since a refresh: placements, tokens written, sessions made active, their context
 _PLACED, _WRITTEN, _SESSIONS, _CONTEXT = range(4)
+_NO_DELTA = (0, 0, 0, 0)
+_NO_ADJUSTMENT = (0, 0, 0, 0, 0)  # own in-flight, then the four deltas
 
 
 def merge_inflight(
@@ -87,6 +92,13 @@ class FastPath:
         # replicas, seq, active sessions, serving since
         self._table: tuple[tuple[ReplicaState, ...], int, int, float | None] | None = None
         self._table_at = 0.0  # event-loop time the table arrived
+        self._index: dict[ReplicaId, int] = {}  # replica id -> its row in the table
+        self._totals: FleetTotals | None = None  # fleet_totals of the table as read
+        # the table with our own additions, as last composed (None: compose anew), what was added
+        # to each row, and its totals
+        self._comp: list[ReplicaState] | None = None
+        self._comp_adj: dict[ReplicaId, tuple[int, int, int, int, int]] = {}
+        self._comp_totals: FleetTotals | None = None
         self._sent = 0  # refresh generations
         self._applied = 0
         self._dirty = 0  # bumped by this gateway's registry writes: the table must be re-read
@@ -206,6 +218,9 @@ class FastPath:
                 active = sum(r.sessions_active for r in replicas)
             self._applied = gen
             self._table = (replicas, int(seq), int(active), self._wire.local(t0) if t0 else None)
+            self._index = {r.id: i for i, r in enumerate(replicas)}
+            self._totals = fleet_totals(replicas)
+            self._comp = None
             self._table_at = asyncio.get_running_loop().time()
             self._clean = max(self._clean, dirty)
             self.seq_local = 0
@@ -265,28 +280,58 @@ class FastPath:
             fut.add_done_callback(done)
         await asyncio.shield(fut)
 
-    def _composed_replicas(self) -> tuple[ReplicaState, ...]:
-        assert self._table is not None
+    def _composed(self) -> tuple[tuple[ReplicaState, ...], FleetTotals]:
+        """The table with our own in-flight and deltas added, and its totals. The composed rows are
+        kept between snapshots: only a row whose additions changed since the last one is rebuilt
+        and the totals adjusted by it, so a request's snapshot costs what our own load changed,
+        not a scan of the fleet (1,000 replicas)."""
+        assert self._table is not None and self._totals is not None
+        table = self._table[0]
+        if self._comp is None:  # a new table: nothing of ours is on it yet
+            self._comp, self._comp_adj, self._comp_totals = list(table), {}, self._totals
+        adds: dict[ReplicaId, list[int]] = {}
+        for bucket in self._deltas:
+            for rid, d in bucket.items():
+                a = adds.get(rid)
+                if a is None:
+                    adds[rid] = list(d)
+                else:
+                    for k in range(4):
+                        a[k] += d[k]
         own_rep = self._own.per_replica
-        out = []
-        for r in self._table[0]:
-            own = own_rep.get(r.id, 0)
-            placed = tw = sess = ctx = 0
-            for bucket in self._deltas:
-                d = bucket.get(r.id)
-                if d is not None:
-                    placed, tw, sess, ctx = placed + d[0], tw + d[1], sess + d[2], ctx + d[3]
-            if own or placed or tw or sess or ctx:
-                r = replace(
-                    r,
-                    in_flight=r.in_flight + own,
-                    placed_recent=r.placed_recent + placed,
-                    tokens_written=r.tokens_written + tw,
-                    sessions_active=r.sessions_active + sess,
-                    active_context_tokens=r.active_context_tokens + ctx,
+        comp, applied, t = self._comp, self._comp_adj, self._comp_totals
+        assert t is not None
+        for rid in adds.keys() | own_rep.keys() | applied.keys():
+            want = (own_rep.get(rid, 0), *adds.get(rid, _NO_DELTA))
+            had = applied.get(rid, _NO_ADJUSTMENT)
+            if want == had:
+                continue
+            i = self._index.get(rid)
+            if i is None:
+                continue
+            r = table[i]
+            own, placed, tw, sess, ctx = want
+            comp[i] = replace(
+                r,
+                in_flight=r.in_flight + own,
+                placed_recent=r.placed_recent + placed,
+                tokens_written=r.tokens_written + tw,
+                sessions_active=r.sessions_active + sess,
+                active_context_tokens=r.active_context_tokens + ctx,
+            )
+            if r.status is ReplicaStatus.ACTIVE:
+                t = replace(
+                    t,
+                    active_in_flight=t.active_in_flight + own - had[0],
+                    active_sessions=t.active_sessions + sess - had[3],
+                    active_placed_recent=t.active_placed_recent + placed - had[1],
                 )
-            out.append(r)
-        return tuple(out)
+            if any(want):
+                applied[rid] = want
+            else:
+                del applied[rid]
+        self._comp_totals = t
+        return tuple(comp), t
 
     async def snapshot(self, session_key: str | None) -> ClusterSnapshot:
         now = self._wire.clock.now()
@@ -310,9 +355,11 @@ class FastPath:
                 self.cache.move_to_end(session_key)
         assert self._table is not None
         _, seq, active, since = self._table
+        replicas, totals = self._composed()
         return ClusterSnapshot(
             now=now,
-            replicas=self._composed_replicas(),
+            replicas=replicas,
+            totals=totals,
             session=self._with_own(session) if session is not None else None,
             seq=seq + self.seq_local,
             sessions_active=active,
