@@ -6,14 +6,14 @@ Rules:
      in-flight, engine load, windows), composed at each snapshot with this gateway's own exact
      in-flight (``OwnLeases``) and its own placements and tokens written since the copy was taken
      (``deltas``, dropped once a refresh that saw them arrives).
-  2. A table older than ``max(0.5, 10 * refresh_s)`` or older than a registry write of ours
-     (``mark_dirty``) is refreshed before use; concurrent snapshots share one refresh.
   1b. A large table is read in parts: every refresh brings every replica's in-flight (what changes
      with each request), but the rest of the rows (engine figures, windows, status) of only one
      part of ``rows_per_refresh`` replicas, in turn. A whole read of 1,000 replicas costs Redis's one
      thread ~7 ms: at 20 reads a second each gateway took 15 % of it (docs/REDIS.md, "Fleets of
      1,000 replicas"). A change of membership, a table too old or a registry write of ours reads the
      whole table.
+  2. A table older than ``max(0.5, 10 * refresh_s)`` or older than a registry write of ours
+     (``mark_dirty``) is refreshed before use; concurrent snapshots share one refresh.
   3. Sessions come from a bounded cache fed by the acquire and release replies; a session idle past
      its TTL, or unknown, is read from Redis (a cache miss).
   4. ``acquire`` is optimistic: the script gets the home the decision assumed; if another gateway
@@ -209,8 +209,8 @@ class FastPath:
             read: set[ReplicaId] | None = None  # the replicas whose rows this reply brings (None: all)
             if parts > 1:
                 replicas, read = self._merged(fresh, reply[5], reply[6], part, parts)
-            if replicas is None:  # the fleet changed: read it whole now
-                self._deltas.remove(cut)
+            if replicas is None:
+                # the fleet changed: read it whole now; ``cut`` stays, with what we noted meanwhile
                 return await self.refresh(session_key, whole=True)
             if parts > 1:
                 self.partial_refresh_total += 1
