@@ -36,7 +36,7 @@ from typing import Any
 
 from loadtests.redis_server import RedisServer, RedisUnavailable
 from router.clock import SystemClock
-from router.model import Completion, ReplicaSpec, ReplicaStatus, RouteRequest
+from router.model import Completion, Reason, ReplicaSpec, ReplicaStatus, RouteDecision, RouteRequest
 from router.policy.registry import make_policy
 from router.store.base import StateStore, StoreConfig
 from router.store.memory import MemoryStore
@@ -182,11 +182,14 @@ async def _evalsha_usec(url: str) -> tuple[int, int]:
     return calls, usec
 
 
-async def _table_refresh_cost(url: str, replicas: int, refresh_s: float, reads: int = 40, idle_s: float = 3.0) -> dict[str, Any]:
+async def _table_refresh_cost(
+    url: str, replicas: int, refresh_s: float, *, inflight: int = 0, reads: int = 40, idle_s: float = 3.0
+) -> dict[str, Any]:
     """What reading the replica table costs Redis's one thread: one whole read (the snapshot script
     without a session), and an idle fast-path gateway's background refreshes over ``idle_s`` (read in
-    parts on a large fleet, docs/REDIS.md): the share of Redis each gateway takes whatever its
-    traffic. Every replica has engine figures, as live."""
+    parts on a large fleet, docs/REDIS.md): the share of Redis each gateway takes whatever its own
+    traffic. Every replica has engine figures, as live; ``inflight`` requests are held open by ten
+    other gateways meanwhile (every refresh reads everyone's in-flight)."""
     from router.model import EngineLoad
     from router.store.redis import RedisStore
 
@@ -205,12 +208,19 @@ async def _table_refresh_cost(url: str, replicas: int, refresh_s: float, reads: 
         await store.snapshot(None)
     client_s = (time.perf_counter() - t0) / reads
     calls1, usec1 = await _evalsha_usec(url)
-    await store.close()
     out: dict[str, Any] = {
         "replicas": replicas,
         "redis_ms_per_whole_read": round((usec1 - usec0) / max(1, calls1 - calls0) / 1000, 3),
         "gateway_ms_per_whole_read": round(1000 * client_s, 3),
     }
+    holders = [RedisStore.from_url(url, f"bench-holder-{g}", cfg, clock) for g in range(10 if inflight else 0)]
+    for h in holders:
+        await h.start()
+    ids = [r.id for r in await store.replicas()] if holders else []
+    for i in range(inflight):  # spread over the replicas and the holders, as a loaded fleet's are
+        await holders[i % len(holders)].acquire(RouteDecision(ids[(7 * i) % len(ids)], Reason.AFFINITY),
+                                                RouteRequest(f"held-{i}"))  # fmt: skip
+    out["inflight_held"] = inflight
     if refresh_s > 0:
         fast = RedisStore.from_url(url, "bench-table-fast", cfg, clock, replica_refresh_s=refresh_s)
         await fast.start()
@@ -231,11 +241,15 @@ async def _table_refresh_cost(url: str, replicas: int, refresh_s: float, reads: 
             "redis_share_per_idle_gateway": round(share, 4),
             "gateways_to_half_a_redis": round(0.5 / share, 1) if share > 0 else None,
         }
+    for h in holders:
+        await h.close()  # their leases go with them
+    await store.close()
     return out
 
 
 async def run_bench(
-    url: str, concurrencies: list[int], duration_s: float, replicas: int, refresh_s: float = 0.05
+    url: str, concurrencies: list[int], duration_s: float, replicas: int, refresh_s: float = 0.05,
+    table_inflight: int = 0,
 ) -> dict[str, Any]:
     out: dict[str, Any] = {"level": "store", "replicas": replicas,
                            "duration_s_per_case": duration_s, "cases": {}}  # fmt: skip
@@ -261,7 +275,7 @@ async def run_bench(
             case["fast_latency_ratio_mean"] = round(f["mean_ms"] / max(m["mean_ms"], 1e-9), 2)
         out["cases"][f"c{c}"] = case
     out["round_trips_per_request"] = round(total_calls / max(1, total_req), 3)
-    out["table_refresh"] = await _table_refresh_cost(url, replicas, refresh_s)
+    out["table_refresh"] = await _table_refresh_cost(url, replicas, refresh_s, inflight=table_inflight)
     return out
 
 
@@ -383,14 +397,20 @@ def cli_main(argv: list[str]) -> int:
                    help="fast path: replica-table refresh period in s (0: skip the fast-path cases)")  # fmt: skip
     p.add_argument("--level", choices=["store", "gateway", "both"], default="both",
                    help="store: hot path in-process; gateway: through kvroute serve (subprocesses)")  # fmt: skip
+    p.add_argument("--table-inflight", type=int, default=0,
+                   help="requests held in flight by ten other gateways while the table's cost is measured")  # fmt: skip
     args = p.parse_args(argv)
+    if args.table_inflight < 0:
+        p.error("--table-inflight must be >= 0")
     duration = min(max(args.duration, 0.2), 60.0)
     refresh = min(max(args.refresh, 0.0), 10.0)
 
     async def go(url: str) -> dict[str, Any]:
         doc: dict[str, Any] = {"benchmark": "redis"}
         if args.level in ("store", "both"):
-            doc["store"] = await run_bench(url, args.concurrency, duration, args.replicas, refresh)
+            doc["store"] = await run_bench(
+                url, args.concurrency, duration, args.replicas, refresh, table_inflight=args.table_inflight
+            )
         if args.level in ("gateway", "both"):
             doc["gateway"] = await run_gateway_bench(
                 url, args.concurrency, duration, min(args.replicas, 4), refresh_s=refresh

@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_bench_redis_store_level_reports_round_trips_and_ratios(redis_url: str) -> None:
     out = subprocess.run(
         [sys.executable, "-m", "router", "bench", "redis", "--redis", redis_url, "--level", "store",
-         "--duration", "0.3", "--concurrency", "1", "4", "--replicas", "3"],
+         "--duration", "0.3", "--concurrency", "1", "4", "--replicas", "3", "--table-inflight", "20"],
         cwd=ROOT, capture_output=True, text=True, timeout=120, check=True,
     )  # fmt: skip
     doc = json.loads(out.stdout)
@@ -41,6 +41,6 @@ def test_bench_redis_store_level_reports_round_trips_and_ratios(redis_url: str) 
         assert fast["session_cache_misses"] <= 4 * c
         assert case["fast_latency_ratio_p50"] > 0
     table = store["table_refresh"]  # what reading the replica table costs Redis (docs/REDIS.md)
-    assert table["replicas"] == 3 and table["redis_ms_per_whole_read"] > 0 and table["gateway_ms_per_whole_read"] > 0
+    assert table["replicas"] == 3 and table["inflight_held"] == 20 and table["redis_ms_per_whole_read"] > 0 and table["gateway_ms_per_whole_read"] > 0
     assert table["refreshes_per_s"] > 5 and table["partial_refreshes"] == 0  # 3 replicas: read whole
     assert 0 < table["redis_share_per_idle_gateway"] < 1 and table["gateways_to_half_a_redis"] > 0
