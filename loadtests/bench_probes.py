@@ -26,7 +26,7 @@ import json
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -99,32 +99,38 @@ async def _serve_static(n: int) -> None:
     await asyncio.Event().wait()
 
 
+@contextlib.asynccontextmanager
+async def _static_replicas(n: int) -> AsyncIterator[tuple[list[str], Path]]:
+    """``n`` static replicas in one subprocess (``--serve``): their URLs and a log directory."""
+    with tempfile.TemporaryDirectory(prefix="kvroute-probes-") as tmp:
+        log_dir = Path(tmp)
+        argv = [sys.executable, "-m", "loadtests.bench_probes", "--serve", str(n)]
+        static = await start_process("static-replicas", argv, log_dir=log_dir, pipe_stdout=True)
+        try:
+            await read_urls(static, n, timeout_s=max(30.0, n / 10))
+            yield static.urls, log_dir
+        finally:
+            await stop_process(static)
+
+
 async def run_probes_bench(
     *, replicas: int, spreads: Sequence[float], repeat: int, duration_s: float, log: Any = None
 ) -> dict[str, Any]:
     say = log or (lambda msg: print(msg, file=sys.stderr))
     runs: list[dict[str, Any]] = []
-    with tempfile.TemporaryDirectory(prefix="kvroute-probes-") as tmp:
-        log_dir = Path(tmp)
-        argv = [sys.executable, "-m", "loadtests.bench_probes", "--serve", str(replicas)]
-        static = await start_process("static-replicas", argv, log_dir=log_dir, pipe_stdout=True)
-        try:
-            await read_urls(static, replicas, timeout_s=30)
-            urls = static.urls
-            for r in range(repeat):
-                for spread in spreads:
-                    env = {"KVROUTE_HEALTH__SPREAD": str(spread)}
-                    async with running_router(PEERS["kvroute"], urls, log_dir=log_dir, env=env) as gw:
-                        cell = await measure_cell(
-                            gw.url, concurrency=1, stream=False, fresh=False, duration_s=duration_s, warmup_s=1.0
-                        )
-                    runs.append({"spread": spread, "run": r + 1, **cell})
-                    say(
-                        f"  spread {spread:<4} run {r + 1}: {cell['requests']} requests, p50 {cell['p50_ms']:.2f} "
-                        f"p99 {cell['p99_ms']:.2f} p99.9 {cell['p999_ms']:.2f} max {cell['max_ms']:.2f} ms"
+    async with _static_replicas(replicas) as (urls, log_dir):
+        for r in range(repeat):
+            for spread in spreads:
+                env = {"KVROUTE_HEALTH__SPREAD": str(spread)}
+                async with running_router(PEERS["kvroute"], urls, log_dir=log_dir, env=env) as gw:
+                    cell = await measure_cell(
+                        gw.url, concurrency=1, stream=False, fresh=False, duration_s=duration_s, warmup_s=1.0
                     )
-        finally:
-            await stop_process(static)
+                runs.append({"spread": spread, "run": r + 1, **cell})
+                say(
+                    f"  spread {spread:<4} run {r + 1}: {cell['requests']} requests, p50 {cell['p50_ms']:.2f} "
+                    f"p99 {cell['p99_ms']:.2f} p99.9 {cell['p999_ms']:.2f} max {cell['max_ms']:.2f} ms"
+                )
     return {"bench": "probes", "replicas": replicas, "duration_s": duration_s, "runs": runs}
 
 
@@ -135,38 +141,30 @@ async def run_idle_cpu_bench(
 
     say = log or (lambda msg: print(msg, file=sys.stderr))
     runs: list[dict[str, Any]] = []
-    with tempfile.TemporaryDirectory(prefix="kvroute-probes-") as tmp:
-        log_dir = Path(tmp)
-        argv = [sys.executable, "-m", "loadtests.bench_probes", "--serve", str(replicas)]
-        static = await start_process("static-replicas", argv, log_dir=log_dir, pipe_stdout=True)
-        try:
-            await read_urls(static, replicas, timeout_s=120)
-            urls = static.urls
+    async with _static_replicas(replicas) as (urls, log_dir):
 
-            async def scrapes(http: aiohttp.ClientSession) -> int:
-                async with http.get(urls[0] + "/_scrapes") as r:
-                    return int((await r.json())["scrapes"])
+        async def scrapes(http: aiohttp.ClientSession) -> int:
+            async with http.get(urls[0] + "/_scrapes") as r:
+                return int((await r.json())["scrapes"])
 
-            async with aiohttp.ClientSession() as http:
-                for g in gateways:
-                    async with running_redis(log_dir=log_dir) as redis, contextlib.AsyncExitStack() as stack:
-                        procs = []
-                        for i in range(g):
-                            env = {"KVROUTE_REDIS_URL": redis.url, "KVROUTE_GATEWAY_ID": f"bench-gw{i}"}
-                            procs.append(await stack.enter_async_context(
-                                running_router(PEERS["kvroute"], urls, log_dir=log_dir, env=env, timeout_s=120)))  # fmt: skip
-                            await asyncio.sleep(0.37)  # started apart, as gateways are: their rounds at other phases
-                        await asyncio.sleep(warmup_s)
-                        c0, n0, t0 = [cpu_s(p.proc.pid) for p in procs], await scrapes(http), time.monotonic()
-                        await asyncio.sleep(duration_s)
-                        c1, n1, t1 = [cpu_s(p.proc.pid) for p in procs], await scrapes(http), time.monotonic()
-                    cpu = [round((b - a) / (t1 - t0), 3) for a, b in zip(c0, c1, strict=True)]
-                    per_replica = round((n1 - n0) / (t1 - t0) / replicas, 3)
-                    runs.append({"gateways": g, "cpu_per_s": cpu, "cpu_per_s_total": round(sum(cpu), 3),
-                                 "scrapes_per_replica_per_s": per_replica})  # fmt: skip
-                    say(f"  {g} gateway(s): CPU/s {cpu} (total {sum(cpu):.2f}), {per_replica} scrapes per replica per s")
-        finally:
-            await stop_process(static)
+        async with aiohttp.ClientSession() as http:
+            for g in gateways:
+                async with running_redis(log_dir=log_dir) as redis, contextlib.AsyncExitStack() as stack:
+                    procs = []
+                    for i in range(g):
+                        env = {"KVROUTE_REDIS_URL": redis.url, "KVROUTE_GATEWAY_ID": f"bench-gw{i}"}
+                        procs.append(await stack.enter_async_context(
+                            running_router(PEERS["kvroute"], urls, log_dir=log_dir, env=env, timeout_s=120)))  # fmt: skip
+                        await asyncio.sleep(0.37)  # started apart, as gateways are: their rounds at other phases
+                    await asyncio.sleep(warmup_s)
+                    c0, n0, t0 = [cpu_s(p.proc.pid) for p in procs], await scrapes(http), time.monotonic()
+                    await asyncio.sleep(duration_s)
+                    c1, n1, t1 = [cpu_s(p.proc.pid) for p in procs], await scrapes(http), time.monotonic()
+                cpu = [round((b - a) / (t1 - t0), 3) for a, b in zip(c0, c1, strict=True)]
+                per_replica = round((n1 - n0) / (t1 - t0) / replicas, 3)
+                runs.append({"gateways": g, "cpu_per_s": cpu, "cpu_per_s_total": round(sum(cpu), 3),
+                             "scrapes_per_replica_per_s": per_replica})  # fmt: skip
+                say(f"  {g} gateway(s): CPU/s {cpu} (total {sum(cpu):.2f}), {per_replica} scrapes per replica per s")
     return {"bench": "probes-idle-cpu", "replicas": replicas, "duration_s": duration_s, "runs": runs}
 
 

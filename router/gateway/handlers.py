@@ -229,10 +229,10 @@ def _routing_key(
     session under that name); else the prompt's prefix key (rule 7)."""
     if session_id is not None:
         return session_id, KeySource.HEADER
-    named = _body_session_id(body)  # other types are the replica's to refuse
-    if named is not None:
-        return _checked_session_id("session_id", named, cfg), KeySource.BODY
     obj = _parse_body(body)
+    named = obj.get("session_id")
+    if isinstance(named, str) and named:  # other types are the replica's to refuse
+        return _checked_session_id("session_id", named, cfg), KeySource.BODY
     p = _prefix_params(policy)
     try:
         key = prefix_key(obj, route, p.prefix_block_chars, p.prefix_blocks)

@@ -101,6 +101,29 @@ def synced(gw: RunningGateway, reps: list[Running]) -> bool:
     return True
 
 
+async def five_turns(
+    http: aiohttp.ClientSession, gw: RunningGateway, reps: list[Running], msgs: list[dict[str, str]],
+    extra: dict[str, Any], headers: dict[str, str],
+) -> tuple[list[str], list[int], set[str]]:
+    """One conversation of five chat turns through ``gw``, each waiting for the engines' events:
+    the reasons the gateway gave, the cached tokens each turn found, and the replicas it used."""
+    reasons: list[str] = []
+    cached: list[int] = []
+    replicas: set[str] = set()
+    for i in range(5):
+        body = {"model": "emulated/small-test", "messages": msgs, "max_tokens": 8, **extra}
+        async with http.post(gw.url + "/v1/chat/completions", json=body, headers=headers) as r:
+            assert r.status == 200, await r.text()
+            d = await r.json()
+            reasons.append(r.headers["X-Kvroute-Reason"])
+            replicas.add(r.headers["X-Kvroute-Replica"])
+        cached.append(d["usage"]["prompt_tokens_details"]["cached_tokens"])
+        await wait_for(lambda: synced(gw, reps))
+        msgs = [*msgs, {"role": "assistant", "content": d["choices"][0]["message"]["content"]},
+                {"role": "user", "content": f"and then {i} " * 6}]  # fmt: skip
+    return reasons, cached, replicas
+
+
 async def test_gateway_subscribes_forwards_and_fills_snapshots(kv_emulators: list[Running]) -> None:
     urls = [r.url for r in kv_emulators]
     cfg = fast_config(urls, admin_insecure=True, kv_events={"refresh_s": 0.2})
@@ -148,20 +171,7 @@ async def test_requests_without_a_session_id_keep_their_cache_by_exact_residency
         await wait_for(lambda: all(gw.runtime.residency.view.source(u.removeprefix("http://")) == "events" for u in urls))
         msgs = [{"role": "system", "content": "You are terse. " * 8}, {"role": "user", "content": "task 7"},
                 {"role": "user", "content": "explain the radix cache " * 12}]  # fmt: skip
-        reasons: list[str] = []
-        cached: list[int] = []
-        replicas: set[str] = set()
-        for i in range(5):
-            body = {"model": "emulated/small-test", "messages": msgs, "max_tokens": 8}
-            async with http.post(gw.url + "/v1/chat/completions", json=body) as r:
-                assert r.status == 200, await r.text()
-                d = await r.json()
-                reasons.append(r.headers["X-Kvroute-Reason"])
-                replicas.add(r.headers["X-Kvroute-Replica"])
-            cached.append(d["usage"]["prompt_tokens_details"]["cached_tokens"])
-            await wait_for(lambda: synced(gw, kv_emulators))
-            msgs = [*msgs, {"role": "assistant", "content": d["choices"][0]["message"]["content"]},
-                    {"role": "user", "content": f"and then {i} " * 6}]  # fmt: skip
+        reasons, cached, replicas = await five_turns(http, gw, kv_emulators, msgs, {}, {})
         assert reasons == ["placed_new"] + ["affinity"] * 4, reasons
         assert len(replicas) == 1 and all(c > 0 for c in cached[1:]), cached
         sessions = [s for r in kv_emulators for s in r.replica.sessions]
@@ -179,18 +189,7 @@ async def test_a_body_that_names_its_own_session_id_keeps_its_cache_by_exact_res
     async with gateway(cfg) as gw, aiohttp.ClientSession() as http:
         await wait_for(lambda: all(gw.runtime.residency.view.source(u.removeprefix("http://")) == "events" for u in urls))
         msgs = [{"role": "user", "content": "explain the radix cache " * 12}]
-        reasons: list[str] = []
-        cached: list[int] = []
-        for i in range(5):
-            body = {"model": "emulated/small-test", "messages": msgs, "max_tokens": 8, "session_id": "agent-42"}
-            async with http.post(gw.url + "/v1/chat/completions", json=body) as r:
-                assert r.status == 200, await r.text()
-                d = await r.json()
-                reasons.append(r.headers["X-Kvroute-Reason"])
-            cached.append(d["usage"]["prompt_tokens_details"]["cached_tokens"])
-            await wait_for(lambda: synced(gw, kv_emulators))
-            msgs = [*msgs, {"role": "assistant", "content": d["choices"][0]["message"]["content"]},
-                    {"role": "user", "content": f"and then {i} " * 6}]  # fmt: skip
+        reasons, cached, _ = await five_turns(http, gw, kv_emulators, msgs, {"session_id": "agent-42"}, {})
         assert reasons == ["placed_new"] + ["affinity"] * 4, reasons
         assert all(c > 0 for c in cached[1:]), cached
         snap = await gw.store.snapshot("agent-42")
@@ -211,18 +210,7 @@ async def test_a_header_session_whose_body_names_another_session_id_reads_reside
     async with gateway(cfg) as gw, aiohttp.ClientSession() as http:
         await wait_for(lambda: all(gw.runtime.residency.view.source(u.removeprefix("http://")) == "events" for u in urls))
         msgs = [{"role": "user", "content": "explain the radix cache " * 12}]
-        reasons: list[str] = []
-        cached: list[int] = []
-        for i in range(5):
-            body = {"model": "emulated/small-test", "messages": msgs, "max_tokens": 8, "session_id": "conv-a"}
-            async with http.post(gw.url + "/v1/chat/completions", json=body, headers={"Modal-Session-Id": "agent-1"}) as r:
-                assert r.status == 200, await r.text()
-                d = await r.json()
-                reasons.append(r.headers["X-Kvroute-Reason"])
-            cached.append(d["usage"]["prompt_tokens_details"]["cached_tokens"])
-            await wait_for(lambda: synced(gw, kv_emulators))
-            msgs = [*msgs, {"role": "assistant", "content": d["choices"][0]["message"]["content"]},
-                    {"role": "user", "content": f"and then {i} " * 6}]  # fmt: skip
+        reasons, cached, _ = await five_turns(http, gw, kv_emulators, msgs, {"session_id": "conv-a"}, {"Modal-Session-Id": "agent-1"})
         assert reasons == ["placed_new"] + ["affinity"] * 4, reasons
         assert all(c > 0 for c in cached[1:]), cached
         assert [s for r in kv_emulators for s in r.replica.sessions] == ["conv-a"]

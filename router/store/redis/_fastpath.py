@@ -237,16 +237,16 @@ class FastPath:
         """The table with this part's rows replaced and everyone's in-flight set from ``flat``; None
         when the replicas are not those of the table (a row this reply lacks)."""
         assert self._table is not None
-        old = {r.id: r for r in self._table[0]}
+        table, index = self._table[0], self._index
         ids = [str(i) for i in ids]
         read = {rid for i, rid in enumerate(ids) if i % parts == part}
-        if set(ids) - read != set(old) - read:
+        if set(ids) - read != index.keys() - read:
             return None, read
         inflight = {str(flat[i]): int(flat[i + 1]) for i in range(0, len(flat), 2)}
         rows = {r.id: r for r in fresh}  # a replica of this part without a row expired: it is gone
         out = []
         for rid in ids:
-            r = rows.get(rid) if rid in read else old[rid]
+            r = rows.get(rid) if rid in read else table[index[rid]]
             if r is None:
                 continue
             n = inflight.get(rid, 0)
