@@ -13,8 +13,9 @@ and JSON on stdout (p50 / p99 / p99.9 / max, ms).
 
 ``--idle-cpu --gateways 1,2``: no traffic; for each count G, G gateways on one private Redis in front
 of the same static replicas, started a little apart, and over ``--duration`` seconds each gateway's
-own CPU per second (``/proc``, Linux) and the ``/metrics`` scrapes each replica answered per second
-(discovery rule 6: the gateways share one scrape per replica per interval through the store).
+own CPU per second (``/proc``, Linux) and the ``/metrics`` scrapes and ``/health`` checks each replica
+answered per second (discovery rules 6 and 7: the gateways share one scrape and one health check per
+replica per interval through the store).
 """
 
 from __future__ import annotations
@@ -64,9 +65,10 @@ async def _serve_static(n: int) -> None:
     )  # fmt: skip
     exposition = ReplicaMetrics("default", lambda: load, hicache=False).render()
     chat = json.dumps(_CHAT).encode()
-    scrapes = [0]  # /metrics answered by all of them (``GET /_scrapes`` on any)
+    scrapes = [0, 0]  # /metrics and /health answered by all of them (``GET /_scrapes`` on any)
 
     async def health(_: web.Request) -> web.Response:
+        scrapes[1] += 1
         return web.Response(text="ok")
 
     async def metrics(_: web.Request) -> web.Response:
@@ -74,7 +76,7 @@ async def _serve_static(n: int) -> None:
         return web.Response(body=exposition, content_type="text/plain")
 
     async def scrape_count(_: web.Request) -> web.Response:
-        return web.json_response({"scrapes": scrapes[0]})
+        return web.json_response({"scrapes": scrapes[0], "health_checks": scrapes[1]})
 
     async def completions(request: web.Request) -> web.Response:
         await request.read()
@@ -143,9 +145,10 @@ async def run_idle_cpu_bench(
     runs: list[dict[str, Any]] = []
     async with _static_replicas(replicas) as (urls, log_dir):
 
-        async def scrapes(http: aiohttp.ClientSession) -> int:
+        async def probes(http: aiohttp.ClientSession) -> tuple[int, int]:
             async with http.get(urls[0] + "/_scrapes") as r:
-                return int((await r.json())["scrapes"])
+                doc = await r.json()
+                return int(doc["scrapes"]), int(doc["health_checks"])
 
         async with aiohttp.ClientSession() as http:
             for g in gateways:
@@ -157,14 +160,16 @@ async def run_idle_cpu_bench(
                             running_router(PEERS["kvroute"], urls, log_dir=log_dir, env=env, timeout_s=120)))  # fmt: skip
                         await asyncio.sleep(0.37)  # started apart, as gateways are: their rounds at other phases
                     await asyncio.sleep(warmup_s)
-                    c0, n0, t0 = [cpu_s(p.proc.pid) for p in procs], await scrapes(http), time.monotonic()
+                    c0, n0, t0 = [cpu_s(p.proc.pid) for p in procs], await probes(http), time.monotonic()
                     await asyncio.sleep(duration_s)
-                    c1, n1, t1 = [cpu_s(p.proc.pid) for p in procs], await scrapes(http), time.monotonic()
+                    c1, n1, t1 = [cpu_s(p.proc.pid) for p in procs], await probes(http), time.monotonic()
                 cpu = [round((b - a) / (t1 - t0), 3) for a, b in zip(c0, c1, strict=True)]
-                per_replica = round((n1 - n0) / (t1 - t0) / replicas, 3)
+                scraped, checked = (round((b - a) / (t1 - t0) / replicas, 3) for a, b in zip(n0, n1, strict=True))
                 runs.append({"gateways": g, "cpu_per_s": cpu, "cpu_per_s_total": round(sum(cpu), 3),
-                             "scrapes_per_replica_per_s": per_replica})  # fmt: skip
-                say(f"  {g} gateway(s): CPU/s {cpu} (total {sum(cpu):.2f}), {per_replica} scrapes per replica per s")
+                             "scrapes_per_replica_per_s": scraped,
+                             "health_checks_per_replica_per_s": checked})  # fmt: skip
+                say(f"  {g} gateway(s): CPU/s {cpu} (total {sum(cpu):.2f}), per replica per s: {scraped} scrapes, "
+                    f"{checked} health checks")  # fmt: skip
     return {"bench": "probes-idle-cpu", "replicas": replicas, "duration_s": duration_s, "runs": runs}
 
 

@@ -53,7 +53,7 @@ from replica.config import AgentConfig, load_config
 from replica.probe import EngineProbe, EngineProbeError, build_spec, engine_info_from
 from router.clock import Clock, SystemClock
 from router.errors import ConfigError, KvrouteError, StoreError, error_body
-from router.model import EngineLoad, ReplicaId, ReplicaSpec, ReplicaStatus
+from router.model import EngineLoad, HealthStamp, ReplicaId, ReplicaSpec, ReplicaStatus
 from router.store.base import StateStore
 
 __all__ = [
@@ -128,6 +128,11 @@ class Registrar(Protocol):
 
     async def deregister(self, replica_id: ReplicaId) -> None: ...
 
+    async def share_health(self, replica_id: ReplicaId, stamp: HealthStamp) -> None:
+        """A good check of the engine, shared with the gateways so that they need not repeat it
+        (discovery rule 7); a registry that cannot share it ignores it."""
+        ...
+
     async def close(self) -> None: ...
 
 
@@ -181,6 +186,10 @@ class StoreRegistrar:
     async def deregister(self, replica_id: ReplicaId) -> None:
         async with self._mapped("deregister"):
             await self.store.remove_replica(replica_id)
+
+    async def share_health(self, replica_id: ReplicaId, stamp: HealthStamp) -> None:
+        async with self._mapped("share_health"):
+            await self.store.report_health({replica_id: stamp})
 
     async def close(self) -> None:
         await self.store.close()
@@ -287,6 +296,9 @@ class AdminRegistrar:
 
     async def deregister(self, replica_id: ReplicaId) -> None:
         await self._all("deregister", "DELETE", f"/admin/replicas/{replica_id}")
+
+    async def share_health(self, replica_id: ReplicaId, stamp: HealthStamp) -> None:
+        return None  # each gateway keeps its own store in this mode, and checks for itself
 
     async def close(self) -> None:
         return None
@@ -555,6 +567,10 @@ class Agent:
                     log.info("engine healthy again: rejoining", extra={"replica": spec.id})
                     await self.registrar.register(spec)
                     self._set(phase=AgentPhase.REGISTERED)
+                elif ok and phase is AgentPhase.REGISTERED:
+                    # the next check is due within one interval (plus its own time): vouch for two
+                    stamp = HealthStamp(self.clock.now(), f"sidecar:{spec.id}", 2 * self.cfg.health_interval_s)
+                    await self.registrar.share_health(spec.id, stamp)
             except RegistrationError as exc:
                 log.warning(
                     "registry change not recorded (retried at the next check)", extra={"error": str(exc)}

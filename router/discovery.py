@@ -39,6 +39,20 @@ Rules:
      intervals and the next round scrapes them again. Stamps are epoch seconds of the writer's
      host: figures from a host whose clock is behind by more than that are scraped anyway (as
      without the rule); one whose clock is ahead keeps a dead writer's figures fresh by its lead.
+  7. One health check per replica per interval, fleet-wide, while all is well. Each round's good
+     checks are shared through the store at its end (``report_health``: when, this discovery's
+     writer id, and how long it vouches for them: (2 + spread) x interval x (1 + jitter), within
+     which its next round lands; a sidecar shares its checks of its engine the same way, for its
+     own interval). A round leaves an ACTIVE or DRAINING replica alone while someone else's shared
+     check of it is that fresh and this gateway has no evidence of its own against it: no failed request or refused connection
+     since its last success, no failed or timed-out check of its own since its last good one. The
+     shared check counts as a sign of life (rule 3). JOINING and DOWN replicas are always checked
+     (their transitions rest on this gateway's own streaks). When the writer sees a failure it
+     shares nothing, the check ages out and every gateway checks for itself again, as without the
+     rule: a replica goes DOWN after ``unhealthy_threshold`` failed checks of whichever gateway sees
+     them first. On SGLang a ``/health`` is a one-token generate through the scheduler, so without
+     this rule an engine behind G gateways ran G of them a second (docs/BENCHMARKS.md, "Health checks
+     shared through the store").
 """
 
 from __future__ import annotations
@@ -48,6 +62,7 @@ import enum
 import json
 import logging
 import random
+import secrets
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
@@ -57,7 +72,7 @@ from router.config import HealthConfig
 from router.engine_metrics import MetricsParseError, apply_v1_loads, parse_engine_metrics
 from router.errors import ReplicaNotFoundError, UpstreamError, UpstreamTimeoutError
 from router.events import Event, ReplicaActivated, ReplicaEjected, ReplicaReadmitted
-from router.model import EngineLoad, ReplicaId, ReplicaState, ReplicaStatus
+from router.model import EngineLoad, HealthStamp, ReplicaId, ReplicaState, ReplicaStatus
 from router.store.base import StateStore
 
 if TYPE_CHECKING:
@@ -142,8 +157,12 @@ class Discovery:
         rng: random.Random,
         probe_timeout_s: float = 2.0,
         egress: EgressGuard | None = None,
+        writer_id: str | None = None,
     ) -> None:
         self._store = store
+        # who this discovery is in the shared health stamps (rule 7): unique per process, so two
+        # gateways configured with one id still check for themselves
+        self.writer_id = f"{writer_id or 'discovery'}/{secrets.token_hex(4)}"
         self._client = client
         self._egress = egress
         self._cfg = cfg
@@ -162,9 +181,11 @@ class Discovery:
         self.scrapes_ok = 0
         self.scrapes_failed = 0
         self.scrapes_shared = 0  # skipped: someone else's figures were fresh (rule 6)
+        self.health_ok = 0
         self.health_failures = 0
         self.health_busy = 0  # probe timeouts tolerated as "busy" (rule 3)
         self.health_rounds = 0
+        self.health_shared = 0  # skipped: someone else's good check was fresh (rule 7)
 
     # ---- passive signals from the forwarder ------------------------------------------------------
 
@@ -216,8 +237,40 @@ class Discovery:
         """Check every replica, spread over ``spread_s`` (rule 5; 0 at start-up)."""
         replicas = await self._store.replicas()
         self._forget_missing(replicas)
-        await _staggered(replicas, spread_s, self._check_one)
+        shared = await self._store.health_stamps()
+        cfg = self._cfg
+        fresh_s = (2.0 + cfg.spread) * cfg.health_interval_s * (1.0 + cfg.jitter)  # our next round lands within
+        good: dict[ReplicaId, HealthStamp] = {}
+
+        async def check(r: ReplicaState) -> None:
+            if self._checked_by_another(r, shared.get(r.id)) and (
+                self._egress is None or await self._egress.allowed(r.url)
+            ):
+                self.health_shared += 1
+                return
+            if await self._check_one(r):
+                good[r.id] = HealthStamp(at=self._clock.now(), by=self.writer_id, fresh_s=fresh_s)
+
+        await _staggered(replicas, spread_s, check)
+        if good:
+            await self._store.report_health(good)
         self.health_rounds += 1
+
+    def _checked_by_another(self, r: ReplicaState, stamp: HealthStamp | None) -> bool:
+        """Rule 7: someone else's good check of ``r`` is fresh and nothing here speaks against it."""
+        if stamp is None or stamp.by == self.writer_id:
+            return False
+        if r.status not in (ReplicaStatus.ACTIVE, ReplicaStatus.DRAINING):
+            return False
+        if self._request_failures.get(r.id, 0) or self._connect_errors.get(r.id, 0):
+            return False
+        track = self._tracks.get(r.id)
+        if track is not None and (track.fail_streak or track.busy_streak):
+            return False
+        if self._clock.now() - stamp.at >= stamp.fresh_s:
+            return False
+        self._alive_at[r.id] = max(self._alive_at.get(r.id, 0.0), stamp.at)
+        return True
 
     async def scrape_once(self, spread_s: float = 0.0) -> None:
         """Scrape every replica that is not DOWN, spread over ``spread_s`` (rule 5; 0 at start-up:
@@ -226,7 +279,8 @@ class Discovery:
         allowed = [r for r in replicas if self._egress is None or await self._egress.allowed(r.url)]
         await _staggered([r for r in allowed if r.status is not ReplicaStatus.DOWN], spread_s, self._scrape_one)
 
-    async def _check_one(self, r: ReplicaState) -> None:
+    async def _check_one(self, r: ReplicaState) -> bool:
+        """Check ``r`` and apply the state machine; whether the check was good."""
         outcome = ProbeOutcome.FAILED
         detail = ""
         try:
@@ -242,6 +296,7 @@ class Discovery:
         except UpstreamError as exc:
             detail = str(exc)
         if outcome is ProbeOutcome.OK:
+            self.health_ok += 1
             self._alive_at[r.id] = self._clock.now()
         suspect = outcome is ProbeOutcome.TIMEOUT and self.suspect(r.id)
         if outcome is ProbeOutcome.TIMEOUT and not suspect:
@@ -253,6 +308,7 @@ class Discovery:
                 detail += f" ({n} failed request(s) since its last success)" if n else (
                     f" (no sign of life for {self._cfg.stall_after_s:g} s)"
                 )
+        ok = outcome is ProbeOutcome.OK
         async with self._lock:
             # the round's view is enough to decide; re-read only before a change, so an operator's
             # concurrent drain (or a passive ejection) is never overwritten
@@ -260,17 +316,17 @@ class Discovery:
             track, new = health_transition(r.status, prev, outcome, self._cfg, suspect=suspect)
             self._tracks[r.id] = track
             if new is None:
-                return
+                return ok
             current = await self._state(r.id)
             if current is None:
-                return
+                return ok
             if current.status is not r.status:
                 track, new = health_transition(current.status, prev, outcome, self._cfg, suspect=suspect)
                 self._tracks[r.id] = track
                 if new is None:
-                    return
+                    return ok
             if not await self._set_status(r.id, new):
-                return
+                return ok
             now = self._clock.now()
             if new is ReplicaStatus.DOWN:
                 log.warning(
@@ -284,6 +340,7 @@ class Discovery:
                 log.info("replica %s readmitted", r.id)
                 self._connect_errors[r.id] = 0
                 self._emit(ReplicaReadmitted(at=now, replica_id=r.id))
+        return ok
 
     def _reported_by_another(self, r: ReplicaState) -> bool:
         """Rule 6: ``r``'s figures in the store are someone else's and younger than two intervals."""

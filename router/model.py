@@ -23,6 +23,7 @@ __all__ = [
     "Effect",
     "EngineLoad",
     "FleetTotals",
+    "HealthStamp",
     "KeySource",
     "Lease",
     "Reason",
@@ -119,6 +120,17 @@ class EngineLoad:
     # in its cache), what a new request waits for before its own prefill starts
     waiting_uncached_tokens: int = 0
     updated_at: float = 0.0  # store clock; 0 = never scraped
+
+
+@dataclass(frozen=True, slots=True)
+class HealthStamp:
+    """The last good health check of a replica that its writer shared through the store (discovery
+    rule 7): when (store clock), who checked (a gateway's or a sidecar's writer id) and for how long
+    the writer vouches for it (its next check is due within that)."""
+
+    at: float
+    by: str
+    fresh_s: float
 
 
 @dataclass(frozen=True, slots=True)

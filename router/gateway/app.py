@@ -141,6 +141,7 @@ def make_app(
             rng=random.Random(rng.random()),
             probe_timeout_s=config.timeouts.probe_s,
             egress=rt.egress,
+            writer_id=config.gateway_id,
         )
         rt.discovery = d
         tasks: list[asyncio.Task[None]] = []

@@ -259,6 +259,36 @@ class FleetCollector(Collector):
                 )
 
 
+class DiscoveryCollector(Collector):
+    """Scrape-time counters of the gateway's discovery (``router.discovery``): its health checks and
+    scrapes by outcome, ``shared`` = left alone because someone else's was fresh (rules 6 and 7)."""
+
+    def __init__(self) -> None:
+        self.source: Callable[[], Any] = lambda: None  # -> the gateway's ``Discovery`` (None before it runs)
+
+    def collect(self) -> Iterator[Metric]:
+        d = self.source()
+        if d is None:
+            return
+        c = CounterMetricFamily(
+            "kvroute_discovery_probes",
+            "Health checks and /metrics scrapes of this gateway's discovery, by outcome "
+            "(shared: not made, someone else's fresh one stood)",
+            labels=["probe", "outcome"],
+        )
+        for probe, outcome, n in (
+            ("health", "ok", d.health_ok),
+            ("health", "failed", d.health_failures),
+            ("health", "busy", d.health_busy),
+            ("health", "shared", d.health_shared),
+            ("scrape", "ok", d.scrapes_ok),
+            ("scrape", "failed", d.scrapes_failed),
+            ("scrape", "shared", d.scrapes_shared),
+        ):
+            c.add_metric([probe, outcome], float(n))
+        yield c
+
+
 class GatewayMetrics:
     """All gateway metrics in one registry. Call it with events (it is a ``Hook``)."""
 
@@ -384,6 +414,8 @@ class GatewayMetrics:
         )
         self.fleet = FleetCollector(desired_replicas)
         r.register(self.fleet)
+        self.discovery = DiscoveryCollector()
+        r.register(self.discovery)
         # labelled children of the per-request series, cached: labels() costs more than inc()
         self._children: dict[tuple[str, ...], Any] = {}
         self._finished: dict[tuple[str, Reason | None, int], tuple[Any, Any, Any]] = {}

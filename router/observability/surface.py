@@ -239,6 +239,7 @@ class OperatorSurface:
             for mw in self.tracing.middlewares():
                 gateway_mw.add_outer(mw)
             rt.tracer = self.tracing.upstream_tracer()
+            self.metrics.discovery.source = lambda: rt.discovery
         if self.store is None or self.clock is None or self.holder is None:
             raise RuntimeError("OperatorSurface.setup on a bare app needs store, clock and holder")
         app.router.add_get("/metrics", self.metrics_handler)

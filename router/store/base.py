@@ -13,6 +13,7 @@ Rules:
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -20,6 +21,7 @@ from router.model import (
     ClusterSnapshot,
     Completion,
     EngineLoad,
+    HealthStamp,
     Lease,
     ReplicaId,
     ReplicaSpec,
@@ -117,6 +119,14 @@ class StateStore(Protocol):
     async def remove_replica(self, replica_id: ReplicaId) -> None: ...
 
     async def report_engine_load(self, replica_id: ReplicaId, load: EngineLoad) -> None: ...
+
+    async def report_health(self, stamps: Mapping[ReplicaId, HealthStamp]) -> None:
+        """Share good health checks (discovery rule 7); a stamp of an unregistered replica is dropped."""
+        ...
+
+    async def health_stamps(self) -> Mapping[ReplicaId, HealthStamp]:
+        """The last shared good health check of every registered replica that has one."""
+        ...
 
     async def replicas(self) -> tuple[ReplicaState, ...]: ...
 

@@ -23,6 +23,8 @@ Keys (``P`` = ``{prefix}:``):
     P s:<sid>              hash    home, ovf (comma list), ctx, seen, mark, turns,
                                    f:<gid>|<rid> -> in-flight count of that gateway on that replica;
                                    PEXPIRE = session idle TTL (refreshed on every touch)
+    P health               hash    rid -> "<fleet s>|<fresh s>|<writer>": the last good health check someone shared
+                                   (discovery rule 7); dropped with the replica
     P gw                   zset    gateway id -> lease expiry (Redis server ms, from TIME)
     P gw:<gid>:if          hash    replica -> in-flight count of that gateway (ignored once its
                                    lease has expired; deleted by the next live gateway's heartbeat)

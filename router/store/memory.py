@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import itertools
 from collections import OrderedDict, deque
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from router.clock import Clock
@@ -28,6 +29,7 @@ from router.model import (
     Completion,
     EngineLoad,
     FleetTotals,
+    HealthStamp,
     Lease,
     Reason,
     ReplicaId,
@@ -109,6 +111,7 @@ class MemoryCore:
         # exact residency from KV events (router/residency.py): fills SessionState.resident_* when set
         self.residency: ResidencyView | None = None
         self._replicas: dict[ReplicaId, _Replica] = {}
+        self.health: dict[ReplicaId, HealthStamp] = {}  # shared good health checks (discovery rule 7)
         self._sessions: OrderedDict[str, _Session] = OrderedDict()  # ordered by last_seen
         self._seq = 0
         self._serving_since: float | None = None  # the first acquire: later ACTIVE replicas scaled up
@@ -166,6 +169,7 @@ class MemoryCore:
         self._dirty(rep)
 
     def remove_replica(self, replica_id: ReplicaId) -> None:
+        self.health.pop(replica_id, None)
         rep = self._replicas.pop(replica_id, None)
         if rep is not None:
             self._n_active -= len(rep.active)
@@ -177,6 +181,9 @@ class MemoryCore:
         if rep is not None:
             rep.engine = load
             self._dirty(rep)
+
+    def report_health(self, stamps: Mapping[ReplicaId, HealthStamp]) -> None:
+        self.health.update((rid, st) for rid, st in stamps.items() if rid in self._replicas)
 
     # ---- views -------------------------------------------------------------------------------
 
@@ -521,6 +528,12 @@ class MemoryStore:
 
     async def report_engine_load(self, replica_id: ReplicaId, load: EngineLoad) -> None:
         self.core.report_engine_load(replica_id, load)
+
+    async def report_health(self, stamps: Mapping[ReplicaId, HealthStamp]) -> None:
+        self.core.report_health(stamps)
+
+    async def health_stamps(self) -> Mapping[ReplicaId, HealthStamp]:
+        return dict(self.core.health)
 
     async def replicas(self) -> tuple[ReplicaState, ...]:
         return self.core.replicas()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,7 +31,10 @@ from replica.agent import (
 from replica.config import AgentConfig, load_config, replica_id_for, validate
 from replica.probe import EngineProbe, build_spec, engine_info_from
 from router.clock import SystemClock
+from router.config import HealthConfig, TimeoutsConfig
+from router.discovery import Discovery
 from router.errors import ConfigError
+from router.gateway.upstream import ReplicaHttpClient
 from router.model import (
     BindSession,
     Completion,
@@ -302,6 +306,36 @@ async def test_waits_for_engine_then_registers_and_heartbeats(
     agent.request_drain()
     assert await asyncio.wait_for(task, 10) == 0
     assert await _replica(store, cfg.id) is None
+
+
+async def test_good_engine_checks_are_shared_with_the_gateways(
+    engine: FakeEngine, session: aiohttp.ClientSession
+) -> None:
+    """Discovery rule 7: the sidecar shares each good check of its engine, vouching for two of its
+    intervals, and a gateway's discovery on the same store then leaves the replica alone."""
+    store = MemoryStore(SystemClock())
+    cfg = _cfg(engine.url, health_interval_s=0.5)
+    agent = Agent(cfg, StoreRegistrar(store), EngineProbe(session, cfg.engine_url))
+    task = asyncio.create_task(agent.run())
+    client = ReplicaHttpClient(TimeoutsConfig(probe_s=1.0))
+    try:
+        await _until(agent.ready, what="registered")
+        await store.set_status(cfg.id, ReplicaStatus.ACTIVE)
+
+        async def shared() -> bool:
+            return cfg.id in await store.health_stamps()
+
+        await _until(shared, what="a shared check")
+        stamp = (await store.health_stamps())[cfg.id]
+        assert (stamp.by, stamp.fresh_s) == (f"sidecar:{cfg.id}", 1.0)
+        assert SystemClock().now() - stamp.at < 1.0
+        d = Discovery(store, client, HealthConfig(), clock=SystemClock(), emit=lambda e: None, rng=random.Random(1))
+        await d.check_health_once()
+        assert (d.health_shared, d.health_failures) == (1, 0)  # not checked: the sidecar's check stands
+    finally:
+        await client.close()
+        agent.request_drain()
+        assert await asyncio.wait_for(task, 10) == 0
 
 
 async def test_unhealthy_engine_is_withdrawn_then_rejoins(

@@ -14,7 +14,7 @@ from router.config import HealthConfig, TimeoutsConfig
 from router.discovery import Discovery, HealthTrack, ProbeOutcome, health_transition
 from router.events import ReplicaActivated, ReplicaEjected, ReplicaReadmitted
 from router.gateway.upstream import ReplicaHttpClient
-from router.model import EngineLoad, ReplicaSpec, ReplicaStatus
+from router.model import EngineLoad, HealthStamp, ReplicaSpec, ReplicaStatus
 from router.store.memory import MemoryStore
 from tests.router.conftest import EventLog
 
@@ -315,6 +315,98 @@ async def test_two_gateways_on_one_redis_scrape_each_replica_once_per_interval(
             now = clock.now()
             ages = [now - r.engine.updated_at for r in await gw.store.replicas()]
             assert all(age < 2.5 * interval for age in ages), ages
+    finally:
+        for gw in gws:
+            await gw.close()
+
+
+async def test_good_checks_someone_else_shared_are_not_repeated(fake_replicas: Any) -> None:
+    """Rule 7: two gateways on one store check each healthy replica once per interval between them
+    (the latest writer checks on); a sidecar's shared check counts too; evidence of a gateway's own
+    (a failed request, a failed check) makes it check for itself; shared checks age out; a failure
+    seen by the checker takes the replica down for everyone."""
+    reps = await fake_replicas(3)
+    first, second, third = reps
+    store = MemoryStore(SystemClock())
+    for r in reps:
+        await store.upsert_replica(ReplicaSpec(id=r.id, url=r.url))
+    client = ReplicaHttpClient(TimeoutsConfig(probe_s=1.0))
+    cfg = HealthConfig(health_interval_s=0.25, jitter=0.0, spread=0.0, unhealthy_threshold=2)
+    a, b = _discovery(store, client, cfg), _discovery(store, client, cfg)
+
+    def checks() -> list[int]:
+        return [len(r.state.checked_at) for r in reps]
+
+    async def status(r: Any) -> ReplicaStatus:
+        return {s.id: s.status for s in await store.replicas()}[r.id]
+
+    try:
+        await a.check_health_once()  # JOINING -> ACTIVE, a's good checks shared
+        await b.check_health_once()  # a's checks, fresh: b leaves them
+        assert checks() == [1, 1, 1] and (b.health_shared, a.health_shared) == (3, 0)
+        await a.check_health_once()  # its own: a checks on
+        assert checks() == [2, 2, 2]
+        b.on_request_failure(first.id, "timed out")  # b's own evidence: b checks that one itself
+        await b.check_health_once()
+        assert checks() == [3, 2, 2]
+        # a sidecar shares its check of the third replica: neither gateway checks it while fresh
+        await store.report_health({third.id: HealthStamp(SystemClock().now(), "sidecar:3", 0.5)})
+        await a.check_health_once()
+        await b.check_health_once()
+        assert checks()[2] == 2
+        # the writer sees a failure: it shares nothing, takes the replica down after two, for everyone
+        second.state.health_status = 503
+        await a.check_health_once()
+        await b.check_health_once()  # a's last good check is still fresh and b has no evidence
+        assert await status(second) is A and len(second.state.checked_at) == 4
+        await a.check_health_once()
+        assert await status(second) is D
+        await b.check_health_once()  # DOWN: b checks for itself
+        assert len(second.state.checked_at) == 6
+        # a stops: its checks age past the window ((2 + spread) x interval) and b checks everything
+        await asyncio.sleep(0.55)
+        before = checks()
+        await b.check_health_once()
+        assert [n - m for n, m in zip(checks(), before, strict=True)] == [1, 1, 1]
+    finally:
+        await client.close()
+
+
+async def test_two_gateways_on_one_redis_check_each_replica_once_per_interval(
+    fake_replicas: Any, redis_url: str
+) -> None:
+    """Rule 7 across gateways on a real Redis: together they check each replica about once per
+    interval (not once each), and a replica that fails is taken down all the same."""
+    from router.gateway.serve import make_store, start_gateway
+    from tests.router.conftest import fast_config
+
+    reps = await fake_replicas(3)
+    urls = [r.url for r in reps]
+    interval, window = 0.2, 2.0
+    clock = SystemClock()
+    gws = []
+    try:
+        for gid in ("gw-a", "gw-b"):
+            cfg = fast_config(urls, redis_url=redis_url, gateway_id=gid,
+                              health={"health_interval_s": interval, "scrape_interval_s": 1.0,
+                                      "unhealthy_threshold": 2})  # fmt: skip
+            gws.append(await start_gateway(cfg, make_store(cfg, clock), clock=clock, rng=random.Random(len(gws))))
+            await asyncio.sleep(interval / 2)
+        await asyncio.sleep(2 * interval)
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        await asyncio.sleep(window)
+        t1 = loop.time()
+        for r in reps:
+            n = sum(t0 <= t < t1 for t in r.state.checked_at)
+            assert n <= 1.3 * window / interval, (r.id, n)  # one gateway's worth (10), not two (20)
+            assert n >= 0.6 * window / interval, (r.id, n)
+        discoveries = [gw.runtime.discovery for gw in gws]
+        assert sum(d.health_shared for d in discoveries if d is not None) >= window / interval
+        reps[0].state.health_status = 503
+        await asyncio.sleep(6 * interval)
+        for gw in gws:
+            assert {r.id: r.status for r in await gw.store.replicas()}[reps[0].id] is D
     finally:
         for gw in gws:
             await gw.close()

@@ -163,8 +163,9 @@ async def test_resident_prefix_matches_the_engines_cached_tokens(server: _Server
             d = await _chat(http, gw, "real-A", msgs)
             cached = d["usage"]["prompt_tokens_details"]["cached_tokens"]
             # the next prompt repeats the last one (all of it resident) and then re-renders the answer
-            # (its re-tokenised text may part from what the engine cached after the prompt)
-            assert u["prompt_tokens"] <= cached <= resident, (turn, u, cached, resident)
+            # (its re-tokenised text may part from what the engine cached after the prompt, and its
+            # first characters may merge with the prompt's last token, "assistant\n": seen once)
+            assert u["prompt_tokens"] - 1 <= cached <= resident, (turn, u, cached, resident)
             print(f"turn {turn}: prompt {u['prompt_tokens']} + {u['completion_tokens']}, resident {resident}, "
                   f"next turn cached {cached}")
             checked += 1

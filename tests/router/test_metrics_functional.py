@@ -308,6 +308,11 @@ async def test_redis_round_trips_and_degradation(
         )  # acquire+release
         assert total(before, "kvroute_store_degraded", "kvroute_store_degraded") == 0
         assert total(before, "kvroute_store_degradations", "kvroute_store_degradations_total") == 0
+        # the gateway's own discovery: at least the first round's check and scrape of both replicas
+        probes = ("kvroute_discovery_probes", "kvroute_discovery_probes_total")
+        assert total(before, *probes, probe="health", outcome="ok") >= 2
+        assert total(before, *probes, probe="scrape", outcome="ok") >= 2
+        assert total(before, *probes, probe="health", outcome="failed") == 0
         redis_killable.kill()
         for i in range(3):  # no request fails because Redis did
             assert (await send(s, gw.url, f"redis-{i}", 1))[0] == 200

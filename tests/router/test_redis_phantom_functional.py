@@ -199,6 +199,6 @@ async def test_home_index_of_expired_sessions_does_not_grow_and_no_key_leaks(red
             assert time.monotonic() < deadline, f"{n} expired sessions still indexed in {home}"
             await asyncio.sleep(0.2)
         assert not [k async for k in r.scan_iter(P + "s:*")]
-        fixed = {P + x for x in ("seq", "replicas", "gw", "t0", f"r:{rid}", f"act:{rid}", f"actx:{rid}", f"plc:{rid}")}
+        fixed = {P + x for x in ("seq", "replicas", "gw", "t0", "health", f"r:{rid}", f"act:{rid}", f"actx:{rid}", f"plc:{rid}")}
         no_ttl = [k async for k in r.scan_iter(P + "*") if await r.pttl(k) == -1 and k not in fixed]
         assert no_ttl == [], no_ttl

@@ -19,6 +19,7 @@ from router.model import (
     BindSession,
     Completion,
     EngineLoad,
+    HealthStamp,
     Reason,
     ReplicaSpec,
     ReplicaStatus,
@@ -136,6 +137,23 @@ async def test_engine_load_and_capacity_fallback(env: Env) -> None:
     # registration's figures, which stand only while the engine says nothing
     assert (b.capacity_tokens, b.host_capacity_tokens) == (500, 900)
     assert (c.capacity_tokens, c.host_capacity_tokens) == (7, 9)
+
+
+async def test_shared_health_checks_of_registered_replicas(env: Env) -> None:
+    """Discovery rule 7's store half: good checks are kept per registered replica (the latest write
+    wins), read back in the writer's clock, and go with the replica; a stamp of an unknown replica is
+    dropped, so a replica removed while a round was in flight leaves nothing behind."""
+    store = await env.make()
+    await store.upsert_replica(spec("a"), A)
+    await store.upsert_replica(spec("b"), A)
+    assert await store.health_stamps() == {}
+    await store.report_health({"a": HealthStamp(1000.25, "gw-1/x", 2.5), "ghost": HealthStamp(1000.5, "gw-1/x", 2.5)})
+    await store.report_health({"b": HealthStamp(1000.5, "sidecar:b", 2.5)})
+    await store.report_health({"a": HealthStamp(1000.75, "gw-2/y", 2.5)})
+    assert await store.health_stamps() == {"a": HealthStamp(1000.75, "gw-2/y", 2.5), "b": HealthStamp(1000.5, "sidecar:b", 2.5)}
+    await store.remove_replica("a")
+    await store.upsert_replica(spec("a"), A)  # registered again: a new replica, checked by nobody yet
+    assert await store.health_stamps() == {"b": HealthStamp(1000.5, "sidecar:b", 2.5)}
 
 
 # ---- hot path ------------------------------------------------------------------------------------

@@ -27,6 +27,7 @@ end
 local function drop_replica(rid)
   redis.call('DEL', K('r:' .. rid), K('act:' .. rid), K('actx:' .. rid), K('plc:' .. rid))
   redis.call('SREM', K('replicas'), rid)
+  redis.call('HDEL', K('health'), rid)
 end
 
 local function forget_active(rid, sid)

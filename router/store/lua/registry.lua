@@ -4,6 +4,9 @@
 --   status: a = status            -> 0 if the replica is unknown
 --   remove
 --   engine: a = engine JSON, c = new expiry for registry entries (ignored for static ones)
+--   health: a = JSON {replica: "<fleet s>|<fresh s>|<writer>"} (replica ARGV unused): good health checks shared
+--           (discovery rule 7), kept for registered replicas only -> how many were kept
+--   health_read (replica ARGV unused) -> flat [replica, "<fleet s>|<fresh s>|<writer>", ...]
 local op, rid, NOW = ARGV[2], ARGV[3], ARGV[4]
 local now, a, b, c = tonumber(NOW), ARGV[5], ARGV[6], ARGV[7]
 local rk = K('r:' .. rid)
@@ -43,5 +46,16 @@ elseif op == 'engine' then
   redis.call('HSET', rk, 'engine', a)
   if tonumber(redis.call('HGET', rk, 'exp') or '0') ~= 0 then redis.call('HSET', rk, 'exp', c) end
   return 1
+elseif op == 'health' then
+  local kept = 0
+  for r, v in pairs(cjson.decode(a)) do
+    if rep_live(r, now) then
+      redis.call('HSET', K('health'), r, v)
+      kept = kept + 1
+    end
+  end
+  return kept
+elseif op == 'health_read' then
+  return redis.call('HGETALL', K('health'))
 end
 return redis.error_reply('kvroute: unknown registry op ' .. tostring(op))

@@ -11,10 +11,11 @@ Rules:
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+import json
+from collections.abc import Awaitable, Callable, Mapping
 
 from router.errors import ReplicaNotFoundError, StoreError
-from router.model import EngineLoad, ReplicaId, ReplicaSpec, ReplicaStatus
+from router.model import EngineLoad, HealthStamp, ReplicaId, ReplicaSpec, ReplicaStatus
 from router.store.base import StoreConfig
 from router.store.memory import MemoryCore
 from router.store.redis._fallback import Fallback
@@ -123,6 +124,37 @@ class Registry:
             fb.fallback_total += 1
             return
         await self._write(lambda m: m.report_engine_load(replica_id, load), remote)
+
+    async def report_health(self, stamps: Mapping[ReplicaId, HealthStamp]) -> None:
+        """Good health checks, shared (discovery rule 7). Like engine figures they are never replayed:
+        while Redis is away only the mirror keeps them (every gateway then checks for itself)."""
+        fb = self._fallback
+        if fb.mirror is not None:
+            fb.mirror.report_health(stamps)
+        if fb.degraded or not stamps:
+            return
+        raw = json.dumps({rid: f"{self._wire.fleet(st.at)}|{st.fresh_s!r}|{st.by}" for rid, st in stamps.items()})
+        self._started()
+        try:
+            await self._wire.eval("registry", ["health", "", self._wire.now(), raw, "", "0"], "health")
+        except StoreError as exc:
+            self._failed(exc)
+
+    async def health_stamps(self) -> dict[ReplicaId, HealthStamp]:
+        fb = self._fallback
+        if not fb.degraded:
+            self._started()
+            try:
+                flat = await self._wire.eval("registry", ["health_read", "", self._wire.now(), "", "", "0"],
+                                             "health_read")  # fmt: skip
+                out: dict[ReplicaId, HealthStamp] = {}
+                for rid, raw in zip(flat[::2], flat[1::2], strict=True):
+                    at, fresh, by = raw.split("|", 2)
+                    out[rid] = HealthStamp(at=self._wire.local(at), by=by, fresh_s=float(fresh))
+                return out
+            except StoreError as exc:
+                self._failed(exc)
+        return dict(fb.mirror.health) if fb.mirror is not None else {}
 
     async def republish(self, mirror: MemoryCore) -> None:
         """Redis came back empty: give it the replicas (and engine figures) the mirror knows."""

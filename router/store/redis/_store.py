@@ -29,6 +29,7 @@ from router.model import (
     ClusterSnapshot,
     Completion,
     EngineLoad,
+    HealthStamp,
     Lease,
     ReplicaId,
     ReplicaSpec,
@@ -563,6 +564,12 @@ class RedisStore:
 
     async def report_engine_load(self, replica_id: ReplicaId, load: EngineLoad) -> None:
         await self._registry.report_engine_load(replica_id, load)
+
+    async def report_health(self, stamps: Mapping[ReplicaId, HealthStamp]) -> None:
+        await self._registry.report_health(stamps)
+
+    async def health_stamps(self) -> Mapping[ReplicaId, HealthStamp]:
+        return await self._registry.health_stamps()
 
     # ---- StateStore: views -----------------------------------------------------------------------
 
