@@ -28,31 +28,41 @@ Rules:
      replica keeps its phase and the answers do not reach the event loop together: each answer
      costs loop time (a parsed ``/metrics`` the most), and many replicas answering at once would
      stall every request the gateway is relaying (``kvroute bench probes`` measures it).
-  6. One scrape per replica per interval, fleet-wide. A replica whose figures in the store were
-     written by someone else (its sidecar, another gateway on the same Redis) since this gateway
-     last scraped it is not scraped while they are younger than two intervals (stretched by the
-     jitter; the round reads the store once, up to ``spread`` of an interval before its last
-     probe): the latest writer keeps scraping, everyone else reads its figures. Many gateways in
-     front of many replicas otherwise each spend a large part of a core parsing every replica's
-     ``/metrics`` every second (docs/BENCHMARKS.md, "Scrapes shared through the store"), and each
-     engine answers every gateway. When the writer stops, its figures age out within about two
-     intervals and the next round scrapes them again. Stamps are epoch seconds of the writer's
-     host: figures from a host whose clock is behind by more than that are scraped anyway (as
-     without the rule); one whose clock is ahead keeps a dead writer's figures fresh by its lead.
+  6. One scrape per replica per interval, fleet-wide. A replica whose figures in the store are
+     someone else's (its sidecar's, another gateway's on the same Redis: the figures name the
+     discovery that scraped them, ``EngineLoad.reported_by``) is not scraped while they are younger
+     than two intervals (stretched by the jitter; the round reads the store once, up to ``spread``
+     of an interval before its last probe): the writer keeps scraping, everyone else reads its
+     figures. Many gateways in front of many replicas otherwise each spend a large part of a core
+     parsing every replica's ``/metrics`` every second (docs/BENCHMARKS.md, "Scrapes shared through
+     the store"), and each engine answers every gateway. When the writer stops, its figures age out
+     within about two intervals and the next round scrapes them again. Stamps are epoch seconds of
+     the writer's host: figures from a host whose clock is behind by more than that are scraped
+     anyway (as without the rule); one whose clock is ahead keeps a dead writer's figures fresh by
+     its lead.
   7. One health check per replica per interval, fleet-wide, while all is well. Each round's good
      checks are shared through the store at its end (``report_health``: when, this discovery's
      writer id, and how long it vouches for them: (2 + spread) x interval x (1 + jitter), within
      which its next round lands; a sidecar shares its checks of its engine the same way, for its
      own interval). A round leaves an ACTIVE or DRAINING replica alone while someone else's shared
-     check of it is that fresh and this gateway has no evidence of its own against it: no failed request or refused connection
-     since its last success, no failed or timed-out check of its own since its last good one. The
-     shared check counts as a sign of life (rule 3). JOINING and DOWN replicas are always checked
-     (their transitions rest on this gateway's own streaks). When the writer sees a failure it
-     shares nothing, the check ages out and every gateway checks for itself again, as without the
-     rule: a replica goes DOWN after ``unhealthy_threshold`` failed checks of whichever gateway sees
-     them first. On SGLang a ``/health`` is a one-token generate through the scheduler, so without
-     this rule an engine behind G gateways ran G of them a second (docs/BENCHMARKS.md, "Health checks
-     shared through the store").
+     check of it is that fresh and this gateway has no evidence of its own against it: no failed
+     request or refused connection since its last success, no failed or timed-out check of its own
+     since its last good one. The shared check counts as a sign of life (rule 3). JOINING and DOWN
+     replicas are always checked (their transitions rest on this gateway's own streaks). When the
+     writer sees a failure it shares nothing, the check ages out and every gateway checks for
+     itself again, as without the rule: a replica goes DOWN after ``unhealthy_threshold`` failed
+     checks of whichever gateway sees them first. On SGLang a ``/health`` is a one-token generate
+     through the scheduler, so without this rule an engine behind G gateways ran G of them a second
+     (docs/BENCHMARKS.md, "Health checks shared through the store").
+  8. The probing is divided among the gateways. The store lists the live gateways (``probers``:
+     their Redis lease holders); each replica is the probing of one of them, its rendezvous pick
+     (``hrw_top``, the same in every process). That gateway scrapes and checks it even while another
+     gateway's figures or check are fresh, so after one round the other one finds its own figures
+     overwritten and stops (rules 6 and 7): G gateways probe about N / G replicas each, instead of
+     the first writer keeping them all. A sidecar's figures and checks are never taken over. A
+     gateway not in the list (the memory store, a lost lease) takes nothing over; a pick that does
+     not probe (its discovery off, or dead before its lease expires) leaves its replicas to rules 6
+     and 7: their figures age out and another gateway probes them.
 """
 
 from __future__ import annotations
@@ -73,6 +83,7 @@ from router.engine_metrics import MetricsParseError, apply_v1_loads, parse_engin
 from router.errors import ReplicaNotFoundError, UpstreamError, UpstreamTimeoutError
 from router.events import Event, ReplicaActivated, ReplicaEjected, ReplicaReadmitted
 from router.model import EngineLoad, HealthStamp, ReplicaId, ReplicaState, ReplicaStatus
+from router.policy.hashing import hrw_top
 from router.store.base import StateStore
 
 if TYPE_CHECKING:
@@ -84,7 +95,6 @@ __all__ = ["Discovery", "HealthTrack", "ProbeOutcome", "health_transition"]
 log = logging.getLogger("kvroute.discovery")
 
 _METRICS_OFF_BACKOFF = 30  # rounds to skip after a 404 on /metrics (engine without --enable-metrics)
-_OWN_STAMP_SLACK_S = 0.001  # our own stamp back from Redis (epoch seconds as a float: ~1e-6 s off)
 
 
 class ProbeOutcome(enum.Enum):
@@ -160,9 +170,9 @@ class Discovery:
         writer_id: str | None = None,
     ) -> None:
         self._store = store
-        # who this discovery is in the shared health stamps (rule 7): unique per process, so two
-        # gateways configured with one id still check for themselves
-        self.writer_id = f"{writer_id or 'discovery'}/{secrets.token_hex(4)}"
+        # who this discovery is in the shared figures and checks (rules 6-8): the gateway's id in the
+        # store's list of live gateways (its Redis lease holder, unique per process) or a unique one
+        self.writer_id = writer_id or f"discovery~{secrets.token_hex(4)}"
         self._client = client
         self._egress = egress
         self._cfg = cfg
@@ -176,7 +186,9 @@ class Discovery:
         self._loads_off: dict[ReplicaId, int] = {}
         self._request_failures: dict[ReplicaId, int] = {}  # since the replica's last success
         self._alive_at: dict[ReplicaId, float] = {}  # last sign of life: good probe or answered request
-        self._scraped_at: dict[ReplicaId, float] = {}  # the stamp of our last figures (rule 6)
+        # rule 8: (probers, replica ids) the designation was computed for, and the replicas it gives us
+        self._designation: tuple[frozenset[str], frozenset[ReplicaId]] = (frozenset(), frozenset())
+        self._mine: frozenset[ReplicaId] = frozenset()
         self._lock = asyncio.Lock()  # status changes: health loop vs passive ejection
         self.scrapes_ok = 0
         self.scrapes_failed = 0
@@ -238,12 +250,13 @@ class Discovery:
         replicas = await self._store.replicas()
         self._forget_missing(replicas)
         shared = await self._store.health_stamps()
+        probers = await self._probers(replicas)
         cfg = self._cfg
         fresh_s = (2.0 + cfg.spread) * cfg.health_interval_s * (1.0 + cfg.jitter)  # our next round lands within
         good: dict[ReplicaId, HealthStamp] = {}
 
         async def check(r: ReplicaState) -> None:
-            if self._checked_by_another(r, shared.get(r.id)) and (
+            if self._checked_by_another(r, shared.get(r.id), probers) and (
                 self._egress is None or await self._egress.allowed(r.url)
             ):
                 self.health_shared += 1
@@ -256,9 +269,10 @@ class Discovery:
             await self._store.report_health(good)
         self.health_rounds += 1
 
-    def _checked_by_another(self, r: ReplicaState, stamp: HealthStamp | None) -> bool:
-        """Rule 7: someone else's good check of ``r`` is fresh and nothing here speaks against it."""
-        if stamp is None or stamp.by == self.writer_id:
+    def _checked_by_another(self, r: ReplicaState, stamp: HealthStamp | None, probers: frozenset[str]) -> bool:
+        """Rule 7: someone else's good check of ``r`` is fresh and nothing here speaks against it (and,
+        rule 8, it is not ours to check in another gateway's stead)."""
+        if stamp is None or stamp.by == self.writer_id or self._takes_over(r, stamp.by, probers):
             return False
         if r.status not in (ReplicaStatus.ACTIVE, ReplicaStatus.DRAINING):
             return False
@@ -276,8 +290,31 @@ class Discovery:
         """Scrape every replica that is not DOWN, spread over ``spread_s`` (rule 5; 0 at start-up:
         the first figures are wanted at once)."""
         replicas = await self._store.replicas()
+        probers = await self._probers(replicas)
         allowed = [r for r in replicas if self._egress is None or await self._egress.allowed(r.url)]
-        await _staggered([r for r in allowed if r.status is not ReplicaStatus.DOWN], spread_s, self._scrape_one)
+
+        async def scrape(r: ReplicaState) -> None:
+            await self._scrape_one(r, probers)
+
+        await _staggered([r for r in allowed if r.status is not ReplicaStatus.DOWN], spread_s, scrape)
+
+    async def _probers(self, replicas: Sequence[ReplicaState]) -> frozenset[str]:
+        """Rule 8: the live gateways among which probing is divided; refreshes ``_mine``, the replicas
+        this gateway is the rendezvous pick for (empty when it is not among them)."""
+        probers = frozenset(await self._store.probers())
+        ids = frozenset(r.id for r in replicas)
+        if (probers, ids) != self._designation:
+            self._designation = (probers, ids)
+            self._mine = (
+                frozenset(rid for rid in ids if hrw_top(rid, probers) == self.writer_id)
+                if self.writer_id in probers
+                else frozenset()
+            )
+        return probers
+
+    def _takes_over(self, r: ReplicaState, writer: str, probers: frozenset[str]) -> bool:
+        """Rule 8: ``r`` is this gateway's to probe and ``writer`` is another gateway (not a sidecar)."""
+        return r.id in self._mine and writer in probers
 
     async def _check_one(self, r: ReplicaState) -> bool:
         """Check ``r`` and apply the state machine; whether the check was good."""
@@ -342,20 +379,20 @@ class Discovery:
                 self._emit(ReplicaReadmitted(at=now, replica_id=r.id))
         return ok
 
-    def _reported_by_another(self, r: ReplicaState) -> bool:
-        """Rule 6: ``r``'s figures in the store are someone else's and younger than two intervals."""
-        seen = r.engine.updated_at
-        if seen <= 0 or self._clock.now() - seen >= 2.0 * self._cfg.scrape_interval_s * (1.0 + self._cfg.jitter):
+    def _reported_by_another(self, r: ReplicaState, probers: frozenset[str]) -> bool:
+        """Rule 6: ``r``'s figures in the store are someone else's and younger than two intervals (and,
+        rule 8, not another gateway's on a replica that is this one's to scrape)."""
+        e = r.engine
+        if e.updated_at <= 0 or e.reported_by == self.writer_id or self._takes_over(r, e.reported_by, probers):
             return False
-        mine = self._scraped_at.get(r.id)
-        return mine is None or seen > mine + _OWN_STAMP_SLACK_S
+        return self._clock.now() - e.updated_at < 2.0 * self._cfg.scrape_interval_s * (1.0 + self._cfg.jitter)
 
-    async def _scrape_one(self, r: ReplicaState) -> None:
+    async def _scrape_one(self, r: ReplicaState, probers: frozenset[str] = frozenset()) -> None:
         skip = self._metrics_off.get(r.id, 0)
         if skip > 0:
             self._metrics_off[r.id] = skip - 1
             return
-        if self._reported_by_another(r):
+        if self._reported_by_another(r, probers):
             self.scrapes_shared += 1
             return
         try:
@@ -382,8 +419,7 @@ class Discovery:
             return
         load = await self._with_loads(r, load)
         self.scrapes_ok += 1
-        self._scraped_at[r.id] = load.updated_at
-        await self._store.report_engine_load(r.id, load)
+        await self._store.report_engine_load(r.id, replace(load, reported_by=self.writer_id))
 
     async def _with_loads(self, r: ReplicaState, load: EngineLoad) -> EngineLoad:
         """``load`` completed from ``/v1/loads`` (waiting uncached tokens); unchanged if the engine
@@ -450,7 +486,6 @@ class Discovery:
             self._loads_off,
             self._request_failures,
             self._alive_at,
-            self._scraped_at,
         ):
             for k in [k for k in d if k not in ids]:
                 del d[k]

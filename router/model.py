@@ -120,6 +120,7 @@ class EngineLoad:
     # in its cache), what a new request waits for before its own prefill starts
     waiting_uncached_tokens: int = 0
     updated_at: float = 0.0  # store clock; 0 = never scraped
+    reported_by: str = ""  # the gateway discovery that scraped them ("" = a sidecar's heartbeat): rules 6 and 8
 
 
 @dataclass(frozen=True, slots=True)

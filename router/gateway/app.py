@@ -141,7 +141,7 @@ def make_app(
             rng=random.Random(rng.random()),
             probe_timeout_s=config.timeouts.probe_s,
             egress=rt.egress,
-            writer_id=config.gateway_id,
+            writer_id=getattr(store, "lease_holder", None) or config.gateway_id,  # rule 8: as in the lease list
         )
         rt.discovery = d
         tasks: list[asyncio.Task[None]] = []

@@ -535,6 +535,9 @@ class MemoryStore:
     async def health_stamps(self) -> Mapping[ReplicaId, HealthStamp]:
         return dict(self.core.health)
 
+    async def probers(self) -> tuple[str, ...]:
+        return ()  # one memory store, one gateway
+
     async def replicas(self) -> tuple[ReplicaState, ...]:
         return self.core.replicas()
 

@@ -120,7 +120,8 @@ TOKEN_FIELDS = {
     "residency_mark",
 }
 CLOCK_FIELDS = {"now", "joined_at", "last_seen", "updated_at", "serving_since"}  # each driver's own clock
-POLLED_FIELDS = {"running", "queued", "kv_util", "cache_hit_rate", "gen_throughput", "host_used_tokens"}
+# the engine's figures as of the last scrape, and who scraped them (live: a gateway's discovery)
+POLLED_FIELDS = {"running", "queued", "kv_util", "cache_hit_rate", "gen_throughput", "host_used_tokens", "reported_by"}
 
 
 class KeyMatch:

@@ -410,3 +410,53 @@ async def test_two_gateways_on_one_redis_check_each_replica_once_per_interval(
     finally:
         for gw in gws:
             await gw.close()
+
+
+async def test_gateways_on_one_redis_divide_the_probing_between_them(
+    fake_replicas: Any, redis_url: str
+) -> None:
+    """Rule 8: each replica's figures and checks come from its rendezvous pick among the live
+    gateways (not from whichever gateway wrote first), and a sidecar's figures are not taken over."""
+    from router.gateway.serve import make_store, start_gateway
+    from router.policy.hashing import hrw_top
+    from tests.router.conftest import fast_config, wait_for
+
+    reps = await fake_replicas(12)
+    interval = 0.2
+    clock = SystemClock()
+    gws = []
+    try:
+        for gid in ("gw-a", "gw-b"):
+            cfg = fast_config([r.url for r in reps], redis_url=redis_url, gateway_id=gid,
+                              health={"health_interval_s": interval, "scrape_interval_s": interval})  # fmt: skip
+            gws.append(await start_gateway(cfg, make_store(cfg, clock), clock=clock, rng=random.Random(len(gws))))
+        store = gws[0].store
+        probers = await store.probers()
+        assert sorted(probers) == sorted(getattr(gw.store, "lease_holder", "") for gw in gws)
+        assert [gw.runtime.discovery.writer_id for gw in gws if gw.runtime.discovery] == [
+            getattr(gw.store, "lease_holder", "") for gw in gws
+        ]
+        pick = {r.id: hrw_top(r.id, probers) for r in await store.replicas()}
+        assert set(pick.values()) == set(probers)  # both get some (all 12 to one: p = 2 / 4096)
+
+        async def picks_probe_them() -> bool:
+            # a probe that timed out on this busy box makes the other gateway check for itself once
+            # (rule 7), so the store is read until every replica's latest figures and check are its pick's
+            by = {rid: st.by for rid, st in (await store.health_stamps()).items()}
+            return by == pick and {r.id: r.engine.reported_by for r in await store.replicas()} == pick
+
+        await wait_for(picks_probe_them, 5.0)
+        # a sidecar heartbeats one replica's load: no gateway scrapes it while the figures are fresh
+        first = reps[0]
+        loop = asyncio.get_running_loop()
+        t0 = loop.time() + 1.5 * interval  # a round that read the table before the first report may still scrape
+        while loop.time() < t0 + 3 * interval:
+            await store.report_engine_load(first.id, EngineLoad(running=7, updated_at=clock.now()))
+            await asyncio.sleep(0.05)
+        assert [t for t in first.state.scraped_at if t >= t0] == []
+        (seen,) = [r for r in await store.replicas() if r.id == first.id]
+        assert (seen.engine.running, seen.engine.reported_by) == (7, "")
+    finally:
+        for gw in gws:
+            await gw.close()
+            await gw.store.close()  # made here, not by start_gateway

@@ -6,9 +6,13 @@
 --          sets this gateway's in-flight hash and its fields in the listed sessions to exactly the
 --          given counts (the gateway's own truth after a lost lease or a Redis outage).
 -- bye:     ARGV base, 'bye', gid                            -> 1
+-- live:    ARGV base, 'live', ''                            -> holders whose lease has not expired
 local op, gid = ARGV[2], ARGV[3]
 local gk = K('gw:' .. gid .. ':if')
 local tms = redis_ms()
+if op == 'live' then
+  return redis.call('ZRANGEBYSCORE', K('gw'), '(' .. tms, '+inf')
+end
 if op == 'bye' then
   redis.call('ZREM', K('gw'), gid)
   redis.call('DEL', gk)

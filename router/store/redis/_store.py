@@ -571,6 +571,17 @@ class RedisStore:
     async def health_stamps(self) -> Mapping[ReplicaId, HealthStamp]:
         return await self._registry.health_stamps()
 
+    async def probers(self) -> tuple[str, ...]:
+        """Live lease holders (``lease_holder`` is this gateway's prober id); none while degraded."""
+        if self.degraded:
+            return ()
+        self._ensure_started()
+        try:
+            return tuple(sorted(await self._wire.eval("lease", ["live", ""], "live")))
+        except StoreError as exc:
+            self._fail(exc)
+            return ()
+
     # ---- StateStore: views -----------------------------------------------------------------------
 
     async def replicas(self) -> tuple[ReplicaState, ...]:
