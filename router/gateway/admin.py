@@ -38,6 +38,8 @@ from router.clock import Clock
 from router.errors import BadRequestError, KvrouteError, NotFoundError, UnauthorizedError, error_body
 from router.model import (
     ClusterSnapshot,
+    HealthStamp,
+    ReplicaId,
     ReplicaSpec,
     ReplicaState,
     ReplicaStatus,
@@ -184,7 +186,13 @@ def residency_view(session: SessionState, home: ReplicaState | None, params: Pol
 
 
 def replica_view(
-    r: ReplicaState, now: float, *, sessions_bound: int | None = None, breaks: int = 0, residency_source: str = "off"
+    r: ReplicaState,
+    now: float,
+    *,
+    sessions_bound: int | None = None,
+    breaks: int = 0,
+    residency_source: str = "off",
+    health: HealthStamp | None = None,
 ) -> dict[str, Any]:
     e = r.engine
     return {
@@ -203,6 +211,11 @@ def replica_view(
         "queued": e.queued,
         "engine_cache_hit_rate": round(e.cache_hit_rate, 6),
         "engine_age_s": None if e.updated_at <= 0 else round(max(0.0, now - e.updated_at), 3),
+        # who probes it (discovery rules 6-8): the gateway that scraped the figures (None: its sidecar
+        # reported them, or nobody yet) and the last good health check someone shared
+        "engine_reported_by": e.reported_by or None,
+        "health_checked_by": None if health is None else health.by,
+        "health_check_age_s": None if health is None else round(max(0.0, now - health.at), 3),
         "tokens_written": r.tokens_written,
         # rule 6 feedback: tokens written after which a session's cache was last seen gone here (0: none yet)
         "residency_horizon_tokens": r.residency_horizon_tokens,
@@ -387,17 +400,19 @@ def make_admin_app(
         except web.HTTPException:
             raise
 
-    async def _view(r: ReplicaState, now: float) -> dict[str, Any]:
+    async def _view(r: ReplicaState, now: float, stamps: Mapping[ReplicaId, HealthStamp]) -> dict[str, Any]:
         # counting bound sessions walks them in the store: capped so a poll stays cheap
         bound = len(await store.sessions_on(r.id, limit=SESSIONS_BOUND_CAP))
         view = getattr(store, "residency", None)
         source = OFF if view is None else view.source(r.id)
-        return replica_view(r, now, sessions_bound=bound, breaks=stats.breaks_for(r.id), residency_source=source)
+        return replica_view(r, now, sessions_bound=bound, breaks=stats.breaks_for(r.id), residency_source=source,
+                            health=stamps.get(r.id))  # fmt: skip
 
     async def get_stats(request: web.Request) -> web.Response:
         now = clock.now()
         reps = await store.replicas()
-        views = list(await asyncio.gather(*(_view(r, now) for r in reps)))
+        stamps = await store.health_stamps()
+        views = list(await asyncio.gather(*(_view(r, now, stamps) for r in reps)))
         active = [r for r in reps if r.status is ReplicaStatus.ACTIVE]
         loads = [r.in_flight for r in active]
         fleet = stats.view(now, loads_now=loads)
@@ -438,7 +453,8 @@ def make_admin_app(
     async def list_replicas(request: web.Request) -> web.Response:
         now = clock.now()
         reps = await store.replicas()
-        return web.json_response({"replicas": list(await asyncio.gather(*(_view(r, now) for r in reps)))})
+        stamps = await store.health_stamps()
+        return web.json_response({"replicas": list(await asyncio.gather(*(_view(r, now, stamps) for r in reps)))})
 
     async def _find(rid: str) -> ReplicaState:
         for r in await store.replicas():
@@ -488,13 +504,14 @@ def make_admin_app(
         existed = any(r.id == rid for r in await store.replicas())
         await store.upsert_replica(spec, status)
         rep = await _find(rid)
-        return web.json_response(await _view(rep, clock.now()), status=200 if existed else 201)
+        stamps = await store.health_stamps()
+        return web.json_response(await _view(rep, clock.now(), stamps), status=200 if existed else 201)
 
     async def drain_replica(request: web.Request) -> web.Response:
         rid = _path_id(request, "replica_id")
         await _find(rid)
         await store.set_status(rid, ReplicaStatus.DRAINING)
-        return web.json_response(await _view(await _find(rid), clock.now()))
+        return web.json_response(await _view(await _find(rid), clock.now(), await store.health_stamps()))
 
     async def delete_replica(request: web.Request) -> web.Response:
         rid = _path_id(request, "replica_id")

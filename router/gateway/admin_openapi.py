@@ -74,6 +74,13 @@ def openapi_spec() -> dict[str, Any]:
             "queued": {"type": "integer", "minimum": 0},
             "engine_cache_hit_rate": {"type": "number", "minimum": 0},
             "engine_age_s": _nullable({"type": "number", "minimum": 0}),
+            "engine_reported_by": _nullable(
+                {"type": "string", "description": "the gateway that scraped the engine figures (null: its sidecar, or none yet)"}
+            ),
+            "health_checked_by": _nullable(
+                {"type": "string", "description": "who made the last good health check shared through the store"}
+            ),
+            "health_check_age_s": _nullable({"type": "number", "minimum": 0}),
             "tokens_written": {"type": "integer", "minimum": 0},
             "residency_horizon_tokens": {"type": "integer", "minimum": 0},
             "placed_recent": {"type": "integer", "minimum": 0},

@@ -22,6 +22,7 @@ from router.model import (
     ClusterSnapshot,
     Completion,
     EngineLoad,
+    HealthStamp,
     KeySource,
     Reason,
     ReplicaSpec,
@@ -131,8 +132,10 @@ async def test_stats_reports_store_and_events(
     client, store, surface = admin
     core = store.core
     core.report_engine_load(
-        "127.0.0.1:31001", EngineLoad(running=2, queued=1, kv_util=0.5, cache_hit_rate=0.9, updated_at=99.0)
+        "127.0.0.1:31001",
+        EngineLoad(running=2, queued=1, kv_util=0.5, cache_hit_rate=0.9, updated_at=99.0, reported_by="gw-b~1"),
     )
+    core.report_health({"127.0.0.1:31001": HealthStamp(99.5, "sidecar:127.0.0.1:31001", 10.0)})
     # two requests in flight on replica 1, one on replica 2; one session bound to replica 1
     req = RouteRequest(session_key="sess-a")
     core.acquire(
@@ -164,6 +167,11 @@ async def test_stats_reports_store_and_events(
     )
     assert r1["sessions_bound"] == 1 and r1["sessions_active"] == 1
     assert r1["engine_age_s"] == pytest.approx(1.0)
+    # who probes it: another gateway scraped it, its sidecar checked it (discovery rules 6-8)
+    assert (r1["engine_reported_by"], r1["health_checked_by"]) == ("gw-b~1", "sidecar:127.0.0.1:31001")
+    assert r1["health_check_age_s"] == pytest.approx(0.5)
+    r2 = reps["127.0.0.1:31002"]
+    assert (r2["engine_reported_by"], r2["health_checked_by"], r2["health_check_age_s"]) == (None, None, None)
     assert reps["127.0.0.1:31002"]["affinity_breaks"] == 1
     fleet = body["fleet"]
     assert fleet["in_flight"] == 3 and fleet["replicas_active"] == 3
