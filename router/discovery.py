@@ -256,8 +256,8 @@ class Discovery:
         good: dict[ReplicaId, HealthStamp] = {}
 
         async def check(r: ReplicaState) -> None:
-            if self._checked_by_another(r, shared.get(r.id), probers) and (
-                self._egress is None or await self._egress.allowed(r.url)
+            if (self._egress is None or await self._egress.allowed(r.url)) and self._checked_by_another(
+                r, shared.get(r.id), probers
             ):
                 self.health_shared += 1
                 return
@@ -387,7 +387,7 @@ class Discovery:
             return False
         return self._clock.now() - e.updated_at < 2.0 * self._cfg.scrape_interval_s * (1.0 + self._cfg.jitter)
 
-    async def _scrape_one(self, r: ReplicaState, probers: frozenset[str] = frozenset()) -> None:
+    async def _scrape_one(self, r: ReplicaState, probers: frozenset[str]) -> None:
         skip = self._metrics_off.get(r.id, 0)
         if skip > 0:
             self._metrics_off[r.id] = skip - 1
