@@ -460,3 +460,44 @@ async def test_gateways_on_one_redis_divide_the_probing_between_them(
         for gw in gws:
             await gw.close()
             await gw.store.close()  # made here, not by start_gateway
+
+
+async def test_a_pick_that_does_not_probe_leaves_its_replicas_to_the_others(
+    fake_replicas: Any, redis_url: str
+) -> None:
+    """Rule 8's fallback: a live gateway whose discovery does not run (here: started without it) is
+    still the pick of about half the replicas; their figures and checks age out and the other gateway
+    probes them (rules 6 and 7), so every replica stays probed about once per interval."""
+    from router.gateway.serve import make_store, start_gateway
+    from router.policy.hashing import hrw_top
+    from tests.router.conftest import fast_config
+
+    reps = await fake_replicas(12)
+    interval, window = 0.2, 2.0
+    clock = SystemClock()
+    gws = []
+    try:
+        for gid, probing in (("gw-a", True), ("gw-idle", False)):
+            cfg = fast_config([r.url for r in reps], redis_url=redis_url, gateway_id=gid,
+                              health={"health_interval_s": interval, "scrape_interval_s": interval})  # fmt: skip
+            gws.append(await start_gateway(cfg, make_store(cfg, clock), clock=clock, rng=random.Random(len(gws)),
+                                           discovery=probing))  # fmt: skip
+        probers = await gws[0].store.probers()
+        idle = getattr(gws[1].store, "lease_holder", "")
+        assert len(probers) == 2 and idle in probers
+        assert any(hrw_top(r.id, probers) == idle for r in await gws[0].store.replicas())  # none: p = 1 / 4096
+        await asyncio.sleep(3 * interval)
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        await asyncio.sleep(window)
+        t1 = loop.time()
+        for r in reps:
+            checked = sum(t0 <= t < t1 for t in r.state.checked_at)
+            scraped = sum(t0 <= t < t1 for t in r.state.scraped_at)
+            assert checked >= 0.6 * window / interval and scraped >= 0.6 * window / interval, (r.id, checked, scraped)
+        writer = getattr(gws[0].store, "lease_holder", "")
+        assert {st.by for st in (await gws[0].store.health_stamps()).values()} == {writer}
+    finally:
+        for gw in gws:
+            await gw.close()
+            await gw.store.close()
