@@ -57,12 +57,16 @@ Rules:
   8. The probing is divided among the gateways. The store lists the live gateways (``probers``:
      their Redis lease holders); each replica is the probing of one of them, its rendezvous pick
      (``hrw_top``, the same in every process). That gateway scrapes and checks it even while another
-     gateway's figures or check are fresh, so after one round the other one finds its own figures
-     overwritten and stops (rules 6 and 7): G gateways probe about N / G replicas each, instead of
-     the first writer keeping them all. A sidecar's figures and checks are never taken over. A
-     gateway not in the list (the memory store, a lost lease) takes nothing over; a pick that does
-     not probe (its discovery off, or dead before its lease expires) leaves its replicas to rules 6
-     and 7: their figures age out and another gateway probes them.
+     gateway's figures or check are fresh (it takes the replica over), and any other gateway leaves
+     it alone while its figures or check are fresh, its own included: G gateways probe about N / G
+     replicas each, instead of the first writer keeping them all. (Deferring to fresh figures of
+     its own matters: checks are shared at the end of a round, so a gateway whose rounds end after
+     the pick's would otherwise overwrite the pick's checks every round and both would go on
+     checking.) A sidecar's figures and checks are never taken over. A gateway not in the list (the
+     memory store, a lost lease) takes nothing over and defers to nobody; a pick that does not
+     probe (its discovery off, or dead before its lease expires) leaves its replicas to the others
+     whenever their figures and checks have aged out: probed every two or three intervals instead
+     of every one, until its lease expires and the picks change.
 """
 
 from __future__ import annotations
@@ -272,7 +276,7 @@ class Discovery:
     def _checked_by_another(self, r: ReplicaState, stamp: HealthStamp | None, probers: frozenset[str]) -> bool:
         """Rule 7: someone else's good check of ``r`` is fresh and nothing here speaks against it (and,
         rule 8, it is not ours to check in another gateway's stead)."""
-        if stamp is None or stamp.by == self.writer_id or self._takes_over(r, stamp.by, probers):
+        if stamp is None or not self._leaves_to_another(r, stamp.by, probers):
             return False
         if r.status not in (ReplicaStatus.ACTIVE, ReplicaStatus.DRAINING):
             return False
@@ -312,9 +316,14 @@ class Discovery:
             )
         return probers
 
-    def _takes_over(self, r: ReplicaState, writer: str, probers: frozenset[str]) -> bool:
-        """Rule 8: ``r`` is this gateway's to probe and ``writer`` is another gateway (not a sidecar)."""
-        return r.id in self._mine and writer in probers
+    def _leaves_to_another(self, r: ReplicaState, writer: str, probers: frozenset[str]) -> bool:
+        """Rules 6-8: whether fresh figures or a fresh check of ``r`` by ``writer`` spare this gateway
+        probing it. Someone else's do, unless ``r`` is this gateway's pick and ``writer`` another gateway
+        (not a sidecar): then it takes ``r`` over. Its own do only where another live gateway is the
+        pick, which takes ``r`` over in its next round."""
+        if writer == self.writer_id:
+            return self.writer_id in probers and r.id not in self._mine
+        return not (r.id in self._mine and writer in probers)
 
     async def _check_one(self, r: ReplicaState) -> bool:
         """Check ``r`` and apply the state machine; whether the check was good."""
@@ -383,7 +392,7 @@ class Discovery:
         """Rule 6: ``r``'s figures in the store are someone else's and younger than two intervals (and,
         rule 8, not another gateway's on a replica that is this one's to scrape)."""
         e = r.engine
-        if e.updated_at <= 0 or e.reported_by == self.writer_id or self._takes_over(r, e.reported_by, probers):
+        if e.updated_at <= 0 or not self._leaves_to_another(r, e.reported_by, probers):
             return False
         return self._clock.now() - e.updated_at < 2.0 * self._cfg.scrape_interval_s * (1.0 + self._cfg.jitter)
 
