@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import random
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -199,6 +201,32 @@ def _discovery(store: MemoryStore, client: ReplicaHttpClient, cfg: HealthConfig)
     return Discovery(store, client, cfg, clock=SystemClock(), emit=EventLog(), rng=random.Random(1))
 
 
+@contextlib.asynccontextmanager
+async def _gateways_on_redis(
+    urls: list[str], redis_url: str, health: dict[str, Any], *, discovery: tuple[bool, ...] = (True, True),
+    apart_s: float = 0.0,
+) -> AsyncIterator[list[Any]]:
+    """One gateway per entry of ``discovery`` (whether its discovery runs) on one real Redis, started
+    ``apart_s`` apart (their rounds at other phases, as gateways started apart are); closed with their
+    stores on the way out."""
+    from router.gateway.serve import make_store, start_gateway
+    from tests.router.conftest import fast_config
+
+    clock = SystemClock()
+    gws: list[Any] = []
+    try:
+        for i, probing in enumerate(discovery):
+            cfg = fast_config(urls, redis_url=redis_url, gateway_id=f"gw-{i}", health=health)
+            gws.append(await start_gateway(cfg, make_store(cfg, clock), clock=clock, rng=random.Random(i),
+                                           discovery=probing))  # fmt: skip
+            await asyncio.sleep(apart_s)
+        yield gws
+    finally:
+        for gw in gws:
+            await gw.close()
+            await gw.store.close()  # made here, not by start_gateway
+
+
 async def test_rounds_start_replicas_evenly_over_the_spread(fake_replicas: Any) -> None:
     """Rule 5: answers of a round reach the event loop one at a time, each replica at its own phase."""
     reps = await fake_replicas(4)
@@ -285,20 +313,11 @@ async def test_two_gateways_on_one_redis_scrape_each_replica_once_per_interval(
     """Rule 6 across processes' worth of state: two gateways share a real Redis (engine figures go
     through the fleet clock there and back). Alone, each would scrape every replica every interval;
     together they scrape it about once per interval between them, and both see figures that fresh."""
-    from router.gateway.serve import make_store, start_gateway
-    from tests.router.conftest import fast_config
-
     reps = await fake_replicas(3)
-    urls = [r.url for r in reps]
     interval, window = 0.2, 2.0
     clock = SystemClock()
-    gws = []
-    try:
-        for gid in ("gw-a", "gw-b"):
-            cfg = fast_config(urls, redis_url=redis_url, gateway_id=gid,
-                              health={"scrape_interval_s": interval, "health_interval_s": 1.0})  # fmt: skip
-            gws.append(await start_gateway(cfg, make_store(cfg, clock), clock=clock, rng=random.Random(len(gws))))
-            await asyncio.sleep(interval / 2)  # the two rounds at different phases, as gateways started apart are
+    health = {"scrape_interval_s": interval, "health_interval_s": 1.0}
+    async with _gateways_on_redis([r.url for r in reps], redis_url, health, apart_s=interval / 2) as gws:
         await asyncio.sleep(interval)
         loop = asyncio.get_running_loop()
         t0 = loop.time()
@@ -315,9 +334,6 @@ async def test_two_gateways_on_one_redis_scrape_each_replica_once_per_interval(
             now = clock.now()
             ages = [now - r.engine.updated_at for r in await gw.store.replicas()]
             assert all(age < 2.5 * interval for age in ages), ages
-    finally:
-        for gw in gws:
-            await gw.close()
 
 
 async def test_good_checks_someone_else_shared_are_not_repeated(fake_replicas: Any) -> None:
@@ -377,21 +393,10 @@ async def test_two_gateways_on_one_redis_check_each_replica_once_per_interval(
 ) -> None:
     """Rule 7 across gateways on a real Redis: together they check each replica about once per
     interval (not once each), and a replica that fails is taken down all the same."""
-    from router.gateway.serve import make_store, start_gateway
-    from tests.router.conftest import fast_config
-
     reps = await fake_replicas(3)
-    urls = [r.url for r in reps]
     interval, window = 0.2, 2.0
-    clock = SystemClock()
-    gws = []
-    try:
-        for gid in ("gw-a", "gw-b"):
-            cfg = fast_config(urls, redis_url=redis_url, gateway_id=gid,
-                              health={"health_interval_s": interval, "scrape_interval_s": 1.0,
-                                      "unhealthy_threshold": 2})  # fmt: skip
-            gws.append(await start_gateway(cfg, make_store(cfg, clock), clock=clock, rng=random.Random(len(gws))))
-            await asyncio.sleep(interval / 2)
+    health = {"health_interval_s": interval, "scrape_interval_s": 1.0, "unhealthy_threshold": 2}
+    async with _gateways_on_redis([r.url for r in reps], redis_url, health, apart_s=interval / 2) as gws:
         await asyncio.sleep(2 * interval)
         loop = asyncio.get_running_loop()
         t0 = loop.time()
@@ -407,9 +412,6 @@ async def test_two_gateways_on_one_redis_check_each_replica_once_per_interval(
         await asyncio.sleep(6 * interval)
         for gw in gws:
             assert {r.id: r.status for r in await gw.store.replicas()}[reps[0].id] is D
-    finally:
-        for gw in gws:
-            await gw.close()
 
 
 async def test_gateways_on_one_redis_divide_the_probing_between_them(
@@ -417,19 +419,14 @@ async def test_gateways_on_one_redis_divide_the_probing_between_them(
 ) -> None:
     """Rule 8: each replica's figures and checks come from its rendezvous pick among the live
     gateways (not from whichever gateway wrote first), and a sidecar's figures are not taken over."""
-    from router.gateway.serve import make_store, start_gateway
     from router.policy.hashing import hrw_top
-    from tests.router.conftest import fast_config, wait_for
+    from tests.router.conftest import wait_for
 
     reps = await fake_replicas(12)
     interval = 0.2
     clock = SystemClock()
-    gws = []
-    try:
-        for gid in ("gw-a", "gw-b"):
-            cfg = fast_config([r.url for r in reps], redis_url=redis_url, gateway_id=gid,
-                              health={"health_interval_s": interval, "scrape_interval_s": interval})  # fmt: skip
-            gws.append(await start_gateway(cfg, make_store(cfg, clock), clock=clock, rng=random.Random(len(gws))))
+    health = {"health_interval_s": interval, "scrape_interval_s": interval}
+    async with _gateways_on_redis([r.url for r in reps], redis_url, health) as gws:
         store = gws[0].store
         probers = await store.probers()
         assert sorted(probers) == sorted(getattr(gw.store, "lease_holder", "") for gw in gws)
@@ -456,10 +453,6 @@ async def test_gateways_on_one_redis_divide_the_probing_between_them(
         assert [t for t in first.state.scraped_at if t >= t0] == []
         (seen,) = [r for r in await store.replicas() if r.id == first.id]
         assert (seen.engine.running, seen.engine.reported_by) == (7, "")
-    finally:
-        for gw in gws:
-            await gw.close()
-            await gw.store.close()  # made here, not by start_gateway
 
 
 async def test_a_pick_that_does_not_probe_leaves_its_replicas_to_the_others(
@@ -468,20 +461,12 @@ async def test_a_pick_that_does_not_probe_leaves_its_replicas_to_the_others(
     """Rule 8's fallback: a live gateway whose discovery does not run (here: started without it) is
     still the pick of about half the replicas; the other gateway probes them whenever their figures
     and checks have aged out (every two or three intervals), and its own picks every interval."""
-    from router.gateway.serve import make_store, start_gateway
     from router.policy.hashing import hrw_top
-    from tests.router.conftest import fast_config
 
     reps = await fake_replicas(12)
     interval, window = 0.2, 2.0
-    clock = SystemClock()
-    gws = []
-    try:
-        for gid, probing in (("gw-a", True), ("gw-idle", False)):
-            cfg = fast_config([r.url for r in reps], redis_url=redis_url, gateway_id=gid,
-                              health={"health_interval_s": interval, "scrape_interval_s": interval})  # fmt: skip
-            gws.append(await start_gateway(cfg, make_store(cfg, clock), clock=clock, rng=random.Random(len(gws)),
-                                           discovery=probing))  # fmt: skip
+    health = {"health_interval_s": interval, "scrape_interval_s": interval}
+    async with _gateways_on_redis([r.url for r in reps], redis_url, health, discovery=(True, False)) as gws:
         probers = await gws[0].store.probers()
         idle = getattr(gws[1].store, "lease_holder", "")
         assert len(probers) == 2 and idle in probers
@@ -501,7 +486,3 @@ async def test_a_pick_that_does_not_probe_leaves_its_replicas_to_the_others(
                 assert checked >= 0.6 * rounds and scraped >= 0.6 * rounds, (r.id, checked, scraped)
         writer = getattr(gws[0].store, "lease_holder", "")
         assert {st.by for st in (await gws[0].store.health_stamps()).values()} == {writer}
-    finally:
-        for gw in gws:
-            await gw.close()
-            await gw.store.close()
