@@ -53,6 +53,7 @@ from replica.config import AgentConfig, load_config
 from replica.probe import EngineProbe, EngineProbeError, build_spec, engine_info_from
 from router.clock import Clock, SystemClock
 from router.errors import ConfigError, KvrouteError, StoreError, error_body
+from router.eventloop import stop_tasks
 from router.model import EngineLoad, HealthStamp, ReplicaId, ReplicaSpec, ReplicaStatus
 from router.store.base import StateStore
 
@@ -377,7 +378,8 @@ class Agent:
 
     async def wait_drained(self, timeout_s: float | None = None) -> bool:
         try:
-            await asyncio.wait_for(self._drained.wait(), timeout_s)
+            async with asyncio.timeout(timeout_s):
+                await self._drained.wait()
         except TimeoutError:
             return False
         return True
@@ -386,8 +388,9 @@ class Agent:
 
     async def _pause(self, seconds: float) -> None:
         """Sleep, but wake at once when a drain is requested."""
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(self._drain.wait(), max(0.0, seconds))
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(max(0.0, seconds)):
+                await self._drain.wait()
 
     async def run(self) -> int:
         try:
@@ -407,11 +410,7 @@ class Agent:
         self._health_task = None
         if scrape:
             self._scrape_task = None
-        for task in tasks:
-            if task is not None and not task.done():
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+        await stop_tasks(*tasks)
 
     async def _wait_and_register(self) -> ReplicaSpec | None:
         cfg = self.cfg
@@ -769,10 +768,7 @@ async def run_sidecar(
             if install_signals:
                 for sig in (signal.SIGTERM, signal.SIGINT):
                     loop.remove_signal_handler(sig)
-            if kv_task is not None:
-                kv_task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await kv_task
+            await stop_tasks(kv_task)
             await runner.cleanup()
             await registrar.close()
 
@@ -809,9 +805,7 @@ async def _share_residency(cfg: AgentConfig, session: aiohttp.ClientSession, sto
             await manager.refresh([(cfg.id, cfg.engine_url)])
             await asyncio.sleep(5.0)
     finally:
-        flush.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await flush
+        await stop_tasks(flush)
         await writer.close()
         await manager.close()
 

@@ -29,7 +29,6 @@ twice, because the first hand-off already rebound the session.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 from collections import OrderedDict
@@ -41,6 +40,7 @@ from urllib.parse import urlsplit
 from aiohttp import web
 
 from router.errors import KvrouteError
+from router.eventloop import stop_tasks
 from router.events import Event, RequestFinished
 from router.model import Completion, KeySource, ReplicaStatus, SessionState
 from router.route_input import route_request
@@ -307,11 +307,11 @@ class HandoffManager:
         if rt.config.routing_key_header:
             headers.append((rt.config.routing_key_header, sid))
         client = rt.client.inner if isinstance(rt.client, CapturingClient) else rt.client
-        resp = await asyncio.wait_for(
-            client.send(replica_id, "POST", rep.url + route, headers, body), self.config.timeout_s
-        )
+        async with asyncio.timeout(self.config.timeout_s):
+            resp = await client.send(replica_id, "POST", rep.url + route, headers, body)
         try:
-            raw = await asyncio.wait_for(resp.read(1 << 22), self.config.timeout_s)
+            async with asyncio.timeout(self.config.timeout_s):
+                raw = await resp.read(1 << 22)
         except BaseException:
             resp.abort()
             raise
@@ -335,11 +335,7 @@ class HandoffManager:
             await asyncio.sleep(self.config.interval_s)
 
     async def close(self) -> None:
-        for t in list(self._tasks):
-            t.cancel()
-        for t in list(self._tasks):
-            with contextlib.suppress(asyncio.CancelledError):
-                await t
+        await stop_tasks(*self._tasks)
 
 
 HANDOFF_KEY: web.AppKey[HandoffManager] = web.AppKey("kvroute_handoff", HandoffManager)
@@ -371,9 +367,7 @@ def handoff_setup(config: HandoffConfig | None = None) -> Callable[[web.Applicat
                 rt.client = CapturingClient(rt.client, book, rt.config.routing_key_header)
             task = asyncio.create_task(manager.run(), name="kvroute-handoff")
             yield
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            await stop_tasks(task)
             await manager.close()
 
         app.cleanup_ctx.append(ctx)

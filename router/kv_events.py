@@ -45,6 +45,7 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from router.errors import UpstreamError
+from router.eventloop import stop_tasks
 from router.kv_wire import (
     END_SEQ,
     KvEventsDescriptor,
@@ -439,9 +440,7 @@ class KvEventsManager:
         for s in list(self._subs.values()):
             self._cancel(s)
         self._subs.clear()
-        for t in list(self._dying):
-            with contextlib.suppress(asyncio.CancelledError):
-                await t
+        await stop_tasks(*self._dying)
         if self._own_ctx:
             self._ctx.destroy(linger=0)
 

@@ -6,13 +6,42 @@ with the reason.
 
 from __future__ import annotations
 
+import faulthandler
+import os
 import socket
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 
 import pytest
 
 from loadtests.redis_server import RedisCluster, RedisServer, RedisUnavailable
 from tests.ci import missing
+
+
+_STDERR = pytest.StashKey[int]()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.stash[_STDERR] = os.dup(2)  # before output is captured: the watchdog's stack must be seen
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    os.close(config.stash[_STDERR])
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item) -> Generator[None, None, None]:
+    """pytest-timeout fails a test by raising from a signal handler, and a test stuck in the event
+    loop can swallow that (an asyncio callback catches it, or the stuck test's cleanup hangs too).
+    If a test still runs at three times its timeout, print every thread's stack and end the run: CI
+    fails then, with the stack, instead of hanging until the job is killed."""
+    marker = item.get_closest_marker("timeout")
+    limit = float(marker.args[0]) if marker and marker.args else float(item.config.getini("timeout") or 0)
+    if limit > 0:
+        faulthandler.dump_traceback_later(3 * limit, exit=True, file=item.config.stash[_STDERR])
+    try:
+        yield
+    finally:
+        faulthandler.cancel_dump_traceback_later()
 
 
 def _unavailable(reason: str) -> None:

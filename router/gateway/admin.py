@@ -268,9 +268,8 @@ async def validate_replica_url(
             raise BadRequestError("url: invalid host name") from None
         loop = asyncio.get_running_loop()
         try:
-            infos = await asyncio.wait_for(
-                loop.getaddrinfo(host, port or 80, type=socket.SOCK_STREAM), timeout=timeout_s
-            )
+            async with asyncio.timeout(timeout_s):
+                infos = await loop.getaddrinfo(host, port or 80, type=socket.SOCK_STREAM)
         except (OSError, TimeoutError):
             raise BadRequestError(f"url: host {host!r} does not resolve") from None
         addrs = [ipaddress.ip_address(str(info[4][0]).split("%")[0]) for info in infos]

@@ -15,7 +15,6 @@ Rules:
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import random
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 
@@ -24,6 +23,7 @@ from aiohttp import web
 from router.clock import Clock
 from router.config import GatewayConfig
 from router.discovery import Discovery
+from router.eventloop import stop_tasks
 from router.events import Emitter, Hook
 from router.gateway.admin import DEFAULT_ALLOWED_NETWORKS
 from router.gateway.egress import EgressGuard
@@ -153,11 +153,7 @@ def make_app(
                 asyncio.create_task(d.run_scrape(), name="kvroute-scrape"),
             ]
         yield
-        for t in tasks:
-            t.cancel()
-        for t in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await t
+        await stop_tasks(*tasks)
 
     async def residency_ctx(app: web.Application) -> AsyncIterator[None]:
         # exact residency from the replicas' KV events (router/gateway/residency.py)

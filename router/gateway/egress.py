@@ -84,10 +84,8 @@ class EgressGuard:
         except ValueError:
             pass
         try:
-            infos = await asyncio.wait_for(
-                asyncio.get_running_loop().getaddrinfo(host, port or 80, type=socket.SOCK_STREAM),
-                self._resolve_timeout_s,
-            )
+            async with asyncio.timeout(self._resolve_timeout_s):
+                infos = await asyncio.get_running_loop().getaddrinfo(host, port or 80, type=socket.SOCK_STREAM)
         except (OSError, TimeoutError):
             return False
         return addresses_allowed((ipaddress.ip_address(str(i[4][0]).split("%")[0]) for i in infos), self._networks)

@@ -15,7 +15,6 @@ and ``resident_on`` in every snapshot; the admin API reads ``source(replica)`` f
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from typing import TYPE_CHECKING, Any
 
@@ -23,6 +22,7 @@ import orjson
 
 from router.config import GatewayConfig
 from router.errors import ConfigError
+from router.eventloop import stop_tasks
 from router.residency import OFF, ResidencyIndex, ResidencyView
 from router.store.base import StateStore
 
@@ -65,11 +65,7 @@ class ResidencyService:
         return self.view.source(replica_id) != OFF
 
     async def close(self) -> None:
-        for t in self._tasks:
-            t.cancel()
-        for t in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await t
+        await stop_tasks(*self._tasks)
         for c in reversed(self._closers):
             await c()
 

@@ -13,7 +13,6 @@ the fleet sampler (dispersion/CHR time series and the autoscale EWMA) as a ``cle
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -24,6 +23,7 @@ from aiohttp import web
 from router.autoscale import AutoscaleConfig, AutoscaleSample, AutoscaleState, desired_replicas, observe
 from router.clock import Clock
 from router.errors import KvrouteError
+from router.eventloop import stop_tasks
 from router.events import AffinityBroken, Event, Hook, RequestFinished, RequestRouted, UpstreamRetry
 from router.gateway.admin import DEFAULT_ALLOWED_NETWORKS, AdminSettings, PolicyHolder, make_admin_app
 from router.model import ReplicaState, ReplicaStatus
@@ -274,9 +274,7 @@ class OperatorSurface:
         try:
             yield
         finally:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            await stop_tasks(task)
             await self.tracing.close()
 
 

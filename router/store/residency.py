@@ -35,6 +35,7 @@ import redis.asyncio as aioredis
 import redis.exceptions as rexc
 from redis.asyncio.cluster import RedisCluster
 
+from router.eventloop import stop_tasks
 from router.residency import EVENTS, OFF, ResidencyIndex
 from router.store.keys import KeySpace
 
@@ -181,11 +182,10 @@ class RedisResidencyMirror:
         if t is None:
             return
         try:
-            await asyncio.wait_for(asyncio.shield(t), self.block_ms / 1000 + 2.0)
+            async with asyncio.timeout(self.block_ms / 1000 + 2.0):
+                await asyncio.shield(t)
         except TimeoutError:
-            t.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await t
+            await stop_tasks(t)
 
     # ---- ResidencyView -----------------------------------------------------------------------
     def _live(self, rid: str) -> str | None:

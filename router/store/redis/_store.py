@@ -23,6 +23,7 @@ from redis.backoff import NoBackoff
 
 from router.clock import Clock, SystemClock
 from router.errors import ConfigError, ReplicaNotFoundError, StaleSessionError, StoreError
+from router.eventloop import stop_tasks
 from router.model import (
     MAX_CHAINS,
     BindSession,
@@ -620,11 +621,7 @@ class RedisStore:
         if self._closed:
             return
         self._closed = True
-        for task in (self._keeper_task, self._refresher):
-            if task is not None:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+        await stop_tasks(self._keeper_task, self._refresher)
         if not self.degraded:
             with contextlib.suppress(StoreError):
                 await self._wire.eval("lease", ["bye", self.lease_holder], "bye")
