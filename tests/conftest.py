@@ -16,7 +16,6 @@ import pytest
 from loadtests.redis_server import RedisCluster, RedisServer, RedisUnavailable
 from tests.ci import missing
 
-
 _STDERR = pytest.StashKey[int]()
 
 
