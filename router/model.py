@@ -358,3 +358,6 @@ class Completion:
     completion_tokens: int | None = None
     started_output: bool = False  # at least one byte reached the client
     prompt_bytes: int = 0  # size of the request body (with prompt_tokens: the session's bytes per token)
+    # outputs per prompt (the request's ``n``): ``completion_tokens`` counts all of them, and all are
+    # written to the cache, but a conversation goes on from one: its context grows by one share
+    samples: int = 1

@@ -196,8 +196,11 @@ def _refuse_empty_generate(body: bytes) -> None:
 
 
 def _samples_per_prompt(body: bytes) -> int:
-    """A ``/generate`` body's ``sampling_params.n`` (SGLang's parallel sampling; a batch's list of
-    sampling params shares one ``n``): how many response items each prompt has. 1 when unreadable."""
+    """How many outputs the engine makes of each prompt: the OpenAI routes' ``n``, or a ``/generate``
+    body's ``sampling_params.n`` (SGLang's parallel sampling; a batch's list of sampling params
+    shares one ``n``). 1 when absent or unreadable. Parsed only when the bytes mention it."""
+    if b'"n"' not in body:
+        return 1
     try:
         obj = _parse_body(body)
     except BadRequestError:
@@ -205,7 +208,7 @@ def _samples_per_prompt(body: bytes) -> int:
     sp = obj.get("sampling_params")
     if isinstance(sp, list):
         sp = sp[0] if sp else None
-    n = sp.get("n") if isinstance(sp, dict) else None
+    n = sp.get("n") if isinstance(sp, dict) else obj.get("n")
     return n if isinstance(n, int) and not isinstance(n, bool) and n > 1 else 1
 
 
@@ -657,6 +660,7 @@ class _Proxy:
                 cached_tokens=usage.cached_tokens,
                 completion_tokens=usage.completion_tokens,
                 prompt_bytes=len(self.body),
+                samples=self._samples(sniffer) if usage.completion_tokens else 1,
             )
         if not ok:
             return Completion(ok=False)
@@ -665,6 +669,13 @@ class _Proxy:
         self.p.prompt_tokens, self.p.cached_tokens, self.p.completion_tokens = est, None, None
         self.p.usage_estimated = True
         return Completion(ok=True, prompt_tokens=est)
+
+    def _samples(self, sniffer: UsageSniffer | None) -> int:
+        """Outputs the usage's ``completion_tokens`` adds up: every one of ``n`` on the OpenAI routes
+        and in ``/generate``'s list; a ``/generate`` stream's last chunk counts its own sequence."""
+        if sniffer is not None and sniffer.is_sse and self.req.route == "/generate":
+            return 1
+        return _samples_per_prompt(self.body)
 
     def _record_break(self, lease: Lease, completion: Completion) -> None:
         reason = classify_break(lease, completion, self.req.key_source)

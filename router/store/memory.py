@@ -467,7 +467,7 @@ class MemoryCore:
         s.last_seen = now
         self._sessions.move_to_end(lease.session_id)
         if completion.ok and completion.prompt_tokens is not None:
-            ctx = completion.prompt_tokens + (completion.completion_tokens or 0)
+            ctx = completion.prompt_tokens + (completion.completion_tokens or 0) // max(1, completion.samples)
             if lease.replica_id == s.home:
                 if ctx >= s.context_tokens or now - s.context_at > self.config.active_window_s:
                     # a smaller context (a sub-agent's, or the main chain after a compaction) replaces

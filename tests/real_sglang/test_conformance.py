@@ -146,6 +146,35 @@ async def test_usage_is_learnt_and_the_second_turn_is_a_radix_hit(
         await gw.close()
 
 
+async def test_n_choices_of_a_real_chat_turn_grow_the_context_by_one(
+    fleet: list[RealServer], redis_url: str
+) -> None:
+    """SGLang's usage for ``n`` choices counts the prompt once and the tokens of all n; the session's
+    context (in a real Redis) grows by one choice's, the one the client goes on with."""
+    log = EventLog()
+    gw = await start_gateway(
+        fast_config([s.url for s in fleet], redis_url=redis_url, health=REAL_HEALTH, timeouts=REAL_TIMEOUTS),
+        hooks=(log,),
+    )
+    salt = uuid.uuid4().hex[:6]
+    try:
+        async with aiohttp.ClientSession() as s:
+            for i, stream in enumerate((False, True)):
+                extra: dict[str, Any] = {"n": 3, "ignore_eos": True}
+                if stream:
+                    extra["stream_options"] = {"include_usage": True}
+                doc = _request("/v1/chat/completions", stream, _text(40, f"{salt}{i}"), 4, **extra)
+                status, body, _ = await _post(s, gw.url + "/v1/chat/completions", doc, f"n3-{salt}-{i}")
+                assert status == 200, body
+        await wait_for(lambda: len(log.of(RequestFinished)) == 2)
+        for i, fin in enumerate(log.of(RequestFinished)):
+            assert fin.ok and fin.completion_tokens == 12 and fin.prompt_tokens, fin
+            sess = await gw.store.session(f"n3-{salt}-{i}")
+            assert sess is not None and sess.context_tokens == fin.prompt_tokens + 4
+    finally:
+        await gw.close()
+
+
 async def test_real_metrics_and_loads_reach_the_snapshot(fleet: list[RealServer], gateway_factory: Any) -> None:
     """The real ``/metrics`` and ``/v1/loads`` are parsed: capacity, running, queued, token usage and
     waiting uncached tokens of a busy engine reach the gateway's snapshot."""

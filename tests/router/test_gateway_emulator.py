@@ -315,3 +315,48 @@ async def test_parallel_samples_of_one_generate_prompt_count_the_prompt_once(
     one, three = await gw.store.session("par-1"), await gw.store.session("par-3")
     assert one is not None and three is not None
     assert three.bytes_per_token == pytest.approx(one.bytes_per_token, rel=0.05)
+    # the conversation goes on from one of the three sequences: its context grows by one's tokens
+    assert three.context_tokens == one.context_tokens == single.prompt_tokens + 4
+
+
+
+async def test_a_generate_stream_of_n_sequences_counts_its_last_sequence_once(
+    emulators: Any, gateway_factory: Any
+) -> None:
+    # a /generate stream's chunks carry each sequence's own counts: the last one is one sequence's
+    (rep,) = await emulators(1)
+    gw = await gateway_factory([rep.url])
+    text = "explain the failing assertion in test_parser.py. " * 20
+    body = {"text": text, "sampling_params": {"max_new_tokens": 4, "n": 3, "ignore_eos": True}, "stream": True}
+    async with aiohttp.ClientSession() as s:
+        status, raw, _ = await _post(s, gw.url + "/generate", json.dumps(body).encode(), "gen-stream-3")
+        assert status == 200, raw
+    last = json.loads([ln for ln in raw.decode().splitlines() if ln.startswith("data: {")][-1][6:])["meta_info"]
+    assert last["completion_tokens"] == 4
+    sess = await gw.store.session("gen-stream-3")
+    assert sess is not None and sess.context_tokens == last["prompt_tokens"] + 4
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_n_choices_of_a_chat_turn_grow_the_context_by_one(
+    emulators: Any, gateway_factory: Any, stream: bool
+) -> None:
+    # the OpenAI routes' usage counts the prompt once and the tokens of all n choices (SGLang 0.5.23,
+    # checked on the CPU engine: n=3 of 8 tokens each gave completion_tokens 24); the client goes on
+    # with one choice, so the session's context is the prompt and one choice's share
+    (rep,) = await emulators(1)
+    log = EventLog()
+    gw = await gateway_factory([rep.url], hooks=(log,))
+    msgs = [{"role": "user", "content": "why does the parser reject this input? " * 20}]
+    async with aiohttp.ClientSession() as s:
+        for n in (1, 3):
+            body: dict[str, Any] = {"model": "m", "messages": msgs, "max_tokens": 4, "n": n, "ignore_eos": True}
+            if stream:
+                body |= {"stream": True, "stream_options": {"include_usage": True}}
+            status, raw, _ = await _post(s, gw.url + "/v1/chat/completions", json.dumps(body).encode(), f"chat-n{n}")
+            assert status == 200, raw
+    await wait_for(lambda: len(log.of(RequestFinished)) == 2)
+    single, par = log.of(RequestFinished)
+    assert par.prompt_tokens == single.prompt_tokens and par.completion_tokens == 12
+    one, three = await gw.store.session("chat-n1"), await gw.store.session("chat-n3")
+    assert one is not None and three is not None
+    assert three.context_tokens == one.context_tokens == single.prompt_tokens + 4

@@ -269,6 +269,15 @@ async def test_overflow_split_and_context_learning(env: Env) -> None:
     snap = await store.snapshot("s")
     assert snap.session is not None and (snap.session.context_tokens, snap.session.turns) == (700, 5)
     assert snap.session.bytes_per_token == pytest.approx(4.1)  # learned from the turn's body and usage
+    # n = 3 outputs of one prompt (usage sums them): all three are written to the cache, but the
+    # conversation goes on from one of them
+    written = next(r.tokens_written for r in snap.replicas if r.id == "r0")
+    a = await store.acquire(plain("r0"), RouteRequest("s"))
+    await store.release(a, Completion(ok=True, prompt_tokens=900, cached_tokens=700, completion_tokens=300,
+                                      samples=3))  # fmt: skip
+    snap = await store.snapshot("s")
+    assert snap.session is not None and (snap.session.context_tokens, snap.session.turns) == (1000, 6)
+    assert next(r.tokens_written for r in snap.replicas if r.id == "r0") == written + 200 + 300
     # clearing overflow
     lease = await store.acquire(
         RouteDecision("r0", Reason.AFFINITY, (SetOverflow("s", ()),)), RouteRequest("s")
@@ -469,7 +478,8 @@ async def test_random_sequences_match_memory(env: Env, seed: int) -> None:
             la, lb = leases.pop(rng.randrange(len(leases)))
             prompt = rng.randint(100, 20_000)
             c = Completion(ok=rng.random() < 0.9, prompt_tokens=prompt if rng.random() < 0.9 else None,
-                           cached_tokens=rng.randint(0, prompt), completion_tokens=rng.randint(0, 300))  # fmt: skip
+                           cached_tokens=rng.randint(0, prompt), completion_tokens=rng.randint(0, 300),
+                           samples=rng.choice((1, 1, 2, 3)))  # fmt: skip
             await ref.release(la, c)  # type: ignore[arg-type]
             await sut.release(lb, c)  # type: ignore[arg-type]
         elif op < 0.90:

@@ -4,6 +4,7 @@
 --       prompt_bytes, active_window_s, found ('1' / '0': the session's previous context was / was not
 --       still cached where the request ran, '' = no evidence: ``router.store.base.residency_feedback``),
 --       capacity (HBM + host of the replica as the gateway last saw it, 0 = unknown; learn_horizon),
+--       samples (outputs per prompt, the request's n: the context grows by completion / samples),
 --       ['F': fast path, return the session's row without this gateway's in-flight, else 1]
 local gid, NOW = ARGV[2], ARGV[3]
 local now, ttl_ms, rid, sid = tonumber(NOW), ARGV[4], ARGV[5], ARGV[6]
@@ -49,7 +50,7 @@ redis.call('HSET', sk, 'seen', NOW)
 local home = redis.call('HGET', sk, 'home')
 local ctx = tonumber(redis.call('HGET', sk, 'ctx') or '0')
 if ok and has_prompt and home and rid == home then
-  local c = prompt + comp
+  local c = prompt + math.floor(comp / tonumber(ARGV[16]))
   -- a smaller context (a sub-agent's, or the main chain after a compaction) replaces the session's
   -- only once its larger one has not been seen for a whole active window
   if c >= ctx or now - tonumber(redis.call('HGET', sk, 'ctxat') or '0') > window then
@@ -65,7 +66,7 @@ if home then
   if rep_live(home, now) then touch_active(home, sid, NOW, ctx) end
 end
 redis.call('PEXPIRE', sk, ttl_ms)
-if ARGV[16] == 'F' then
+if ARGV[17] == 'F' then
   return session_row(sid, now, tonumber(ttl_ms) / 1000, alive_gateways(redis_ms()), gid) or 1
 end
 return 1

@@ -527,6 +527,7 @@ class RedisStore:
             self.config.active_window_s,
             {None: "", True: "1", False: "0"}[residency_feedback(lease, completion)],
             self._cache_capacity(lease.replica_id),
+            max(1, completion.samples),
         ]
         fast = self._fast
         if fast.on:
