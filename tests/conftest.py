@@ -34,7 +34,8 @@ def pytest_runtest_protocol(item: pytest.Item) -> Generator[None, None, None]:
     If a test still runs at three times its timeout, print every thread's stack and end the run: CI
     fails then, with the stack, instead of hanging until the job is killed."""
     marker = item.get_closest_marker("timeout")
-    limit = float(marker.args[0]) if marker and marker.args else float(item.config.getini("timeout") or 0)
+    given = item.config.getoption("timeout", None)  # pytest-timeout's --timeout, else its ini value
+    limit = float(marker.args[0] if marker and marker.args else given or item.config.getini("timeout") or 0)
     if limit > 0:
         faulthandler.dump_traceback_later(3 * limit, exit=True, file=item.config.stash[_STDERR])
     try:
