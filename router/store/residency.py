@@ -145,8 +145,8 @@ class RedisResidencyWriter:
 class RedisResidencyMirror:
     """A ``ResidencyView`` over what the writers published (rule 2). ``start`` / ``close`` it.
 
-    Its ``XREAD`` blocks for ``block_ms``: ``close`` lets the loop see its flag and end rather than
-    cancelling a blocked command (redis-py can hang cancelling one)."""
+    Its ``XREAD`` blocks for up to ``block_ms``: ``close`` cancels it (``stop_tasks``, which asks
+    again when redis-py loses the cancel)."""
 
     def __init__(
         self,
@@ -179,13 +179,7 @@ class RedisResidencyMirror:
     async def close(self) -> None:
         self._closing = True
         t, self._task = self._task, None
-        if t is None:
-            return
-        try:
-            async with asyncio.timeout(self.block_ms / 1000 + 2.0):
-                await asyncio.shield(t)
-        except TimeoutError:
-            await stop_tasks(t)
+        await stop_tasks(t)
 
     # ---- ResidencyView -----------------------------------------------------------------------
     def _live(self, rid: str) -> str | None:

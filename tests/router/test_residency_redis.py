@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
+import time
 from collections.abc import AsyncIterator
 
 import pytest
@@ -45,6 +47,18 @@ def fed_index() -> ResidencyIndex:
     r.stored(None, [1, 2, 3], 16, 48, GPU, "s1")
     r.stored(None, [9], 16, 16, GPU, "s2")
     return idx
+
+
+async def test_close_ends_a_blocked_read_at_once(client: aioredis.Redis) -> None:
+    # a mirror blocks in XREAD for up to block_ms; shutting a gateway down must not wait that out
+    m = RedisResidencyMirror(client, block_ms=30_000)
+    m.start()
+    await until(lambda: not m.stale)
+    await asyncio.sleep(0.1)  # in the blocked XREAD now: nothing is written
+    t0 = time.monotonic()
+    await m.close()
+    assert time.monotonic() - t0 < 2.0
+    assert await client.ping()  # the shared client still works
 
 
 async def test_writer_publishes_and_mirrors_follow(client: aioredis.Redis) -> None:
