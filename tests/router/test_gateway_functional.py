@@ -674,3 +674,14 @@ async def test_session_moved_by_another_gateway_to_a_dead_home_is_rerouted(
     finally:
         for gw in gws:
             await gw.close()
+
+
+@pytest.mark.parametrize("path", ["/open_session", "/close_session", "/v1/embeddings"])
+async def test_routes_it_does_not_proxy_are_a_clear_404(fake_replicas: Any, gateway_factory: Any, path: str) -> None:
+    (rep,) = await fake_replicas(1)
+    gw = await gateway_factory([rep.url])
+    async with aiohttp.ClientSession() as s, s.post(gw.url + path, json={"capacity_of_str_len": 1000}) as r:
+        assert r.status == 404
+        doc = await r.json()
+    assert doc["error"]["code"] == "not_found" and f"unknown route: POST {path}" in doc["error"]["message"]
+    assert rep.state.requests == []  # nothing reached the replica
