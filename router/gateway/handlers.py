@@ -642,7 +642,8 @@ class _Proxy:
         return self._tagged
 
     def _completion(self, sniffer: UsageSniffer | None, ok: bool) -> Completion:
-        usage = sniffer.result(lambda: _samples_per_prompt(self.body)) if sniffer is not None else None
+        n = functools.cache(functools.partial(_samples_per_prompt, self.body))  # the body is parsed once
+        usage = sniffer.result(n) if sniffer is not None else None
         if sniffer is not None and sniffer.errored:
             # the engine failed the request inside its 200 stream: relayed as it is, counted failed,
             # and nothing learnt (its usage, if any, counts a stand-in prompt)
@@ -660,7 +661,7 @@ class _Proxy:
                 cached_tokens=usage.cached_tokens,
                 completion_tokens=usage.completion_tokens,
                 prompt_bytes=len(self.body),
-                samples=self._samples(sniffer) if usage.completion_tokens else 1,
+                samples=self._samples(sniffer, n) if usage.completion_tokens else 1,
             )
         if not ok:
             return Completion(ok=False)
@@ -670,12 +671,12 @@ class _Proxy:
         self.p.usage_estimated = True
         return Completion(ok=True, prompt_tokens=est)
 
-    def _samples(self, sniffer: UsageSniffer | None) -> int:
+    def _samples(self, sniffer: UsageSniffer | None, n: Callable[[], int]) -> int:
         """Outputs the usage's ``completion_tokens`` adds up: every one of ``n`` on the OpenAI routes
         and in ``/generate``'s list; a ``/generate`` stream's last chunk counts its own sequence."""
         if sniffer is not None and sniffer.is_sse and self.req.route == "/generate":
             return 1
-        return _samples_per_prompt(self.body)
+        return n()
 
     def _record_break(self, lease: Lease, completion: Completion) -> None:
         reason = classify_break(lease, completion, self.req.key_source)
