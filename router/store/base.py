@@ -141,4 +141,17 @@ class StateStore(Protocol):
         """Sessions whose home is ``replica_id`` (admin view, drain)."""
         ...
 
+    async def pin_engine_session(self, engine_session_id: str, replica_id: ReplicaId) -> None:
+        """SGLang's ``/open_session`` opened this session on ``replica_id``: the engine holds its
+        request tree, so every request naming it must go there. Forgotten after ``session_ttl_s``
+        without use."""
+        ...
+
+    async def engine_session_replica(self, engine_session_id: str) -> ReplicaId | None:
+        """The replica an engine session is pinned to (its idle time restarts), ``None`` if unknown
+        or expired. A pin outlives its replica's registration: the caller checks that."""
+        ...
+
+    async def unpin_engine_session(self, engine_session_id: str) -> None: ...
+
     async def close(self) -> None: ...

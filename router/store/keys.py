@@ -28,6 +28,8 @@ Keys (``P`` = ``{prefix}:``):
     P gw                   zset    gateway id -> lease expiry (Redis server ms, from TIME)
     P gw:<gid>:if          hash    replica -> in-flight count of that gateway (ignored once its
                                    lease has expired; deleted by the next live gateway's heartbeat)
+    P es:<esid>            string  the replica an SGLang engine session (``/open_session``) lives on;
+                                   PEXPIRE = session idle TTL (refreshed on every read)
 
 Exact residency shared by KV-event writers (one per replica: its sidecar, or a gateway; see
 ``router/store/residency.py`` and docs/KV_EVENTS.md):
@@ -97,6 +99,9 @@ class KeySpace:
 
     def gateway_inflight(self, gid: str) -> str:
         return f"{self.base}gw:{gid}:if"
+
+    def engine_session(self, esid: str) -> str:
+        return f"{self.base}es:{esid}"
 
     def residency(self, rid: str) -> str:
         return f"{self.base}res:{rid}"

@@ -400,6 +400,30 @@ async def test_sessions_on_and_session_view(env: Env) -> None:
     assert [s.session_id for s in await store.sessions_on("r2")] == ["s0"]
 
 
+async def test_engine_session_pins(env: Env) -> None:
+    """SGLang's engine sessions: pinned to a replica, forgotten after the session TTL without use."""
+    store = await fleet(env, config=StoreConfig(session_ttl_s=30.0))
+    assert await store.engine_session_replica("e1") is None
+    await store.pin_engine_session("e1", "r1")
+    await store.pin_engine_session("e2", "r2")
+    await store.pin_engine_session("odd|id:{x}", "r0")  # ids are opaque
+    assert await store.engine_session_replica("e1") == "r1"
+    assert await store.engine_session_replica("odd|id:{x}") == "r0"
+    env.clock.advance(20)
+    assert await store.engine_session_replica("e1") == "r1"  # a use restarts its idle time
+    env.clock.advance(20)
+    assert await store.engine_session_replica("e1") == "r1"
+    assert await store.engine_session_replica("e2") is None  # idle 40 s
+    await store.pin_engine_session("e2", "r0")  # opened again elsewhere: the new pin holds
+    assert await store.engine_session_replica("e2") == "r0"
+    await store.remove_replica("r1")
+    assert await store.engine_session_replica("e1") == "r1"  # outlives its replica: the gateway checks
+    await store.unpin_engine_session("e1")
+    assert await store.engine_session_replica("e1") is None
+    await store.unpin_engine_session("e1")  # closing twice is no error
+    assert await store.engine_session_replica("e2") == "r0"
+
+
 async def test_request_without_session(env: Env) -> None:
     store = await fleet(env)
     lease = await store.acquire(

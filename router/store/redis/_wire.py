@@ -105,6 +105,13 @@ class RedisWire:
             async with asyncio.timeout(self.op_timeout_s):
                 return await self._scripts[name](keys=[self.keys.seq], args=[self.keys.base, *args])
 
+    async def command(self, op: str, *args: str | int) -> Any:
+        """One plain command (no script): for keys that no script reads."""
+        self.round_trips_total += 1
+        async with map_redis_errors(op):
+            async with asyncio.timeout(self.op_timeout_s):
+                return await self.client.execute_command(*args)
+
     # ---- rows (rule 4) ------------------------------------------------------------------------------
 
     def spec_of(self, replica_id: str, url: str, model: str) -> ReplicaSpec:
