@@ -40,6 +40,7 @@ from replica.emulator.kv_events import KvEventRecorder, KvEventsConfig, KvEvents
 from replica.emulator.kv_events import Source as KvSource
 from replica.emulator.metrics import CONTENT_TYPE, ReplicaMetrics
 from replica.emulator.profiles import Profile
+from replica.emulator.sessions import Continuation, SessionError, SessionParams, SessionTable
 from replica.emulator.timemodel import EngineRequest, Finished, FirstToken, ReplicaEngine, Started
 from replica.emulator.tokenizer import (
     BYTES_PER_TOKEN,
@@ -183,12 +184,14 @@ class _Parsed:
     n: int = 1
     logprobs: bool = False
     top_logprobs: int = 0
+    # an engine-session request (``session_params``): where it goes in its session
+    continuation: Continuation | None = None
 
 
 class _Flight:
     __slots__ = (
         "cached_device", "cached_host", "done", "finished", "first", "first_t", "is_health", "n_out", "prompt",
-        "rid", "stream", "submit_model", "submit_wall",
+        "rid", "session", "stream", "submit_model", "submit_wall",
     )
 
     def __init__(self, rid: str, prompt: Prompt, n_out: int, stream: bool, submit_model: float) -> None:
@@ -205,6 +208,7 @@ class _Flight:
         self.first = asyncio.Event()
         self.done = asyncio.Event()
         self.is_health = False
+        self.session: str | None = None  # the engine session it belongs to (``session_params``)
 
     @property
     def cached(self) -> int:
@@ -236,7 +240,8 @@ class Replica:
         self.chains = ChainMemo()
         self.flights: dict[str, _Flight] = {}
         self.served = 0
-        self.sessions: set[str] = set()
+        self.sessions: set[str] = set()  # session ids / routing keys seen (a statistic)
+        self.engine_sessions = SessionTable()  # SGLang's /open_session sessions
         self.status = "starting"
         self.started_wall = time.monotonic()
         self.startup_time = time.time()
@@ -279,6 +284,10 @@ class Replica:
             elif isinstance(ev, Finished):
                 self._finish(fl, ev)
 
+    def _output_bytes(self, fl: _Flight, tokens: int) -> bytes:
+        """The first ``tokens`` output tokens of ``fl`` as the client sees them (4 bytes a token)."""
+        return output_text(fl.n_out, _text_seed(fl.rid)).encode()[: tokens * BYTES_PER_TOKEN]
+
     def publish_kv_events(self) -> None:
         """One batch with what the cache reported since the last one (one per engine step run)."""
         if self.kv_recorder is not None and self.kv_publisher is not None:
@@ -290,6 +299,8 @@ class Replica:
         fl.done.set()
         del self.flights[fl.rid]
         self.engine.forget(fl.rid)
+        if fl.session is not None:  # its output is now history a later request can continue
+            self.engine_sessions.finish(fl.session, fl.rid, self._output_bytes(fl, ev.completion_tokens))
         if fl.is_health:
             return
         m = self.metrics
@@ -347,7 +358,9 @@ class Replica:
         prof = self.config.profile
         prompt = parsed.prompt
         n_out = parsed.max_tokens
-        hashes = self.chains.hashes(prompt, prof.page_size, parsed.salt, parsed.session_id or parsed.routing_key)
+        cont = parsed.continuation
+        memo_key = parsed.session_id or parsed.routing_key or (cont.session_id if cont is not None else None)
+        hashes = self.chains.hashes(prompt, prof.page_size, parsed.salt, memo_key)
         extra: list[int] = []
         step = prof.page_size * BYTES_PER_TOKEN
         raw = prompt.raw
@@ -370,6 +383,9 @@ class Replica:
         except ValueError as exc:
             raise _ClientError(str(exc)) from None
         self.flights[parsed.rid] = fl
+        if cont is not None and not is_health:
+            fl.session = cont.session_id
+            self.engine_sessions.add(cont, parsed.rid)
         if parsed.session_id:
             self.sessions.add(parsed.session_id)
         elif parsed.routing_key:
@@ -385,6 +401,7 @@ class Replica:
 
     def state(self) -> dict[str, Any]:
         self.poll()
+        self.engine_sessions.reap(self.model_now())
         load = self.engine.load()
         st = self.cache.stats()
         return {
@@ -401,6 +418,7 @@ class Replica:
             "requests_served": self.served,
             "requests_aborted": self.metrics.aborted,
             "sessions_seen": len(self.sessions),
+            "engine_sessions_open": len(self.engine_sessions),
             "cpu_s": time.process_time(),  # this process's CPU (all replicas in it): for `kvroute bench emulator`
             "load": dataclasses.asdict(load),
             "cache": {**dataclasses.asdict(st), "hit_rate": st.hit_rate},
@@ -634,8 +652,16 @@ def _check_context(
     then checks the sampling values (``verify``); the scheduler refuses a prompt of ``max_req_input_len`` or more, and caps the output at
     ``max_req_len - prompt - 1``: a request without ``max_tokens`` near the limit is served, shorter.
     """
-    prof = cfg.profile
-    limit = prof.max_context_tokens
+    _tokenizer_limits(cfg, prompt_tokens, max_tokens, verify)
+    return _scheduler_limits(cfg, prompt_tokens, max_tokens, default)
+
+
+def _tokenizer_limits(
+    cfg: EmulatorConfig, prompt_tokens: int, max_tokens: int | None, verify: Callable[[], None]
+) -> None:
+    """The tokenizer manager's part of ``_check_context`` (the client's own tokens only: a session's
+    history is added later, by the scheduler)."""
+    limit = cfg.profile.max_context_tokens
     if prompt_tokens >= limit:
         raise _ClientError(
             f"The input ({prompt_tokens} tokens) is longer than the model's context length ({limit} tokens).",
@@ -650,6 +676,11 @@ def _check_context(
             stage="tokenizer",
         )
     verify()
+
+
+def _scheduler_limits(cfg: EmulatorConfig, prompt_tokens: int, max_tokens: int | None, default: int) -> int:
+    """The scheduler's part of ``_check_context``: refuses a long prompt, returns the output length."""
+    prof = cfg.profile
     cap = max_req_input_len(prof)
     if prompt_tokens >= cap:
         raise _ClientError(
@@ -800,7 +831,23 @@ def _ids_prompt(ids: Any) -> Prompt:
         raise _ClientError(str(exc)) from None
 
 
-def _parse_generate(body: dict[str, Any], request: web.Request, cfg: EmulatorConfig) -> _Parsed:
+def _session_params(body: dict[str, Any]) -> SessionParams | None:
+    try:
+        params = SessionParams.from_json(body.get("session_params"))
+    except (TypeError, ValueError) as exc:
+        raise _ClientError(str(exc), stage="tokenizer") from None
+    if body.get("session_params") is not None and body.get("session_id") is not None:
+        raise _ClientError("session_id and session_params cannot both be set.", stage="tokenizer")
+    return params
+
+
+def _parse_generate(
+    body: dict[str, Any],
+    request: web.Request,
+    cfg: EmulatorConfig,
+    enter_session: Callable[[SessionParams, Prompt], Continuation],
+) -> _Parsed:
+    """``enter_session`` places a ``session_params`` request in its session (the scheduler's part)."""
     sp = body.get("sampling_params") or {}
     if not isinstance(sp, dict):
         raise _ClientError("sampling_params must be an object")
@@ -828,9 +875,17 @@ def _parse_generate(body: dict[str, Any], request: web.Request, cfg: EmulatorCon
         raise _ClientError(f"invalid type: {kind}, expected i64", plain=True)
     if mnt is not None and mnt < 0:
         raise _max_new_tokens_error(mnt)
-    if prompt.num_tokens == 0:
+    session = _session_params(body)
+    if prompt.num_tokens == 0 and session is None:  # in a session the history may be the whole prompt
         raise _ClientError("The input is empty")
-    n_out = _check_context(cfg, prompt.num_tokens, mnt, cfg.default_max_tokens, lambda: _verify_sampling(sp))
+    _tokenizer_limits(cfg, prompt.num_tokens, mnt, lambda: _verify_sampling(sp))
+    cont = None
+    if session is not None:
+        cont = enter_session(session, prompt)
+        # token-aligned, with no raw tail: the output is cached after the padding, where the
+        # continuing request's history puts it
+        prompt = Prompt(cont.prompt)
+    n_out = _scheduler_limits(cfg, prompt.num_tokens, mnt, cfg.default_max_tokens)
     explicit = mnt is not None or n_out < cfg.default_max_tokens
     rid = body.get("rid")
     return _Parsed(
@@ -847,6 +902,7 @@ def _parse_generate(body: dict[str, Any], request: web.Request, cfg: EmulatorCon
         n=n if isinstance(n := sp.get("n"), int) and not isinstance(n, bool) and n > 1 else 1,
         logprobs=bool(body.get("return_logprob")),
         top_logprobs=max(0, t) if isinstance(t := body.get("top_logprobs_num"), int) else 0,
+        continuation=cont,
     )
 
 
@@ -1364,7 +1420,7 @@ class _Handlers:
         body: dict[str, Any] = {}
         try:
             body = await _read_json(request)
-            parsed = _parse_generate(body, request, self.cfg)
+            parsed = _parse_generate(body, request, self.cfg, self._enter_session)
         except _ClientError as exc:
             if exc.stage == "validation":
                 return _validation_response(exc)
@@ -1407,6 +1463,58 @@ class _Handlers:
             return resp
 
         return await self._run(request, parsed, "/generate", respond, lambda m, s: _json({"error": {"message": m}}, s))
+
+    def _enter_session(self, params: SessionParams, prompt: Prompt) -> Continuation:
+        """SGLang's scheduler places a ``session_params`` request (``sessions.py``); a refusal
+        aborts the request (400, or in-stream when streamed)."""
+        rep = self.rep
+        now = rep.model_now()
+        rep.engine_sessions.reap(now)
+        try:
+            # ``replace`` aborts a running request: its Finished (and so its output) comes at once
+            return rep.engine_sessions.begin(params, prompt.data, now, rep.abort)
+        except SessionError as exc:
+            raise _ClientError(str(exc), stage="scheduler") from None
+
+    async def open_session(self, request: web.Request) -> web.Response:
+        try:
+            body = await _read_json(request)
+            capacity = _lax_int(body, "capacity_of_str_len")
+            if capacity is None:
+                raise _validation_error("capacity_of_str_len: Field required")
+            sid = body.get("session_id")
+            if sid is not None and not isinstance(sid, str):
+                raise _validation_error("session_id: Input should be a valid string")
+            streaming = _lax_bool(body, "streaming")
+            timeout = body.get("timeout")
+            if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, int | float)):
+                raise _validation_error("timeout: Input should be a valid number")
+        except _ClientError as exc:
+            return _validation_response(exc)
+        if streaming:  # SGLang serves them only with --enable-streaming-session; the emulator never
+            return _json({"error": {"message": "Streaming sessions are disabled. "
+                                               "Please relaunch with --enable-streaming-session."}}, 400)
+        rep = self.rep
+        now = rep.model_now()
+        rep.engine_sessions.reap(now)
+        sid = uuid.uuid4().hex if sid is None else sid
+        if not rep.engine_sessions.open(sid, capacity, None if timeout is None else float(timeout), now):
+            return _json({"error": {"message": "Failed to open the session. "
+                                               "Check if a session with the same id is still open."}}, 400)
+        return _json(sid)
+
+    async def close_session(self, request: web.Request) -> web.Response:
+        try:
+            body = await _read_json(request)
+            sid = body.get("session_id")
+            if not isinstance(sid, str):
+                raise _validation_error(
+                    "session_id: Field required" if sid is None else "session_id: Input should be a valid string"
+                )
+        except _ClientError as exc:
+            return _validation_response(exc)
+        self.rep.engine_sessions.close(sid)
+        return web.Response(status=200)
 
     # ---- control plane -------------------------------------------------------------------
     async def health(self, request: web.Request) -> web.Response:
@@ -1717,6 +1825,9 @@ def make_emulator_app(config: EmulatorConfig) -> web.Application:
     r.add_get("/flush_cache", h.flush_cache)
     r.add_post("/flush_cache", h.flush_cache)
     r.add_post("/abort_request", h.abort_request)
+    for path, handler in (("/open_session", h.open_session), ("/close_session", h.close_session)):
+        r.add_get(path, handler)
+        r.add_post(path, handler)
     for path in ("/tokenize", "/v1/tokenize"):
         r.add_post(path, h.tokenize)
     for path in ("/detokenize", "/v1/detokenize"):
