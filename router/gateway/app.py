@@ -27,6 +27,7 @@ from router.eventloop import stop_tasks
 from router.events import Emitter, Hook
 from router.gateway.admin import DEFAULT_ALLOWED_NETWORKS
 from router.gateway.egress import EgressGuard
+from router.gateway.engine_sessions import SESSION_ROUTES
 from router.gateway.forward import ReplicaClient
 from router.gateway.handlers import (
     INFERENCE_ROUTES,
@@ -104,6 +105,9 @@ def make_app(
 
     for path in INFERENCE_ROUTES:
         app.router.add_post(path, handle_inference)
+    for path in SESSION_ROUTES:  # SGLang takes both (router/gateway/engine_sessions.py)
+        app.router.add_post(path, handle_inference)
+        app.router.add_route("GET", path, handle_inference)
     app.router.add_get("/v1/models", handle_models)
     app.router.add_get("/v1/models/{model}", handle_model)
     app.router.add_get("/health", handle_health)

@@ -29,12 +29,10 @@ import dataclasses
 import functools
 import json
 import logging
-import re
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-import orjson
 from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 
@@ -53,6 +51,8 @@ from router.errors import (
     error_body,
 )
 from router.events import AffinityBroken, RequestFinished, RequestRouted, StoreDegraded, UpstreamRetry
+from router.gateway.bodies import checked_session_id, parse_body
+from router.gateway.engine_sessions import SESSION_ROUTES, EngineSessionCall, engine_session_call
 from router.gateway.forward import (
     UpstreamResponse,
     UsageSniffer,
@@ -71,8 +71,10 @@ from router.model import (
     KeySource,
     Lease,
     Reason,
+    ReplicaId,
     ReplicaState,
     ReplicaStatus,
+    RouteDecision,
     RouteRequest,
 )
 from router.policy.breaks import classify_break
@@ -117,31 +119,8 @@ def session_id_from_headers(headers: Mapping[str, str], cfg: GatewayConfig) -> s
             continue
         value = value.strip()
         if value:
-            return _checked_session_id(name, value, cfg)
+            return checked_session_id(name, value, cfg)
     return None
-
-
-def _checked_session_id(name: str, value: str, cfg: GatewayConfig) -> str:
-    """``value`` if it is a session id the limits allow; ``BadRequestError`` naming ``name`` if not."""
-    limit = cfg.limits.max_session_id_len
-    if len(value) > limit:
-        raise BadRequestError(f"{name}: session id longer than {limit} characters")
-    if not _compiled(cfg.limits.session_id_pattern).match(value):
-        raise BadRequestError(f"{name}: session id has characters outside {cfg.limits.session_id_pattern}")
-    if not value.isascii():
-        # header bytes that are not UTF-8 reach us as lone surrogates (a JSON body can carry them as
-        # escapes); a widened pattern may let them through, and the Redis store (and the forwarded
-        # header) cannot encode them
-        try:
-            value.encode()
-        except UnicodeEncodeError:
-            raise BadRequestError(f"{name}: session id is not valid UTF-8") from None
-    return value
-
-
-@functools.lru_cache(maxsize=8)
-def _compiled(pattern: str) -> re.Pattern[str]:
-    return re.compile(pattern)
 
 
 def sse_error_event(message: str, code: int = 502, error_type: str = "upstream_error") -> bytes:
@@ -154,26 +133,11 @@ def _prefix_params(policy: object) -> PolicyParams:
     return params if isinstance(params, PolicyParams) else PolicyParams()
 
 
-def _parse_body(body: bytes) -> dict[str, Any]:
-    try:
-        obj = orjson.loads(body)  # several times faster than json; refuses a few things json takes
-    except orjson.JSONDecodeError:
-        try:
-            obj = json.loads(body)  # integers over 64 bits, NaN: what json accepted stays accepted
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise BadRequestError(f"request body is not valid JSON: {exc}") from None
-        except RecursionError:  # orjson's depth limit is 1024, json's is the interpreter's stack
-            raise BadRequestError("request body is not valid JSON: nested too deeply") from None
-    if not isinstance(obj, dict):
-        raise BadRequestError("request body must be a JSON object")
-    return obj
-
-
 def _chain_key(body: bytes, route: str, policy: object) -> str | None:
     """Which of its session's conversations a request continues (``RouteRequest.chain_key``); None
     when the body says nothing (the replica judges a malformed body, not the router)."""
     try:
-        obj = _parse_body(body)
+        obj = parse_body(body)
         p = _prefix_params(policy)
         return chain_key(obj, route, p.prefix_block_chars, p.prefix_blocks)
     except (BadRequestError, RecursionError):  # RecursionError: an anchor too deep to render
@@ -185,7 +149,7 @@ def _refuse_empty_generate(body: bytes) -> None:
     (a reshape of 0 elements; the whole server exits), and the gateway's retry would take the next
     replica down with it. A body that does not parse is the replica's to judge, as elsewhere."""
     try:
-        obj = _parse_body(body)
+        obj = parse_body(body)
     except BadRequestError:
         return
     text, ids = obj.get("text"), obj.get("input_ids")
@@ -202,7 +166,7 @@ def _samples_per_prompt(body: bytes) -> int:
     if b'"n"' not in body:
         return 1
     try:
-        obj = _parse_body(body)
+        obj = parse_body(body)
     except BadRequestError:
         return 1
     sp = obj.get("sampling_params")
@@ -218,7 +182,7 @@ def _body_session_id(body: bytes) -> str | None:
     if b'"session_id"' not in body:
         return None
     try:
-        sid = _parse_body(body).get("session_id")
+        sid = parse_body(body).get("session_id")
     except BadRequestError:
         return None
     return sid if isinstance(sid, str) and sid else None
@@ -232,10 +196,10 @@ def _routing_key(
     session under that name); else the prompt's prefix key (rule 7)."""
     if session_id is not None:
         return session_id, KeySource.HEADER
-    obj = _parse_body(body)
+    obj = parse_body(body)
     named = obj.get("session_id")
     if isinstance(named, str) and named:  # other types are the replica's to refuse
-        return _checked_session_id("session_id", named, cfg), KeySource.BODY
+        return checked_session_id("session_id", named, cfg), KeySource.BODY
     p = _prefix_params(policy)
     try:
         key = prefix_key(obj, route, p.prefix_block_chars, p.prefix_blocks)
@@ -344,6 +308,8 @@ class _Proxy:
         req: RouteRequest,
         fwd_headers: list[tuple[str, str]],
         prog: _Progress,
+        call: EngineSessionCall | None = None,
+        pin: ReplicaId | None = None,
     ) -> None:
         self.ds = downstream
         self.rt = rt
@@ -353,6 +319,8 @@ class _Proxy:
         self.fwd_headers = fwd_headers
         self.p = prog
         self.request_id = request_id
+        self.call = call  # an SGLang engine session this request opens, uses or closes
+        self.pin = pin  # the replica that engine session lives on: the only one tried
         self._tagged: bytes | None = None  # the body with the session id (kv_events.forward_session_id)
         # behind KV events, a header session whose body names another session_id: the engine names
         # this request's blocks by the body's id, so residency is read under it
@@ -387,19 +355,24 @@ class _Proxy:
                 excluded=frozenset(excluded),
                 chain_key=self._chain_key if self.req.key_source.named else None,
             )
-            try:
-                decision = self.rt.policy.route(req, snap, self.rt.rng)
-            except NoReplicaError:
-                # every replica looks down: try them anyway rather than refuse the client (panic
-                # routing, as Envoy does); a refused connection still excludes one per attempt
-                panic = panic_snapshot(snap, req.excluded)
-                if panic is None:
-                    if last_error is not None:
-                        return await self._give_up(last_error)
-                    raise
-                decision = self.rt.policy.route(req, panic, self.rt.rng)
-                panicked = True
-                log.warning("no healthy replica: panic-routing to %s (DOWN)", decision.replica_id)
+            if self.pin is not None and self.call is not None:
+                if snap.replica(self.pin) is None:
+                    raise await self.call.replica_gone(self.rt.store, self.pin)
+                decision = RouteDecision(self.pin, Reason.AFFINITY)  # the session exists there only
+            else:
+                try:
+                    decision = self.rt.policy.route(req, snap, self.rt.rng)
+                except NoReplicaError:
+                    # every replica looks down: try them anyway rather than refuse the client (panic
+                    # routing, as Envoy does); a refused connection still excludes one per attempt
+                    panic = panic_snapshot(snap, req.excluded)
+                    if panic is None:
+                        if last_error is not None:
+                            return await self._give_up(last_error)
+                        raise
+                    decision = self.rt.policy.route(req, panic, self.rt.rng)
+                    panicked = True
+                    log.warning("no healthy replica: panic-routing to %s (DOWN)", decision.replica_id)
             try:
                 lease = await self.rt.store.acquire(decision, req)
             except StaleSessionError:  # another gateway moved the session: decide again on fresh state
@@ -429,7 +402,7 @@ class _Proxy:
                     panic=panicked,
                 )
             )
-            can_retry = attempt < self.cfg.max_retries
+            can_retry = attempt < self.cfg.max_retries and self.pin is None
             try:
                 return await self._attempt(lease, snap.replica(lease.replica_id), can_retry)
             except UpstreamError as exc:
@@ -524,6 +497,8 @@ class _Proxy:
                 )
             if self.rt.discovery is not None:
                 self.rt.discovery.on_success(lease.replica_id)
+            if self.call is not None:  # pinned or unpinned before the client has the answer
+                await self.call.answered(self.rt.store, lease.replica_id, upstream.status)
             sniffer = UsageSniffer(upstream.content_type)
             chunks = upstream.chunks().__aiter__()
             t = clock.now()
@@ -642,6 +617,8 @@ class _Proxy:
         return self._tagged
 
     def _completion(self, sniffer: UsageSniffer | None, ok: bool) -> Completion:
+        if self.req.route in SESSION_ROUTES:  # opening or closing an engine session: nothing to learn
+            return Completion(ok=ok)
         n = functools.cache(functools.partial(_samples_per_prompt, self.body))  # the body is parsed once
         usage = sniffer.result(n) if sniffer is not None else None
         if sniffer is not None and sniffer.errored:
@@ -755,10 +732,17 @@ async def serve_inference(
         prog.t0 = clock.now()  # the client's upload time is not ours
         if route == "/generate":
             _refuse_empty_generate(body)
+        call = engine_session_call(route, body, cfg)
+        pin: ReplicaId | None = None
+        if call is not None:
+            body = call.body
+            pin = await call.pinned(rt.store)
         key, source = _routing_key(session_id, body, route, rt.policy, cfg)
+        if call is not None and not source.named:  # a /generate in an engine session: keyed by it
+            key, source = call.session_id, KeySource.BODY
         req = route_request(key, source, route=route, body_bytes=len(body), session=None)
         fwd = _forward_headers(headers, remote, cfg, key if source.named else None, request_id)
-        proxy = _Proxy(downstream, request_id, rt, body, req, fwd, prog)
+        proxy = _Proxy(downstream, request_id, rt, body, req, fwd, prog, call, pin)
         try:
             await proxy.run()
         except BaseException as exc:

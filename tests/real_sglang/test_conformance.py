@@ -430,3 +430,64 @@ async def test_empty_generate_input_is_refused_before_it_can_kill_the_engine(
             assert get_json(r.url + "/get_model_info")  # alive
         status, body, _ = await _post(s, gw.url + "/generate", _request("/generate", False, "still here"))
         assert status == 200, body
+
+
+async def test_engine_sessions_stay_on_the_engine_that_opened_them(fleet: list[RealServer], redis_url: str) -> None:
+    """SGLang's ``/open_session`` through two gateways sharing a real Redis: each session's turns
+    (``session_params`` with the previous turn's ``rid``) reach the engine that opened it, whichever
+    gateway they pass and whatever session header they carry, and continue its request tree there;
+    a duplicate open, a closed session and an unknown one are refused before any engine."""
+    urls = [s.url for s in fleet]
+    gws = [
+        await start_gateway(
+            fast_config(urls, redis_url=redis_url, gateway_id=f"es{i}", health=REAL_HEALTH, timeouts=REAL_TIMEOUTS)
+        )
+        for i in range(2)
+    ]
+    salt = uuid.uuid4().hex[:6]
+    try:
+        async with aiohttp.ClientSession() as s:
+            opened: list[tuple[str, str]] = []
+            for i in range(4):
+                body: dict[str, Any] = {"capacity_of_str_len": 65536}
+                if i % 2 == 0:  # half name their session, half let the gateway name it
+                    body["session_id"] = f"es-{salt}-{i}"
+                async with s.post(gws[i % 2].url + "/open_session", json=body) as r:
+                    assert r.status == 200, await r.text()
+                    sid = await r.json()
+                    opened.append((sid, r.headers["X-Kvroute-Replica"]))
+                assert sid == body.get("session_id", sid) and len(sid) >= 8
+            again = {"capacity_of_str_len": 8, "session_id": opened[0][0]}
+            async with s.post(gws[1].url + "/open_session", json=again) as r:
+                assert r.status == 400 and "already open" in (await r.json())["error"]["message"]
+            for n, (sid, home) in enumerate(opened):
+                rid, before = None, 0
+                for turn in range(3):
+                    params: dict[str, Any] = {"id": sid} if rid is None else {"id": sid, "rid": rid}
+                    text = _text(20, f"{salt}{n}{turn}")
+                    doc = _request("/generate", False, text, 4, session_params=params, sampling={"ignore_eos": True})
+                    # another session's header: the policy alone would place this request afresh
+                    other = f"other-{salt}-{n}-{turn}"
+                    status, body, h = await _post(s, gws[turn % 2].url + "/generate", doc, other)
+                    assert status == 200, body
+                    assert (h["X-Kvroute-Replica"], h["X-Kvroute-Reason"]) == (home, "affinity")
+                    unbound = await gws[0].store.session(other)
+                    assert unbound is None or unbound.home is None  # the pin decided, not the header
+                    meta = json.loads(body)["meta_info"]
+                    if rid is not None:  # the engine prepended the turn before: its tree is there
+                        assert meta["prompt_tokens"] > before and meta["cached_tokens"] >= before - 1, meta
+                    rid, before = meta["id"], meta["prompt_tokens"] + meta["completion_tokens"]
+            sid, _ = opened[0]
+            async with s.post(gws[1].url + "/close_session", json={"session_id": sid}) as r:
+                assert r.status == 200
+            for path, doc in (
+                ("/generate", _request("/generate", False, "x y z", 2, session_params={"id": sid})),
+                ("/close_session", {"session_id": sid}),
+                ("/generate", _request("/generate", True, "x y z", 2, session_params={"id": f"never-{salt}"})),
+            ):
+                status, body, _ = await _post(s, gws[0].url + path, doc)
+                assert status == 404, body
+                assert json.loads(body)["error"]["code"] == "not_found"
+    finally:
+        for gw in gws:
+            await gw.close()

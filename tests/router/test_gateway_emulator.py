@@ -360,3 +360,74 @@ async def test_n_choices_of_a_chat_turn_grow_the_context_by_one(
     one, three = await gw.store.session("chat-n1"), await gw.store.session("chat-n3")
     assert one is not None and three is not None
     assert three.context_tokens == one.context_tokens == single.prompt_tokens + 4
+
+
+def _in_session(sid: str, text: str, stream: bool = False, rid: str | None = None) -> bytes:
+    params = {"id": sid} if rid is None else {"id": sid, "rid": rid}
+    doc = {"text": text, "sampling_params": {"max_new_tokens": 4}, "stream": stream, "session_params": params}
+    return json.dumps(doc).encode()
+
+
+async def test_engine_sessions_are_pinned_and_never_tried_elsewhere(emulators: Any, gateway_factory: Any) -> None:
+    """SGLang's engine sessions through the gateway (router/gateway/engine_sessions.py): bad opens are
+    refused with a 400, an open is pinned to the replica that answered, its turns go there only (a
+    failure there is not retried elsewhere, where the session does not exist), and a session whose
+    replica left, that was closed or that nobody opened is a 404 that reaches no replica."""
+    a, b = await emulators(2)
+    log = EventLog()
+    gw = await gateway_factory([a.url, b.url], hooks=(log,))
+    store = gw.runtime.store
+    json_ct = {"Content-Type": "application/json"}
+    async with aiohttp.ClientSession() as s:
+        for raw, why in (
+            (b"{", "not valid JSON"),
+            (b"[1]", "must be a JSON object"),
+            (b'{"capacity_of_str_len": 9, "session_id": 5}', "session_id must be a non-empty string"),
+            (json.dumps({"capacity_of_str_len": 9, "session_id": "s" * 300}).encode(), "longer than"),
+        ):
+            async with s.post(gw.url + "/open_session", data=raw, headers=json_ct) as r:
+                assert r.status == 400 and why in (await r.json())["error"]["message"]
+        async with s.get(gw.url + "/close_session", data=b"{}", headers=json_ct) as r:
+            assert r.status == 400 and "session_id" in (await r.json())["error"]["message"]
+        assert log.of(RequestFinished) == []  # refused before any replica
+
+        async with s.post(gw.url + "/open_session", json={"capacity_of_str_len": 4096}) as r:
+            assert r.status == 200
+            sid, home_id = await r.json(), r.headers["X-Kvroute-Replica"]
+        assert isinstance(sid, str) and len(sid) == 32  # named by the gateway, as SGLang would name it
+        assert await store.engine_session_replica(sid) == home_id
+        home = a if home_id.endswith(f":{a.port}") else b
+        async with s.get(gw.url + "/open_session", json={"capacity_of_str_len": 1, "session_id": sid}) as r:
+            assert r.status == 400 and "already open" in (await r.json())["error"]["message"]
+
+        rid = None
+        for turn, stream in enumerate((False, True, False)):
+            status, raw, h = await _post(s, gw.url + "/generate", _in_session(sid, f"turn {turn} " * 30, stream, rid), None)
+            assert status == 200, raw
+            assert (h["X-Kvroute-Replica"], h["X-Kvroute-Reason"]) == (home_id, "affinity")
+            if not stream:
+                rid = json.loads(raw)["meta_info"]["id"]
+        await _set_faults(s, home, status=503, count=1)
+        status, raw, _ = await _post(s, gw.url + "/generate", _in_session(sid, "again " * 30), None)
+        assert status == 503 and log.of(UpstreamRetry) == []  # relayed, not retried on the other replica
+        status, raw, _ = await _post(s, gw.url + "/generate", _in_session(sid, "once more " * 30), None)
+        assert status == 200, raw
+
+        async with s.post(gw.url + "/close_session", json={"session_id": sid}) as r:
+            assert r.status == 200
+        assert await store.engine_session_replica(sid) is None
+        async with s.post(gw.url + "/open_session", json={"capacity_of_str_len": 64, "session_id": "kept"}) as r:
+            assert r.status == 200
+            kept_home = r.headers["X-Kvroute-Replica"]
+        await store.remove_replica(kept_home)
+        served = len(log.of(RequestFinished))
+        for body, why in (
+            (_in_session("kept", "left " * 20), "which left the fleet"),
+            (_in_session("kept", "left " * 20), "is not open behind this gateway"),  # the pin went with it
+            (_in_session(sid, "closed " * 20), "is not open behind this gateway"),
+            (_in_session("nobody-opened-it", "x", stream=True), "is not open behind this gateway"),
+        ):
+            status, raw, _ = await _post(s, gw.url + "/generate", body, None)
+            assert status == 404 and why in json.loads(raw)["error"]["message"], raw
+        assert all(not f.ok and f.replica_id is None for f in log.of(RequestFinished)[served:])
+        await wait_for(lambda: all(r.in_flight == 0 for r in store.core.replicas()))
