@@ -366,8 +366,9 @@ class Replica:
         raw = prompt.raw
         b0 = len(raw) // step
         tail = b""
-        if n_out and (len(raw) + n_out * BYTES_PER_TOKEN) // step > b0 and b0 == len(hashes):
-            tail = raw[b0 * step :] + output_text(n_out, _text_seed(parsed.rid)).encode()
+        # SGLang caches the output but its last token, whose KV was never computed
+        if n_out > 1 and (len(raw) + (n_out - 1) * BYTES_PER_TOKEN) // step > b0 and b0 == len(hashes):
+            tail = raw[b0 * step :] + output_text(n_out - 1, _text_seed(parsed.rid)).encode()
             extra = block_hashes(tail, prof.page_size, prev_hash=hashes[b0 - 1] if b0 else None,
                                  seed=parsed.salt)
         now = self.model_now()

@@ -132,5 +132,8 @@ async def test_emulate_on_a_port_in_use_is_a_one_line_error(processes: bool) -> 
     assert proc.returncode == 1, text[-2000:]
     assert "Traceback" not in text and not out, text[-2000:]
     lines = text.strip().splitlines()
-    assert f"kvroute emulate: cannot listen on 127.0.0.1:{port}" in lines[0], lines
+    # with --processes the port below ours is taken by chance at times (other tests' servers): the
+    # child there fails first, with the same one-line error
+    named = (port - 1, port) if processes else (port,)
+    assert any(f"kvroute emulate: cannot listen on 127.0.0.1:{p}:" in lines[0] for p in named), lines
     assert len(lines) == (2 if processes else 1), lines
