@@ -44,7 +44,7 @@ __all__ = [
 
 @dataclass(frozen=True, slots=True)
 class StoreConfig:
-    session_ttl_s: float = 3600.0  # a binding idle this long is forgotten
+    session_ttl_s: float = 3600.0  # a binding (or an engine session's pin) idle this long is forgotten
     active_window_s: float = 60.0  # a session seen within this window counts as active on its home
     ramp_window_s: float = 10.0  # placements per replica are counted over this window (ramp cap)
     lease_ttl_s: float = 10.0  # Redis: a gateway's in-flight counts die this long after its last heartbeat
