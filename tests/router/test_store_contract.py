@@ -45,7 +45,18 @@ class Env:
 
 @pytest.fixture(params=["memory", "redis", "redis-cluster"])
 async def env(request: pytest.FixtureRequest) -> AsyncIterator[Env]:
-    kind: str = request.param
+    async for e in _env(request, request.param):
+        yield e
+
+
+@pytest.fixture(params=["redis", "redis-cluster"])
+async def shared_env(request: pytest.FixtureRequest) -> AsyncIterator[Env]:
+    """The stores several gateways share (a memory store is one gateway's, and the reference)."""
+    async for e in _env(request, request.param):
+        yield e
+
+
+async def _env(request: pytest.FixtureRequest, kind: str) -> AsyncIterator[Env]:
     url = None
     if kind == "redis":
         url = request.getfixturevalue("redis_url")
@@ -438,9 +449,8 @@ async def test_request_without_session(env: Env) -> None:
     assert r1 is not None and (r1.in_flight, r1.tokens_written) == (0, 55)
 
 
-async def test_two_gateways_one_truth(env: Env) -> None:
-    if env.kind == "memory":
-        pytest.skip("one memory store is one gateway")
+async def test_two_gateways_one_truth(shared_env: Env) -> None:
+    env = shared_env
     g1 = await fleet(env)
     g2 = await env.make(None, "second-gateway")
     l1 = await g1.acquire(bind("s", "r0"), RouteRequest("s"))
@@ -458,9 +468,8 @@ async def test_two_gateways_one_truth(env: Env) -> None:
 
 
 @pytest.mark.parametrize("seed", [1, 2, 3])
-async def test_random_sequences_match_memory(env: Env, seed: int) -> None:
-    if env.kind == "memory":
-        pytest.skip("the memory store is the reference")
+async def test_random_sequences_match_memory(shared_env: Env, seed: int) -> None:
+    env = shared_env
     cfg = StoreConfig(active_window_s=20, ramp_window_s=5, session_ttl_s=10_000)  # TTL: see test above
     ref = MemoryStore(env.clock, cfg)
     sut = await env.make(cfg)
