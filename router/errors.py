@@ -50,8 +50,9 @@ __all__ = [
 
 
 def error_body(message: str, error_type: str, code: str | int) -> dict[str, Any]:
-    """``{"error": {"message", "type", "code"}}``: what an OpenAI-compatible client parses."""
-    return {"error": {"message": message, "type": error_type, "code": code}}
+    """``{"type": "error", "error": {"message", "type", "code"}}``: what an OpenAI-compatible client
+    parses, and an Anthropic one (Messages API) too."""
+    return {"type": "error", "error": {"message": message, "type": error_type, "code": code}}
 
 
 class KvrouteError(Exception):

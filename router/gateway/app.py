@@ -30,6 +30,7 @@ from router.gateway.egress import EgressGuard
 from router.gateway.engine_sessions import SESSION_ROUTES
 from router.gateway.forward import ReplicaClient
 from router.gateway.handlers import (
+    COUNT_TOKENS_ROUTE,
     INFERENCE_ROUTES,
     handle_health,
     handle_inference,
@@ -103,7 +104,7 @@ def make_app(
     app[RUNTIME_KEY] = rt
     app[MIDDLEWARE_KEY] = gateway_mw
 
-    for path in INFERENCE_ROUTES:
+    for path in (*INFERENCE_ROUTES, COUNT_TOKENS_ROUTE):
         app.router.add_post(path, handle_inference)
     for path in SESSION_ROUTES:  # SGLang takes both (router/gateway/engine_sessions.py)
         app.router.add_post(path, handle_inference)

@@ -221,8 +221,21 @@ def _int(v: Any) -> int | None:
     return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else None
 
 
+def anthropic_usage(usage: Mapping[str, Any], output_tokens: int | None) -> Usage | None:
+    """Anthropic's usage (Messages API): ``input_tokens`` is the part of the prompt not read from the
+    cache, ``cache_read_input_tokens`` the part that was (SGLang leaves it out when 0)."""
+    uncached = _int(usage.get("input_tokens"))
+    if uncached is None:
+        return None
+    cached = _int(usage.get("cache_read_input_tokens")) or 0
+    created = _int(usage.get("cache_creation_input_tokens")) or 0
+    return Usage(uncached + created + cached, cached, output_tokens)
+
+
 def _from_obj(obj: Mapping[str, Any]) -> Usage | None:
     usage = obj.get("usage")
+    if isinstance(usage, Mapping) and "input_tokens" in usage:
+        return anthropic_usage(usage, _int(usage.get("output_tokens")))
     if isinstance(usage, Mapping):
         details = usage.get("prompt_tokens_details")
         cached = _int(details.get("cached_tokens")) if isinstance(details, Mapping) else None
@@ -275,14 +288,17 @@ class UsageSniffer:
     SSE: an incremental line splitter; a ``data:`` line is a candidate only if it mentions
     ``"usage"`` or ``"meta_info"`` *and* ``"prompt_tokens"``. Only the last candidate is kept (raw) and
     parsed once at the end, so cumulative ``/generate`` streams cost no per-chunk JSON parsing.
+    Anthropic's Messages API streams its usage in two parts: the input in ``message_start``, the
+    output in ``message_delta``.
     JSON: the body is accumulated up to ``max_json_bytes`` and parsed at the end.
 
-    ``errored``: the engine reported a failure inside a 200 stream -- an ``{"error": ...}`` event, or a
+    ``errored``: the engine reported a failure inside a 200 stream -- an ``{"error": ...}`` event
+    (Anthropic's ``{"type": "error", ...}``), or a
     ``/generate`` chunk finished with ``abort`` -- as SGLang does for a prompt its scheduler refuses
     (then a usage chunk counts the one-token stand-in it ran: nothing to learn from).
     """
 
-    __slots__ = ("_buf", "_last", "_max", "_mode", "_overflow", "errored", "events")
+    __slots__ = ("_buf", "_last", "_max", "_mode", "_overflow", "_start", "errored", "events")
 
     def __init__(
         self,
@@ -295,6 +311,7 @@ class UsageSniffer:
         self._mode = "sse" if ct == "text/event-stream" else "json" if ct.endswith("json") else "none"
         self._buf = bytearray()
         self._last: bytes | None = None
+        self._start: bytes | None = None  # Anthropic's message_start
         self._max = max_json_bytes if self._mode == "json" else max_line_bytes
         self._overflow = False
         self.errored = False
@@ -321,7 +338,7 @@ class UsageSniffer:
             # that holds a usage candidate (one per stream)
             n = chunk.count(b"\ndata:") + chunk.startswith(b"data:")
             self.events += n
-            if n and (b'"prompt_tokens"' in chunk or b'{"error"' in chunk):
+            if n and (b'_tokens"' in chunk or b'"error"' in chunk):
                 for line in chunk.split(b"\n"):
                     if line.startswith(b"data:"):
                         self._candidate(line)
@@ -355,9 +372,14 @@ class UsageSniffer:
         self._candidate(line)
 
     def _candidate(self, line: bytes) -> None:
-        if line[5:].lstrip().startswith(b'{"error"'):
+        data = line[5:].lstrip()
+        if data.startswith((b'{"error"', b'{"type":"error"')):
             self.errored = True
         elif b'"prompt_tokens"' in line and (b'"usage"' in line or b'"meta_info"' in line):
+            self._last = line
+        elif data.startswith(b'{"type":"message_start"') and b'"input_tokens"' in line:
+            self._start = line
+        elif data.startswith(b'{"type":"message_delta"') and b'"output_tokens"' in line:
             self._last = line
 
     def result(self, samples_per_prompt: Callable[[], int] = lambda: 1) -> Usage | None:
@@ -368,7 +390,11 @@ class UsageSniffer:
                 return None
             data = _loads(self._buf)
             return usage_from_json(data, samples_per_prompt() if isinstance(data, list) else 1)
-        if self._last is None or self.errored:
+        if self.errored:
+            return None
+        if self._start is not None:
+            return self._anthropic_result(self._start, self._last)
+        if self._last is None:
             return None
         obj = _loads(self._last[5:].strip())
         meta = obj.get("meta_info") if isinstance(obj, dict) else None
@@ -377,6 +403,18 @@ class UsageSniffer:
             self.errored = True
             return None
         return usage_from_json(obj)
+
+
+    @staticmethod
+    def _anthropic_result(start: bytes, delta: bytes | None) -> Usage | None:
+        message = _loads(start[5:].strip())
+        message = message.get("message") if isinstance(message, dict) else None
+        usage = message.get("usage") if isinstance(message, dict) else None
+        if not isinstance(usage, Mapping):
+            return None
+        out = _loads(delta[5:].strip()) if delta is not None else None
+        out_usage = out.get("usage") if isinstance(out, dict) else None
+        return anthropic_usage(usage, _int(out_usage.get("output_tokens")) if isinstance(out_usage, Mapping) else None)
 
 
 def _loads(raw: bytes | bytearray) -> Any:

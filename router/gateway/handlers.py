@@ -84,7 +84,9 @@ from router.residency import with_residency
 from router.route_input import route_request
 
 __all__ = [
+    "COUNT_TOKENS_ROUTE",
     "INFERENCE_ROUTES",
+    "MESSAGES_ROUTE",
     "REASON_HEADER",
     "REPLICA_HEADER",
     "handle_health",
@@ -98,7 +100,11 @@ __all__ = [
 
 log = logging.getLogger("kvroute.gateway")
 
-INFERENCE_ROUTES = ("/v1/chat/completions", "/v1/completions", "/generate")
+MESSAGES_ROUTE = "/v1/messages"  # Anthropic's Messages API, as SGLang serves it
+INFERENCE_ROUTES = ("/v1/chat/completions", "/v1/completions", "/generate", MESSAGES_ROUTE)
+COUNT_TOKENS_ROUTE = "/v1/messages/count_tokens"
+# proxied like inference, but nothing is generated and nothing learnt from the answer
+_CONTROL_ROUTES = (*SESSION_ROUTES, COUNT_TOKENS_ROUTE)
 REPLICA_HEADER = "X-Kvroute-Replica"
 REASON_HEADER = "X-Kvroute-Reason"
 # set by the gateway itself: a client's own values are dropped (X-Forwarded-For is extended)
@@ -123,8 +129,12 @@ def session_id_from_headers(headers: Mapping[str, str], cfg: GatewayConfig) -> s
     return None
 
 
-def sse_error_event(message: str, code: int = 502, error_type: str = "upstream_error") -> bytes:
+def sse_error_event(message: str, code: int = 502, error_type: str = "upstream_error", *, route: str = "") -> bytes:
+    """The gateway's last event of a stream it cannot finish: OpenAI's ``data:`` error and
+    ``[DONE]``, or on Anthropic's Messages API an ``error`` event (which ends its streams)."""
     payload = json.dumps(error_body(message, error_type, code), separators=(",", ":"))
+    if route == MESSAGES_ROUTE:
+        return f"event: error\ndata: {payload}\n\n".encode()
     return f"data: {payload}\n\n".encode() + b"data: [DONE]\n\n"
 
 
@@ -566,7 +576,8 @@ class _Proxy:
                 if sniffer.is_sse:
                     sep = b"" if last_tail == b"\n\n" else b"\n\n"
                     msg = f"upstream {lease.replica_id} failed mid-stream: {exc.code}"
-                    await ds.end(sep + sse_error_event(msg, 504 if isinstance(exc, UpstreamTimeoutError) else 502))
+                    code = 504 if isinstance(exc, UpstreamTimeoutError) else 502
+                    await ds.end(sep + sse_error_event(msg, code, route=self.req.route))
                 else:
                     ds.cut()
                 return
@@ -617,7 +628,7 @@ class _Proxy:
         return self._tagged
 
     def _completion(self, sniffer: UsageSniffer | None, ok: bool) -> Completion:
-        if self.req.route in SESSION_ROUTES:  # opening or closing an engine session: nothing to learn
+        if self.req.route in _CONTROL_ROUTES:  # nothing was generated: nothing to learn
             return Completion(ok=ok)
         n = functools.cache(functools.partial(_samples_per_prompt, self.body))  # the body is parsed once
         usage = sniffer.result(n) if sniffer is not None else None

@@ -80,6 +80,9 @@ def render_chat_anchor(body: Mapping[str, Any]) -> tuple[str, str] | None:
         return None
     tools = body.get("tools")
     parts = [_canonical(tools) if tools else ""]
+    system = body.get("system")  # Anthropic's Messages API keeps the system prompt out of messages
+    if system:
+        parts.append(f"system:{_content_text(system)}")
     first_user: str | None = None
     for msg in messages:
         if not isinstance(msg, Mapping):

@@ -491,3 +491,54 @@ async def test_engine_sessions_stay_on_the_engine_that_opened_them(fleet: list[R
     finally:
         for gw in gws:
             await gw.close()
+
+
+def _messages_reply(body: bytes, stream: bool) -> str:
+    """The assistant's text of a /v1/messages answer (Anthropic's shape, streamed or not)."""
+    if not stream:
+        return "".join(b["text"] for b in json.loads(body)["content"] if b.get("type") == "text")
+    out = []
+    for line in body.decode().splitlines():
+        if line.startswith("data: "):
+            ev = json.loads(line[6:])
+            if ev.get("type") == "content_block_delta" and ev["delta"].get("type") == "text_delta":
+                out.append(ev["delta"]["text"])
+    return "".join(out)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["unstreamed", "streamed"])
+async def test_anthropic_messages_go_home_and_teach_the_context(
+    fleet: list[RealServer], gateway_factory: Any, stream: bool
+) -> None:
+    """Anthropic's Messages API (what Claude Code speaks), served by SGLang's ``/v1/messages``: a
+    session's turns go home and hit the engine's radix cache, and kvroute learns the prompt as the
+    engine counts it (``input_tokens`` + ``cache_read_input_tokens``); ``count_tokens`` teaches
+    nothing."""
+    log = EventLog()
+    gw = await gateway_factory([s.url for s in fleet], hooks=(log,), health=REAL_HEALTH, timeouts=REAL_TIMEOUTS)
+    salt = uuid.uuid4().hex[:6]
+    sid = f"claude-{salt}-{stream}"
+    system = [{"type": "text", "text": _text(40, f"sys{salt}")}]
+    msgs: list[dict[str, Any]] = [{"role": "user", "content": _text(30, salt)}]
+    homes = []
+    async with aiohttp.ClientSession() as s:
+        for turn in range(3):
+            doc = {"model": "tiny", "max_tokens": 4, "system": system, "messages": msgs, "stream": stream}
+            status, body, h = await _post(s, gw.url + "/v1/messages", doc, sid)
+            assert status == 200, body
+            homes.append(h["X-Kvroute-Replica"])
+            msgs = [*msgs, {"role": "assistant", "content": _messages_reply(body, stream)},
+                    {"role": "user", "content": _text(8, f"{salt}{turn}")}]  # fmt: skip
+        count = {"model": "tiny", "system": system, "messages": msgs}
+        status, body, _ = await _post(s, gw.url + "/v1/messages/count_tokens", count, sid)
+        assert status == 200 and json.loads(body)["input_tokens"] > 0, body
+    await wait_for(lambda: len(log.of(RequestFinished)) == 4)
+    fins = log.of(RequestFinished)
+    turns, counted = fins[:3], fins[3]
+    assert len(set(homes)) == 1
+    assert all(f.ok and f.prompt_tokens and not f.usage_estimated and f.completion_tokens == 4 for f in turns)
+    for prev, fin in itertools.pairwise(turns):
+        assert fin.prompt_tokens > prev.prompt_tokens and fin.cached_tokens >= 0.9 * prev.prompt_tokens, fin
+    assert counted.ok and counted.prompt_tokens is None  # nothing generated, nothing learnt
+    sess = await gw.store.session(sid)
+    assert sess is not None and sess.context_tokens == turns[-1].prompt_tokens + 4 and sess.turns == 3

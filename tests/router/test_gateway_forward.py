@@ -179,10 +179,13 @@ def test_json_sniffer() -> None:
 def test_sse_error_event_is_parseable() -> None:
     raw = sse_error_event("replica died", 502)
     events = [e for e in raw.decode().split("\n\n") if e]
-    assert json.loads(events[0].removeprefix("data: ")) == {
-        "error": {"message": "replica died", "type": "upstream_error", "code": 502}
-    }
+    error = {"type": "error", "error": {"message": "replica died", "type": "upstream_error", "code": 502}}
+    assert json.loads(events[0].removeprefix("data: ")) == error
     assert events[1] == "data: [DONE]"
+    # Anthropic's Messages API: an ``error`` event ends the stream, no [DONE]
+    (event,) = [e for e in sse_error_event("replica died", 502, route="/v1/messages").decode().split("\n\n") if e]
+    name, data = event.split("\n")
+    assert name == "event: error" and json.loads(data.removeprefix("data: ")) == error
 
 
 def test_connect_failure_is_told_apart_by_its_cause() -> None:

@@ -80,3 +80,58 @@ def test_the_word_error_in_content_is_no_error_event() -> None:
     for chunk in [b'data: {"choices":[{"delta":{"content":"{\\"error\\": 1} and \\"error\\""}}]}\n\n', *_STREAM]:
         sn.feed(chunk)
     assert not sn.errored and sn.result() == Usage(7, 5, 2)
+
+
+# SGLang 0.5.23's /v1/messages (Anthropic's Messages API), as a real CPU engine streamed it
+_MESSAGES_STREAM = [
+    (
+        b'event: message_start\ndata: {"type":"message_start","message":{"id":"msg_e8f9","type":"message",'
+        b'"role":"assistant","content":[],"model":"m","usage":{"input_tokens":1,"output_tokens":0,'
+        b'"cache_read_input_tokens":49}}}\n\n'
+    ),
+    (
+        b'event: content_block_start\ndata: {"type":"content_block_start","index":0,"content_block":'
+        b'{"type":"text","text":""}}\n\n'
+    ),
+    (
+        b'event: content_block_delta\ndata: {"type":"content_block_delta","index":0,"delta":{"type":"text_delta",'
+        b'"text":"say \\"output_tokens\\": 9"}}\n\n'
+    ),
+    b'event: content_block_stop\ndata: {"type":"content_block_stop","index":0}\n\n',
+    (
+        b'event: message_delta\ndata: {"type":"message_delta","delta":{"stop_reason":"max_tokens"},'
+        b'"usage":{"output_tokens":4}}\n\n'
+    ),
+    b'event: message_stop\ndata: {"type":"message_stop"}\n\n',
+]
+
+
+def test_anthropic_messages_usage_streamed_and_not() -> None:
+    """input_tokens excludes what was read from the cache: the prompt is their sum."""
+    for feed in ("whole", "bytewise"):
+        sn = UsageSniffer("text/event-stream")
+        for chunk in _MESSAGES_STREAM:
+            if feed == "whole":
+                sn.feed(chunk)
+            else:
+                for b in chunk:
+                    sn.feed(bytes([b]))
+        assert sn.events == 6 and not sn.errored, feed
+        assert sn.result() == Usage(50, 49, 4), feed
+    js = UsageSniffer("application/json")
+    js.feed(
+        b'{"id":"msg_93","type":"message","role":"assistant","content":[{"type":"text","text":"x"}],'
+        b'"model":"m","stop_reason":"max_tokens","usage":{"input_tokens":50,"output_tokens":4}}'
+    )
+    assert js.result() == Usage(50, 0, 4)  # SGLang leaves cache_read_input_tokens out when 0
+    cut = UsageSniffer("text/event-stream")  # no message_delta: the output is unknown
+    cut.feed(_MESSAGES_STREAM[0])
+    assert cut.result() == Usage(50, 49, None)
+
+
+def test_anthropic_error_event_in_a_200_stream_is_a_failure() -> None:
+    sn = UsageSniffer("text/event-stream")
+    sn.feed(_MESSAGES_STREAM[0])
+    sn.feed(b'event: error\ndata: {"type":"error","error":{"type":"api_error","message":"boom"}}\n\n')
+    sn.feed(b'event: message_stop\ndata: {"type":"message_stop"}\n\n')
+    assert sn.errored and sn.result() is None

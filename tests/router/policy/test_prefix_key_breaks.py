@@ -50,6 +50,26 @@ def test_chain_key_names_each_conversation_of_a_session() -> None:
     assert chain_key({"prompt": "flat text " * 300}, "/v1/completions", 1024, 64) is None
 
 
+def test_anthropic_messages_anchor_on_their_top_level_system_prompt() -> None:
+    """Anthropic's Messages API (``/v1/messages``) keeps the system prompt out of ``messages``: a
+    parent and its sub-agent asked the same first question are still two conversations."""
+
+    def messages(first: str, *later: str, system: Any = SYSTEM) -> dict[str, Any]:
+        body = chat(first, *later, system=system)
+        body["messages"] = body["messages"][1:]
+        body["system"] = system
+        return body
+
+    route = "/v1/messages"
+    parent = chain_key(messages("look at foo.py"), route, 1024, 64)
+    sub = chain_key(messages("look at foo.py", system="You are a search sub-agent."), route, 1024, 64)
+    blocks = [{"type": "text", "text": "You are a search sub-agent."}]
+    assert chain_key(messages("look at foo.py", system=blocks), route, 1024, 64) == sub  # blocks read as text
+    assert parent is not None and sub is not None and parent != sub
+    assert parent == chain_key(messages("look at foo.py", "reading it", "go on"), route, 1024, 64)
+    assert key(messages("look at foo.py"), route) != key(messages("look at foo.py", system="other"), route)
+
+
 def test_shared_system_prompt_does_not_herd_conversations() -> None:
     keys = {key(chat(f"task number {i}: refactor module {i}")) for i in range(200)}
     assert len(keys) == 200
