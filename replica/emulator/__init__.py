@@ -1,3 +1,4 @@
 """SGLang-compatible replica emulator: HTTP shell (``server``), pure prefix cache (``cache``), pure
-event-driven time model (``timemodel``, ``profiles``), deterministic tokenizer (``tokenizer``).
+event-driven time model (``timemodel``, ``profiles``), deterministic tokenizer (``tokenizer``),
+Anthropic Messages conversion (``anthropic``).
 See docs/EMULATOR.md."""

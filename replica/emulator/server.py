@@ -12,7 +12,8 @@ Rule 3: a request whose client goes away (or whose handler ends early for any re
         aborted in the engine, freeing its slot and KV.
 Rule 4: SSE bytes are ``b"data: " + compact JSON + b"\\n\\n"``, ending with ``data: [DONE]``.
         Chunks follow decode steps (``stream_interval`` tokens each, default 1 step's worth),
-        coalesced to at most one per ``min_chunk_interval_s`` of wall time.
+        coalesced to at most one per ``min_chunk_interval_s`` of wall time. (``/v1/messages``
+        frames Anthropic's events instead: ``anthropic.sse_event``, no ``[DONE]``.)
 
 Test hooks (not part of SGLang): ``POST/GET/DELETE /_emulator/faults`` and ``GET
 /_emulator/state`` (see docs/EMULATOR.md); every response carries ``X-Emulator-Replica``.
@@ -35,6 +36,7 @@ from typing import Any
 import mmh3
 from aiohttp import web
 
+from replica.emulator import anthropic
 from replica.emulator.cache import PrefixCache
 from replica.emulator.kv_events import KvEventRecorder, KvEventsConfig, KvEventsPublisher
 from replica.emulator.kv_events import Source as KvSource
@@ -523,6 +525,10 @@ def _json(obj: Any, status: int = 200) -> web.Response:
 
 def _openai_error(message: str, status: int = 400, type_: str = "BadRequestError") -> web.Response:
     return _json({"object": "error", "message": message, "type": type_, "param": None, "code": status}, status)
+
+
+def _anthropic_error(status: int, type_: str, message: str) -> web.Response:
+    return _json(anthropic.error_body(type_, message), status)
 
 
 def _error_type(status: int) -> str:
@@ -1350,6 +1356,138 @@ class _Handlers:
 
         return await self._run(request, parsed, "/v1/chat/completions", respond, lambda m, s: _openai_error(m, s, _error_type(s)))
 
+    # ---- Anthropic Messages API (replica/emulator/anthropic.py) ----------------------------
+    async def _anthropic_chat(self, request: web.Request, count_tokens: bool) -> dict[str, Any] | web.Response:
+        """The chat body SGLang converts an Anthropic request to, or the 400 it answers instead."""
+        if not request.content_type.startswith("application/json"):
+            return _anthropic_error(
+                400, "invalid_request_error", "header.content-type: Unsupported Media Type: Only 'application/json' is allowed"
+            )
+        raw = await request.read()
+        if not raw.strip():  # FastAPI takes an empty body for a missing one
+            return _anthropic_error(400, "invalid_request_error", "Field required")
+        try:
+            body = _loads(raw)
+        except (ValueError, UnicodeDecodeError):
+            try:  # FastAPI names the position where the stdlib parser stopped
+                json.loads(raw)
+                pos = 0
+            except json.JSONDecodeError as exc:
+                pos = exc.pos
+            except UnicodeDecodeError as exc:
+                pos = exc.start
+            return _anthropic_error(400, "invalid_request_error", f"{pos}: JSON decode error")
+        if not isinstance(body, dict):
+            return _anthropic_error(
+                400, "invalid_request_error", "Input should be a valid dictionary or object to extract fields from"
+            )
+        try:
+            return anthropic.to_chat(body, count_tokens=count_tokens)
+        except anthropic.AnthropicRequestError as exc:
+            return _anthropic_error(400, "invalid_request_error", str(exc))
+
+    async def messages(self, request: web.Request) -> web.StreamResponse:
+        chat = await self._anthropic_chat(request, count_tokens=False)
+        if isinstance(chat, web.Response):
+            return chat
+        stream = chat["stream"]
+        if not chat["messages"]:  # serving_chat's _validate_request
+            return _anthropic_error(400, "invalid_request_error", "Messages cannot be empty.")
+        try:
+            parsed = _parse_openai(chat, request, self.cfg, chat=True)
+        except _ClientError as exc:
+            if exc.stage not in ("tokenizer", "scheduler"):
+                return _anthropic_error(exc.status, anthropic.error_type(exc.status), str(exc))
+            if stream:  # the stream has started: message_start, the error, message_stop
+                return await self._anthropic_stream_error(request, chat["model"], str(exc))
+            # the chat handler's own error body, passed through with its type (BadRequestError)
+            return _anthropic_error(exc.status, _error_type(exc.status), str(exc))
+        model = chat["model"]
+        report = self.cfg.enable_cache_report
+
+        async def respond(p: _Parsed, fls: list[_Flight]) -> web.StreamResponse:
+            fl = fls[0]
+            text = output_text(p.max_tokens, _text_seed(fl.rid))
+            if not p.stream:
+                done = (await self._all_finished(request, fls))[0]
+                n = done.completion_tokens
+                return _json({
+                    "id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": "assistant",
+                    "content": [{"type": "text", "text": text[: n * BYTES_PER_TOKEN]}], "model": model,
+                    "stop_reason": self._stop_reason(p, done),
+                    "usage": anthropic.usage(fl.prompt.num_tokens, fl.cached if report else 0, n),
+                })
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
+            await resp.prepare(request)
+            n_chunks = 0
+            block_open = False
+            fin: Finished | None = None
+            async for _, sent, total, ended in self._progress_all(request, fls):
+                fin = ended or fin
+                if sent == 0:  # the first chunk carries the prompt's usage
+                    n_chunks = await self._write(request, resp, anthropic.sse_event({
+                        "type": "message_start", "message": {
+                            "id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": "assistant", "content": [],
+                            "model": model, "usage": anthropic.usage(fl.prompt.num_tokens, fl.cached if report else 0, 0),
+                        }}), n_chunks)
+                if total <= sent:
+                    continue
+                if not block_open:
+                    block_open = True
+                    n_chunks = await self._write(request, resp, anthropic.sse_event(
+                        {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}}
+                    ), n_chunks)
+                n_chunks = await self._write(request, resp, anthropic.sse_event({
+                    "type": "content_block_delta", "index": 0,
+                    "delta": {"type": "text_delta", "text": text[sent * BYTES_PER_TOKEN : total * BYTES_PER_TOKEN]},
+                }), n_chunks)
+            assert fin is not None
+            tail = [{"type": "content_block_stop", "index": 0}] if block_open else []
+            tail += [
+                {"type": "message_delta", "delta": {"stop_reason": self._stop_reason(p, fin)},
+                 "usage": {"output_tokens": fin.completion_tokens}},
+                {"type": "message_stop"},
+            ]
+            for ev in tail:
+                n_chunks = await self._write(request, resp, anthropic.sse_event(ev), n_chunks)
+            await resp.write_eof()
+            return resp
+
+        return await self._run(
+            request, parsed, "/v1/messages", respond,
+            lambda m, s: _anthropic_error(s, anthropic.error_type(s), "Internal server error" if s >= 500 else m),
+        )
+
+    def _stop_reason(self, parsed: _Parsed, fin: Finished) -> str:
+        return anthropic.STOP_REASONS.get(self._finish_reason(parsed, fin)[0], "end_turn")
+
+    async def _anthropic_stream_error(self, request: web.Request, model: str, message: str) -> web.StreamResponse:
+        """SGLang's ``_flush_on_error`` for a request refused once its stream has started."""
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
+        await resp.prepare(request)
+        start = {"id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": "assistant", "content": [],
+                 "model": model, "usage": {"input_tokens": 0, "output_tokens": 0}}
+        for ev in (
+            {"type": "message_start", "message": start},
+            anthropic.error_body("invalid_request_error", message),
+            {"type": "message_stop"},
+        ):
+            await resp.write(anthropic.sse_event(ev))
+        await resp.write_eof()
+        return resp
+
+    async def count_tokens(self, request: web.Request) -> web.Response:
+        chat = await self._anthropic_chat(request, count_tokens=True)
+        if isinstance(chat, web.Response):
+            return chat
+        if not chat["messages"]:  # the chat template's own refusal
+            return _anthropic_error(
+                400, "invalid_request_error",
+                "Cannot apply chat template to an empty conversation. Provide at least one message.",
+            )
+        # the templated prompt's length, unchecked against the context (as SGLang does)
+        return _json({"input_tokens": encode_text(render_chat(chat["messages"], chat.get("tools"))).num_tokens})
+
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body: dict[str, Any] = {}
         try:
@@ -1808,6 +1946,8 @@ def make_emulator_app(config: EmulatorConfig) -> web.Application:
     r = app.router
     r.add_post("/v1/chat/completions", h.chat)
     r.add_post("/v1/completions", h.completions)
+    r.add_post("/v1/messages", h.messages)
+    r.add_post("/v1/messages/count_tokens", h.count_tokens)
     r.add_post("/generate", h.generate)
     r.add_put("/generate", h.generate)
     r.add_get("/health", h.health)
