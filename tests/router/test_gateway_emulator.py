@@ -431,3 +431,44 @@ async def test_engine_sessions_are_pinned_and_never_tried_elsewhere(emulators: A
             assert status == 404 and why in json.loads(raw)["error"]["message"], raw
         assert all(not f.ok and f.replica_id is None for f in log.of(RequestFinished)[served:])
         await wait_for(lambda: all(r.in_flight == 0 for r in store.core.replicas()))
+
+
+async def test_anthropic_messages_through_the_gateway(emulators: Any, gateway_factory: Any) -> None:
+    """Claude Code's traffic: /v1/messages with its X-Claude-Code-Session-Id header goes home, is
+    learnt from Anthropic's usage, and a stream the replica breaks ends with Anthropic's error event."""
+    a, b = await emulators(2)
+    log = EventLog()
+    gw = await gateway_factory([a.url, b.url], hooks=(log,))
+    msgs: list[dict[str, Any]] = [{"role": "user", "content": "refactor the parser " * 40}]
+    doc: dict[str, Any] = {"model": "emulated/small-test", "max_tokens": 8, "system": "You are a coder. " * 30}
+    headers = {"X-Claude-Code-Session-Id": "cc-1"}
+    async with aiohttp.ClientSession() as s:
+        homes = []
+        for turn, stream in enumerate((False, True)):
+            async with s.post(gw.url + "/v1/messages", json={**doc, "messages": msgs, "stream": stream},
+                              headers=headers) as r:  # fmt: skip
+                assert r.status == 200
+                homes.append(r.headers["X-Kvroute-Replica"])
+                raw = await r.read()
+            if not stream:
+                usage = json.loads(raw)["usage"]
+                assert usage["input_tokens"] > 0 and "cache_read_input_tokens" not in usage  # a cold first turn
+            msgs = [*msgs, {"role": "assistant", "content": "done " * 8}, {"role": "user", "content": f"next {turn}"}]
+        await wait_for(lambda: len(log.of(RequestFinished)) == 2)
+        first, second = log.of(RequestFinished)
+        assert homes[0] == homes[1] and first.session_id == second.session_id == "cc-1"
+        assert first.ok and second.ok and first.cached_tokens == 0
+        # the first prompt, cached in whole pages, is a hit at home
+        assert second.cached_tokens is not None and second.cached_tokens >= 0.9 * first.prompt_tokens
+        sess = await gw.runtime.store.session("cc-1")
+        assert sess is not None and sess.context_tokens == second.prompt_tokens + second.completion_tokens
+
+        home = a if homes[0].endswith(f":{a.port}") else b
+        await _set_faults(s, home, break_after_chunks=2, count=1)
+        async with s.post(gw.url + "/v1/messages", json={**doc, "messages": msgs, "stream": True}, headers=headers) as r:
+            assert r.status == 200
+            events = [e for e in (await r.read()).decode().split("\n\n") if e]
+    name, data = events[-1].split("\n")
+    assert name == "event: error" and json.loads(data.removeprefix("data: "))["type"] == "error"
+    assert not any("[DONE]" in e for e in events)
+    await wait_for(lambda: all(r.in_flight == 0 for r in gw.runtime.store.core.replicas()))
