@@ -282,6 +282,8 @@ def cli_main(argv: list[str]) -> int:
     p.add_argument("--no-live", action="store_true", help="plain progress lines instead of the live view")
     p.add_argument("--engine-set", action="append", default=[], metavar="FIELD=VALUE",
                    help="an emulated engine's profile field (repeatable), e.g. schedule_policy=lpm")
+    p.add_argument("--api", choices=["chat", "messages"], default="chat",
+                   help="the clients speak chat completions, or Anthropic's Messages API (/v1/messages, as Claude Code)")
     p.add_argument("--no-session-id", action="store_true",
                    help="the clients send no session header: the gateway keys each conversation by its prompt")
     ns = p.parse_args(argv)
@@ -295,6 +297,7 @@ def cli_main(argv: list[str]) -> int:
         token_unit=ns.token_unit, profile=ns.profile, seed=ns.seed, drain_s=ns.drain,
         policy_params=tuple(ns.policy_param), host_tier=ns.hicache, gateways=ns.gateways,
         workload_kind=ns.workload, trace=ns.trace, engine_set=tuple(ns.engine_set), session_ids=not ns.no_session_id,
+        api=ns.api,
     )
     try:
         scenario.check()
@@ -312,7 +315,8 @@ def cli_main(argv: list[str]) -> int:
         f"{ns.duration:.0f} s per policy, policies {', '.join(policies)}; time x{1 / ns.time_scale:g}, "
         f"1 emulated token = {ns.token_unit} model tokens"
         + (f"; {ns.gateways} gateways sharing state in Redis" if ns.gateways > 1 else "")
-        + ("; no session ids (prefix keys)" if ns.no_session_id else ""),
+        + ("; no session ids (prefix keys)" if ns.no_session_id else "")
+        + ("; Anthropic Messages API (/v1/messages)" if ns.api == "messages" else ""),
         flush=True,
     )
     doc = asyncio.run(run_demo(policies, scenario, live=live, plots=ns.plots))

@@ -13,6 +13,9 @@ Theory of operation:
     ``token_unit`` model tokens. Token counts in the JSON are model tokens (emulated x token_unit).
   * Requests are chat completions, ``stream: true`` with ``stream_options.include_usage``, ``max_tokens``
     = the turn's output. TTFT = first SSE ``data:`` event; cached tokens come from the usage chunk.
+    With ``api="messages"`` they are Anthropic Messages API requests (``/v1/messages``, what Claude
+    Code sends: the system prompt top-level), their usage read from ``message_start`` and
+    ``message_delta`` (``input_tokens`` + ``cache_read_input_tokens`` is the prompt).
   * The session id goes in ``Modal-Session-Id``, ``x-session-id`` and ``X-SMG-Routing-Key`` so kvroute
     and both peer routers see it.
   * Per-replica load is sampled every ``sample_interval_s`` (wall) FROM THE REPLICAS (``/_emulator/state``,
@@ -92,6 +95,7 @@ class LoadConfig:
     session_headers: tuple[str, ...] = DEFAULT_SESSION_HEADERS
     request_timeout_s: float = 600.0
     stream: bool = True
+    api: str = "chat"  # "chat" (/v1/chat/completions) or "messages" (Anthropic's /v1/messages)
     break_tolerance: float = 0.95  # cached < tolerance x ideal counts as an affinity break
     # emulated tokens per cache page of the replicas, for the ideal; None: the first replica's
     # /server_info says (1 if it does not answer)
@@ -410,7 +414,8 @@ class _Run:
         self.last_replica: dict[str, str] = {}
         self.move_times: list[float] = []  # modelled t of each session home change
         self.issued = 0
-        self._urls = [u.rstrip("/") + "/v1/chat/completions" for u in (config.url, *config.extra_urls)]
+        path = "/v1/messages" if config.api == "messages" else "/v1/chat/completions"
+        self._urls = [u.rstrip("/") + path for u in (config.url, *config.extra_urls)]
 
     def modelled_now(self) -> float:
         return (time.monotonic() - self.t0) / self.c.time_scale
@@ -485,6 +490,15 @@ class _Run:
                     self.spawn(b, float(b.start_s))
 
     def _body(self, messages: list[dict[str, str]], max_tokens: int) -> dict[str, Any]:
+        if self.c.api == "messages":
+            system = "\n".join(m["content"] for m in messages if m["role"] == "system")
+            rest = [m for m in messages if m["role"] != "system"]
+            doc: dict[str, Any] = {"model": self.c.model, "messages": rest, "max_tokens": max_tokens}
+            if system:
+                doc["system"] = system
+            if self.c.stream:
+                doc["stream"] = True
+            return doc
         body: dict[str, Any] = {
             "model": self.c.model,
             "messages": messages,
@@ -530,13 +544,14 @@ class _Run:
                         if b'"error"' in line and b'"choices"' not in line:
                             error = line.decode(errors="replace")[:300]
                         elif b'"usage"' in line:
-                            u = json.loads(line[5:]).get("usage")
+                            ev = json.loads(line[5:])
+                            u = ev.get("usage") if "message" not in ev else ev["message"].get("usage")
                             if isinstance(u, dict):
-                                usage = u
+                                usage = _merged_usage(usage, u)
                 else:
                     doc = await resp.json()
                     ttft = time.monotonic() - t_start
-                    usage = doc.get("usage")
+                    usage = _merged_usage(None, doc.get("usage") or {})
         except asyncio.CancelledError:
             self.stats.in_flight -= 1
             raise
@@ -809,6 +824,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--sample-interval", type=float, default=0.25, help="wall seconds between load samples")
     p.add_argument("--fresh-connections", action="store_true", help="new TCP connection per request")
     p.add_argument("--no-stream", action="store_true")
+    p.add_argument("--api", choices=["chat", "messages"], default="chat",
+                   help="chat completions, or Anthropic's Messages API (/v1/messages, as Claude Code)")
     p.add_argument(
         "--no-session-id", action="store_true",
         help="send no session header (as a plain OpenAI client): the router keys on the prompt",
@@ -838,6 +855,21 @@ def load_workload(kind: str, trace: Path | None, sessions: int, seed: int) -> li
     return list(w.read_mooncake(path))[:sessions]
 
 
+def _merged_usage(have: dict[str, Any] | None, u: dict[str, Any]) -> dict[str, Any]:
+    """OpenAI's usage as it is; Anthropic's (Messages API: the input in ``message_start``, the
+    output in ``message_delta``) merged into OpenAI's keys."""
+    if "input_tokens" not in u and "output_tokens" not in u:
+        return u
+    out = dict(have or {})
+    if "input_tokens" in u:
+        cached = int(u.get("cache_read_input_tokens") or 0)
+        out["prompt_tokens"] = int(u["input_tokens"]) + cached
+        out["prompt_tokens_details"] = {"cached_tokens": cached}
+    if u.get("output_tokens"):
+        out["completion_tokens"] = int(u["output_tokens"])
+    return out
+
+
 async def _amain(ns: argparse.Namespace) -> int:
     sessions = load_workload(ns.workload, ns.trace, ns.sessions, ns.seed)
     config = LoadConfig(
@@ -854,6 +886,7 @@ async def _amain(ns: argparse.Namespace) -> int:
         fresh_connections=ns.fresh_connections,
         max_think_modelled_s=ns.max_think,
         stream=not ns.no_stream,
+        api=ns.api,
         page_size=ns.page_size,
         session_headers=() if ns.no_session_id else DEFAULT_SESSION_HEADERS,
     )

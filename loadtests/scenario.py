@@ -79,6 +79,7 @@ class DemoScenario:
     # False: clients send no session header, as a plain OpenAI client; each router keys on the prompt
     # (kvroute: rule 7's prefix key, docs/POLICY.md). The measures still group by the driver's sessions.
     session_ids: bool = True
+    api: str = "chat"  # the clients' API: chat completions, or "messages" (Anthropic's, as Claude Code)
 
     def emulator_args(self) -> list[str]:
         return [
@@ -166,6 +167,7 @@ class DemoScenario:
             lanes=self.sessions,
             page_size=self.page_size,
             session_headers=DEFAULT_SESSION_HEADERS if self.session_ids else (),
+            api=self.api,
         )
 
     def workload(self) -> list[SessionSpec]:

@@ -19,7 +19,9 @@ KVROUTE = str(Path(sys.executable).parent / "kvroute")
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("flags", [[], ["--no-session-id"]], ids=["session-ids", "no-session-id"])
+@pytest.mark.parametrize(
+    "flags", [[], ["--no-session-id"], ["--api", "messages"]], ids=["session-ids", "no-session-id", "messages-api"]
+)
 def test_tiny_demo_writes_both_policies(tmp_path: Path, flags: list[str]) -> None:
     out = tmp_path / "demo.json"
     proc = subprocess.run(
@@ -46,7 +48,8 @@ def test_tiny_demo_writes_both_policies(tmp_path: Path, flags: list[str]) -> Non
         assert m["requests_ceiling"] == doc["hash"]["requests_ceiling"] > 10
         assert m["requests_of_ceiling"] == pytest.approx(m["requests"] / m["requests_ceiling"])
     assert doc["_scenario"]["replicas"] == 2 and doc["_scenario"]["policies"] == ["kv_aware", "hash"]
-    assert doc["_scenario"]["session_ids"] == (not flags)  # --no-session-id: the clients sent none
+    assert doc["_scenario"]["session_ids"] == ("--no-session-id" not in flags)  # the clients sent none
+    assert doc["_scenario"]["api"] == ("messages" if "messages" in flags else "chat")
     # not a TTY: plain progress lines and the final comparison
     assert "[kvroute kv_aware]" in proc.stdout and "dispersion" in proc.stdout
     assert f"complete {doc['kv_aware']['requests_ceiling']} (simulated)" in proc.stdout
