@@ -88,8 +88,9 @@ def _lax_int(v: Any) -> tuple[int | None, str | None]:
     return None, "Input should be a valid integer"
 
 
-def _lax_bool(v: Any) -> bool | None:
-    """pydantic's lax ``Optional[bool]``: None (missing) is False; None back means not a bool."""
+def lax_bool(v: Any) -> bool | None:
+    """pydantic's lax ``Optional[bool]``: None (missing) is False; None back means not a bool
+    (also what the server's OpenAI routes read their flags with)."""
     if v is None or isinstance(v, bool):
         return bool(v)
     if isinstance(v, int | float) and v in (0, 1):
@@ -243,7 +244,7 @@ def validate(body: Mapping[str, Any], *, count_tokens: bool = False) -> int:
         elif stop is not None:
             errors += [f"stop_sequences.{i}: Input should be a valid string"
                        for i, s in enumerate(stop) if not isinstance(s, str)]
-        if _lax_bool(body.get("stream")) is None:
+        if lax_bool(body.get("stream")) is None:
             errors.append("stream: Input should be a valid boolean, unable to interpret input")
     if body.get("system") is not None:
         _check_blocks(body["system"], "system", errors)
@@ -409,7 +410,7 @@ def to_chat(body: Mapping[str, Any], *, count_tokens: bool = False) -> dict[str,
     max_tokens = validate(body, count_tokens=count_tokens)
     chat: dict[str, Any] = {
         "messages": _messages(body), "model": body["model"], "max_tokens": max_tokens,
-        "stream": bool(_lax_bool(body.get("stream"))) and not count_tokens,
+        "stream": bool(lax_bool(body.get("stream"))) and not count_tokens,
     }
     if not count_tokens:
         for src, dst in (("temperature", "temperature"), ("top_p", "top_p"), ("top_k", "top_k"),

@@ -712,20 +712,12 @@ def _stream_options(body: dict[str, Any], cfg: EmulatorConfig) -> bool:
     return cfg.stream_response_default_include_usage
 
 
-_LAX_TRUE = frozenset({"1", "true", "t", "yes", "y", "on"})
-_LAX_FALSE = frozenset({"0", "false", "f", "no", "n", "off"})
-
-
 def _lax_bool(body: dict[str, Any], key: str) -> bool:
     """``body[key]`` as pydantic's lax ``bool`` takes it (``"yes"``, ``1`` ... are true)."""
-    v = body.get(key)
-    if v is None or isinstance(v, bool):
-        return bool(v)
-    if isinstance(v, int | float) and v in (0, 1):
-        return bool(v)
-    if isinstance(v, str) and v.strip().lower() in _LAX_TRUE | _LAX_FALSE:
-        return v.strip().lower() in _LAX_TRUE
-    raise _validation_error(f"{key}: Input should be a valid boolean")
+    v = anthropic.lax_bool(body.get(key))
+    if v is None:
+        raise _validation_error(f"{key}: Input should be a valid boolean")
+    return v
 
 
 def _openai_sampling_extras(body: dict[str, Any], chat: bool) -> tuple[int, bool, int]:

@@ -84,18 +84,7 @@ async def session_calls(base: str, tag: str) -> tuple[Outcome, dict[str, int]]:
         got["close, unknown"] = (status, raw)
 
         gen = {"sampling_params": {"max_new_tokens": 4, "ignore_eos": True, "temperature": 0}}
-        for stream in (False, True):
-            status, ctype, raw = await _call(
-                s,
-                "POST",
-                base + "/generate",
-                {**gen, "text": "hello", "stream": stream, "session_params": {"id": ghost}},
-            )
-            got[f"generate, unknown session, stream={stream}"] = (
-                status,
-                ctype,
-                _stream_shape(raw) if stream else _error_shape(raw),
-            )
+        got |= await _refused_generates(s, base, {**gen, "text": "hello"}, ghost, "unknown session")
 
         # the new text's own token count, by each server's tokenizer (a plain request)
         new = " and more"
@@ -154,18 +143,7 @@ async def session_calls(base: str, tag: str) -> tuple[Outcome, dict[str, int]]:
 
         status, _, raw = await _call(s, "POST", base + "/close_session", {"session_id": sid})
         got["close, open"] = (status, raw)
-        for stream in (False, True):
-            status, ctype, raw = await _call(
-                s,
-                "POST",
-                base + "/generate",
-                {**gen, "text": "x", "stream": stream, "session_params": {"id": sid}},
-            )
-            got[f"generate, closed session, stream={stream}"] = (
-                status,
-                ctype,
-                _stream_shape(raw) if stream else _error_shape(raw),
-            )
+        got |= await _refused_generates(s, base, {**gen, "text": "x"}, sid, "closed session")
 
         # a session unused for its timeout is closed (SGLang sweeps once a second; the emulator's
         # timeout is in modelled seconds, 100x faster here)
@@ -178,6 +156,20 @@ async def session_calls(base: str, tag: str) -> tuple[Outcome, dict[str, int]]:
         )
         got["generate, timed-out session"] = (status, _error_shape(raw))
     return got, counts
+
+
+async def _refused_generates(
+    s: aiohttp.ClientSession, base: str, doc: dict[str, Any], sid: str, what: str
+) -> dict[str, Any]:
+    """A /generate in a session the engine does not hold, unstreamed and streamed: status, content
+    type and the error's (or the stream's) shape."""
+    got: dict[str, Any] = {}
+    for stream in (False, True):
+        status, ctype, raw = await _call(
+            s, "POST", base + "/generate", {**doc, "stream": stream, "session_params": {"id": sid}}
+        )
+        got[f"generate, {what}, stream={stream}"] = (status, ctype, _stream_shape(raw) if stream else _error_shape(raw))
+    return got
 
 
 def _check_counts(name: str, c: dict[str, int]) -> None:
