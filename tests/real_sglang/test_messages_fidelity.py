@@ -91,6 +91,10 @@ async def messages_calls(base: str) -> tuple[Outcome, list[str]]:
             return int(json.loads(raw)["input_tokens"])
 
         async def call(case: str, body: dict[str, Any], prompt: int | None = None) -> dict[str, Any]:
+            # greedy unless the case samples: the Messages API has no ignore_eos, and the real model's
+            # near-uniform dummy weights sample one of its 2 EOS ids (of 2,048) about once per 250
+            # four-token answers
+            body = {"temperature": 0, **body}
             status, ctype, raw = await _post(s, base + "/v1/messages", body)
             shape, usage = _shape(status, ctype, raw)
             got[case] = shape
@@ -145,9 +149,10 @@ async def messages_calls(base: str) -> tuple[Outcome, list[str]]:
             {"role": "assistant", "content": [{"type": "text", "text": "Let me look."}, {
                 "type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Paris"}}]},
             {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "sunny"}]},
-        ], "temperature": 0.5, "top_p": 0.9, "top_k": 5, "stop_sequences": ["<no-such-stop>"], "metadata": {"user_id": "u"}}
-        # the stop sequence is one the model cannot write: the emulator never stops early, and a
-        # sampled "\n\n" from the real model ended its answer with end_turn in one CI run
+        ], "temperature": 0.5, "top_p": 0.9, "top_k": 1, "stop_sequences": ["<no-such-stop>"], "metadata": {"user_id": "u"}}
+        # the sampling fields are converted, yet top_k 1 keeps the answer greedy, and the stop
+        # sequence is one the model cannot write: the emulator never stops early, and a sampled
+        # "\n\n" from the real model ended its answer with end_turn in one CI run
         await call("tool_use and tool_result history", history, await count(history))
 
         # errors: the messages are SGLang's own where the emulator reproduces them; token counts in
