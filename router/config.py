@@ -68,8 +68,10 @@ __all__ = [
 ]
 
 ENV_PREFIX = "KVROUTE_"
-# Claude Code (2.1.86 and later) names its session in X-Claude-Code-Session-Id
-DEFAULT_SESSION_HEADERS = ("Modal-Session-Id", "X-Claude-Code-Session-Id", "x-session-id", "X-SMG-Routing-Key")
+# Claude Code (2.1.86 and later) names its session in X-Claude-Code-Session-Id, Codex in session_id
+DEFAULT_SESSION_HEADERS = (
+    "Modal-Session-Id", "X-Claude-Code-Session-Id", "session_id", "x-session-id", "X-SMG-Routing-Key"
+)
 _HEADER_NAME = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")  # RFC 9110 token
 # keys whose value is a credential (or carries one: a Redis URL's password): a start-up error names
 # the key, never echoes the value (the redis_url check shows the URL itself, redacted)

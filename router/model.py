@@ -53,7 +53,9 @@ class ReplicaStatus(StrEnum):
 
 class KeySource(StrEnum):
     HEADER = "header"  # session id from a configured header (Modal-Session-Id, ...)
-    BODY = "body"  # no header: the body's own ``session_id`` (SGLang's field; the engine names its blocks by it)
+    # no header: the body's own ``session_id`` (SGLang's field; the engine names its blocks by it), else
+    # its ``prompt_cache_key`` (OpenAI's)
+    BODY = "body"
     PREFIX = "prefix"  # derived from a hash chain over the request's first prompt blocks
     NONE = "none"  # nothing to key on (e.g. an empty body)
 

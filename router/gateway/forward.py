@@ -235,6 +235,10 @@ def anthropic_usage(usage: Mapping[str, Any], output_tokens: int | None) -> Usag
 def _from_obj(obj: Mapping[str, Any]) -> Usage | None:
     usage = obj.get("usage")
     if isinstance(usage, Mapping) and "input_tokens" in usage:
+        details = usage.get("input_tokens_details")
+        if isinstance(details, Mapping):  # OpenAI's Responses API: input_tokens is the whole prompt
+            return Usage(_int(usage.get("input_tokens")), _int(details.get("cached_tokens")),
+                         _int(usage.get("output_tokens")))  # fmt: skip
         return anthropic_usage(usage, _int(usage.get("output_tokens")))
     if isinstance(usage, Mapping):
         details = usage.get("prompt_tokens_details")
@@ -289,11 +293,12 @@ class UsageSniffer:
     ``"usage"`` or ``"meta_info"`` *and* ``"prompt_tokens"``. Only the last candidate is kept (raw) and
     parsed once at the end, so cumulative ``/generate`` streams cost no per-chunk JSON parsing.
     Anthropic's Messages API streams its usage in two parts: the input in ``message_start``, the
-    output in ``message_delta``.
+    output in ``message_delta``; OpenAI's Responses API in its last event (``response.completed``
+    or ``response.incomplete``), the whole response with its usage.
     JSON: the body is accumulated up to ``max_json_bytes`` and parsed at the end.
 
     ``errored``: the engine reported a failure inside a 200 stream -- an ``{"error": ...}`` event
-    (Anthropic's ``{"type": "error", ...}``), or a
+    (Anthropic's ``{"type": "error", ...}``, the Responses API's ``response.failed``), or a
     ``/generate`` chunk finished with ``abort`` -- as SGLang does for a prompt its scheduler refuses
     (then a usage chunk counts the one-token stand-in it ran: nothing to learn from).
     """
@@ -373,9 +378,11 @@ class UsageSniffer:
 
     def _candidate(self, line: bytes) -> None:
         data = line[5:].lstrip()
-        if data.startswith((b'{"error"', b'{"type":"error"')):
+        if data.startswith((b'{"error"', b'{"type":"error"', b'{"type":"response.failed"')):
             self.errored = True
-        elif b'"prompt_tokens"' in line and (b'"usage"' in line or b'"meta_info"' in line):
+        elif (b'"prompt_tokens"' in line and (b'"usage"' in line or b'"meta_info"' in line)) or data.startswith(
+            (b'{"type":"response.completed"', b'{"type":"response.incomplete"')  # the Responses API's last
+        ):
             self._last = line
         elif data.startswith(b'{"type":"message_start"') and b'"input_tokens"' in line:
             self._start = line
@@ -397,6 +404,8 @@ class UsageSniffer:
         if self._last is None:
             return None
         obj = _loads(self._last[5:].strip())
+        if isinstance(obj, dict) and isinstance(obj.get("response"), Mapping):
+            obj = obj["response"]  # the Responses API's last event carries the whole response
         meta = obj.get("meta_info") if isinstance(obj, dict) else None
         finish = meta.get("finish_reason") if isinstance(meta, dict) else None
         if isinstance(finish, dict) and finish.get("type") == "abort":

@@ -89,6 +89,7 @@ __all__ = [
     "MESSAGES_ROUTE",
     "REASON_HEADER",
     "REPLICA_HEADER",
+    "RESPONSES_ROUTE",
     "handle_health",
     "handle_inference",
     "handle_models",
@@ -101,7 +102,8 @@ __all__ = [
 log = logging.getLogger("kvroute.gateway")
 
 MESSAGES_ROUTE = "/v1/messages"  # Anthropic's Messages API, as SGLang serves it
-INFERENCE_ROUTES = ("/v1/chat/completions", "/v1/completions", "/generate", MESSAGES_ROUTE)
+RESPONSES_ROUTE = "/v1/responses"  # OpenAI's Responses API (Codex), stateless as SGLang serves it by default
+INFERENCE_ROUTES = ("/v1/chat/completions", "/v1/completions", "/generate", MESSAGES_ROUTE, RESPONSES_ROUTE)
 COUNT_TOKENS_ROUTE = "/v1/messages/count_tokens"
 # proxied like inference, but nothing is generated and nothing learnt from the answer
 _CONTROL_ROUTES = (*SESSION_ROUTES, COUNT_TOKENS_ROUTE)
@@ -129,9 +131,15 @@ def session_id_from_headers(headers: Mapping[str, str], cfg: GatewayConfig) -> s
     return None
 
 
-def sse_error_event(message: str, code: int = 502, error_type: str = "upstream_error", *, route: str = "") -> bytes:
+def sse_error_event(
+    message: str, code: int = 502, error_type: str = "upstream_error", *, route: str = "", sequence: int = 0
+) -> bytes:
     """The gateway's last event of a stream it cannot finish: OpenAI's ``data:`` error and
-    ``[DONE]``, or on Anthropic's Messages API an ``error`` event (which ends its streams)."""
+    ``[DONE]``; on Anthropic's Messages API an ``error`` event (which ends its streams); on OpenAI's
+    Responses API its ``error`` event, numbered ``sequence`` (the events relayed before it)."""
+    if route == RESPONSES_ROUTE:
+        doc = {"type": "error", "code": error_type, "message": message, "param": None, "sequence_number": sequence}
+        return f"event: error\ndata: {json.dumps(doc, separators=(',', ':'))}\n\n".encode()
     payload = json.dumps(error_body(message, error_type, code), separators=(",", ":"))
     if route == MESSAGES_ROUTE:
         return f"event: error\ndata: {payload}\n\n".encode()
@@ -203,13 +211,16 @@ def _routing_key(
 ) -> tuple[str | None, KeySource]:
     """The session a request belongs to: the header's id; else the body's own ``session_id`` (SGLang's
     field: the engine names the blocks the request stores by it, so exact residency must read the
-    session under that name); else the prompt's prefix key (rule 7)."""
+    session under that name); else its ``prompt_cache_key`` (OpenAI's field for keeping a
+    conversation on one cache, which Codex and OpenAI SDK users set); else the prompt's prefix key
+    (rule 7)."""
     if session_id is not None:
         return session_id, KeySource.HEADER
     obj = parse_body(body)
-    named = obj.get("session_id")
-    if isinstance(named, str) and named:  # other types are the replica's to refuse
-        return checked_session_id("session_id", named, cfg), KeySource.BODY
+    for name in ("session_id", "prompt_cache_key"):
+        named = obj.get(name)
+        if isinstance(named, str) and named:  # other types are the replica's to refuse
+            return checked_session_id(name, named, cfg), KeySource.BODY
     p = _prefix_params(policy)
     try:
         key = prefix_key(obj, route, p.prefix_block_chars, p.prefix_blocks)
@@ -528,6 +539,9 @@ class _Proxy:
             self.p.stream = sniffer.is_sse
             ds = self.ds
             last_tail = b""
+            # SGLang opens a Responses API stream with two lifecycle events before the prefill: the
+            # first token comes with the third event (TTFT counts from the first chunk elsewhere)
+            first_token_event = 3 if self.req.route == RESPONSES_ROUTE else 0
             try:
                 t = clock.now()
                 await ds.begin(
@@ -547,7 +561,7 @@ class _Proxy:
                         await ds.write(chunk)
                         last_tail = (last_tail + chunk)[-2:]
                     self.p.write_wait_s += clock.now() - t
-                    if self.p.ttft_s is None:
+                    if self.p.ttft_s is None and sniffer.events >= first_token_event:
                         self.p.ttft_s = clock.now() - self.p.t0
                     t = clock.now()
                     try:
@@ -577,7 +591,7 @@ class _Proxy:
                     sep = b"" if last_tail == b"\n\n" else b"\n\n"
                     msg = f"upstream {lease.replica_id} failed mid-stream: {exc.code}"
                     code = 504 if isinstance(exc, UpstreamTimeoutError) else 502
-                    await ds.end(sep + sse_error_event(msg, code, route=self.req.route))
+                    await ds.end(sep + sse_error_event(msg, code, route=self.req.route, sequence=sniffer.events))
                 else:
                     ds.cut()
                 return

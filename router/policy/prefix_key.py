@@ -3,7 +3,9 @@
 ``prefix_key`` renders the part of the prompt that identifies a *conversation* and hashes it as a
 chain over fixed-size blocks (mmh3, deterministic across processes):
 
-* chat (``messages``): the model, the tool definitions, and every message up to and including the
+* chat (``messages``; Anthropic's Messages API with its top-level ``system``; OpenAI's Responses API,
+  whose ``input`` is the messages and ``instructions`` the system prompt): the model, the tool
+  definitions, and every message up to and including the
   first user message. That anchor never changes as the conversation grows (later turns only append),
   so every turn gets the same key; conversations that share a system prompt and tools but start
   with a different question get different keys, so shared system prompts do not herd everything
@@ -41,8 +43,8 @@ def prefix_key(body: Mapping[str, Any], route: str, block_chars: int, blocks: in
     if block_chars < 1 or blocks < 1:
         raise ValueError("block_chars and blocks must be ≥ 1")
     head = _model_head(body)
-    messages = body.get("messages")
-    if route.endswith("/chat/completions") or (isinstance(messages, list) and "prompt" not in body):
+    chat_like = _conversation(body) is not None and "prompt" not in body
+    if route.endswith(("/chat/completions", "/responses")) or chat_like:
         anchor = render_chat_anchor(body)
         if anchor is None:
             return None
@@ -62,8 +64,7 @@ def chain_key(body: Mapping[str, Any], route: str, block_chars: int, blocks: int
     of the first user message: clients that keep a whole transcript in one growing user message keep
     the key as it grows, and agents that append messages never change it. Flat prompts (``prompt``,
     ``text``, ``input_ids``) have no conversation structure to anchor on: None."""
-    messages = body.get("messages")
-    if "prompt" in body or not isinstance(messages, list):
+    if "prompt" in body or _conversation(body) is None:
         return None
     anchor = render_chat_anchor(body)
     if anchor is None:
@@ -75,12 +76,12 @@ def chain_key(body: Mapping[str, Any], route: str, block_chars: int, blocks: int
 
 def render_chat_anchor(body: Mapping[str, Any]) -> tuple[str, str] | None:
     """(system prompt + tools + messages before the first user message, first user message)."""
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
+    conversation = _conversation(body)
+    if conversation is None or not conversation[0]:
         return None
+    messages, system = conversation
     tools = body.get("tools")
     parts = [_canonical(tools) if tools else ""]
-    system = body.get("system")  # Anthropic's Messages API keeps the system prompt out of messages
     if system:
         parts.append(f"system:{_content_text(system)}")
     first_user: str | None = None
@@ -99,6 +100,21 @@ def render_chat_anchor(body: Mapping[str, Any]) -> tuple[str, str] | None:
     if not shared.strip(_SEP) and not first_user:
         return None
     return shared, first_user
+
+
+def _conversation(body: Mapping[str, Any]) -> tuple[list[Any], Any] | None:
+    """(messages, the system prompt kept out of them) of a chat-like body; None for a flat prompt.
+    Anthropic's Messages API keeps the system prompt in ``system``; OpenAI's Responses API takes the
+    messages as ``input`` (a string is one user message) and the system prompt as ``instructions``."""
+    messages = body.get("messages")
+    if isinstance(messages, list):
+        return messages, body.get("system")
+    given = body.get("input")
+    if isinstance(given, str):
+        return [{"role": "user", "content": given}], body.get("instructions")
+    if isinstance(given, list):
+        return given, body.get("instructions")
+    return None
 
 
 def _model_head(body: Mapping[str, Any]) -> str:

@@ -550,3 +550,65 @@ async def test_anthropic_messages_go_home_and_teach_the_context(
     assert counted.ok and counted.prompt_tokens is None  # nothing generated, nothing learnt
     sess = await gw.store.session(sid)
     assert sess is not None and sess.context_tokens == turns[-1].prompt_tokens + outputs[-1] and sess.turns == 3
+
+
+def _responses_reply(body: bytes, stream: bool) -> tuple[str, int]:
+    """The assistant's text and ``output_tokens`` of a /v1/responses answer (streamed or not)."""
+    if not stream:
+        doc = json.loads(body)
+        parts = [p for item in doc["output"] if item.get("type") == "message" for p in item["content"]]
+        return "".join(p.get("text", "") for p in parts), doc["usage"]["output_tokens"]
+    out, output_tokens = [], -1
+    for line in body.decode().splitlines():
+        if line.startswith("data: "):
+            ev = json.loads(line[6:])
+            if ev["type"] == "response.output_text.delta":
+                out.append(ev["delta"])
+            elif ev["type"] in ("response.completed", "response.incomplete"):
+                output_tokens = ev["response"]["usage"]["output_tokens"]
+    return "".join(out), output_tokens
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["unstreamed", "streamed"])
+async def test_responses_api_goes_home_and_teaches_the_context(
+    fleet: list[RealServer], gateway_factory: Any, stream: bool
+) -> None:
+    """OpenAI's Responses API (what Codex speaks), served by SGLang's ``/v1/responses`` without a
+    response store: a session named by Codex's ``session_id`` header goes home and hits the radix
+    cache, kvroute learns the prompt as the engine counts it (``input_tokens``, the cached part in
+    its details); a client without a header is named by its ``prompt_cache_key``."""
+    log = EventLog()
+    gw = await gateway_factory([s.url for s in fleet], hooks=(log,), health=REAL_HEALTH, timeouts=REAL_TIMEOUTS)
+    salt = uuid.uuid4().hex[:6]
+    sid = f"codex-{salt}-{stream}"
+    homes, outputs = [], []
+    async with aiohttp.ClientSession() as s:
+        async with s.get(gw.url + "/v1/models") as r:  # SGLang's Responses API checks the model's name
+            model = (await r.json())["data"][0]["id"]
+        items: list[dict[str, Any]] = [{"role": "user", "content": _text(30, salt)}]
+        for turn in range(3):
+            doc = {"model": model, "instructions": _text(40, f"sys{salt}"), "input": items, "max_output_tokens": 4,
+                   "store": False, "stream": stream, "temperature": 0}  # fmt: skip
+            async with s.post(gw.url + "/v1/responses", json=doc, headers={"session_id": sid}) as r:
+                body = await r.read()
+                assert r.status == 200, body
+                homes.append(r.headers["X-Kvroute-Replica"])
+            reply, output_tokens = _responses_reply(body, stream)
+            outputs.append(output_tokens)  # the model may end its answer before max_output_tokens
+            items = [*items, {"role": "assistant", "content": reply},
+                     {"role": "user", "content": _text(8, f"{salt}{turn}")}]  # fmt: skip
+        keyed = {"model": model, "input": _text(20, f"k{salt}"), "max_output_tokens": 2,
+                 "prompt_cache_key": f"pck-{sid}"}  # fmt: skip
+        async with s.post(gw.url + "/v1/responses", json=keyed) as r:
+            assert r.status == 200, await r.read()
+    await wait_for(lambda: len(log.of(RequestFinished)) == 4)
+    fins = log.of(RequestFinished)
+    turns = fins[:3]
+    assert len(set(homes)) == 1
+    assert all(f.ok and f.session_id == sid and f.prompt_tokens and not f.usage_estimated for f in turns)
+    assert [f.completion_tokens for f in turns] == outputs and all(1 <= n <= 4 for n in outputs)
+    for prev, fin in itertools.pairwise(turns):
+        assert fin.prompt_tokens > prev.prompt_tokens and fin.cached_tokens >= 0.9 * prev.prompt_tokens, fin
+    sess = await gw.store.session(sid)
+    assert sess is not None and sess.context_tokens == turns[-1].prompt_tokens + outputs[-1] and sess.turns == 3
+    assert fins[3].ok and fins[3].session_id == f"pck-{sid}"

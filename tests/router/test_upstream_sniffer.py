@@ -135,3 +135,63 @@ def test_anthropic_error_event_in_a_200_stream_is_a_failure() -> None:
     sn.feed(b'event: error\ndata: {"type":"error","error":{"type":"api_error","message":"boom"}}\n\n')
     sn.feed(b'event: message_stop\ndata: {"type":"message_stop"}\n\n')
     assert sn.errored and sn.result() is None
+
+
+# SGLang 0.5.23's /v1/responses (OpenAI's Responses API), as a real CPU engine streamed it (the
+# response objects shortened to the fields read)
+_RESP = b'"id":"resp_2e0b","object":"response","model":"m","output":[],"max_output_tokens":4'
+_RESPONSES_STREAM = [
+    b'event: response.created\ndata: {"type":"response.created","response":{' + _RESP + b',"status":"in_progress",'
+    b'"usage":null,"error":null},"sequence_number":0}\n\n',
+    b'event: response.in_progress\ndata: {"type":"response.in_progress","response":{' + _RESP + b',"status":'
+    b'"in_progress","usage":null,"error":null},"sequence_number":1}\n\n',
+    b'event: response.output_text.delta\ndata: {"content_index":0,"delta":"say \\"input_tokens\\": 9","item_id":'
+    b'"msg_467f","logprobs":[],"output_index":0,"sequence_number":2,"type":"response.output_text.delta"}\n\n',
+    b'event: response.incomplete\ndata: {"type":"response.incomplete","response":{' + _RESP + b',"status":'
+    b'"incomplete","usage":{"input_tokens":41,"input_tokens_details":{"cached_tokens":40,"cache_write_tokens":0},'
+    b'"output_tokens":2,"output_tokens_details":{"reasoning_tokens":0},"total_tokens":43},"error":null,'
+    b'"incomplete_details":{"reason":"max_output_tokens"}},"sequence_number":3}\n\n',
+]
+
+
+def test_responses_usage_streamed_and_not() -> None:
+    """input_tokens is the whole prompt (OpenAI's meaning), the cached part in its details; a stream
+    carries it in its last event, response.completed or response.incomplete."""
+    for feed in ("whole", "bytewise"):
+        sn = UsageSniffer("text/event-stream")
+        for chunk in _RESPONSES_STREAM:
+            if feed == "whole":
+                sn.feed(chunk)
+            else:
+                for b in chunk:
+                    sn.feed(bytes([b]))
+        assert sn.events == 4 and not sn.errored, feed
+        assert sn.result() == Usage(41, 40, 2), feed
+    completed = UsageSniffer("text/event-stream")
+    for chunk in [*_RESPONSES_STREAM[:3], _RESPONSES_STREAM[3].replace(b"response.incomplete", b"response.completed")]:
+        completed.feed(chunk)
+    assert completed.result() == Usage(41, 40, 2)
+    js = UsageSniffer("application/json")
+    js.feed(
+        b'{"id":"resp_40ae","object":"response","model":"m","output":[],"status":"completed","usage":{"input_tokens"'
+        b':41,"input_tokens_details":{"cached_tokens":0,"cache_write_tokens":0},"output_tokens":2,'
+        b'"output_tokens_details":{"reasoning_tokens":0},"total_tokens":43},"max_output_tokens":4}'
+    )
+    assert js.result() == Usage(41, 0, 2)
+    cut = UsageSniffer("text/event-stream")  # no last event: nothing learnt
+    for chunk in _RESPONSES_STREAM[:3]:
+        cut.feed(chunk)
+    assert cut.result() is None and not cut.errored
+
+
+def test_responses_failed_event_in_a_200_stream_is_a_failure() -> None:
+    """SGLang streams a prompt it refuses as response.failed (usage null) inside a 200."""
+    sn = UsageSniffer("text/event-stream")
+    for chunk in _RESPONSES_STREAM[:2]:
+        sn.feed(chunk)
+    sn.feed(
+        b'event: response.failed\ndata: {"type":"response.failed","response":{' + _RESP + b',"status":"failed",'
+        b'"usage":null,"error":{"code":"server_error","message":"The input (120012 tokens) is longer than the '
+        b'model\'s context length (32768 tokens)."}},"sequence_number":2}\n\n'
+    )
+    assert sn.errored and sn.result() is None

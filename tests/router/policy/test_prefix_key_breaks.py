@@ -70,6 +70,30 @@ def test_anthropic_messages_anchor_on_their_top_level_system_prompt() -> None:
     assert key(messages("look at foo.py"), route) != key(messages("look at foo.py", system="other"), route)
 
 
+def test_responses_api_anchors_on_input_and_instructions() -> None:
+    """OpenAI's Responses API (``/v1/responses``, Codex) takes the messages as ``input`` (a string is
+    one user message, items carry content parts) and the system prompt as ``instructions``: the same
+    conversation has the same key as its chat form, keeps it as it grows, and a sub-agent with its own
+    instructions is another conversation."""
+    route = "/v1/responses"
+
+    def responses(first: Any, *later: dict[str, Any], instructions: str = SYSTEM) -> dict[str, Any]:
+        given = first if isinstance(first, str) else [first, *later]
+        return {"model": "kimi", "instructions": instructions, "input": given, "tools": TOOLS}
+
+    user = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "look at foo.py"}]}
+    call = {"type": "function_call", "call_id": "c1", "name": "bash", "arguments": '{"cmd": "cat foo.py"}'}
+    out = {"type": "function_call_output", "call_id": "c1", "output": "def foo(): ..."}
+    parent = chain_key(responses(user), route, 1024, 64)
+    assert parent is not None and parent == chain_key(responses(user, call, out), route, 1024, 64)
+    assert parent == chain_key(responses("look at foo.py"), route, 1024, 64)  # a string input is that message
+    assert parent == chain_key(chat("look at foo.py"), CHAT, 1024, 64)  # the same conversation as chat
+    sub = chain_key(responses(user, instructions="You are a review sub-agent."), route, 1024, 64)
+    assert sub is not None and sub != parent
+    assert key(responses(user), route) == key(responses(user, call, out), route) != key(responses("other"), route)
+    assert chain_key({"model": "kimi", "input": []}, route, 1024, 64) is None
+
+
 def test_shared_system_prompt_does_not_herd_conversations() -> None:
     keys = {key(chat(f"task number {i}: refactor module {i}")) for i in range(200)}
     assert len(keys) == 200
