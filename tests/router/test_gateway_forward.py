@@ -186,6 +186,11 @@ def test_sse_error_event_is_parseable() -> None:
     (event,) = [e for e in sse_error_event("replica died", 502, route="/v1/messages").decode().split("\n\n") if e]
     name, data = event.split("\n")
     assert name == "event: error" and json.loads(data.removeprefix("data: ")) == error
+    # OpenAI's Responses API: its own error event, numbered after the events relayed before it
+    (event,) = [e for e in sse_error_event("replica died", route="/v1/responses", sequence=7).decode().split("\n\n") if e]
+    name, data = event.split("\n")
+    doc = {"type": "error", "code": "upstream_error", "message": "replica died", "param": None, "sequence_number": 7}
+    assert name == "event: error" and json.loads(data.removeprefix("data: ")) == doc
 
 
 def test_connect_failure_is_told_apart_by_its_cause() -> None:
