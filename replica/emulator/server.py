@@ -13,7 +13,8 @@ Rule 3: a request whose client goes away (or whose handler ends early for any re
 Rule 4: SSE bytes are ``b"data: " + compact JSON + b"\\n\\n"``, ending with ``data: [DONE]``.
         Chunks follow decode steps (``stream_interval`` tokens each, default 1 step's worth),
         coalesced to at most one per ``min_chunk_interval_s`` of wall time. (``/v1/messages``
-        frames Anthropic's events instead: ``anthropic.sse_event``, no ``[DONE]``.)
+        frames Anthropic's events instead: ``anthropic.sse_event``, no ``[DONE]``; ``/v1/responses``
+        OpenAI's Responses events: ``responses.EventStream``, no ``[DONE]``.)
 
 Test hooks (not part of SGLang): ``POST/GET/DELETE /_emulator/faults`` and ``GET
 /_emulator/state`` (see docs/EMULATOR.md); every response carries ``X-Emulator-Replica``.
@@ -31,12 +32,13 @@ import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from http import HTTPStatus
 from typing import Any
 
 import mmh3
 from aiohttp import web
 
-from replica.emulator import anthropic
+from replica.emulator import anthropic, responses
 from replica.emulator.cache import PrefixCache
 from replica.emulator.kv_events import KvEventRecorder, KvEventsConfig, KvEventsPublisher
 from replica.emulator.kv_events import Source as KvSource
@@ -475,6 +477,15 @@ def _chat_logprobs(lps: list[_TokenLogprob]) -> dict[str, Any]:
     ]}
 
 
+def _responses_logprobs(lps: list[_TokenLogprob]) -> list[dict[str, Any]]:
+    """``output_text.logprobs`` of /v1/responses (``include: ["message.output_text.logprobs"]``)."""
+    return [
+        {"token": t, "bytes": list(t.encode()), "logprob": lp,
+         "top_logprobs": [{"token": a, "bytes": list(a.encode()), "logprob": alp} for a, _, alp in top]}
+        for t, _, lp, top in lps
+    ]
+
+
 def _completion_logprobs(lps: list[_TokenLogprob], top: int) -> dict[str, Any]:
     """``choices[].logprobs`` of /v1/completions: SGLang sends ``text_offset`` -1 for every token
     and ``top_logprobs`` ``[]`` (not a list of empty dicts) when no alternatives were asked for."""
@@ -529,6 +540,20 @@ def _openai_error(message: str, status: int = 400, type_: str = "BadRequestError
 
 def _anthropic_error(status: int, type_: str, message: str) -> web.Response:
     return _json(anthropic.error_body(type_, message), status)
+
+
+def _status_phrase(status: int) -> str:
+    """What FastAPI's HTTPException handler names an error by on ``/v1/responses``."""
+    try:
+        return HTTPStatus(status).phrase
+    except ValueError:
+        return str(status)
+
+
+def _responses_error(
+    message: str, status: int, type_: str = "invalid_request_error", param: str | None = None
+) -> web.Response:
+    return _json(responses.error_body(message, type_, param, status), status)
 
 
 def _error_type(status: int) -> str:
@@ -736,7 +761,11 @@ def _openai_sampling_extras(body: dict[str, Any], chat: bool) -> tuple[int, bool
     return (1 if n is None else n), on, (max(0, top) if on else 0)
 
 
-def _parse_openai(body: dict[str, Any], request: web.Request, cfg: EmulatorConfig, chat: bool) -> _Parsed:
+def _parse_openai(
+    body: dict[str, Any], request: web.Request, cfg: EmulatorConfig, chat: bool, serving_chat: bool = True
+) -> _Parsed:
+    """``serving_chat`` False: a chat body another API built (``/v1/responses``), which skips
+    serving_chat's own ``max_completion_tokens`` bound and goes straight to the engine's checks."""
     n, logprobs, top_logprobs = _openai_sampling_extras(body, chat)
     if chat:
         if body.get("input_ids") is not None:
@@ -762,7 +791,7 @@ def _parse_openai(body: dict[str, Any], request: web.Request, cfg: EmulatorConfi
         if max_tokens is None:
             max_tokens = _openai_max_tokens(body, "max_tokens")
         limit = cfg.profile.max_context_tokens
-        if max_tokens and max_tokens > limit:  # serving_chat's own check, before the tokenizer's
+        if serving_chat and max_tokens and max_tokens > limit:  # serving_chat's own, before the tokenizer's
             raise _ClientError(
                 f"max_completion_tokens is too large: {max_tokens}."
                 f"This model supports at most {limit} completion tokens."
@@ -1480,6 +1509,146 @@ class _Handlers:
         # the templated prompt's length, unchecked against the context (as SGLang does)
         return _json({"input_tokens": encode_text(render_chat(chat["messages"], chat.get("tools"))).num_tokens})
 
+    # ---- OpenAI Responses API (replica/emulator/responses.py) ------------------------------
+    async def _responses_body(self, request: web.Request) -> dict[str, Any] | web.Response:
+        """The validated body, or FastAPI's 400 (``"type": "Bad Request"``) SGLang answers instead."""
+        if request.content_type != "application/json":
+            return _responses_error(responses.content_type_error(), 400, "Bad Request")
+        raw = await request.read()
+        if not raw.strip():  # FastAPI takes an empty body for a missing one
+            return _responses_error(responses.body_error("missing", (), "Field required", None), 400, "Bad Request")
+        try:
+            body = _loads(raw)
+        except (ValueError, UnicodeDecodeError):
+            try:  # FastAPI names the position where the stdlib parser stopped
+                json.loads(raw)
+                pos, why = 0, "invalid JSON"
+            except json.JSONDecodeError as exc:
+                pos, why = exc.pos, exc.msg
+            except UnicodeDecodeError as exc:
+                pos, why = exc.start, exc.reason
+            message = responses.body_error("json_invalid", (pos,), "JSON decode error", {}, {"error": why})
+            return _responses_error(message, 400, "Bad Request")
+        if not isinstance(body, dict):
+            message = responses.body_error(
+                "model_attributes_type", (), "Input should be a valid dictionary or object to extract fields from", body
+            )
+            return _responses_error(message, 400, "Bad Request")
+        try:
+            responses.validate(body)
+        except responses.ResponsesValidationError as exc:
+            return _responses_error(str(exc), 400, "Bad Request")
+        return body
+
+    async def create_response(self, request: web.Request) -> web.StreamResponse:
+        body = await self._responses_body(request)
+        if isinstance(body, web.Response):
+            return body
+        try:
+            responses.check(body, self.cfg.model_name)
+            chat = responses.to_chat(body)
+        except responses.ResponsesRequestError as exc:
+            return _responses_error(str(exc), exc.status, param=exc.param)
+        try:
+            parsed = _parse_openai(chat, request, self.cfg, chat=True, serving_chat=False)
+        except _ClientError as exc:
+            if chat["stream"] and exc.stage in ("tokenizer", "scheduler"):
+                return await self._responses_failed_stream(request, body, chat, exc)
+            # the engine's refusals reach the serving layer as a ValueError: its 400
+            return _responses_error(str(exc), exc.status)
+        model = chat["model"]
+        logprobs = "message.output_text.logprobs" in (body.get("include") or [])
+        top = body.get("top_logprobs") or 0
+
+        async def respond(p: _Parsed, fls: list[_Flight]) -> web.StreamResponse:
+            fl = fls[0]
+            created = int(time.time())
+            item_id = f"msg_{uuid.uuid4().hex}"
+            text = output_text(p.max_tokens, _text_seed(fl.rid))
+
+            def doc(output: list[dict[str, Any]], fin: Finished | None) -> dict[str, Any]:
+                if fin is None:
+                    return responses.response_doc(body, rid=p.rid, model=model, created=created, output=output,
+                                                  status="in_progress", usage=None)
+                status, error = responses.outcome(self._finish_reason(p, fin)[0], "Abort request")
+                n = fin.completion_tokens
+                return responses.response_doc(body, rid=p.rid, model=model, created=created, output=output,
+                                              status=status, usage=responses.usage(fl.prompt.num_tokens, fl.cached, n),
+                                              error=error)
+
+            if not p.stream:
+                done = (await self._all_finished(request, fls))[0]
+                n = done.completion_tokens
+                lps = _responses_logprobs(_token_logprobs(fl.rid, text, 0, n, int(top))) if logprobs else None
+                answer = text[: n * BYTES_PER_TOKEN]
+                return _json(doc([responses.message_item(item_id, answer, lps)] if answer else [], done))
+            resp = web.StreamResponse(headers=_SSE_HEADERS)
+            await resp.prepare(request)
+            ev = responses.EventStream()
+            n_chunks = 0
+            for type_ in ("response.created", "response.in_progress"):
+                n_chunks = await self._write(request, resp, ev.lifecycle(type_, doc([], None)), n_chunks)
+            answer = ""
+            fin: Finished | None = None
+            async for _, sent, total, ended in self._progress_all(request, fls):
+                fin = ended or fin
+                if total <= sent:
+                    continue
+                frames = ev.open_message(item_id) if not answer else []
+                piece = text[sent * BYTES_PER_TOKEN : total * BYTES_PER_TOKEN]
+                answer += piece
+                for frame in [*frames, ev.delta(item_id, piece)]:
+                    n_chunks = await self._write(request, resp, frame, n_chunks)
+            assert fin is not None
+            output = []
+            if answer:
+                for frame in ev.close_message(item_id, answer):
+                    n_chunks = await self._write(request, resp, frame, n_chunks)
+                output = [responses.message_item(item_id, answer)]
+            final = doc(output, fin)
+            n_chunks = await self._write(request, resp, ev.lifecycle(f"response.{final['status']}", final), n_chunks)
+            await resp.write_eof()
+            return resp
+
+        return await self._run(
+            request, parsed, "/v1/responses", respond, lambda m, s: _responses_error(m, s, _status_phrase(s))
+        )
+
+    async def _responses_failed_stream(
+        self, request: web.Request, body: dict[str, Any], chat: dict[str, Any], exc: _ClientError
+    ) -> web.StreamResponse:
+        """A streamed request the engine refuses: SGLang has started the stream (created,
+        in_progress) and ends it with ``response.failed``. A scheduler refusal comes after the
+        one-token stand-in prompt it ran: its one output token is a message, and usage counts it."""
+        resp = web.StreamResponse(headers=_SSE_HEADERS)
+        await resp.prepare(request)
+        ev = responses.EventStream()
+        created = int(time.time())
+
+        def doc(output: list[dict[str, Any]], status: str, usage: dict[str, Any] | None = None,
+                error: dict[str, Any] | None = None) -> dict[str, Any]:
+            return responses.response_doc(body, rid=chat["rid"], model=chat["model"], created=created, output=output,
+                                          status=status, usage=usage, error=error)
+
+        frames = [ev.lifecycle(t, doc([], "in_progress")) for t in ("response.created", "response.in_progress")]
+        output: list[dict[str, Any]] = []
+        usage = None
+        if exc.stage == "scheduler":
+            item_id = f"msg_{uuid.uuid4().hex}"
+            text = output_text(1, _text_seed(item_id))
+            frames += [*ev.open_message(item_id), ev.delta(item_id, text), *ev.close_message(item_id, text)]
+            output, usage = [responses.message_item(item_id, text)], responses.usage(1, 0, 1)
+        _, error = responses.outcome("abort", str(exc))
+        frames.append(ev.lifecycle("response.failed", doc(output, "failed", usage, error)))
+        for frame in frames:
+            await resp.write(frame)
+        await resp.write_eof()
+        return resp
+
+    async def stored_response(self, request: web.Request) -> web.Response:
+        """GET ``/v1/responses/{id}`` and its ``/cancel``: nothing is stored (Rule 3 of responses.py)."""
+        return _responses_error(responses.STORE_DISABLED, 400, param="response_id")
+
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body: dict[str, Any] = {}
         try:
@@ -1940,6 +2109,9 @@ def make_emulator_app(config: EmulatorConfig) -> web.Application:
     r.add_post("/v1/completions", h.completions)
     r.add_post("/v1/messages", h.messages)
     r.add_post("/v1/messages/count_tokens", h.count_tokens)
+    r.add_post("/v1/responses", h.create_response)
+    r.add_get("/v1/responses/{response_id}", h.stored_response)
+    r.add_post("/v1/responses/{response_id}/cancel", h.stored_response)
     r.add_post("/generate", h.generate)
     r.add_put("/generate", h.generate)
     r.add_get("/health", h.health)
