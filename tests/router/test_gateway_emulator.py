@@ -19,6 +19,7 @@ import pytest
 from replica.emulator.profiles import get_profile
 from replica.emulator.runner import Running, start_emulators, stop_emulators
 from replica.emulator.server import EmulatorConfig
+from replica.emulator.timemodel import alone_ttft_s
 from router.events import RequestFinished, UpstreamRetry
 from tests.router.conftest import EventLog, wait_for
 
@@ -471,4 +472,59 @@ async def test_anthropic_messages_through_the_gateway(emulators: Any, gateway_fa
     name, data = events[-1].split("\n")
     assert name == "event: error" and json.loads(data.removeprefix("data: "))["type"] == "error"
     assert not any("[DONE]" in e for e in events)
+    await wait_for(lambda: all(r.in_flight == 0 for r in gw.runtime.store.core.replicas()))
+
+
+async def test_responses_api_through_the_gateway(emulators: Any, gateway_factory: Any) -> None:
+    """Codex's traffic: /v1/responses with its ``session_id`` header goes home and is learnt from the
+    Responses API's usage; TTFT counts from the first event after the two sent before the prefill;
+    a stream the replica breaks ends with the API's error event, numbered after the relayed ones."""
+    a, b = await emulators(2, time_scale=1.0)  # wall = modelled: a cold prefill takes its modelled time
+    log = EventLog()
+    gw = await gateway_factory([a.url, b.url], hooks=(log,))
+    items: list[dict[str, Any]] = [{"role": "user", "content": "refactor the parser " * 40}]
+    headers = {"session_id": "codex-1"}
+    async with aiohttp.ClientSession() as s:
+        async with s.get(gw.url + "/v1/models") as r:
+            model = (await r.json())["data"][0]["id"]
+        doc: dict[str, Any] = {"model": model, "max_output_tokens": 10, "instructions": "You are a coder. " * 30,
+                               "store": False}  # fmt: skip
+        homes = []
+        for turn, stream in enumerate((False, True)):
+            async with s.post(gw.url + "/v1/responses", json={**doc, "input": items, "stream": stream},
+                              headers=headers) as r:  # fmt: skip
+                assert r.status == 200
+                homes.append(r.headers["X-Kvroute-Replica"])
+                raw = await r.read()
+            if not stream:
+                usage = json.loads(raw)["usage"]
+                assert usage["input_tokens"] > 0 and usage["input_tokens_details"]["cached_tokens"] == 0
+            items = [*items, {"role": "assistant", "content": "done " * 8}, {"role": "user", "content": f"next {turn}"}]
+        await wait_for(lambda: len(log.of(RequestFinished)) == 2)
+        first, second = log.of(RequestFinished)
+        assert homes[0] == homes[1] and first.session_id == second.session_id == "codex-1"
+        assert first.ok and second.ok and first.cached_tokens == 0 and second.completion_tokens == 8
+        assert second.cached_tokens is not None and second.cached_tokens >= 0.9 * first.prompt_tokens
+        sess = await gw.runtime.store.session("codex-1")
+        assert sess is not None and sess.context_tokens == second.prompt_tokens + second.completion_tokens
+        cold = {**doc, "input": "write the scheduler " * 600, "stream": True}
+        async with s.post(gw.url + "/v1/responses", json=cold, headers={"session_id": "codex-cold"}) as r:
+            raw = await r.read()
+            assert r.status == 200, raw
+        await wait_for(lambda: len(log.of(RequestFinished)) == 3)
+        fin = log.of(RequestFinished)[2]
+        # the first token waits for the prefill; the two events sent before it do not
+        floor = alone_ttft_s(get_profile("small-test"), fin.prompt_tokens, 0)
+        assert fin.prompt_tokens > 3000 and fin.ttft_s is not None and fin.ttft_s >= 0.9 * floor, (fin, floor)
+
+        home = a if homes[0].endswith(f":{a.port}") else b
+        await _set_faults(s, home, break_after_chunks=3, count=1)
+        async with s.post(gw.url + "/v1/responses", json={**doc, "input": items, "stream": True}, headers=headers) as r:
+            assert r.status == 200
+            events = [e for e in (await r.read()).decode().split("\n\n") if e]
+    name, data = events[-1].split("\n")
+    err = json.loads(data.removeprefix("data: "))
+    assert name == "event: error" and err["type"] == "error" and err["code"] == "upstream_error"
+    relayed = [json.loads(e.split("\n")[1].removeprefix("data: ")) for e in events[:-1]]
+    assert [ev["sequence_number"] for ev in relayed] == list(range(len(relayed))) and err["sequence_number"] == len(relayed)
     await wait_for(lambda: all(r.in_flight == 0 for r in gw.runtime.store.core.replicas()))
