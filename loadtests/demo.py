@@ -37,7 +37,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-from loadtests.live import LiveStats, LoadConfig, LoadResult, run_load
+from loadtests.live import API_PATHS, LiveStats, LoadConfig, LoadResult, run_load
 from loadtests.peers import PeerSpec, emulated_fleet, running_redis, running_router
 from loadtests.scenario import KV_EVENTS_CONFIG, DemoScenario, ceiling, demo_scenario
 from loadtests.sim.ceiling import with_ceiling
@@ -282,8 +282,9 @@ def cli_main(argv: list[str]) -> int:
     p.add_argument("--no-live", action="store_true", help="plain progress lines instead of the live view")
     p.add_argument("--engine-set", action="append", default=[], metavar="FIELD=VALUE",
                    help="an emulated engine's profile field (repeatable), e.g. schedule_policy=lpm")
-    p.add_argument("--api", choices=["chat", "messages"], default="chat",
-                   help="the clients speak chat completions, or Anthropic's Messages API (/v1/messages, as Claude Code)")
+    p.add_argument("--api", choices=list(API_PATHS), default="chat",
+                   help="the clients speak chat completions, Anthropic's Messages API (/v1/messages, as Claude Code) "
+                   "or OpenAI's Responses API (/v1/responses, as Codex)")
     p.add_argument("--no-session-id", action="store_true",
                    help="the clients send no session header: the gateway keys each conversation by its prompt")
     ns = p.parse_args(argv)
@@ -316,7 +317,8 @@ def cli_main(argv: list[str]) -> int:
         f"1 emulated token = {ns.token_unit} model tokens"
         + (f"; {ns.gateways} gateways sharing state in Redis" if ns.gateways > 1 else "")
         + ("; no session ids (prefix keys)" if ns.no_session_id else "")
-        + ("; Anthropic Messages API (/v1/messages)" if ns.api == "messages" else ""),
+        + {"chat": "", "messages": "; Anthropic Messages API (/v1/messages)",
+           "responses": "; OpenAI Responses API (/v1/responses)"}[ns.api],
         flush=True,
     )
     doc = asyncio.run(run_demo(policies, scenario, live=live, plots=ns.plots))

@@ -15,7 +15,11 @@ Theory of operation:
     = the turn's output. TTFT = first SSE ``data:`` event; cached tokens come from the usage chunk.
     With ``api="messages"`` they are Anthropic Messages API requests (``/v1/messages``, what Claude
     Code sends: the system prompt top-level), their usage read from ``message_start`` and
-    ``message_delta`` (``input_tokens`` + ``cache_read_input_tokens`` is the prompt).
+    ``message_delta`` (``input_tokens`` + ``cache_read_input_tokens`` is the prompt). With
+    ``api="responses"`` they are OpenAI Responses API requests (``/v1/responses``, what Codex sends:
+    ``instructions`` + ``input``, ``store: false``, the served model's name, which SGLang checks), their
+    usage read from the last event; TTFT is the first event after ``response.created`` and
+    ``response.in_progress``, which SGLang sends before the prefill.
   * The session id goes in ``Modal-Session-Id``, ``x-session-id`` and ``X-SMG-Routing-Key`` so kvroute
     and both peer routers see it.
   * Per-replica load is sampled every ``sample_interval_s`` (wall) FROM THE REPLICAS (``/_emulator/state``,
@@ -44,7 +48,7 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -72,6 +76,9 @@ __all__ = [
 
 DEFAULT_SESSION_HEADERS: tuple[str, ...] = ("Modal-Session-Id", "x-session-id", "X-SMG-Routing-Key")
 _REPLICA_HEADERS = ("X-Emulator-Replica", "X-Kvroute-Replica")
+API_PATHS = {"chat": "/v1/chat/completions", "messages": "/v1/messages", "responses": "/v1/responses"}
+# a Responses API stream's lifecycle events, sent before the prefill: no token yet
+_BEFORE_FIRST_TOKEN = (b'data: {"type":"response.created"', b'data: {"type":"response.in_progress"')
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,7 +102,7 @@ class LoadConfig:
     session_headers: tuple[str, ...] = DEFAULT_SESSION_HEADERS
     request_timeout_s: float = 600.0
     stream: bool = True
-    api: str = "chat"  # "chat" (/v1/chat/completions) or "messages" (Anthropic's /v1/messages)
+    api: str = "chat"  # "chat" (/v1/chat/completions), "messages" (Anthropic's) or "responses" (OpenAI's)
     break_tolerance: float = 0.95  # cached < tolerance x ideal counts as an affinity break
     # emulated tokens per cache page of the replicas, for the ideal; None: the first replica's
     # /server_info says (1 if it does not answer)
@@ -414,8 +421,7 @@ class _Run:
         self.last_replica: dict[str, str] = {}
         self.move_times: list[float] = []  # modelled t of each session home change
         self.issued = 0
-        path = "/v1/messages" if config.api == "messages" else "/v1/chat/completions"
-        self._urls = [u.rstrip("/") + path for u in (config.url, *config.extra_urls)]
+        self._urls = [u.rstrip("/") + API_PATHS[config.api] for u in (config.url, *config.extra_urls)]
 
     def modelled_now(self) -> float:
         return (time.monotonic() - self.t0) / self.c.time_scale
@@ -490,12 +496,18 @@ class _Run:
                     self.spawn(b, float(b.start_s))
 
     def _body(self, messages: list[dict[str, str]], max_tokens: int) -> dict[str, Any]:
-        if self.c.api == "messages":
+        if self.c.api in ("messages", "responses"):
             system = "\n".join(m["content"] for m in messages if m["role"] == "system")
             rest = [m for m in messages if m["role"] != "system"]
-            doc: dict[str, Any] = {"model": self.c.model, "messages": rest, "max_tokens": max_tokens}
-            if system:
-                doc["system"] = system
+            if self.c.api == "messages":
+                doc: dict[str, Any] = {"model": self.c.model, "messages": rest, "max_tokens": max_tokens}
+                if system:
+                    doc["system"] = system
+            else:
+                # SGLang keeps two tokens of max_output_tokens for itself: ask for two more
+                doc = {"model": self.c.model, "input": rest, "max_output_tokens": max_tokens + 2, "store": False}
+                if system:
+                    doc["instructions"] = system
             if self.c.stream:
                 doc["stream"] = True
             return doc
@@ -539,13 +551,15 @@ class _Run:
                     async for line in resp.content:
                         if not line.startswith(b"data:"):
                             continue
-                        if ttft is None:
+                        if ttft is None and not line.startswith(_BEFORE_FIRST_TOKEN):
                             ttft = time.monotonic() - t_start
-                        if b'"error"' in line and b'"choices"' not in line:
+                        # the Responses API's events carry "error":null until one fails
+                        if b'"error"' in line and b'"choices"' not in line and b'"error":null' not in line:
                             error = line.decode(errors="replace")[:300]
                         elif b'"usage"' in line:
                             ev = json.loads(line[5:])
-                            u = ev.get("usage") if "message" not in ev else ev["message"].get("usage")
+                            # Anthropic's message_start, the Responses API's last event
+                            u = (ev.get("message") or ev.get("response") or ev).get("usage")
                             if isinstance(u, dict):
                                 usage = _merged_usage(usage, u)
                 else:
@@ -634,6 +648,16 @@ class _Run:
                 st.ttfts.append(out.ttft_s)
 
 
+async def served_model(session: aiohttp.ClientSession, url: str) -> str:
+    """The model the fleet behind ``url`` serves (``/v1/models``): SGLang's Responses API refuses
+    any other name, where its chat route takes any."""
+    async with session.get(url.rstrip("/") + "/v1/models") as r:
+        doc = await r.json(content_type=None)
+        if r.status != 200 or not isinstance(doc, dict) or not doc.get("data"):
+            raise RuntimeError(f"{url}/v1/models answered {r.status}: {str(doc)[:200]}")
+    return str(doc["data"][0]["id"])
+
+
 async def run_load(
     sessions: Sequence[SessionSpec],
     config: LoadConfig,
@@ -655,6 +679,8 @@ async def run_load(
         kv = await _fleet_kv(probe, config.replica_urls)
         if config.page_size:
             kv = FleetKv(config.page_size, kv.capacity_tokens, kv.host_capacity_tokens)
+        if config.api == "responses" and config.model == "default":
+            config = replace(config, model=await served_model(probe, config.url))
         run = _Run(config, http, stats, kv)
 
         async def sample_loop() -> None:
@@ -824,8 +850,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--sample-interval", type=float, default=0.25, help="wall seconds between load samples")
     p.add_argument("--fresh-connections", action="store_true", help="new TCP connection per request")
     p.add_argument("--no-stream", action="store_true")
-    p.add_argument("--api", choices=["chat", "messages"], default="chat",
-                   help="chat completions, or Anthropic's Messages API (/v1/messages, as Claude Code)")
+    p.add_argument("--api", choices=list(API_PATHS), default="chat",
+                   help="chat completions, Anthropic's Messages API (/v1/messages, as Claude Code) or OpenAI's "
+                   "Responses API (/v1/responses, as Codex)")
     p.add_argument(
         "--no-session-id", action="store_true",
         help="send no session header (as a plain OpenAI client): the router keys on the prompt",
@@ -856,12 +883,17 @@ def load_workload(kind: str, trace: Path | None, sessions: int, seed: int) -> li
 
 
 def _merged_usage(have: dict[str, Any] | None, u: dict[str, Any]) -> dict[str, Any]:
-    """OpenAI's usage as it is; Anthropic's (Messages API: the input in ``message_start``, the
-    output in ``message_delta``) merged into OpenAI's keys."""
+    """OpenAI's usage as it is; the Responses API's (``input_tokens`` is the whole prompt) and
+    Anthropic's (Messages API: the input in ``message_start``, the output in ``message_delta``)
+    merged into OpenAI's keys."""
     if "input_tokens" not in u and "output_tokens" not in u:
         return u
     out = dict(have or {})
-    if "input_tokens" in u:
+    details = u.get("input_tokens_details")
+    if isinstance(details, dict):
+        out["prompt_tokens"] = int(u.get("input_tokens") or 0)
+        out["prompt_tokens_details"] = {"cached_tokens": int(details.get("cached_tokens") or 0)}
+    elif "input_tokens" in u:
         cached = int(u.get("cache_read_input_tokens") or 0)
         out["prompt_tokens"] = int(u["input_tokens"]) + cached
         out["prompt_tokens_details"] = {"cached_tokens": cached}

@@ -79,7 +79,7 @@ class DemoScenario:
     # False: clients send no session header, as a plain OpenAI client; each router keys on the prompt
     # (kvroute: rule 7's prefix key, docs/POLICY.md). The measures still group by the driver's sessions.
     session_ids: bool = True
-    api: str = "chat"  # the clients' API: chat completions, or "messages" (Anthropic's, as Claude Code)
+    api: str = "chat"  # the clients' API: chat completions, "messages" (Anthropic's, as Claude Code) or "responses"
 
     def emulator_args(self) -> list[str]:
         return [

@@ -20,7 +20,9 @@ KVROUTE = str(Path(sys.executable).parent / "kvroute")
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "flags", [[], ["--no-session-id"], ["--api", "messages"]], ids=["session-ids", "no-session-id", "messages-api"]
+    "flags",
+    [[], ["--no-session-id"], ["--api", "messages"], ["--api", "responses"]],
+    ids=["session-ids", "no-session-id", "messages-api", "responses-api"],
 )
 def test_tiny_demo_writes_both_policies(tmp_path: Path, flags: list[str]) -> None:
     out = tmp_path / "demo.json"
@@ -49,7 +51,7 @@ def test_tiny_demo_writes_both_policies(tmp_path: Path, flags: list[str]) -> Non
         assert m["requests_of_ceiling"] == pytest.approx(m["requests"] / m["requests_ceiling"])
     assert doc["_scenario"]["replicas"] == 2 and doc["_scenario"]["policies"] == ["kv_aware", "hash"]
     assert doc["_scenario"]["session_ids"] == ("--no-session-id" not in flags)  # the clients sent none
-    assert doc["_scenario"]["api"] == ("messages" if "messages" in flags else "chat")
+    assert doc["_scenario"]["api"] == (flags[1] if "--api" in flags else "chat")
     # not a TTY: plain progress lines and the final comparison
     assert "[kvroute kv_aware]" in proc.stdout and "dispersion" in proc.stdout
     assert f"complete {doc['kv_aware']['requests_ceiling']} (simulated)" in proc.stdout

@@ -271,11 +271,12 @@ async def test_kvroute_load_sends_session_ids_unless_told_not_to(tmp_path: Path,
 
 
 @pytest.mark.parametrize("stream", [True, False], ids=["streamed", "unstreamed"])
-async def test_anthropic_messages_api_is_measured_as_chat_is(stream: bool) -> None:
-    """``api="messages"`` (Claude Code's /v1/messages): the same sessions give the same prompt and
-    cached tokens turn by turn as chat completions, read from Anthropic's usage."""
+async def test_messages_and_responses_apis_are_measured_as_chat_is(stream: bool) -> None:
+    """``api="messages"`` (Claude Code's /v1/messages) and ``api="responses"`` (Codex's
+    /v1/responses): the same sessions give the same prompt, cached and output tokens turn by turn as
+    chat completions, read from each API's usage (the Responses API's model name from /v1/models)."""
     runs = {}
-    for api in ("chat", "messages"):
+    for api in ("chat", "messages", "responses"):
         async with running_emulators(1, config=_config(0.01)) as reps:
             url = reps[0].url
             cfg = LoadConfig(url=url, replica_urls=(url,), time_scale=0.01, token_unit=UNIT, duration_s=20.0,
@@ -284,8 +285,9 @@ async def test_anthropic_messages_api_is_measured_as_chat_is(stream: bool) -> No
     for run in runs.values():
         assert run.measures["errors"] == 0 and run.measures["requests"] == 4
     turns = {api: sorted(r.outcomes, key=lambda o: o.t_start) for api, r in runs.items()}
-    assert [(o.input_tokens, o.cached_tokens, o.output_tokens) for o in turns["messages"]] == [
-        (o.input_tokens, o.cached_tokens, o.output_tokens) for o in turns["chat"]
-    ]
-    assert turns["messages"][0].cached_tokens == 0 and turns["messages"][-1].cached_tokens > 0
-    assert all(o.ttft_s is not None and o.ttft_s > 0 for o in turns["messages"])
+    for api in ("messages", "responses"):
+        assert [(o.input_tokens, o.cached_tokens, o.output_tokens) for o in turns[api]] == [
+            (o.input_tokens, o.cached_tokens, o.output_tokens) for o in turns["chat"]
+        ], api
+        assert turns[api][0].cached_tokens == 0 and turns[api][-1].cached_tokens > 0
+        assert all(o.ttft_s is not None and o.ttft_s > 0 for o in turns[api])
