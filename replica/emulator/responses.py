@@ -24,7 +24,9 @@ Rule 4: the emulated model writes text only and has no reasoning or tool-call pa
 Rule 5: bytes are compact JSON. Lifecycle events (``response.created`` ... ``response.failed``)
         are ``{"type","response","sequence_number"}``; the others carry their fields in the OpenAI
         SDK's (alphabetical) order; ``sequence_number`` counts from 0; no ``[DONE]``. ``usage`` is
-        OpenAI's: ``input_tokens`` is the whole prompt, cached tokens included.
+        OpenAI's: ``input_tokens`` is the whole prompt, cached tokens included. When the model could
+        call a tool, SGLang holds a message's events back until the stream ends (it learns the
+        message's ``phase`` only then): :func:`holds_message_events`.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ __all__ = [
     "content_type_error",
     "effective_tool_choice",
     "error_body",
+    "holds_message_events",
     "message_item",
     "outcome",
     "response_doc",
@@ -564,6 +567,13 @@ def chat_tools(body: Mapping[str, Any]) -> list[dict[str, Any]]:
         fn["strict"] = bool(lax_bool(t.get("strict")))
         out.append({"type": "function", "function": fn})
     return out
+
+
+def holds_message_events(body: Mapping[str, Any]) -> bool:
+    """Whether a stream's message events wait for its end (``responses_stream_generator_non_harmony``
+    buffers them until a tool call or the terminal event decides the ``phase``): whenever a function
+    or custom tool is offered and ``tool_choice`` is not ``none``. Built-in tools alone stream live."""
+    return bool(chat_tools(body)) and effective_tool_choice(body) != "none"
 
 
 def to_chat(body: Mapping[str, Any]) -> dict[str, Any]:

@@ -1559,6 +1559,7 @@ class _Handlers:
         model = chat["model"]
         logprobs = "message.output_text.logprobs" in (body.get("include") or [])
         top = body.get("top_logprobs") or 0
+        hold = responses.holds_message_events(body)
 
         async def respond(p: _Parsed, fls: list[_Flight]) -> web.StreamResponse:
             fl = fls[0]
@@ -1588,6 +1589,7 @@ class _Handlers:
             n_chunks = 0
             for type_ in ("response.created", "response.in_progress"):
                 n_chunks = await self._write(request, resp, ev.lifecycle(type_, doc([], None)), n_chunks)
+            held: list[bytes] = []  # the message's events, when SGLang holds them to the end
             answer = ""
             fin: Finished | None = None
             async for _, sent, total, ended in self._progress_all(request, fls):
@@ -1597,16 +1599,20 @@ class _Handlers:
                 frames = ev.open_message(item_id) if not answer else []
                 piece = text[sent * BYTES_PER_TOKEN : total * BYTES_PER_TOKEN]
                 answer += piece
-                for frame in [*frames, ev.delta(item_id, piece)]:
+                frames.append(ev.delta(item_id, piece))
+                if hold:
+                    held += frames
+                    continue
+                for frame in frames:
                     n_chunks = await self._write(request, resp, frame, n_chunks)
             assert fin is not None
             output = []
             if answer:
-                for frame in ev.close_message(item_id, answer):
-                    n_chunks = await self._write(request, resp, frame, n_chunks)
+                held += ev.close_message(item_id, answer)
                 output = [responses.message_item(item_id, answer)]
             final = doc(output, fin)
-            n_chunks = await self._write(request, resp, ev.lifecycle(f"response.{final['status']}", final), n_chunks)
+            for frame in [*held, ev.lifecycle(f"response.{final['status']}", final)]:
+                n_chunks = await self._write(request, resp, frame, n_chunks)
             await resp.write_eof()
             return resp
 

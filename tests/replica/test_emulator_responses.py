@@ -17,6 +17,7 @@ from replica.emulator.responses import (
     ResponsesValidationError,
     check,
     content_type_error,
+    holds_message_events,
     message_item,
     outcome,
     response_doc,
@@ -140,6 +141,21 @@ def test_tools_become_chat_functions() -> None:
     named = to_chat(req("hi", tools=[FN], tool_choice={"type": "function", "name": "get_weather"}))
     assert named["tool_choice"] == {"type": "function", "function": {"name": "get_weather"}}
     assert to_chat(req("hi", tools=[{"type": "web_search"}]))["tool_choice"] == "none"
+
+
+@pytest.mark.parametrize(
+    ("body", "held"),
+    [
+        (req(), False),
+        (req(tools=[FN]), True),
+        (req(tools=[{"type": "custom", "name": "apply_patch"}]), True),
+        (req(tools=[{"type": "web_search"}, {"type": "local_shell"}]), False),  # nothing the model could call
+        (req(tools=[FN], tool_choice="none"), False),
+        (req(tools=[FN], tool_choice={"type": "web_search"}), True),  # reduced to auto
+    ],
+)
+def test_message_events_held_while_a_tool_call_may_follow(body: dict[str, Any], held: bool) -> None:
+    assert holds_message_events(body) is held
 
 
 @pytest.mark.parametrize(

@@ -5,6 +5,7 @@ checked against real SGLang in tests/real_sglang/test_responses_fidelity.py)."""
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
 import aiohttp
@@ -178,6 +179,37 @@ async def test_stream_events(emulators: EmuFactory, http: aiohttp.ClientSession)
     p = prompt_tokens([{"role": "user", "content": Q}])
     assert final["usage"]["input_tokens"] == p and final["usage"]["output_tokens"] == 6
     assert final["usage"]["total_tokens"] == p + 6 and final["text"] == {"format": {"type": "text"}}
+
+
+async def timed_events(http: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> dict[str, list[float]]:
+    """Each event type's arrival times (monotonic seconds), as the client reads them."""
+    got: dict[str, list[float]] = {}
+    buf = b""
+    async with http.post(url, json=body) as r:
+        async for chunk in r.content.iter_any():
+            buf += chunk
+            while b"\n\n" in buf:
+                frame, buf = buf.split(b"\n\n", 1)
+                got.setdefault(frame.split(b"\n")[0].removeprefix(b"event: ").decode(), []).append(time.monotonic())
+    return got
+
+
+async def test_offered_tools_hold_the_message_to_the_end(emulators: EmuFactory, http: aiohttp.ClientSession) -> None:
+    """With a function tool on offer SGLang learns a message's phase only at the end (a tool call
+    might follow it), so it sends the message's events then, all at once; built-in tools alone, or
+    ``tool_choice`` none, stream as the tokens come. (Decode here: ~0.2 s wall for 20 tokens.)"""
+    async with emulators(1, time_scale=2.0, min_chunk_interval_s=0.0) as (emu,):
+        base = {"model": emu.replica.config.model_name, "input": Q, "max_output_tokens": 22, "stream": True}
+        for extra, held in (({"tools": [FN]}, True), ({"tools": [{"type": "web_search"}]}, False),
+                            ({"tools": [FN], "tool_choice": "none"}, False)):
+            t = await timed_events(http, f"{emu.url}/v1/responses", {**base, **extra})
+            start, added = t["response.in_progress"][0], t["response.output_item.added"][0]
+            first, last = t["response.output_text.delta"][0], t["response.output_text.delta"][-1]
+            assert len(t["response.output_text.delta"]) >= 2, t
+            if held:  # nothing of the message until the answer is complete, then all of it
+                assert added - start > 3 * (t["response.incomplete"][0] - added), (extra, t)
+            else:  # the first token comes soon, the rest one decode step at a time
+                assert last - first > 3 * (first - start), (extra, t)
 
 
 async def test_stream_of_an_empty_answer(emu: Running, http: aiohttp.ClientSession) -> None:
