@@ -145,8 +145,10 @@ _RESPONSES_STREAM = [
     b'"usage":null,"error":null},"sequence_number":0}\n\n',
     b'event: response.in_progress\ndata: {"type":"response.in_progress","response":{' + _RESP + b',"status":'
     b'"in_progress","usage":null,"error":null},"sequence_number":1}\n\n',
-    b'event: response.output_text.delta\ndata: {"content_index":0,"delta":"say \\"input_tokens\\": 9","item_id":'
-    b'"msg_467f","logprobs":[],"output_index":0,"sequence_number":2,"type":"response.output_text.delta"}\n\n',
+    (
+        b'event: response.output_text.delta\ndata: {"content_index":0,"delta":"say \\"input_tokens\\": 9","item_id":'
+        b'"msg_467f","logprobs":[],"output_index":0,"sequence_number":2,"type":"response.output_text.delta"}\n\n'
+    ),
     b'event: response.incomplete\ndata: {"type":"response.incomplete","response":{' + _RESP + b',"status":'
     b'"incomplete","usage":{"input_tokens":41,"input_tokens_details":{"cached_tokens":40,"cache_write_tokens":0},'
     b'"output_tokens":2,"output_tokens_details":{"reasoning_tokens":0},"total_tokens":43},"error":null,'
