@@ -44,6 +44,8 @@ DEEP_CONTENT = (
     + b"]" * 990
     + b"}}]}"
 )
+# the same in a Responses API body (Codex's route): its anchor reads ``input`` as messages
+DEEP_RESPONSES = b'{"model":"m","input":[{"role":"user","content":{"a":' + b"[" * 990 + b"]" * 990 + b"}}]}"
 
 
 @pytest.fixture
@@ -132,15 +134,16 @@ def _assert_clean(status: int, body: bytes) -> None:
 
 
 @pytest.mark.parametrize(
-    "body", [SURROGATE_CHAT, SURROGATE_PROMPT, DEEP_INVALID, DEEP_CONTENT],
-    ids=["surrogate-chat", "surrogate-prompt", "deep-invalid", "deep-content"],
+    "body", [SURROGATE_CHAT, SURROGATE_PROMPT, DEEP_INVALID, DEEP_CONTENT, DEEP_RESPONSES],
+    ids=["surrogate-chat", "surrogate-prompt", "deep-invalid", "deep-content", "deep-responses"],
 )  # fmt: skip
 async def test_hostile_body_without_session_gets_a_clean_answer(
     fake_replicas: Any, procs: Procs, body: bytes
 ) -> None:
     _, url, p = await _gateway_on_one_replica(fake_replicas, procs)
     try:
-        status, answer = await _post(url, body, route="/v1/completions" if body is SURROGATE_PROMPT else CHAT)
+        route = {id(SURROGATE_PROMPT): "/v1/completions", id(DEEP_RESPONSES): "/v1/responses"}.get(id(body), CHAT)
+        status, answer = await _post(url, body, route=route)
     except aiohttp.ClientError as exc:
         _assert_alive(p)
         raise AssertionError(f"no answer: {exc!r}") from exc

@@ -336,7 +336,7 @@ class FakeReplica:
 
     async def start(self) -> None:
         app = web.Application()
-        for path in ("/v1/chat/completions", "/v1/completions", "/generate"):
+        for path in ("/v1/chat/completions", "/v1/completions", "/generate", "/v1/responses"):
             app.router.add_post(path, self._inference)
         app.router.add_get("/health", self._health)
         app.router.add_get("/metrics", self._metrics)
