@@ -8,8 +8,9 @@ chain over fixed-size blocks (mmh3, deterministic across processes):
   definitions, and every message up to and including the first user message. That anchor never
   changes as the conversation grows (later turns only append), so every turn gets the same key;
   conversations that share a system prompt and tools but start with a different question get
-  different keys, so shared system prompts do not herd everything onto one replica. The shared head (system prompt + tools) and the first user message are chained
-  separately, each capped at ``blocks`` blocks of ``block_chars`` characters.
+  different keys, so shared system prompts do not herd everything onto one replica. The shared head
+  (system prompt + tools) and the first user message are chained separately, each capped at
+  ``blocks`` blocks of ``block_chars`` characters.
 * completions ``prompt`` / generate ``text`` / ``input_ids``: no structure to find the conversation
   in, so the key covers the first ``blocks`` *full* blocks (a prompt shorter than one block is keyed
   whole). Choose ``blocks × block_chars`` above the longest shared system prompt you expect, or all
