@@ -15,6 +15,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from loadtests.live import API_PATHS
 from loadtests.peers import PEERS, find_binary
 
 __all__ = ["BENCH_TARGETS", "bench_peers_main", "run_peers_bench", "seeds_table", "summarise_seeds"]
@@ -232,6 +233,9 @@ def bench_peers_main(argv: list[str]) -> int:
         "--engine-set", action="append", default=[], metavar="FIELD=VALUE",
         help="an emulated engine's profile field (repeatable, kvroute emulate --set), e.g. schedule_policy=lpm",
     )
+    p.add_argument("--api", choices=list(API_PATHS), default="chat",
+                   help="the clients speak chat completions, Anthropic's Messages API (as Claude Code) or "
+                   "OpenAI's Responses API (as Codex)")
     p.add_argument("--out", type=Path, default=Path("out/peers"), help="directory for plots")
     p.add_argument("--json", type=Path, help="write the JSON here (default OUT/peers.json)")
     ns = p.parse_args(argv)
@@ -328,7 +332,7 @@ def _scenario(ns: Any, seed: int) -> Any:
         token_unit=ns.token_unit, profile=ns.profile, seed=seed, host_tier=ns.hicache,
         workload_kind=ns.workload, trace=ns.trace, policy_params=tuple(ns.policy_param), kv_events=ns.kv_events,
         page_size=1 if real else None,  # SGLang's page size on CPU (the ideal caches pages like it)
-        engine_set=tuple(ns.engine_set), session_ids=not ns.no_session_id,
+        engine_set=tuple(ns.engine_set), session_ids=not ns.no_session_id, api=ns.api,
     )
 
 

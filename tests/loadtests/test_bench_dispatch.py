@@ -46,6 +46,7 @@ def test_peers_real_fleet_runs_in_real_time_and_needs_the_runtime(
         fleet, profile, hicache, workload, trace, policy_param = "real-sglang", "x", False, "synthetic", None, []
         kv_events = no_session_id = False
         engine_set = ()
+        api = "chat"
         replicas, sessions, token_unit, time_scale = 2, 40, 40, 1.0
         duration = REAL_DEFAULTS["duration_s"]
 
@@ -55,3 +56,5 @@ def test_peers_real_fleet_runs_in_real_time_and_needs_the_runtime(
     NS.no_session_id = True  # clients without a session id: the driver sends no session header
     sc = _scenario(NS, 3)
     assert not sc.session_ids and sc.load_config("http://127.0.0.1:1", ()).session_headers == ()
+    NS.api = "responses"  # Codex's clients: the driver speaks the Responses API to every router
+    assert _scenario(NS, 3).load_config("http://127.0.0.1:1", ()).api == "responses"
