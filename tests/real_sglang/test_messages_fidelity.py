@@ -12,6 +12,7 @@ import aiohttp
 
 from loadtests.real_sglang import RealServer
 from replica.emulator.runner import running_emulators
+from tests.agent_requests import sse_events
 from tests.real_sglang.test_emulator_fidelity import emulator_config
 
 Outcome = dict[str, Any]
@@ -25,16 +26,6 @@ TOOL = {
 async def _post(s: aiohttp.ClientSession, url: str, body: Any) -> tuple[int, str, bytes]:
     async with s.post(url, json=body) as r:
         return r.status, r.headers.get("Content-Type", ""), await r.read()
-
-
-def _events(raw: bytes) -> list[tuple[str, dict[str, Any]]]:
-    out = []
-    for frame in raw.decode().split("\n\n"):
-        if not frame:
-            continue
-        head, data = frame.split("\n")
-        out.append((head.removeprefix("event: "), json.loads(data.removeprefix("data: "))))
-    return out
 
 
 def _usage_total(u: dict[str, Any]) -> int:
@@ -51,7 +42,7 @@ def _shape(status: int, ctype: str, raw: bytes) -> tuple[Outcome, dict[str, Any]
             "status": status, "ctype": ctype, "keys": list(doc), "content": [b["type"] for b in doc["content"]],
             "stop_reason": doc["stop_reason"], "usage keys": list(doc["usage"]),
         }, doc["usage"]
-    evs = _events(raw)
+    evs = sse_events(raw)
     types: list[str] = []
     for name, data in evs:
         assert data["type"] == name, (name, data)

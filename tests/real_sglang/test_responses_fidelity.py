@@ -17,6 +17,7 @@ import aiohttp
 
 from loadtests.real_sglang import RealServer
 from replica.emulator.runner import running_emulators
+from tests.agent_requests import CODEX_INPUT, sse_events
 from tests.real_sglang.test_emulator_fidelity import emulator_config
 
 Outcome = dict[str, Any]
@@ -28,16 +29,6 @@ CHAT_FN = {"type": "function", "function": {"name": FN["name"], "description": F
 # what the response echoes of the request, compared as values (ids, times, the model path and the
 # sampled output are each server's own)
 _OWN = ("id", "created_at", "model", "output", "usage", "error")
-
-
-def _events(raw: bytes) -> list[tuple[str, dict[str, Any]]]:
-    out = []
-    for frame in raw.decode().split("\n\n"):
-        if not frame:
-            continue
-        head, data = frame.split("\n")
-        out.append((head.removeprefix("event: "), json.loads(data.removeprefix("data: "))))
-    return out
 
 
 def _message_key(message: str) -> str:
@@ -85,7 +76,7 @@ def _shape(status: int, ctype: str, raw: bytes) -> tuple[Outcome, list[dict[str,
             return got | {"keys": list(e), "type": e["type"], "param": e["param"], "code": e["code"],
                           "message": _message_key(e["message"])}, [], []
         return got | _doc_shape(doc), [doc], []
-    evs = _events(raw)
+    evs = sse_events(raw)
     bad = [f"event {name} carries type {data['type']}" for name, data in evs if data["type"] != name]
     if [d["sequence_number"] for _, d in evs] != list(range(len(evs))):
         bad.append("sequence numbers are not 0, 1, 2 ...")
@@ -171,14 +162,7 @@ async def responses_calls(base: str) -> tuple[Outcome, list[str]]:
             "parallel_tool_calls": False, "reasoning": {"effort": "medium", "summary": "auto"},
             "include": ["reasoning.encrypted_content"], "prompt_cache_key": "thread-1", "max_output_tokens": 5,
             "tools": [FN, {"type": "local_shell"}, {"type": "web_search"}],
-            "input": [
-                {"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "sandbox: on"}]},
-                {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Weather in Paris?"}]},
-                {"type": "reasoning", "id": "rs_1", "summary": [{"type": "summary_text", "text": "look it up"}],
-                 "encrypted_content": "gAAAA-opaque"},
-                {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city":"Paris"}'},
-                {"type": "function_call_output", "call_id": "call_1", "output": "sunny"},
-            ],
+            "input": CODEX_INPUT,
         }
         codex_chat = [
             {"role": "system", "content": "You are a coding agent."},

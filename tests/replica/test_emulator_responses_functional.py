@@ -13,6 +13,7 @@ import aiohttp
 from replica.emulator.runner import Running
 from replica.emulator.server import max_req_input_len
 from replica.emulator.tokenizer import encode_text, render_chat
+from tests.agent_requests import CODEX_INPUT
 from tests.replica.conftest import EmuFactory
 
 Q = "Write a function that adds two numbers, in Python please."
@@ -110,14 +111,7 @@ async def test_codex_shaped_request(emu: Running, http: aiohttp.ClientSession) -
     output, function and built-in tools, store false, reasoning and include, a prompt cache key."""
     body = {
         "model": emu.replica.config.model_name, "instructions": "You are Codex.", "store": False, "stream": False,
-        "input": [
-            {"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "sandbox: on"}]},
-            {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Weather in Paris?"}]},
-            {"type": "reasoning", "id": "rs_1", "summary": [{"type": "summary_text", "text": "look it up"}],
-             "encrypted_content": "gAAAA-opaque"},
-            {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city":"Paris"}'},
-            {"type": "function_call_output", "call_id": "call_1", "output": "sunny"},
-        ],
+        "input": CODEX_INPUT,
         "tools": [FN, {"type": "local_shell"}, {"type": "web_search"}], "tool_choice": "auto",
         "parallel_tool_calls": False, "reasoning": {"effort": "medium", "summary": "auto"},
         "include": ["reasoning.encrypted_content"], "prompt_cache_key": "thread-1", "max_output_tokens": 5,

@@ -434,6 +434,37 @@ async def test_engine_sessions_are_pinned_and_never_tried_elsewhere(emulators: A
         await wait_for(lambda: all(r.in_flight == 0 for r in store.core.replicas()))
 
 
+async def _two_turns(
+    s: aiohttp.ClientSession, url: str, doc: dict[str, Any], field: str, convo: list[dict[str, Any]],
+    headers: dict[str, str],
+) -> tuple[list[str], dict[str, Any], list[dict[str, Any]]]:
+    """A coding agent's cold unstreamed turn, then a streamed one with the reply appended (``field``
+    holds the conversation): the replicas that answered, the first turn's usage, the conversation
+    for a next turn."""
+    homes: list[str] = []
+    usage: dict[str, Any] = {}
+    for turn, stream in enumerate((False, True)):
+        async with s.post(url, json={**doc, field: convo, "stream": stream}, headers=headers) as r:
+            assert r.status == 200
+            homes.append(r.headers["X-Kvroute-Replica"])
+            raw = await r.read()
+        if not stream:
+            usage = json.loads(raw)["usage"]
+        convo = [*convo, {"role": "assistant", "content": "done " * 8}, {"role": "user", "content": f"next {turn}"}]
+    return homes, usage, convo
+
+
+async def _broken_stream(
+    s: aiohttp.ClientSession, url: str, body: dict[str, Any], headers: dict[str, str], home: Running,
+    *, after_chunks: int,
+) -> list[str]:
+    """The SSE frames a client gets when ``home`` cuts the stream after ``after_chunks`` chunks."""
+    await _set_faults(s, home, break_after_chunks=after_chunks, count=1)
+    async with s.post(url, json=body, headers=headers) as r:
+        assert r.status == 200
+        return [e for e in (await r.read()).decode().split("\n\n") if e]
+
+
 async def test_anthropic_messages_through_the_gateway(emulators: Any, gateway_factory: Any) -> None:
     """Claude Code's traffic: /v1/messages with its X-Claude-Code-Session-Id header goes home, is
     learnt from Anthropic's usage, and a stream the replica breaks ends with Anthropic's error event."""
@@ -444,17 +475,8 @@ async def test_anthropic_messages_through_the_gateway(emulators: Any, gateway_fa
     doc: dict[str, Any] = {"model": "emulated/small-test", "max_tokens": 8, "system": "You are a coder. " * 30}
     headers = {"X-Claude-Code-Session-Id": "cc-1"}
     async with aiohttp.ClientSession() as s:
-        homes = []
-        for turn, stream in enumerate((False, True)):
-            async with s.post(gw.url + "/v1/messages", json={**doc, "messages": msgs, "stream": stream},
-                              headers=headers) as r:  # fmt: skip
-                assert r.status == 200
-                homes.append(r.headers["X-Kvroute-Replica"])
-                raw = await r.read()
-            if not stream:
-                usage = json.loads(raw)["usage"]
-                assert usage["input_tokens"] > 0 and "cache_read_input_tokens" not in usage  # a cold first turn
-            msgs = [*msgs, {"role": "assistant", "content": "done " * 8}, {"role": "user", "content": f"next {turn}"}]
+        homes, usage, msgs = await _two_turns(s, gw.url + "/v1/messages", doc, "messages", msgs, headers)
+        assert usage["input_tokens"] > 0 and "cache_read_input_tokens" not in usage  # a cold first turn
         await wait_for(lambda: len(log.of(RequestFinished)) == 2)
         first, second = log.of(RequestFinished)
         assert homes[0] == homes[1] and first.session_id == second.session_id == "cc-1"
@@ -465,10 +487,8 @@ async def test_anthropic_messages_through_the_gateway(emulators: Any, gateway_fa
         assert sess is not None and sess.context_tokens == second.prompt_tokens + second.completion_tokens
 
         home = a if homes[0].endswith(f":{a.port}") else b
-        await _set_faults(s, home, break_after_chunks=2, count=1)
-        async with s.post(gw.url + "/v1/messages", json={**doc, "messages": msgs, "stream": True}, headers=headers) as r:
-            assert r.status == 200
-            events = [e for e in (await r.read()).decode().split("\n\n") if e]
+        body = {**doc, "messages": msgs, "stream": True}
+        events = await _broken_stream(s, gw.url + "/v1/messages", body, headers, home, after_chunks=2)
     name, data = events[-1].split("\n")
     assert name == "event: error" and json.loads(data.removeprefix("data: "))["type"] == "error"
     assert not any("[DONE]" in e for e in events)
@@ -489,17 +509,8 @@ async def test_responses_api_through_the_gateway(emulators: Any, gateway_factory
             model = (await r.json())["data"][0]["id"]
         doc: dict[str, Any] = {"model": model, "max_output_tokens": 10, "instructions": "You are a coder. " * 30,
                                "store": False}  # fmt: skip
-        homes = []
-        for turn, stream in enumerate((False, True)):
-            async with s.post(gw.url + "/v1/responses", json={**doc, "input": items, "stream": stream},
-                              headers=headers) as r:  # fmt: skip
-                assert r.status == 200
-                homes.append(r.headers["X-Kvroute-Replica"])
-                raw = await r.read()
-            if not stream:
-                usage = json.loads(raw)["usage"]
-                assert usage["input_tokens"] > 0 and usage["input_tokens_details"]["cached_tokens"] == 0
-            items = [*items, {"role": "assistant", "content": "done " * 8}, {"role": "user", "content": f"next {turn}"}]
+        homes, usage, items = await _two_turns(s, gw.url + "/v1/responses", doc, "input", items, headers)
+        assert usage["input_tokens"] > 0 and usage["input_tokens_details"]["cached_tokens"] == 0
         await wait_for(lambda: len(log.of(RequestFinished)) == 2)
         first, second = log.of(RequestFinished)
         assert homes[0] == homes[1] and first.session_id == second.session_id == "codex-1"
@@ -518,10 +529,8 @@ async def test_responses_api_through_the_gateway(emulators: Any, gateway_factory
         assert fin.prompt_tokens > 3000 and fin.ttft_s is not None and fin.ttft_s >= 0.9 * floor, (fin, floor)
 
         home = a if homes[0].endswith(f":{a.port}") else b
-        await _set_faults(s, home, break_after_chunks=3, count=1)
-        async with s.post(gw.url + "/v1/responses", json={**doc, "input": items, "stream": True}, headers=headers) as r:
-            assert r.status == 200
-            events = [e for e in (await r.read()).decode().split("\n\n") if e]
+        body = {**doc, "input": items, "stream": True}
+        events = await _broken_stream(s, gw.url + "/v1/responses", body, headers, home, after_chunks=3)
     name, data = events[-1].split("\n")
     err = json.loads(data.removeprefix("data: "))
     assert name == "event: error" and err["type"] == "error" and err["code"] == "upstream_error"

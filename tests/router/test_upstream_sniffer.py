@@ -106,16 +106,19 @@ _MESSAGES_STREAM = [
 ]
 
 
+def _fed(chunks: list[bytes], *, bytewise: bool) -> UsageSniffer:
+    """An SSE sniffer fed ``chunks`` as they are, or one byte at a time (every line split)."""
+    sn = UsageSniffer("text/event-stream")
+    for chunk in chunks:
+        for piece in [bytes([b]) for b in chunk] if bytewise else [chunk]:
+            sn.feed(piece)
+    return sn
+
+
 def test_anthropic_messages_usage_streamed_and_not() -> None:
     """input_tokens excludes what was read from the cache: the prompt is their sum."""
     for feed in ("whole", "bytewise"):
-        sn = UsageSniffer("text/event-stream")
-        for chunk in _MESSAGES_STREAM:
-            if feed == "whole":
-                sn.feed(chunk)
-            else:
-                for b in chunk:
-                    sn.feed(bytes([b]))
+        sn = _fed(_MESSAGES_STREAM, bytewise=feed == "bytewise")
         assert sn.events == 6 and not sn.errored, feed
         assert sn.result() == Usage(50, 49, 4), feed
     js = UsageSniffer("application/json")
@@ -160,13 +163,7 @@ def test_responses_usage_streamed_and_not() -> None:
     """input_tokens is the whole prompt (OpenAI's meaning), the cached part in its details; a stream
     carries it in its last event, response.completed or response.incomplete."""
     for feed in ("whole", "bytewise"):
-        sn = UsageSniffer("text/event-stream")
-        for chunk in _RESPONSES_STREAM:
-            if feed == "whole":
-                sn.feed(chunk)
-            else:
-                for b in chunk:
-                    sn.feed(bytes([b]))
+        sn = _fed(_RESPONSES_STREAM, bytewise=feed == "bytewise")
         assert sn.events == 4 and not sn.errored, feed
         assert sn.result() == Usage(41, 40, 2), feed
     completed = UsageSniffer("text/event-stream")
