@@ -26,6 +26,7 @@ __all__ = [
     "HealthStamp",
     "KeySource",
     "Lease",
+    "PinKind",
     "Reason",
     "ReplicaId",
     "ReplicaSpec",
@@ -63,6 +64,14 @@ class KeySource(StrEnum):
     def named(self) -> bool:
         """The client named the session (a header or the body), rather than the gateway keying it."""
         return self is KeySource.HEADER or self is KeySource.BODY
+
+
+class PinKind(StrEnum):
+    """What lives in one engine only, so every request naming it must go there (``StateStore.pin``);
+    the value prefixes its Redis key."""
+
+    ENGINE_SESSION = "es"  # SGLang's /open_session: the engine holds the session's request tree
+    RESPONSE = "resp"  # a Responses API response the engine stored (--enable-response-store)
 
 
 class Reason(StrEnum):

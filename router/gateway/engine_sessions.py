@@ -8,7 +8,7 @@ the references that keep its KV), so the gateway pins it:
      ``Modal-Session-Id`` header, else by the engine session's id). A body without ``session_id``
      gets one here (as SGLang would make one), so the pin is known before the engine answers.
      An id already open behind this gateway is refused (400), as one engine refuses it.
-  2. The replica that answers 200 is pinned (``StateStore.pin_engine_session``) before the client
+  2. The replica that answers 200 is pinned (``StateStore.pin``) before the client
      has the answer: its next request cannot race the pin.
   3. ``/generate`` naming ``session_params.id`` and ``/close_session`` go to the pinned replica only:
      never retried elsewhere, where the session does not exist. A session the gateway does not know
@@ -28,7 +28,7 @@ import orjson
 from router.config import GatewayConfig
 from router.errors import BadRequestError, NotFoundError
 from router.gateway.bodies import checked_session_id, parse_body
-from router.model import ReplicaId
+from router.model import PinKind, ReplicaId
 from router.store.base import StateStore
 
 __all__ = ["CLOSE_ROUTE", "OPEN_ROUTE", "SESSION_ROUTES", "EngineSessionCall", "engine_session_call"]
@@ -52,7 +52,7 @@ class EngineSessionCall:
 
     async def pinned(self, store: StateStore) -> ReplicaId | None:
         """Rule 3: where a use or a close must go (``None`` for an open: the policy places it)."""
-        rid = await store.engine_session_replica(self.session_id)
+        rid = await store.pinned(PinKind.ENGINE_SESSION, self.session_id)
         if self.opens:
             if rid is not None:
                 raise BadRequestError(f"engine session {self.session_id!r} is already open")
@@ -65,7 +65,7 @@ class EngineSessionCall:
         return rid
 
     async def replica_gone(self, store: StateStore, replica_id: ReplicaId) -> NotFoundError:
-        await store.unpin_engine_session(self.session_id)
+        await store.unpin(PinKind.ENGINE_SESSION, self.session_id)
         return NotFoundError(
             f"engine session {self.session_id!r} was open on replica {replica_id}, which left the fleet"
         )
@@ -75,9 +75,9 @@ class EngineSessionCall:
         if status != 200:
             return
         if self.opens:
-            await store.pin_engine_session(self.session_id, replica_id)
+            await store.pin(PinKind.ENGINE_SESSION, self.session_id, replica_id)
         elif self.route == CLOSE_ROUTE:
-            await store.unpin_engine_session(self.session_id)
+            await store.unpin(PinKind.ENGINE_SESSION, self.session_id)
 
 
 def engine_session_call(route: str, body: bytes, cfg: GatewayConfig) -> EngineSessionCall | None:

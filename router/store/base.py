@@ -23,6 +23,7 @@ from router.model import (
     EngineLoad,
     HealthStamp,
     Lease,
+    PinKind,
     ReplicaId,
     ReplicaSpec,
     ReplicaState,
@@ -44,7 +45,7 @@ __all__ = [
 
 @dataclass(frozen=True, slots=True)
 class StoreConfig:
-    session_ttl_s: float = 3600.0  # a binding (or an engine session's pin) idle this long is forgotten
+    session_ttl_s: float = 3600.0  # a binding (or a pin) idle this long is forgotten
     active_window_s: float = 60.0  # a session seen within this window counts as active on its home
     ramp_window_s: float = 10.0  # placements per replica are counted over this window (ramp cap)
     lease_ttl_s: float = 10.0  # Redis: a gateway's in-flight counts die this long after its last heartbeat
@@ -141,17 +142,16 @@ class StateStore(Protocol):
         """Sessions whose home is ``replica_id`` (admin view, drain)."""
         ...
 
-    async def pin_engine_session(self, engine_session_id: str, replica_id: ReplicaId) -> None:
-        """SGLang's ``/open_session`` opened this session on ``replica_id``: the engine holds its
-        request tree, so every request naming it must go there. Forgotten after ``session_ttl_s``
-        without use."""
+    async def pin(self, kind: PinKind, name: str, replica_id: ReplicaId) -> None:
+        """``name`` (an engine session, a stored response) lives on ``replica_id`` only, so every
+        request naming it must go there. Forgotten after ``session_ttl_s`` without use."""
         ...
 
-    async def engine_session_replica(self, engine_session_id: str) -> ReplicaId | None:
-        """The replica an engine session is pinned to (its idle time restarts), ``None`` if unknown
-        or expired. A pin outlives its replica's registration: the caller checks that."""
+    async def pinned(self, kind: PinKind, name: str) -> ReplicaId | None:
+        """The replica ``name`` is pinned to (its idle time restarts), ``None`` if unknown or
+        expired. A pin outlives its replica's registration: the caller checks that."""
         ...
 
-    async def unpin_engine_session(self, engine_session_id: str) -> None: ...
+    async def unpin(self, kind: PinKind, name: str) -> None: ...
 
     async def close(self) -> None: ...

@@ -28,8 +28,10 @@ Keys (``P`` = ``{prefix}:``):
     P gw                   zset    gateway id -> lease expiry (Redis server ms, from TIME)
     P gw:<gid>:if          hash    replica -> in-flight count of that gateway (ignored once its
                                    lease has expired; deleted by the next live gateway's heartbeat)
-    P es:<esid>            string  the replica an SGLang engine session (``/open_session``) lives on;
-                                   PEXPIRE = session idle TTL (refreshed on every read)
+    P es:<esid>            string  "<replica>|<last use, fleet s>": the replica an SGLang engine session
+                                   (``/open_session``) lives on (``PinKind``); PEXPIRE = session idle TTL
+                                   (refreshed on every read)
+    P resp:<id>            string  the same for a Responses API response the engine stored
 
 Exact residency shared by KV-event writers (one per replica: its sidecar, or a gateway; see
 ``router/store/residency.py`` and docs/KV_EVENTS.md):
@@ -45,6 +47,8 @@ Exact residency shared by KV-event writers (one per replica: its sidecar, or a g
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from router.model import PinKind
 
 __all__ = ["KeySpace", "session_field"]
 
@@ -100,8 +104,8 @@ class KeySpace:
     def gateway_inflight(self, gid: str) -> str:
         return f"{self.base}gw:{gid}:if"
 
-    def engine_session(self, esid: str) -> str:
-        return f"{self.base}es:{esid}"
+    def pin(self, kind: PinKind, name: str) -> str:
+        return f"{self.base}{kind.value}:{name}"
 
     def residency(self, rid: str) -> str:
         return f"{self.base}res:{rid}"

@@ -31,6 +31,7 @@ from router.model import (
     FleetTotals,
     HealthStamp,
     Lease,
+    PinKind,
     Reason,
     ReplicaId,
     ReplicaSpec,
@@ -47,7 +48,7 @@ from router.model import (
 from router.residency import ResidencyView, with_residency
 from router.store.base import StoreConfig, learn_horizon, residency_feedback
 
-__all__ = ["PLACEMENT_REASONS", "EngineSessionPins", "MemoryCore", "MemoryStore"]
+__all__ = ["PLACEMENT_REASONS", "MemoryCore", "MemoryStore", "Pins"]
 
 # Bind reasons that count as a *placement* for the scale-up ramp cap.
 PLACEMENT_REASONS = frozenset(
@@ -95,14 +96,14 @@ class _Session:
     chains: tuple[tuple[str, ReplicaId], ...] = ()
 
 
-class EngineSessionPins:
-    """SGLang engine sessions (``/open_session``) and the replica each lives on, forgotten ``ttl_s``
-    after their last use."""
+class Pins:
+    """What lives in one engine only (``PinKind``: SGLang engine sessions, stored responses) and the
+    replica each lives on, forgotten ``ttl_s`` after their last use."""
 
     def __init__(self, clock: Clock, ttl_s: float) -> None:
         self.clock = clock
         self.ttl_s = ttl_s
-        self._pins: OrderedDict[str, tuple[ReplicaId, float]] = OrderedDict()  # -> (replica, last use)
+        self._pins: OrderedDict[tuple[PinKind, str], tuple[ReplicaId, float]] = OrderedDict()  # -> (replica, last use)
 
     def _prune(self, now: float) -> None:
         horizon = now - self.ttl_s
@@ -112,24 +113,26 @@ class EngineSessionPins:
                 break
             self._pins.popitem(last=False)
 
-    def pin(self, engine_session_id: str, replica_id: ReplicaId) -> None:
+    def pin(self, kind: PinKind, name: str, replica_id: ReplicaId) -> None:
+        key = (kind, name)
         now = self.clock.now()
-        self._pins[engine_session_id] = (replica_id, now)
-        self._pins.move_to_end(engine_session_id)
+        self._pins[key] = (replica_id, now)
+        self._pins.move_to_end(key)
         self._prune(now)
 
-    def get(self, engine_session_id: str) -> ReplicaId | None:
+    def get(self, kind: PinKind, name: str) -> ReplicaId | None:
+        key = (kind, name)
         now = self.clock.now()
         self._prune(now)
-        pin = self._pins.get(engine_session_id)
+        pin = self._pins.get(key)
         if pin is None or pin[1] <= now - self.ttl_s:  # the second: out of order after the clock went back
-            self._pins.pop(engine_session_id, None)
+            self._pins.pop(key, None)
             return None
-        self.pin(engine_session_id, pin[0])
+        self.pin(kind, name, pin[0])
         return pin[0]
 
-    def unpin(self, engine_session_id: str) -> None:
-        self._pins.pop(engine_session_id, None)
+    def unpin(self, kind: PinKind, name: str) -> None:
+        self._pins.pop((kind, name), None)
 
 
 def _sums_of(st: ReplicaState) -> tuple[int, int, int, int, int, int, int]:
@@ -172,7 +175,7 @@ class MemoryCore:
         self._placement_order: deque[tuple[float, _Replica]] = deque()
         self._last_now = float("-inf")
         self._monotonic = True  # False once the clock went back: then always prune fully
-        self.pins = EngineSessionPins(clock, self.config.session_ttl_s)
+        self.pins = Pins(clock, self.config.session_ttl_s)
 
     def _dirty(self, rep: _Replica) -> None:
         rep.state = None
@@ -522,16 +525,16 @@ class MemoryCore:
     def leases(self) -> tuple[Lease, ...]:
         return tuple(self._leases.values())
 
-    # ---- engine sessions (SGLang's /open_session) --------------------------------------------------
+    # ---- pins (engine sessions, stored responses) ----------------------------------------------------
 
-    def pin_engine_session(self, engine_session_id: str, replica_id: ReplicaId) -> None:
-        self.pins.pin(engine_session_id, replica_id)
+    def pin(self, kind: PinKind, name: str, replica_id: ReplicaId) -> None:
+        self.pins.pin(kind, name, replica_id)
 
-    def engine_session_replica(self, engine_session_id: str) -> ReplicaId | None:
-        return self.pins.get(engine_session_id)
+    def pinned(self, kind: PinKind, name: str) -> ReplicaId | None:
+        return self.pins.get(kind, name)
 
-    def unpin_engine_session(self, engine_session_id: str) -> None:
-        self.pins.unpin(engine_session_id)
+    def unpin(self, kind: PinKind, name: str) -> None:
+        self.pins.unpin(kind, name)
 
 
 class MemoryStore:
@@ -596,14 +599,14 @@ class MemoryStore:
     async def sessions_on(self, replica_id: ReplicaId, limit: int = 1000) -> tuple[SessionState, ...]:
         return self.core.sessions_on(replica_id, limit)
 
-    async def pin_engine_session(self, engine_session_id: str, replica_id: ReplicaId) -> None:
-        self.core.pin_engine_session(engine_session_id, replica_id)
+    async def pin(self, kind: PinKind, name: str, replica_id: ReplicaId) -> None:
+        self.core.pin(kind, name, replica_id)
 
-    async def engine_session_replica(self, engine_session_id: str) -> ReplicaId | None:
-        return self.core.engine_session_replica(engine_session_id)
+    async def pinned(self, kind: PinKind, name: str) -> ReplicaId | None:
+        return self.core.pinned(kind, name)
 
-    async def unpin_engine_session(self, engine_session_id: str) -> None:
-        self.core.unpin_engine_session(engine_session_id)
+    async def unpin(self, kind: PinKind, name: str) -> None:
+        self.core.unpin(kind, name)
 
     async def close(self) -> None:
         return None

@@ -21,6 +21,7 @@ from replica.emulator.runner import Running, start_emulators, stop_emulators
 from replica.emulator.server import EmulatorConfig
 from replica.emulator.timemodel import alone_ttft_s
 from router.events import RequestFinished, UpstreamRetry
+from router.model import PinKind
 from tests.router.conftest import EventLog, wait_for
 
 _VOLATILE = re.compile(
@@ -396,7 +397,7 @@ async def test_engine_sessions_are_pinned_and_never_tried_elsewhere(emulators: A
             assert r.status == 200
             sid, home_id = await r.json(), r.headers["X-Kvroute-Replica"]
         assert isinstance(sid, str) and len(sid) == 32  # named by the gateway, as SGLang would name it
-        assert await store.engine_session_replica(sid) == home_id
+        assert await store.pinned(PinKind.ENGINE_SESSION, sid) == home_id
         home = a if home_id.endswith(f":{a.port}") else b
         async with s.get(gw.url + "/open_session", json={"capacity_of_str_len": 1, "session_id": sid}) as r:
             assert r.status == 400 and "already open" in (await r.json())["error"]["message"]
@@ -416,7 +417,7 @@ async def test_engine_sessions_are_pinned_and_never_tried_elsewhere(emulators: A
 
         async with s.post(gw.url + "/close_session", json={"session_id": sid}) as r:
             assert r.status == 200
-        assert await store.engine_session_replica(sid) is None
+        assert await store.pinned(PinKind.ENGINE_SESSION, sid) is None
         async with s.post(gw.url + "/open_session", json={"capacity_of_str_len": 64, "session_id": "kept"}) as r:
             assert r.status == 200
             kept_home = r.headers["X-Kvroute-Replica"]

@@ -21,6 +21,7 @@ from router.model import (
     BindSession,
     Completion,
     EngineLoad,
+    PinKind,
     Reason,
     ReplicaSpec,
     ReplicaState,
@@ -311,17 +312,17 @@ async def test_no_redis_at_start_then_it_appears(clock: VirtualClock, refresh: f
 async def test_engine_session_pins_are_shared_and_survive_an_outage(redis_url, stores, clock) -> None:  # type: ignore[no-untyped-def]
     g1 = new_store(stores, redis_url, clock, "g1", op_timeout_s=0.15, retry_min_s=0.05, retry_max_s=0.1)
     g2 = new_store(stores, redis_url, clock, "g2")
-    await g1.pin_engine_session("e1", "r0")
-    assert await g2.engine_session_replica("e1") == "r0"  # another gateway finds it
-    await g2.unpin_engine_session("e1")
-    assert await g1.engine_session_replica("e1") is None  # and its close is everyone's
-    await g1.pin_engine_session("e2", "r1")
+    await g1.pin(PinKind.ENGINE_SESSION, "e1", "r0")
+    assert await g2.pinned(PinKind.ENGINE_SESSION, "e1") == "r0"  # another gateway finds it
+    await g2.unpin(PinKind.ENGINE_SESSION, "e1")
+    assert await g1.pinned(PinKind.ENGINE_SESSION, "e1") is None  # and its close is everyone's
+    await g1.pin(PinKind.ENGINE_SESSION, "e2", "r1")
     r = aioredis.Redis.from_url(redis_url)
     await r.execute_command("CLIENT", "PAUSE", "800", "ALL")  # type: ignore[no-untyped-call]
-    assert await g1.engine_session_replica("e2") == "r1"  # served from what this gateway knows
+    assert await g1.pinned(PinKind.ENGINE_SESSION, "e2") == "r1"  # served from what this gateway knows
     assert g1.degraded
-    await g1.pin_engine_session("e3", "r0")  # kept locally while Redis is away
-    assert await g1.engine_session_replica("e3") == "r0"
+    await g1.pin(PinKind.ENGINE_SESSION, "e3", "r0")  # kept locally while Redis is away
+    assert await g1.pinned(PinKind.ENGINE_SESSION, "e3") == "r0"
     await r.aclose()
 
 

@@ -20,6 +20,7 @@ from router.model import (
     Completion,
     EngineLoad,
     HealthStamp,
+    PinKind,
     Reason,
     ReplicaSpec,
     ReplicaStatus,
@@ -414,25 +415,39 @@ async def test_sessions_on_and_session_view(env: Env) -> None:
 async def test_engine_session_pins(env: Env) -> None:
     """SGLang's engine sessions: pinned to a replica, forgotten after the session TTL without use."""
     store = await fleet(env, config=StoreConfig(session_ttl_s=30.0))
-    assert await store.engine_session_replica("e1") is None
-    await store.pin_engine_session("e1", "r1")
-    await store.pin_engine_session("e2", "r2")
-    await store.pin_engine_session("odd|id:{x}", "r0")  # ids are opaque
-    assert await store.engine_session_replica("e1") == "r1"
-    assert await store.engine_session_replica("odd|id:{x}") == "r0"
+    assert await store.pinned(PinKind.ENGINE_SESSION, "e1") is None
+    await store.pin(PinKind.ENGINE_SESSION, "e1", "r1")
+    await store.pin(PinKind.ENGINE_SESSION, "e2", "r2")
+    await store.pin(PinKind.ENGINE_SESSION, "odd|id:{x}", "r0")  # ids are opaque
+    assert await store.pinned(PinKind.ENGINE_SESSION, "e1") == "r1"
+    assert await store.pinned(PinKind.ENGINE_SESSION, "odd|id:{x}") == "r0"
     env.clock.advance(20)
-    assert await store.engine_session_replica("e1") == "r1"  # a use restarts its idle time
+    assert await store.pinned(PinKind.ENGINE_SESSION, "e1") == "r1"  # a use restarts its idle time
     env.clock.advance(20)
-    assert await store.engine_session_replica("e1") == "r1"
-    assert await store.engine_session_replica("e2") is None  # idle 40 s
-    await store.pin_engine_session("e2", "r0")  # opened again elsewhere: the new pin holds
-    assert await store.engine_session_replica("e2") == "r0"
+    assert await store.pinned(PinKind.ENGINE_SESSION, "e1") == "r1"
+    assert await store.pinned(PinKind.ENGINE_SESSION, "e2") is None  # idle 40 s
+    await store.pin(PinKind.ENGINE_SESSION, "e2", "r0")  # opened again elsewhere: the new pin holds
+    assert await store.pinned(PinKind.ENGINE_SESSION, "e2") == "r0"
     await store.remove_replica("r1")
-    assert await store.engine_session_replica("e1") == "r1"  # outlives its replica: the gateway checks
-    await store.unpin_engine_session("e1")
-    assert await store.engine_session_replica("e1") is None
-    await store.unpin_engine_session("e1")  # closing twice is no error
-    assert await store.engine_session_replica("e2") == "r0"
+    assert await store.pinned(PinKind.ENGINE_SESSION, "e1") == "r1"  # outlives its replica: the gateway checks
+    await store.unpin(PinKind.ENGINE_SESSION, "e1")
+    assert await store.pinned(PinKind.ENGINE_SESSION, "e1") is None
+    await store.unpin(PinKind.ENGINE_SESSION, "e1")  # closing twice is no error
+    assert await store.pinned(PinKind.ENGINE_SESSION, "e2") == "r0"
+
+
+async def test_pin_kinds_are_apart(env: Env) -> None:
+    """A stored response and an engine session of the same name are two pins: neither finds,
+    moves nor drops the other."""
+    store = await fleet(env, config=StoreConfig(session_ttl_s=30.0))
+    await store.pin(PinKind.RESPONSE, "resp_1", "r1")
+    assert await store.pinned(PinKind.ENGINE_SESSION, "resp_1") is None
+    await store.pin(PinKind.ENGINE_SESSION, "resp_1", "r2")
+    assert await store.pinned(PinKind.RESPONSE, "resp_1") == "r1"
+    await store.unpin(PinKind.ENGINE_SESSION, "resp_1")
+    assert await store.pinned(PinKind.RESPONSE, "resp_1") == "r1"
+    env.clock.advance(31)
+    assert await store.pinned(PinKind.RESPONSE, "resp_1") is None  # a response's pin expires too
 
 
 async def test_request_without_session(env: Env) -> None:

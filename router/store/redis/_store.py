@@ -32,6 +32,7 @@ from router.model import (
     EngineLoad,
     HealthStamp,
     Lease,
+    PinKind,
     ReplicaId,
     ReplicaSpec,
     ReplicaState,
@@ -44,7 +45,7 @@ from router.model import (
 from router.residency import ResidencyView, snapshot_with_residency
 from router.store.base import StoreConfig, residency_feedback
 from router.store.keys import KeySpace
-from router.store.memory import PLACEMENT_REASONS, EngineSessionPins
+from router.store.memory import PLACEMENT_REASONS, Pins
 from router.store.redis._fallback import Fallback
 from router.store.redis._fastpath import ROWS_PER_REFRESH, FastPath
 from router.store.redis._leases import OwnLeases
@@ -119,8 +120,8 @@ class RedisStore:
         self._fast = FastPath(
             self._wire, self.config, self.lease_holder, self._own, self._fallback, replica_refresh_s, rows_per_refresh
         )
-        # engine sessions this gateway pinned or looked up: served from here while Redis is away
-        self._pins = EngineSessionPins(self.clock, self.config.session_ttl_s)
+        # pins this gateway made or looked up: served from here while Redis is away
+        self._pins = Pins(self.clock, self.config.session_ttl_s)
         self._registry = Registry(
             self._wire, self.config, self._fallback, self._fast, started=self._ensure_started, failed=self._fail
         )
@@ -617,16 +618,16 @@ class RedisStore:
                 self._fail(exc)
         return self._fallback.sessions_on(replica_id, limit)
 
-    # ---- engine sessions (SGLang's /open_session) --------------------------------------------------
-    # One string per session, "<replica>|<last use, fleet s>": expiry is judged on the store's clock,
+    # ---- pins (SGLang's /open_session, stored responses) -------------------------------------------
+    # One string per pin, "<replica>|<last use, fleet s>": expiry is judged on the store's clock,
     # as a session's is; PX only deletes what nobody used for a TTL.
 
-    async def pin_engine_session(self, engine_session_id: str, replica_id: ReplicaId) -> None:
-        self._pins.pin(engine_session_id, replica_id)
+    async def pin(self, kind: PinKind, name: str, replica_id: ReplicaId) -> None:
+        self._pins.pin(kind, name, replica_id)
         if self.degraded:
             return  # this gateway's own pin only: not replayed into Redis
         self._ensure_started()
-        key = self._wire.keys.engine_session(engine_session_id)
+        key = self._wire.keys.pin(kind, name)
         try:
             await self._wire.command(
                 "pin", "SET", key, f"{replica_id}|{self._wire.now()}", "PX", self._session_ttl_ms
@@ -634,33 +635,33 @@ class RedisStore:
         except StoreError as exc:
             self._fail(exc)
 
-    async def engine_session_replica(self, engine_session_id: str) -> ReplicaId | None:
+    async def pinned(self, kind: PinKind, name: str) -> ReplicaId | None:
         if not self.degraded:
             self._ensure_started()
-            key = self._wire.keys.engine_session(engine_session_id)
+            key = self._wire.keys.pin(kind, name)
             try:
                 rid, _, used = str(await self._wire.command("pinned", "GET", key) or "").rpartition("|")
                 if not rid or self._wire.local(used or 0) <= self.clock.now() - self.config.session_ttl_s:
-                    self._pins.unpin(engine_session_id)
+                    self._pins.unpin(kind, name)
                     return None
-                # XX: a session closed meanwhile stays closed
+                # XX: a pin dropped meanwhile (a session closed) stays dropped
                 await self._wire.command(
                     "pin", "SET", key, f"{rid}|{self._wire.now()}", "XX", "PX", self._session_ttl_ms
                 )
             except StoreError as exc:
                 self._fail(exc)
             else:
-                self._pins.pin(engine_session_id, rid)
+                self._pins.pin(kind, name, rid)
                 return rid
-        return self._pins.get(engine_session_id)
+        return self._pins.get(kind, name)
 
-    async def unpin_engine_session(self, engine_session_id: str) -> None:
-        self._pins.unpin(engine_session_id)
+    async def unpin(self, kind: PinKind, name: str) -> None:
+        self._pins.unpin(kind, name)
         if self.degraded:
             return
         self._ensure_started()
         try:
-            await self._wire.command("unpin", "DEL", self._wire.keys.engine_session(engine_session_id))
+            await self._wire.command("unpin", "DEL", self._wire.keys.pin(kind, name))
         except StoreError as exc:
             self._fail(exc)
 
