@@ -179,6 +179,7 @@ def real_sglang_fleet(
     max_total_tokens: int = 40_000,
     context_length: int | None = None,
     sets: Sequence[str] = (),
+    extra_flags: Sequence[str] = (),
     timeout_s: float = 240.0,
 ) -> Iterator[list[RealServer]]:
     """``n`` real servers, server i pinned to the i-th CPU this process may use (round robin),
@@ -190,7 +191,7 @@ def real_sglang_fleet(
             servers.append(
                 start_real_server(
                     free_port(), cpus[i % len(cpus)], log_dir=log_dir, max_total_tokens=max_total_tokens,
-                    context_length=context_length, sets=sets,
+                    context_length=context_length, sets=sets, extra_flags=extra_flags,
                 )
             )
         wait_healthy(servers, timeout_s)

@@ -47,6 +47,7 @@ from router.gateway.runtime import (
     STORE_KEY,
     GatewayRuntime,
 )
+from router.gateway.stored_responses import STORED_RESPONSE_ROUTES, handle_stored_response
 from router.gateway.upstream import ReplicaHttpClient
 from router.policy.base import Policy
 from router.store.base import StateStore
@@ -109,6 +110,8 @@ def make_app(
     for path in SESSION_ROUTES:  # SGLang takes both (router/gateway/engine_sessions.py)
         app.router.add_post(path, handle_inference)
         app.router.add_route("GET", path, handle_inference)
+    app.router.add_get(STORED_RESPONSE_ROUTES[0], handle_stored_response)
+    app.router.add_post(STORED_RESPONSE_ROUTES[1], handle_stored_response)
     app.router.add_get("/v1/models", handle_models)
     app.router.add_get("/v1/models/{model}", handle_model)
     app.router.add_get("/health", handle_health)

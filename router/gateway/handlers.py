@@ -64,12 +64,20 @@ from router.gateway.forward import (
 from router.gateway.middleware import REQUEST_ID_HEADER, REQUEST_ID_KEY, read_body_limited
 from router.gateway.residency import with_session_id
 from router.gateway.runtime import RUNTIME_KEY, GatewayRuntime
+from router.gateway.stored_responses import (
+    gone,
+    keeps_response,
+    pin_response,
+    previous_response_id,
+    response_id_in,
+)
 from router.model import (
     AffinityBreak,
     ClusterSnapshot,
     Completion,
     KeySource,
     Lease,
+    PinKind,
     Reason,
     ReplicaId,
     ReplicaState,
@@ -102,7 +110,7 @@ __all__ = [
 log = logging.getLogger("kvroute.gateway")
 
 MESSAGES_ROUTE = "/v1/messages"  # Anthropic's Messages API, as SGLang serves it
-RESPONSES_ROUTE = "/v1/responses"  # OpenAI's Responses API (Codex), stateless as SGLang serves it by default
+RESPONSES_ROUTE = "/v1/responses"  # OpenAI's Responses API (Codex); its stored responses: stored_responses.py
 INFERENCE_ROUTES = ("/v1/chat/completions", "/v1/completions", "/generate", MESSAGES_ROUTE, RESPONSES_ROUTE)
 COUNT_TOKENS_ROUTE = "/v1/messages/count_tokens"
 # proxied like inference, but nothing is generated and nothing learnt from the answer
@@ -331,6 +339,7 @@ class _Proxy:
         prog: _Progress,
         call: EngineSessionCall | None = None,
         pin: ReplicaId | None = None,
+        continues: str | None = None,
     ) -> None:
         self.ds = downstream
         self.rt = rt
@@ -341,7 +350,10 @@ class _Proxy:
         self.p = prog
         self.request_id = request_id
         self.call = call  # an SGLang engine session this request opens, uses or closes
-        self.pin = pin  # the replica that engine session lives on: the only one tried
+        self.pin = pin  # the replica that engine session or stored response lives on: the only one tried
+        self.continues = continues  # the stored response this request continues (previous_response_id)
+        # a Responses request the engine may store: its response's id is pinned (stored_responses.py)
+        self._keeps = req.route == RESPONSES_ROUTE and keeps_response(body)
         self._tagged: bytes | None = None  # the body with the session id (kv_events.forward_session_id)
         # behind KV events, a header session whose body names another session_id: the engine names
         # this request's blocks by the body's id, so residency is read under it
@@ -376,10 +388,12 @@ class _Proxy:
                 excluded=frozenset(excluded),
                 chain_key=self._chain_key if self.req.key_source.named else None,
             )
-            if self.pin is not None and self.call is not None:
+            if self.pin is not None:
                 if snap.replica(self.pin) is None:
-                    raise await self.call.replica_gone(self.rt.store, self.pin)
-                decision = RouteDecision(self.pin, Reason.AFFINITY)  # the session exists there only
+                    if self.call is not None:
+                        raise await self.call.replica_gone(self.rt.store, self.pin)
+                    raise await gone(self.rt, self.continues or "", self.pin, "previous_response_id")
+                decision = RouteDecision(self.pin, Reason.AFFINITY)  # what it names exists there only
             else:
                 try:
                     decision = self.rt.policy.route(req, snap, self.rt.rng)
@@ -539,6 +553,7 @@ class _Proxy:
             self.p.stream = sniffer.is_sse
             ds = self.ds
             last_tail = b""
+            keeps = self._keeps and upstream.status == 200
             # SGLang opens a Responses API stream with two lifecycle events before the prefill: the
             # first token comes with the third event (TTFT counts from the first chunk elsewhere)
             first_token_event = 3 if self.req.route == RESPONSES_ROUTE else 0
@@ -554,6 +569,9 @@ class _Proxy:
                 last = b""  # the body's final piece: sent with the end of the response, one write
                 while chunk is not None:
                     if chunk:
+                        if keeps and (response_id := response_id_in(chunk)) is not None:
+                            keeps = False
+                            await pin_response(self.rt, response_id, lease.replica_id)
                         sniffer.feed(chunk)
                         if upstream.at_eof():
                             last = chunk
@@ -662,7 +680,7 @@ class _Proxy:
                 prompt_tokens=usage.prompt_tokens,
                 cached_tokens=usage.cached_tokens,
                 completion_tokens=usage.completion_tokens,
-                prompt_bytes=len(self.body),
+                prompt_bytes=0 if self.continues else len(self.body),  # its body is not its prompt
                 samples=self._samples(sniffer, n) if usage.completion_tokens else 1,
             )
         if not ok:
@@ -759,15 +777,20 @@ async def serve_inference(
             _refuse_empty_generate(body)
         call = engine_session_call(route, body, cfg)
         pin: ReplicaId | None = None
+        continues: str | None = None
         if call is not None:
             body = call.body
             pin = await call.pinned(rt.store)
+        elif route == RESPONSES_ROUTE:
+            continues = previous_response_id(body, cfg)
+            if continues is not None:
+                pin = await rt.store.pinned(PinKind.RESPONSE, continues)
         key, source = _routing_key(session_id, body, route, rt.policy, cfg)
         if call is not None and not source.named:  # a /generate in an engine session: keyed by it
             key, source = call.session_id, KeySource.BODY
         req = route_request(key, source, route=route, body_bytes=len(body), session=None)
         fwd = _forward_headers(headers, remote, cfg, key if source.named else None, request_id)
-        proxy = _Proxy(downstream, request_id, rt, body, req, fwd, prog, call, pin)
+        proxy = _Proxy(downstream, request_id, rt, body, req, fwd, prog, call, pin, continues)
         try:
             await proxy.run()
         except BaseException as exc:

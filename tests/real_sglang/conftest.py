@@ -26,6 +26,9 @@ from tests.router.conftest import fake_replicas, gateway_factory  # noqa: F401 -
 
 POOL_TOKENS = 12_000  # small enough that the cache test evicts, big enough for every prompt here
 CONTEXT_TOKENS = 8_192
+# the Responses API's store (previous_response_id, GET /v1/responses/{id}): a stored response lives
+# in the engine that made it, which the gateway must find again
+ENGINE_FLAGS = ("--enable-response-store",)
 
 
 @pytest.fixture(scope="package")
@@ -38,7 +41,11 @@ def real_servers() -> Iterator[list[RealServer]]:
     with tempfile.TemporaryDirectory(prefix="kvroute-real-sglang-") as tmp:
         try:
             with real_sglang_fleet(
-                3, log_dir=Path(tmp), max_total_tokens=POOL_TOKENS, context_length=CONTEXT_TOKENS
+                3,
+                log_dir=Path(tmp),
+                max_total_tokens=POOL_TOKENS,
+                context_length=CONTEXT_TOKENS,
+                extra_flags=ENGINE_FLAGS,
             ) as servers:
                 yield servers
         except RuntimeError as exc:

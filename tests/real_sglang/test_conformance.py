@@ -612,3 +612,71 @@ async def test_responses_api_goes_home_and_teaches_the_context(
     sess = await gw.store.session(sid)
     assert sess is not None and sess.context_tokens == turns[-1].prompt_tokens + outputs[-1] and sess.turns == 3
     assert fins[3].ok and fins[3].session_id == f"pck-{sid}"
+
+
+def _response_id(body: bytes, stream: bool) -> str:
+    """A /v1/responses answer's id: the unstreamed body's, or the stream's ``response.created``."""
+    if not stream:
+        return str(json.loads(body)["id"])
+    first = next(line for line in body.decode().splitlines() if line.startswith("data: "))
+    return str(json.loads(first[6:])["response"]["id"])
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["unstreamed", "streamed"])
+async def test_stored_responses_are_found_where_they_were_stored(
+    fleet: list[RealServer], gateway_factory: Any, stream: bool
+) -> None:
+    """Engines started with ``--enable-response-store`` keep each response. A request continuing one
+    (``previous_response_id``) goes to the engine that stored it, even when its session's home has
+    moved (the policy alone sends it elsewhere, where the engine answers 404), and finds its whole
+    conversation cached there; GET and cancel of a stored response reach it too. A response asked
+    not to be stored is not pinned, and one whose engine left the fleet is a clean 404."""
+    log = EventLog()
+    gw = await gateway_factory([s.url for s in fleet], hooks=(log,), health=REAL_HEALTH, timeouts=REAL_TIMEOUTS)
+    salt = uuid.uuid4().hex[:6]
+    sid = f"stored-{salt}-{stream}"
+    async with aiohttp.ClientSession() as s:
+        async with s.get(gw.url + "/v1/models") as r:
+            model = (await r.json())["data"][0]["id"]
+
+        async def respond(doc: dict[str, Any], **headers: str) -> tuple[int, bytes, str]:
+            doc = {"model": model, "max_output_tokens": 4, "stream": stream, "temperature": 0, **doc}
+            async with s.post(gw.url + "/v1/responses", json=doc, headers={"session_id": sid, **headers}) as r:
+                return r.status, await r.read(), r.headers.get("X-Kvroute-Replica", "")
+
+        instructions = _text(40, f"sys{salt}")  # not carried over by previous_response_id: sent again
+        status, body, home = await respond({"instructions": instructions, "input": _text(30, salt)})
+        assert status == 200, body
+        first_id = _response_id(body, stream)
+        other = next(u.removeprefix("http://") for u in (x.url for x in fleet) if not u.endswith(home.split(":")[-1]))
+        await gw.store.set_status(home, ReplicaStatus.DRAINING)  # the session's next turn moves away
+
+        cont = {"instructions": instructions, "input": _text(8, f"{salt}a"), "previous_response_id": first_id}
+        status, body, went = await respond(cont)
+        assert status == 200, body
+        assert went == home  # where the response is, not where the session now goes
+        second_id = _response_id(body, stream)
+        status, body, moved = await respond({"input": _text(20, f"{salt}b"), "store": False})
+        assert status == 200 and moved == other, body  # a turn without one goes where the policy says
+
+        async with s.get(f"{gw.url}/v1/responses/{first_id}") as r:
+            assert r.status == 200 and (await r.json())["id"] == first_id
+            assert r.headers["X-Request-Id"]
+        async with s.post(f"{gw.url}/v1/responses/{second_id}/cancel") as r:
+            doc = await r.json()  # a finished response: returned as it is
+            assert r.status == 200 and doc["id"] == second_id and doc["status"] in ("completed", "incomplete")
+        unstored = _response_id(body, stream)
+        for rid, code in ((unstored, 404), ("resp_" + "0" * 32, 404), ("nope", 400)):
+            async with s.get(f"{gw.url}/v1/responses/{rid}") as r:
+                assert r.status == code, (rid, await r.read())
+
+        await gw.store.remove_replica(home)  # the engine that stored them leaves, and they with it
+        status, body, _ = await respond({"input": "again", "previous_response_id": second_id})
+        assert status == 404 and b"left the fleet" in body, body
+        async with s.get(f"{gw.url}/v1/responses/{first_id}") as r:
+            assert r.status == 404
+    await wait_for(lambda: len(log.of(RequestFinished)) == 4)
+    first, cont, _, gone = log.of(RequestFinished)
+    assert gone.status == 404 and not gone.ok
+    # the engine prepended the stored conversation: nearly all of the first prompt came from cache
+    assert cont.ok and cont.prompt_tokens > first.prompt_tokens and cont.cached_tokens >= 0.9 * first.prompt_tokens
