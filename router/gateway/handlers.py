@@ -14,7 +14,9 @@ Rules:
      parseable error event and ``data: [DONE]``; any other body is cut off by closing the
      connection (its status is already sent; a client sees a truncated body, never a wrong one).
   5. The response is committed (status + headers sent) only when the first upstream body chunk
-     arrived, so a replica that accepts the request and dies during prefill is still retried.
+     arrived, so a replica that accepts the request and dies during prefill is still retried. A
+     Responses API stream opens with two lifecycle events sent before the prefill: they are held
+     until the first token's event, for the same reason.
   6. Client disconnect: the handler is cancelled (``handler_cancellation``) or its next write
      fails; either way the upstream response is closed at once (SGLang aborts the request) and
      the lease is released.
@@ -29,7 +31,7 @@ import dataclasses
 import functools
 import json
 import logging
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -465,6 +467,22 @@ class _Proxy:
                 )
                 log.info("retrying after %s on %s (attempt %d)", exc.code, lease.replica_id, attempt)
 
+    @staticmethod
+    async def _opening(
+        first: bytes, chunks: AsyncIterator[bytes], upstream: UpstreamResponse, sniffer: UsageSniffer, events: int
+    ) -> bytes:
+        """A stream's first ``events`` events (or all of it, if shorter) as one piece, fed to
+        ``sniffer``. A replica that fails meanwhile raises before the client has a byte."""
+        held = [first]
+        sniffer.feed(first)
+        while sniffer.events < events and not upstream.at_eof():
+            chunk = await anext(chunks, None)
+            if chunk is None:
+                break
+            held.append(chunk)
+            sniffer.feed(chunk)
+        return b"".join(held) if len(held) > 1 else first
+
     async def _give_up(self, exc: UpstreamError) -> None:
         """Every attempt failed before the first byte. A replica's own 5xx answer is relayed as it
         was (status and body); connect errors and timeouts become OpenAI-style 502/504 JSON."""
@@ -536,9 +554,17 @@ class _Proxy:
                 await self.call.answered(self.rt.store, lease.replica_id, upstream.status)
             sniffer = UsageSniffer(upstream.content_type)
             chunks = upstream.chunks().__aiter__()
+            # SGLang opens a Responses API stream with two lifecycle events before the prefill: the
+            # first token comes with the third event (TTFT counts from the first chunk elsewhere)
+            first_token_event = 3 if self.req.route == RESPONSES_ROUTE else 0
             t = clock.now()
             try:
                 first: bytes | None = await anext(chunks, None)
+                fed = False  # the first piece was fed to the sniffer already
+                if first is not None and first_token_event > 0 and sniffer.is_sse:
+                    # rule 5: held (and fed to the sniffer) until the first token's event
+                    first = await self._opening(first, chunks, upstream, sniffer, first_token_event)
+                    fed = True
             finally:
                 self.p.upstream_wait_s += clock.now() - t
             # ---- commit: from here on the client has our status line -----------------------------
@@ -554,9 +580,6 @@ class _Proxy:
             ds = self.ds
             last_tail = b""
             keeps = self._keeps and upstream.status == 200
-            # SGLang opens a Responses API stream with two lifecycle events before the prefill: the
-            # first token comes with the third event (TTFT counts from the first chunk elsewhere)
-            first_token_event = 3 if self.req.route == RESPONSES_ROUTE else 0
             try:
                 t = clock.now()
                 await ds.begin(
@@ -572,7 +595,9 @@ class _Proxy:
                         if keeps and (response_id := response_id_in(chunk)) is not None:
                             keeps = False
                             await pin_response(self.rt, response_id, lease.replica_id)
-                        sniffer.feed(chunk)
+                        if not fed:
+                            sniffer.feed(chunk)
+                        fed = False
                         if upstream.at_eof():
                             last = chunk
                             break

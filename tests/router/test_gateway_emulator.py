@@ -499,7 +499,8 @@ async def test_anthropic_messages_through_the_gateway(emulators: Any, gateway_fa
 async def test_responses_api_through_the_gateway(emulators: Any, gateway_factory: Any) -> None:
     """Codex's traffic: /v1/responses with its ``session_id`` header goes home and is learnt from the
     Responses API's usage; TTFT counts from the first event after the two sent before the prefill;
-    a stream the replica breaks ends with the API's error event, numbered after the relayed ones."""
+    a stream the replica breaks ends with the API's error event, numbered after the relayed ones,
+    unless it broke before its first token: then it is retried on another replica."""
     a, b = await emulators(2, time_scale=1.0)  # wall = modelled: a cold prefill takes its modelled time
     log = EventLog()
     gw = await gateway_factory([a.url, b.url], hooks=(log,))
@@ -537,4 +538,16 @@ async def test_responses_api_through_the_gateway(emulators: Any, gateway_factory
     assert name == "event: error" and err["type"] == "error" and err["code"] == "upstream_error"
     relayed = [json.loads(e.split("\n")[1].removeprefix("data: ")) for e in events[:-1]]
     assert [ev["sequence_number"] for ev in relayed] == list(range(len(relayed))) and err["sequence_number"] == len(relayed)
+
+    # cut after the two events sent before the prefill: they were held, so the request is retried
+    # elsewhere and the client gets one whole stream
+    async with aiohttp.ClientSession() as s:
+        events = await _broken_stream(s, gw.url + "/v1/responses", body, headers, home, after_chunks=2)
+    names = [e.split("\n")[0].removeprefix("event: ") for e in events]
+    assert names[:2] == ["response.created", "response.in_progress"] and names[-1] == "response.incomplete", names
+    whole = [json.loads(e.split("\n")[1].removeprefix("data: ")) for e in events]
+    assert [ev["sequence_number"] for ev in whole] == list(range(len(whole)))
+    await wait_for(lambda: len(log.of(RequestFinished)) == 5)
+    retried = log.of(RequestFinished)[4]
+    assert retried.ok and retried.retries == 1 and retried.replica_id != log.of(RequestFinished)[3].replica_id
     await wait_for(lambda: all(r.in_flight == 0 for r in gw.runtime.store.core.replicas()))
