@@ -221,7 +221,13 @@ def test_fuzzed_headers(live: Live, headers: list[tuple[bytes, bytes]], dup_sid:
 paths = st.one_of(
     st.sampled_from([*ROUTES, "/health", "/ready", "/v1/models", "/v1/models/x", "/admin/replicas", "/metrics", "/",
                      "/v1/chat/completions/", "//v1/chat/completions", "/v1/../v1/models", "/%2e%2e/etc/passwd",
-                     "http://evil.example/v1/models", "*"]),
+                     "http://evil.example/v1/models", "*", "/v1/responses/resp_1", "/v1/responses/resp_1/cancel",
+                     "/v1/responses/resp_%2e%2e%2fflush_cache", "/v1/responses/resp_%2F..%2Fflush_cache/cancel",
+                     "/v1/responses/" + "resp_" + "a" * 5000]),
+    # stored responses' ids go into the path the gateway builds (router/gateway/stored_responses.py)
+    st.text(alphabet=st.characters(min_codepoint=0x21, max_codepoint=0x7E), min_size=1, max_size=80).map(
+        lambda t: "/v1/responses/resp_" + t
+    ),
     st.text(alphabet=st.characters(min_codepoint=0x21, max_codepoint=0x7E), min_size=1, max_size=80).map(lambda t: "/" + t),
     st.text(max_size=60).map(lambda t: "/" + t.replace(" ", "%20").replace("\r", "").replace("\n", "")),
 )
