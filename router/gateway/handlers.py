@@ -516,6 +516,7 @@ class _Proxy:
         clock = self.rt.clock
         upstream: UpstreamResponse | None = None
         sniffer: UsageSniffer | None = None
+        ask_stores: str | None = None  # the replica's URL, when whether it keeps responses is unknown
         done = False
         completion = Completion(ok=False)
         try:
@@ -580,6 +581,12 @@ class _Proxy:
             ds = self.ds
             last_tail = b""
             keeps = self._keeps and upstream.status == 200
+            stores = self.rt.response_stores
+            if keeps and stores is not None:
+                known = stores.keeps(lease.replica_id, clock.now())
+                keeps = known is not False  # not yet known: pinned (stored_responses.StoreSupport)
+                if known is None:
+                    ask_stores = url
             try:
                 t = clock.now()
                 await ds.begin(
@@ -666,6 +673,8 @@ class _Proxy:
                 self.rt.emit(StoreDegraded(at=self.rt.clock.now(), error=str(exc)))
             if completion.ok:
                 self._record_break(lease, completion)
+                if ask_stores is not None and self.rt.response_stores is not None and self.rt.client is not None:
+                    await self.rt.response_stores.learn(self.rt.client, lease.replica_id, ask_stores, clock.now())
 
     def _body_for(self, lease: Lease) -> bytes:
         """The body, with the session's key in it for a replica whose KV events we follow: SGLang then

@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from router.gateway.egress import EgressGuard
     from router.gateway.forward import ReplicaClient, UpstreamTracer
     from router.gateway.residency import ResidencyService
+    from router.gateway.stored_responses import StoreSupport
 
 __all__ = ["CONFIG_KEY", "EMITTER_KEY", "MIDDLEWARE_KEY", "RUNTIME_KEY", "STORE_KEY", "GatewayRuntime"]
 
@@ -43,6 +44,7 @@ class GatewayRuntime:
     discovery: Discovery | None = None
     egress: EgressGuard | None = None  # replica URLs outside the allowed networks are refused (None = no check)
     residency: ResidencyService | None = None  # exact residency from KV events (kv_events), once started
+    response_stores: StoreSupport | None = None  # which replicas keep Responses API responses
     draining: bool = False  # shutting down: /ready answers 503
     models_body: dict[str, Any] | None = None
     models_at: float = float("-inf")
