@@ -67,6 +67,9 @@ def parser() -> argparse.ArgumentParser:
     )
     g.add_argument("--startup-delay", type=float, default=0.0, help="/health is 503 for this many wall seconds")
     g.add_argument("--api-key", default=None)
+    g.add_argument("--enable-response-store", action="store_true",
+                   help="/v1/responses keeps responses in memory (previous_response_id, background, "
+                        "GET/cancel of a stored response), as SGLang's flag")
     g.add_argument("--kv-events-config", default=None, metavar="JSON",
                    help="SGLang's KV-event publisher config, e.g. '{\"publisher\":\"zmq\",\"endpoint\":"
                         "\"tcp://*:5557\",\"replay_endpoint\":\"tcp://*:5558\"}'; replica i adds 2i to both "
@@ -101,6 +104,7 @@ def build_config(ns: argparse.Namespace) -> EmulatorConfig:
         startup_delay_s=ns.startup_delay,
         api_key=ns.api_key,
         kv_events_config=_kv_events(ns.kv_events_config),
+        enable_response_store=ns.enable_response_store,
     )
 
 

@@ -15,8 +15,14 @@ Rule 2: the checks run in SGLang's order: pydantic's on the body (:func:`validat
         the model name, ``tool_choice``), the conversion's (:func:`to_chat`: item types, the chat
         request's own validation, an empty conversation), then the engine's (context and sampling
         values, in the server). Unlike chat, the model must be the served one (404 otherwise).
-Rule 3: the response store is off, the engine's default: ``previous_response_id``, ``background``
-        and GET / cancel of a stored response are refused as SGLang refuses them (400).
+Rule 3: the response store is off by default, as the engine's: ``previous_response_id``,
+        ``background`` and GET / cancel of a stored response are refused as SGLang refuses them
+        (400). With it on (``--enable-response-store``) :class:`ResponseStore` keeps what SGLang's
+        ``response_store`` and ``msg_store`` keep: every response asked to be stored (``store``,
+        true by default) whatever its status, and each one's conversation (the earlier turns' items,
+        its input, its output items), which a ``previous_response_id`` continuation puts before its
+        own input (:meth:`ResponseStore.prompt_body`). The store is in memory and unbounded, as
+        SGLang's.
 Rule 4: the emulated model writes text only and has no reasoning or tool-call parser (as the tiny
         real model): the output is one ``message`` item, none for an empty answer. SGLang keeps two
         tokens of headroom (``max_new_tokens = max_output_tokens - 2``): ``max_output_tokens`` 4
@@ -41,8 +47,10 @@ from typing import Any
 from replica.emulator.anthropic import lax_bool
 
 __all__ = [
+    "BACKGROUND_NEEDS_STORE",
     "STORE_DISABLED",
     "EventStream",
+    "ResponseStore",
     "ResponsesRequestError",
     "ResponsesValidationError",
     "body_error",
@@ -55,6 +63,7 @@ __all__ = [
     "message_item",
     "outcome",
     "response_doc",
+    "stores",
     "to_chat",
     "usage",
     "validate",
@@ -64,6 +73,7 @@ STORE_DISABLED = (
     "Response store is disabled. Stateful Responses require --enable-response-store on a standalone "
     "server; response storage is unavailable in PD mode."
 )
+BACKGROUND_NEEDS_STORE = "background=true requires store=true."
 _ENDPOINT = "POST /v1/responses"
 _PYDANTIC_DOCS = "https://errors.pydantic.dev/2.14/v/"
 _TOOL_TYPES = (
@@ -319,16 +329,25 @@ def _served(model: str, served: str) -> bool:
     return base.strip() == served
 
 
-def check(body: Mapping[str, Any], served_model: str) -> None:
-    """``create_responses``' checks before it builds the prompt, in its order. Raises
-    :class:`ResponsesRequestError`."""
+def stores(body: Mapping[str, Any]) -> bool:
+    """Whether the response is to be kept (``store``: true when absent, a null is false)."""
+    return bool(lax_bool(body.get("store", True)))
+
+
+def check(body: Mapping[str, Any], served_model: str, *, store: bool = False) -> None:
+    """``create_responses``' checks before it builds the prompt, in its order; ``store``: the
+    server keeps responses (``--enable-response-store``). Raises :class:`ResponsesRequestError`.
+    (A ``previous_response_id`` is looked up after these: :meth:`ResponseStore.get`.)"""
     tools = _tools(body)
     if any(t.get("type") == "shell" for t in tools):
         raise ResponsesRequestError("Shell tools are not supported by this model", param="tools")
-    if body.get("previous_response_id") is not None:
+    background = lax_bool(body.get("background"))
+    if not store and body.get("previous_response_id") is not None:
         raise ResponsesRequestError(STORE_DISABLED, param="previous_response_id")
-    if lax_bool(body.get("background")):
+    if not store and background:
         raise ResponsesRequestError(STORE_DISABLED, param="background")
+    if background and not stores(body):
+        raise ResponsesRequestError(BACKGROUND_NEEDS_STORE, param="store")
     model = body.get("model")
     if model is not None and not _served(model, served_model):
         raise ResponsesRequestError(f"The model '{model}' does not exist", status=404, param="model")
@@ -754,3 +773,95 @@ class EventStream:
                        part=_output_text(text)),
             self.event("response.output_item.done", item=message_item(item_id, text), output_index=0),
         ]
+
+
+# ---- the response store (--enable-response-store) ------------------------------------------------
+
+
+def _stored_item(item: Mapping[str, Any]) -> dict[str, Any]:
+    """An output item as SGLang keeps it in a conversation (``model_dump(exclude_none=True)``)."""
+    out = {k: v for k, v in item.items() if v is not None}
+    if isinstance(out.get("content"), list):
+        out["content"] = [{k: v for k, v in p.items() if v is not None} if isinstance(p, dict) else p
+                          for p in out["content"]]
+    return out
+
+
+class ResponseStore:
+    """SGLang's ``response_store`` (id -> the response, the very object GET and cancel answer and
+    a background run updates in place) and ``msg_store`` (id -> the conversation up to and with
+    that response, as Responses items). Pure: the server drives it (Rule 3)."""
+
+    def __init__(self) -> None:
+        self._responses: dict[str, dict[str, Any]] = {}
+        self._items: dict[str, list[Any]] = {}
+
+    def __len__(self) -> int:
+        return len(self._responses)
+
+    def get(self, response_id: str) -> dict[str, Any]:
+        """The stored response (``retrieve_responses``; a ``previous_response_id`` too). Raises
+        :class:`ResponsesRequestError`: 400 for an id not starting ``resp_``, 404 for an unknown one."""
+        if not response_id.startswith("resp_"):
+            raise ResponsesRequestError(
+                f"Invalid 'response_id': '{response_id}'. Expected an ID that begins with 'resp'.",
+                param="response_id",
+            )
+        doc = self._responses.get(response_id)
+        if doc is None:
+            raise ResponsesRequestError(f"Response with id '{response_id}' not found.", status=404,
+                                        param="response_id")
+        return doc
+
+    def input_history(self, body: Mapping[str, Any]) -> list[Any]:
+        """``_response_input_history``: the previous response's conversation (when continuing one),
+        then this request's input as items."""
+        prev = body.get("previous_response_id")
+        history = list(self._items[prev]) if prev is not None else []
+        if isinstance(body["input"], str):
+            history.append({"role": "user", "content": body["input"]})
+        else:
+            history.extend(body["input"])
+        return history
+
+    def prompt_body(self, body: Mapping[str, Any]) -> Mapping[str, Any]:
+        """The request whose conversion gives the prompt SGLang's ``_make_request`` builds: the
+        stored conversation before the input (this request's ``instructions`` first, as always;
+        the earlier turns' are not kept). ``previous_response_id`` must have passed :meth:`get`."""
+        if body.get("previous_response_id") is None:
+            return body
+        return {**body, "input": self.input_history(body)}
+
+    def begin(self, response_id: str, body: Mapping[str, Any]) -> None:
+        """A request to be stored has been converted: its conversation so far is kept (what a
+        continuation of it finds while it is still queued or running)."""
+        self._items[response_id] = self.input_history(body)
+
+    def queue(self, doc: dict[str, Any]) -> None:
+        """A background request's ``queued`` response, kept at once."""
+        self._responses[doc["id"]] = doc
+
+    def finish(self, body: Mapping[str, Any], doc: dict[str, Any]) -> None:
+        """A response has its final form: kept with its conversation (its output items after the
+        input), unless a cancel came first."""
+        stored = self._responses.get(doc["id"])
+        if stored is not None and stored["status"] == "cancelled":
+            return
+        self._responses[doc["id"]] = doc
+        self._items[doc["id"]] = self.input_history(body) + [_stored_item(i) for i in doc["output"]]
+
+    def fail(self, response_id: str) -> None:
+        """A background run ended in an error: its response (still without output) is ``failed``."""
+        doc = self._responses[response_id]
+        if doc["status"] not in ("completed", "cancelled"):
+            doc["status"] = "failed"
+
+    def cancel(self, response_id: str) -> tuple[dict[str, Any], bool]:
+        """``cancel_responses``: (the response, whether it was queued or running and is now
+        ``cancelled``: its run must be aborted). A finished one is returned as it is. Raises as
+        :meth:`get` does."""
+        doc = self.get(response_id)
+        if doc["status"] not in ("queued", "in_progress"):
+            return doc, False
+        doc["status"] = "cancelled"
+        return doc, True

@@ -85,6 +85,9 @@ class EmulatorConfig:
         the default), ``sglang`` (older 0.5.x array, what sglang-router's power_of_two polls) or
         ``vllm`` (``{"load": N}``).
     startup_delay_s: ``/health`` answers 503 this long (wall) after start.
+    enable_response_store: SGLang's ``--enable-response-store``: ``/v1/responses`` keeps responses
+        in memory (``previous_response_id``, ``background``, GET and cancel of a stored response;
+        ``responses.py`` Rule 3); off, they are refused as SGLang refuses them by default.
     """
 
     name: str = "replica-0"
@@ -104,6 +107,7 @@ class EmulatorConfig:
     api_key: str | None = None
     max_body_bytes: int = 64 * 1024 * 1024
     kv_events_config: str | None = None  # SGLang's --kv-events-config JSON (replica/emulator/kv_events.py)
+    enable_response_store: bool = False
 
     def __post_init__(self) -> None:
         if self.time_scale <= 0:
@@ -246,6 +250,8 @@ class Replica:
         self.served = 0
         self.sessions: set[str] = set()  # session ids / routing keys seen (a statistic)
         self.engine_sessions = SessionTable()  # SGLang's /open_session sessions
+        self.responses = responses.ResponseStore()  # /v1/responses with --enable-response-store
+        self.background: dict[str, asyncio.Task[None]] = {}  # background Responses runs by response id
         self.status = "starting"
         self.started_wall = time.monotonic()
         self.startup_time = time.time()
@@ -347,6 +353,10 @@ class Replica:
         self.status = "stopping"
         for rid in list(self.flights):
             self.abort(rid)
+        tasks = list(self.background.values())
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         if self._task is not None:
             self._task.cancel()
             try:
@@ -1544,14 +1554,24 @@ class _Handlers:
         body = await self._responses_body(request)
         if isinstance(body, web.Response):
             return body
+        store = self.rep.responses
         try:
-            responses.check(body, self.cfg.model_name)
-            chat = responses.to_chat(body)
+            responses.check(body, self.cfg.model_name, store=self.cfg.enable_response_store)
+            if body.get("previous_response_id") is not None:  # (only with the store on: checked)
+                store.get(body["previous_response_id"])
+            chat = responses.to_chat(store.prompt_body(body))
         except responses.ResponsesRequestError as exc:
             return _responses_error(str(exc), exc.status, param=exc.param)
+        persist = self.cfg.enable_response_store and responses.stores(body)
+        # background and stream: SGLang streams it on this connection, as any stream
+        background = persist and bool(anthropic.lax_bool(body.get("background"))) and not chat["stream"]
+        if persist:
+            store.begin(chat["rid"], body)
         try:
             parsed = _parse_openai(chat, request, self.cfg, chat=True, serving_chat=False)
         except _ClientError as exc:
+            if background and exc.stage in ("tokenizer", "scheduler"):  # found by the run, after "queued"
+                return _json(self._queue_background(body, chat, int(time.time()), None, None))
             if chat["stream"] and exc.stage in ("tokenizer", "scheduler"):
                 return await self._responses_failed_stream(request, body, chat, exc)
             # the engine's refusals reach the serving layer as a ValueError: its 400
@@ -1577,12 +1597,20 @@ class _Handlers:
                                               status=status, usage=responses.usage(fl.prompt.num_tokens, fl.cached, n),
                                               error=error)
 
-            if not p.stream:
-                done = (await self._all_finished(request, fls))[0]
-                n = done.completion_tokens
+            def unstreamed(fin: Finished) -> dict[str, Any]:
+                n = fin.completion_tokens
                 lps = _responses_logprobs(_token_logprobs(fl.rid, text, 0, n, int(top))) if logprobs else None
                 answer = text[: n * BYTES_PER_TOKEN]
-                return _json(doc([responses.message_item(item_id, answer, lps)] if answer else [], done))
+                return doc([responses.message_item(item_id, answer, lps)] if answer else [], fin)
+
+            if background:
+                fls.remove(fl)  # the background run owns it now (_run aborts what is left in fls)
+                return _json(self._queue_background(body, chat, created, fl, unstreamed))
+            if not p.stream:
+                final = unstreamed((await self._all_finished(request, fls))[0])
+                if persist:
+                    store.finish(body, final)
+                return _json(final)
             resp = web.StreamResponse(headers=_SSE_HEADERS)
             await resp.prepare(request)
             ev = responses.EventStream()
@@ -1611,6 +1639,8 @@ class _Handlers:
                 held += ev.close_message(item_id, answer)
                 output = [responses.message_item(item_id, answer)]
             final = doc(output, fin)
+            if persist:  # kept before the last event goes out, as SGLang does
+                store.finish(body, final)
             for frame in [*held, ev.lifecycle(f"response.{final['status']}", final)]:
                 n_chunks = await self._write(request, resp, frame, n_chunks)
             await resp.write_eof()
@@ -1651,9 +1681,68 @@ class _Handlers:
         await resp.write_eof()
         return resp
 
-    async def stored_response(self, request: web.Request) -> web.Response:
-        """GET ``/v1/responses/{id}`` and its ``/cancel``: nothing is stored (Rule 3 of responses.py)."""
-        return _responses_error(responses.STORE_DISABLED, 400, param="response_id")
+    def _queue_background(
+        self, body: dict[str, Any], chat: dict[str, Any], created: int, fl: _Flight | None,
+        final: Callable[[Finished], dict[str, Any]] | None,
+    ) -> dict[str, Any]:
+        """SGLang's ``background``: the ``queued`` response (no output, no usage) is kept and
+        answered at once; a task runs the request (``fl``; None: the engine refused it) and keeps
+        its ``final`` response. Returns the queued response (the task updates it in place)."""
+        queued = responses.response_doc(body, rid=chat["rid"], model=chat["model"], created=created, output=[],
+                                        status="queued", usage=None)
+        self.rep.responses.queue(queued)
+        rid = queued["id"]
+        tasks = self.rep.background
+        task = asyncio.get_running_loop().create_task(self._background_run(body, queued, fl, final),
+                                                      name=f"create_{rid}")
+        tasks[rid] = task
+        task.add_done_callback(lambda t: tasks.pop(rid) if tasks.get(rid) is t else None)
+        return queued
+
+    async def _background_run(
+        self, body: dict[str, Any], queued: dict[str, Any], fl: _Flight | None,
+        final: Callable[[Finished], dict[str, Any]] | None,
+    ) -> None:
+        """``_run_background_request``: ``in_progress`` as it starts; an engine refusal leaves the
+        response ``failed`` (without output or error, as SGLang's); a cancel or the server
+        stopping cancels this task (and aborts the run)."""
+        store = self.rep.responses
+        queued["status"] = "in_progress"
+        if fl is None or final is None:
+            store.fail(queued["id"])
+            return
+        try:
+            await fl.done.wait()
+        finally:
+            if not fl.done.is_set():
+                self.rep.abort(fl.rid)
+        assert fl.finished is not None
+        store.finish(body, final(fl.finished))
+
+    async def retrieve_response(self, request: web.Request) -> web.Response:
+        """GET ``/v1/responses/{id}``: the stored response as it is now (Rule 3 of responses.py)."""
+        if not self.cfg.enable_response_store:
+            return _responses_error(responses.STORE_DISABLED, 400, param="response_id")
+        try:
+            return _json(self.rep.responses.get(request.match_info["response_id"]))
+        except responses.ResponsesRequestError as exc:
+            return _responses_error(str(exc), exc.status, param=exc.param)
+
+    async def cancel_response(self, request: web.Request) -> web.Response:
+        """POST ``/v1/responses/{id}/cancel``: a queued or running (background) response becomes
+        ``cancelled`` and its run is aborted; any other is answered as it is."""
+        if not self.cfg.enable_response_store:
+            return _responses_error(responses.STORE_DISABLED, 400, param="response_id")
+        rid = request.match_info["response_id"]
+        try:
+            doc, running = self.rep.responses.cancel(rid)
+        except responses.ResponsesRequestError as exc:
+            return _responses_error(str(exc), exc.status, param=exc.param)
+        task = self.rep.background.get(rid)
+        if running and task is not None:  # its run aborts the request as it ends (_background_run)
+            task.cancel()
+            await asyncio.wait([task])
+        return _json(doc)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body: dict[str, Any] = {}
@@ -1893,6 +1982,7 @@ class _Handlers:
             "enable_cache_report": cfg.enable_cache_report, "stream_interval": max(1, cfg.stream_interval),
             "stream_response_default_include_usage": cfg.stream_response_default_include_usage,
             "incremental_streaming_output": cfg.incremental_streaming_output, "weight_version": "default",
+            "enable_response_store": cfg.enable_response_store,
             "reasoning_parser": "kimi_k2", "tool_call_parser": "kimi_k2", "disable_radix_cache": False,
             "api_key": None,
         }
@@ -2116,8 +2206,8 @@ def make_emulator_app(config: EmulatorConfig) -> web.Application:
     r.add_post("/v1/messages", h.messages)
     r.add_post("/v1/messages/count_tokens", h.count_tokens)
     r.add_post("/v1/responses", h.create_response)
-    r.add_get("/v1/responses/{response_id}", h.stored_response)
-    r.add_post("/v1/responses/{response_id}/cancel", h.stored_response)
+    r.add_get("/v1/responses/{response_id}", h.retrieve_response)
+    r.add_post("/v1/responses/{response_id}/cancel", h.cancel_response)
     r.add_post("/generate", h.generate)
     r.add_put("/generate", h.generate)
     r.add_get("/health", h.health)

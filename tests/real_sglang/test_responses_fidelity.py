@@ -3,14 +3,21 @@ to a real SGLang 0.5.23 and to the emulator; statuses, content types, key orders
 sequences, the echoed request settings, usage keys and error bodies must agree (text and token counts
 are each server's own: the usage arithmetic is checked on each by its own chat route).
 
+The real servers run with ``--enable-response-store`` (tests/real_sglang/conftest.py), the emulator
+with ``enable_response_store``: stored responses, ``previous_response_id`` continuations, GET and
+cancel, ``background`` are compared too. (Without the store both refuse them with the same 400s:
+the emulator's side is tests/replica/test_emulator_responses_functional.py::test_errors.)
+
 Every call is greedy (``temperature`` 0): the real model's near-uniform dummy weights sample one of
 its 2 EOS ids (of 2,048) about once per 250 four-token answers, and a greedy answer to a fixed prompt
 is the same every run. Sampled text is never compared."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
+import time
 from typing import Any
 
 import aiohttp
@@ -31,13 +38,18 @@ CHAT_FN = {"type": "function", "function": {"name": FN["name"], "description": F
 _OWN = ("id", "created_at", "model", "output", "usage", "error")
 
 
+def _ids(text: str) -> str:
+    """Response ids blanked (each server makes its own)."""
+    return re.sub(r"resp_[0-9a-f]{32}", "resp_<id>", text)
+
+
 def _message_key(message: str) -> str:
     """What of an error message is compared: FastAPI's first error without its input (the real
     server names its source file, and inputs may name the model), else the whole message with
-    token counts blanked (each server counts its own tokens)."""
+    response ids and token counts blanked (each server makes its own ids and counts its own tokens)."""
     if re.match(r"\d+ validation errors?:\n", message):
         return message.split("\n")[1].split(", 'input':")[0]
-    return re.sub(r"\d+", "N", message)
+    return re.sub(r"\d+", "N", _ids(message))
 
 
 def _logprobs_shape(lps: list[dict[str, Any]] | None) -> Any:
@@ -58,6 +70,7 @@ def _doc_shape(doc: dict[str, Any]) -> dict[str, Any]:
     error = doc["error"]
     return {
         "keys": list(doc), **{k: v for k, v in doc.items() if k not in _OWN},
+        "previous_response_id": None if doc["previous_response_id"] is None else _ids(doc["previous_response_id"]),
         "output": [_item_shape(i) for i in doc["output"]],
         "usage": None if usage is None else {k: list(v) if isinstance(v, dict) else v for k, v in usage.items()
                                              if k not in ("input_tokens", "total_tokens")},
@@ -107,6 +120,15 @@ async def responses_calls(base: str) -> tuple[Outcome, list[str]]:
             async with s.post(base + path, json=body) as r:
                 return r.status, r.headers.get("Content-Type", ""), await r.read()
 
+        async def stored(case: str, response_id: str, cancel: bool = False) -> dict[str, Any]:
+            """GET (or cancel) of a stored response: its shape compared, the response returned."""
+            method, path = ("POST", f"/v1/responses/{response_id}/cancel") if cancel else (
+                "GET", f"/v1/responses/{response_id}")
+            async with s.request(method, base + path) as r:
+                status, ctype, raw = r.status, r.headers.get("Content-Type", ""), await r.read()
+            got[case] = _shape(status, ctype, raw)[0]
+            return dict(json.loads(raw)) if status == 200 else {}
+
         async def chat_prompt(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> int:
             body = {"model": model, "messages": messages, "max_tokens": 1, "temperature": 0,
                     **({"tools": tools} if tools else {})}
@@ -137,8 +159,8 @@ async def responses_calls(base: str) -> tuple[Outcome, list[str]]:
         c1 = [{"role": "system", "content": system}, {"role": "user", "content": Q}]
         p1 = await chat_prompt(c1)
         first = await call("turn 1 (cold)", {"instructions": system, "input": Q, "max_output_tokens": 6}, p1)
-        await call("turn 1, streamed", {"instructions": system, "input": Q, "max_output_tokens": 6,
-                                        "stream": True}, p1)
+        first_streamed = await call("turn 1, streamed", {"instructions": system, "input": Q, "max_output_tokens": 6,
+                                                         "stream": True}, p1)
         answer = first["output"][0]
         u2 = [{"role": "user", "content": Q}, answer,  # the output item replayed as it came (id, status, phase)
               {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Now add type hints."}]}]
@@ -154,6 +176,58 @@ async def responses_calls(base: str) -> tuple[Outcome, list[str]]:
                                                 "stream": True}, await chat_prompt(c3))
         if not third.get("usage", {}).get("input_tokens_details", {}).get("cached_tokens"):
             bad.append(f"turn 3: nothing cached in {third.get('usage')}")
+
+        # the response store: each response was kept (store defaults to true), as the POST answered it
+        # (streamed: as its last event carried it); a cancel of a finished one changes nothing
+        for case, doc in (("GET turn 1", first), ("GET turn 1, streamed", first_streamed)):
+            if await stored(case, doc["id"]) != doc:
+                bad.append(f"{case}: not the response answered")
+        if await stored("cancel turn 1 (finished)", first["id"], cancel=True) != first:
+            bad.append("cancel turn 1 (finished): not the response as it was")
+        # continuations: the stored conversation (inputs and outputs, earlier instructions left out) +
+        # the new input, after this request's instructions; the earlier turn is a cache hit
+        def said(doc: dict[str, Any]) -> dict[str, Any]:
+            return {"role": "assistant", "content": [{"type": "text", "text": doc["output"][0]["content"][0]["text"]}],
+                    "phase": "final_answer"}
+
+        k2 = [*c1, said(first), {"role": "user", "content": "Now add type hints."}]
+        cont2 = await call("continued turn 2", {"instructions": system, "input": "Now add type hints.",
+                                                "max_output_tokens": 5, "previous_response_id": first["id"]},
+                           await chat_prompt(k2))
+        k3 = [*k2, said(cont2), {"role": "user", "content": "And a docstring."}]
+        cont3 = await call("continued turn 3, streamed", {
+            "instructions": system, "input": [{"role": "user", "content": "And a docstring."}], "max_output_tokens": 5,
+            "stream": True, "previous_response_id": cont2.get("id")}, await chat_prompt(k3))
+        k4 = [{"role": "system", "content": "Other."}, *k3[1:], said(cont3), {"role": "user", "content": "Thanks."}]
+        await call("continued turn 4, other instructions", {
+            "instructions": "Other.", "input": "Thanks.", "max_output_tokens": 4, "previous_response_id": cont3.get("id")},
+            await chat_prompt(k4))
+        for case, doc in (("continued turn 2", cont2), ("continued turn 3, streamed", cont3)):
+            if not doc.get("usage", {}).get("input_tokens_details", {}).get("cached_tokens"):
+                bad.append(f"{case}: nothing cached in {doc.get('usage')}")
+            elif await stored(f"GET {case}", doc["id"]) != doc:
+                bad.append(f"GET {case}: not the response answered")
+        unstored = await call("not stored", {"input": Q, "max_output_tokens": 4, "store": False})
+        await stored("GET of a response not stored", unstored["id"])
+        # background: answered at once (queued), then run; GET shows it until it ends
+        bg = {"model": model, "temperature": 0, "instructions": system, "input": Q, "max_output_tokens": 12,
+              "background": True}
+        for case, body in (("background", bg), ("background, refused by the engine", {**bg, "max_output_tokens": 1})):
+            status, ctype, raw = await post("/v1/responses", body)
+            got[case] = _shape(status, ctype, raw)[0]
+            queued = json.loads(raw)
+            seen, final = await _until_done(s, base, queued["id"])
+            got[f"{case}: when done"] = _shape(200, "application/json", json.dumps(final).encode())[0]
+            if seen[-1] in ("queued", "in_progress") or any(st not in ("queued", "in_progress") for st in seen[:-1]):
+                bad.append(f"{case}: statuses {seen}")
+            same = ("id", "created_at", "model", "instructions", "max_output_tokens", "store", "temperature")
+            if {k: final[k] for k in same} != {k: queued[k] for k in same}:
+                bad.append(f"{case}: {final} is not the queued {queued} run")
+            u = final["usage"]
+            if u is not None and (u["input_tokens"] != p1 or u["output_tokens"] != body["max_output_tokens"] - 2):
+                bad.append(f"{case}: usage {u}, prompt {p1}")
+        await call("background, streamed", {"instructions": system, "input": Q, "max_output_tokens": 6,
+                                            "background": True, "stream": True}, p1)
 
         # what Codex CLI sends: developer message, reasoning, a call and its output, function and built-in
         # tools, store false, reasoning settings, include, a prompt cache key (which SGLang ignores)
@@ -215,21 +289,24 @@ async def responses_calls(base: str) -> tuple[Outcome, list[str]]:
             ("max_output_tokens over the context", {"input": Q, "max_output_tokens": 100_000}),
         ):
             await call(case, body)
-        # refused before the engine: the serving layer, the conversion, pydantic, FastAPI
-        store = {"input": Q, "max_output_tokens": 4}
+        # refused before the engine: the serving layer, the store, the conversion, pydantic, FastAPI
+        plain = {"input": Q, "max_output_tokens": 4}
         for case, body in (
-            ("unknown model", {**store, "model": "gpt-5"}),
-            ("previous_response_id", {**store, "previous_response_id": "resp_0123"}),
-            ("background", {**store, "background": True}),
-            ("shell tool", {**store, "tools": [{"type": "shell"}]}),
-            ("required without tools", {**store, "tool_choice": "required"}),
-            ("undeclared named tool", {**store, "tools": [FN], "tool_choice": {"type": "function", "name": "g"}}),
-            ("logprobs streamed", {**store, "stream": True, "include": ["message.output_text.logprobs"]}),
-            ("empty input", {**store, "input": []}),
-            ("only an empty reasoning item", {**store, "input": [{"type": "reasoning", "summary": []}]}),
-            ("unsupported item", {**store, "input": [{"type": "local_shell_call", "call_id": "c", "action": {}}]}),
-            ("message without role", {**store, "input": [{"content": "hi"}]}),
-            ("no model", {**store, "model": None}),
+            ("unknown model", {**plain, "model": "gpt-5"}),
+            ("previous_response_id unknown", {**plain, "previous_response_id": "resp_0123"}),
+            ("previous_response_id unknown, streamed", {**plain, "previous_response_id": "resp_0123", "stream": True}),
+            ("previous_response_id not a response id", {**plain, "previous_response_id": "nope"}),
+            ("previous_response_id and an unknown model", {**plain, "previous_response_id": "nope", "model": "gpt-5"}),
+            ("background without store", {**plain, "background": True, "store": False, "model": "gpt-5"}),
+            ("shell tool", {**plain, "tools": [{"type": "shell"}]}),
+            ("required without tools", {**plain, "tool_choice": "required"}),
+            ("undeclared named tool", {**plain, "tools": [FN], "tool_choice": {"type": "function", "name": "g"}}),
+            ("logprobs streamed", {**plain, "stream": True, "include": ["message.output_text.logprobs"]}),
+            ("empty input", {**plain, "input": []}),
+            ("only an empty reasoning item", {**plain, "input": [{"type": "reasoning", "summary": []}]}),
+            ("unsupported item", {**plain, "input": [{"type": "local_shell_call", "call_id": "c", "action": {}}]}),
+            ("message without role", {**plain, "input": [{"content": "hi"}]}),
+            ("no model", {**plain, "model": None}),
         ):
             await call(case, body)
         for case, body in (
@@ -246,10 +323,29 @@ async def responses_calls(base: str) -> tuple[Outcome, list[str]]:
             got["bad JSON"] = (r.status, _message_key((await r.json())["error"]["message"]).split(", 'ctx'")[0])
         async with s.post(base + "/v1/responses", data=b"{}", headers={"Content-Type": "text/plain"}) as r:
             got["not JSON content type"] = (r.status, await r.json())
-        for method, path in (("GET", "/v1/responses/resp_0123"), ("POST", "/v1/responses/resp_0123/cancel")):
+        for method, path in (("GET", "/v1/responses/resp_0123"), ("POST", "/v1/responses/resp_0123/cancel"),
+                             ("GET", "/v1/responses/nope"), ("POST", "/v1/responses/nope/cancel"),
+                             ("GET", "/v1/responses/resp"), ("DELETE", f"/v1/responses/{first['id']}"),
+                             ("GET", f"/v1/responses/{first['id']}/input_items")):
             async with s.request(method, base + path) as r:
-                got[f"{method} {path}"] = (r.status, await r.json())
+                got[f"{method} {_ids(path)}"] = (r.status, r.headers.get("Content-Type"), await r.json())
     return got, bad
+
+
+async def _until_done(s: aiohttp.ClientSession, base: str, response_id: str) -> tuple[list[str], dict[str, Any]]:
+    """The distinct statuses GET shows of a background response, polled until it ends, and its end."""
+    seen: list[str] = []
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        async with s.get(f"{base}/v1/responses/{response_id}") as r:
+            assert r.status == 200, await r.read()
+            doc = await r.json()
+        if not seen or seen[-1] != doc["status"]:
+            seen.append(doc["status"])
+        if doc["status"] not in ("queued", "in_progress"):
+            return seen, dict(doc)
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"{response_id} on {base} still {seen}")
 
 
 async def _at_scheduler_bound(s: aiohttp.ClientSession, base: str, model: str) -> str:
@@ -278,7 +374,7 @@ async def _at_scheduler_bound(s: aiohttp.ClientSession, base: str, model: str) -
 
 async def test_responses_fidelity(fleet: list[RealServer]) -> None:
     real, real_bad = await responses_calls(fleet[0].url)
-    async with running_emulators(1, config=emulator_config()) as (emu_rep,):
+    async with running_emulators(1, config=emulator_config(enable_response_store=True)) as (emu_rep,):
         emu, emu_bad = await responses_calls(emu_rep.url)
     rows = {k: {"real": real.get(k), "emulator": emu.get(k)} for k in real}
     print(json.dumps({"calls": rows, "real arithmetic": real_bad, "emulator arithmetic": emu_bad}, indent=1,
@@ -286,6 +382,7 @@ async def test_responses_fidelity(fleet: list[RealServer]) -> None:
     # the real engine behaves as measured (guards against a fleet set up otherwise)
     assert real["turn 1 (cold)"]["http"] == 200 and real["turn 1 (cold)"]["usage"]["output_tokens"] == 4, real
     assert real["unknown model"]["http"] == 404 and real["missing input"]["http"] == 400, real
+    assert real["GET turn 1"]["http"] == 200 and real["background"]["status"] == "queued", real  # the store is on
     assert not real_bad and not emu_bad, (real_bad, emu_bad)
     diff = {k: v for k, v in rows.items() if v["real"] != v["emulator"]}
     assert not diff, json.dumps(diff, indent=1, default=str)

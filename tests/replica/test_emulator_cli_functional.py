@@ -87,6 +87,8 @@ def test_build_config_flags_override_profile() -> None:
     assert cfg.profile.capacity_tokens == 50_000 and cfg.profile.spec_accept_length == 3.0
     assert cfg.stream_interval == 4 and not cfg.enable_cache_report and cfg.get_load_format == "vllm"
     assert cfg.profile.host_capacity_tokens == 1_700_000  # untouched fields keep the profile's values
+    assert not cfg.enable_response_store  # SGLang's default
+    assert build_config(parser().parse_args(["--enable-response-store"])).enable_response_store
 
 
 @pytest.mark.slow

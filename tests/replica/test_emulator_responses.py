@@ -11,9 +11,11 @@ from typing import Any
 import pytest
 
 from replica.emulator.responses import (
+    BACKGROUND_NEEDS_STORE,
     STORE_DISABLED,
     EventStream,
     ResponsesRequestError,
+    ResponseStore,
     ResponsesValidationError,
     check,
     content_type_error,
@@ -21,6 +23,7 @@ from replica.emulator.responses import (
     message_item,
     outcome,
     response_doc,
+    stores,
     to_chat,
     usage,
     validate,
@@ -180,6 +183,34 @@ def test_serving_checks(body: dict[str, Any], status: int, param: str | None, me
     assert (e.value.status, e.value.param, str(e.value)) == (status, param, message)
 
 
+@pytest.mark.parametrize(
+    ("body", "status", "param", "message"),
+    [
+        # with the store on: background needs the response stored (checked before the model)
+        (req(background=True, store=False, model="other"), 400, "store", BACKGROUND_NEEDS_STORE),
+        (req(background="yes", store=None), 400, "store", BACKGROUND_NEEDS_STORE),
+        (req(background=True, tools=[{"type": "shell"}]), 400, "tools", "Shell tools are not supported by this model"),
+        (req(previous_response_id="resp_1", model="other"), 404, "model", "The model 'other' does not exist"),
+    ],
+)
+def test_serving_checks_with_the_store(body: dict[str, Any], status: int, param: str | None, message: str) -> None:
+    with pytest.raises(ResponsesRequestError) as e:
+        check(body, M, store=True)
+    assert (e.value.status, e.value.param, str(e.value)) == (status, param, message)
+
+
+@pytest.mark.parametrize("body", [req(previous_response_id="resp_1"), req(background=True),
+                                  req(background=True, store="true", previous_response_id="x"), req(store=False)])
+def test_serving_checks_pass_with_the_store(body: dict[str, Any]) -> None:
+    check(body, M, store=True)  # the previous id is looked up later (ResponseStore.get)
+
+
+@pytest.mark.parametrize(("body", "stored"), [(req(), True), (req(store=True), True), (req(store=False), False),
+                                              (req(store=None), False), (req(store="no"), False)])
+def test_stores(body: dict[str, Any], stored: bool) -> None:
+    assert stores(body) is stored
+
+
 @pytest.mark.parametrize("body", [req(), req(model=None), {"input": "hi"}, req(model=f"{M}:adapter"),
                                   req(tool_choice={"type": "web_search"}), req(include=["message.output_text.logprobs"])])
 def test_serving_checks_pass(body: dict[str, Any]) -> None:
@@ -327,3 +358,114 @@ def test_event_stream_frames_and_numbers() -> None:
     assert docs[3] == {"content_index": 0, "delta": "ab", "item_id": "msg_1", "logprobs": [], "output_index": 0,
                        "sequence_number": 3, "type": "response.output_text.delta"}
     assert docs[4]["text"] == "ab" and docs[6]["item"] == message_item("msg_1", "ab")
+
+
+def _answer(store: ResponseStore, body: dict[str, Any], rid: str, text: str | None,
+            status: str = "incomplete") -> dict[str, Any]:
+    """A response to ``body`` as the server keeps it: begun, then finished with one message."""
+    store.begin(rid, body)
+    output = [message_item(f"msg_{rid}", text)] if text is not None else []
+    doc = response_doc(body, rid=rid, model=M, created=1, output=output, status=status, usage=usage(5, 0, 2))
+    store.finish(body, doc)
+    return doc
+
+
+@pytest.mark.parametrize(
+    ("response_id", "status", "message"),
+    [("resp_nope", 404, "Response with id 'resp_nope' not found."),
+     ("nope", 400, "Invalid 'response_id': 'nope'. Expected an ID that begins with 'resp'."),
+     ("respnope", 400, "Invalid 'response_id': 'respnope'. Expected an ID that begins with 'resp'."),
+     ("resp", 400, "Invalid 'response_id': 'resp'. Expected an ID that begins with 'resp'.")],
+)
+def test_store_lookup_errors(response_id: str, status: int, message: str) -> None:
+    store = ResponseStore()
+    _answer(store, req(), "resp_1", "ok")
+    for lookup in (store.get, store.cancel):
+        with pytest.raises(ResponsesRequestError) as e:
+            lookup(response_id)
+        assert (e.value.status, e.value.param, str(e.value)) == (status, "response_id", message)
+
+
+def test_store_keeps_responses_of_any_status_as_answered() -> None:
+    store = ResponseStore()
+    doc = _answer(store, req(), "resp_1", "ok")
+    failed = _answer(store, req(), "resp_2", None, status="failed")
+    assert store.get("resp_1") is doc and store.get("resp_2") is failed and len(store) == 2
+
+
+def test_previous_response_id_builds_the_conversation_sglang_builds() -> None:
+    """``_make_request``: this request's instructions, then the stored conversation (each earlier
+    turn's input items and output items, exclude_none), then this input; earlier instructions are
+    not kept."""
+    store = ResponseStore()
+    first = req("Q", instructions="be brief")
+    _answer(store, first, "resp_1", "A1")
+    second = req([text_item("user", "Q2")], previous_response_id="resp_1", instructions="other")
+    assert store.input_history(second) == [
+        {"role": "user", "content": "Q"},
+        {"id": "msg_resp_1", "content": [{"annotations": [], "text": "A1", "type": "output_text"}],
+         "role": "assistant", "status": "completed", "type": "message", "phase": "final_answer"},
+        text_item("user", "Q2"),
+    ]
+    assert msgs(dict(store.prompt_body(second))) == [
+        {"role": "system", "content": "other"},
+        {"role": "user", "content": "Q"},
+        {"role": "assistant", "content": [{"type": "text", "text": "A1"}], "phase": "final_answer"},
+        {"role": "user", "content": [{"type": "text", "text": "Q2"}]},
+    ]
+    _answer(store, second, "resp_2", "A2")
+    third = req("Q3", previous_response_id="resp_2")
+    assert msgs(dict(store.prompt_body(third))) == [
+        {"role": "user", "content": "Q"},
+        {"role": "assistant", "content": [{"type": "text", "text": "A1"}], "phase": "final_answer"},
+        {"role": "user", "content": [{"type": "text", "text": "Q2"}]},
+        {"role": "assistant", "content": [{"type": "text", "text": "A2"}], "phase": "final_answer"},
+        {"role": "user", "content": "Q3"},
+    ]
+    assert store.prompt_body(req("Q")) == req("Q")  # nothing to continue: the request as it came
+    # an empty answer adds no item; the request's own input is all that is new
+    _answer(store, req("Q4", previous_response_id="resp_2"), "resp_3", None)
+    assert store.input_history(req([], previous_response_id="resp_3"))[-2:] == [
+        {"id": "msg_resp_2", "content": [{"annotations": [], "text": "A2", "type": "output_text"}],
+         "role": "assistant", "status": "completed", "type": "message", "phase": "final_answer"},
+        {"role": "user", "content": "Q4"},
+    ]
+
+
+def test_background_lifecycle_and_cancel() -> None:
+    """queued -> (in_progress, set by the run) -> final; a cancel of a queued or running response
+    makes it ``cancelled`` for good (its run's end is not kept), of a finished one changes nothing."""
+    store = ResponseStore()
+    body = req("Q", background=True)
+    store.begin("resp_1", body)
+    queued = response_doc(body, rid="resp_1", model=M, created=1, output=[], status="queued", usage=None)
+    store.queue(queued)
+    assert store.get("resp_1") is queued and queued["status"] == "queued"
+    # a continuation of a response still running finds its input only
+    assert store.input_history(req("more", previous_response_id="resp_1")) == [
+        {"role": "user", "content": "Q"}, {"role": "user", "content": "more"}]
+    queued["status"] = "in_progress"
+    doc, running = store.cancel("resp_1")
+    assert doc is queued and running and doc["status"] == "cancelled"
+    final = response_doc(body, rid="resp_1", model=M, created=1, output=[message_item("msg_1", "A")],
+                         status="completed", usage=usage(5, 0, 1))
+    store.finish(body, final)
+    store.fail("resp_1")
+    assert store.get("resp_1") is queued and queued["status"] == "cancelled" and queued["output"] == []
+    assert store.cancel("resp_1") == (queued, False)  # cancelled already: as it is
+    assert store.input_history(req("more", previous_response_id="resp_1"))[:-1] == [{"role": "user", "content": "Q"}]
+
+    done = _answer(store, req("Q"), "resp_2", "A")
+    assert store.cancel("resp_2") == (done, False) and done["status"] == "incomplete"
+    # a failed run marks anything but completed or cancelled (_run_background_request's rule)
+    store.fail("resp_2")
+    assert done["status"] == "failed"
+    completed = _answer(store, req("Q"), "resp_3", "A", status="completed")
+    store.fail("resp_3")
+    assert completed["status"] == "completed"
+
+    refused = response_doc(body, rid="resp_4", model=M, created=1, output=[], status="in_progress", usage=None)
+    store.begin("resp_4", body)
+    store.queue(refused)
+    store.fail("resp_4")
+    assert store.get("resp_4")["status"] == "failed" and refused["usage"] is None
