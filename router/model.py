@@ -85,6 +85,7 @@ class Reason(StrEnum):
     REASSIGNED_DRAINING = "reassigned_draining"  # home draining
     REASSIGNED_GONE = "reassigned_gone"  # home down or removed
     RETRY = "retry"  # previous choice failed before the first byte
+    PINNED = "pinned"  # names what lives in one engine only (an engine session, a stored response)
     RANDOM = "random"
     ROUND_ROBIN = "round_robin"
     LEAST_LOADED = "least_loaded"

@@ -395,7 +395,7 @@ class _Proxy:
                     if self.call is not None:
                         raise await self.call.replica_gone(self.rt.store, self.pin)
                     raise await gone(self.rt, self.continues or "", self.pin, "previous_response_id")
-                decision = RouteDecision(self.pin, Reason.AFFINITY)  # what it names exists there only
+                decision = RouteDecision(self.pin, Reason.PINNED)  # what it names exists there only
             else:
                 try:
                     decision = self.rt.policy.route(req, snap, self.rt.rng)

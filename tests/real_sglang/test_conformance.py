@@ -470,7 +470,7 @@ async def test_engine_sessions_stay_on_the_engine_that_opened_them(fleet: list[R
                     other = f"other-{salt}-{n}-{turn}"
                     status, body, h = await _post(s, gws[turn % 2].url + "/generate", doc, other)
                     assert status == 200, body
-                    assert (h["X-Kvroute-Replica"], h["X-Kvroute-Reason"]) == (home, "affinity")
+                    assert (h["X-Kvroute-Replica"], h["X-Kvroute-Reason"]) == (home, "pinned")
                     unbound = await gws[0].store.session(other)
                     assert unbound is None or unbound.home is None  # the pin decided, not the header
                     meta = json.loads(body)["meta_info"]
@@ -642,7 +642,10 @@ async def test_stored_responses_are_found_where_they_were_stored(
         async def respond(doc: dict[str, Any], **headers: str) -> tuple[int, bytes, str]:
             doc = {"model": model, "max_output_tokens": 4, "stream": stream, "temperature": 0, **doc}
             async with s.post(gw.url + "/v1/responses", json=doc, headers={"session_id": sid, **headers}) as r:
-                return r.status, await r.read(), r.headers.get("X-Kvroute-Replica", "")
+                where = r.headers.get("X-Kvroute-Replica", "")
+                if "previous_response_id" in doc and r.status == 200:
+                    assert r.headers["X-Kvroute-Reason"] == "pinned"
+                return r.status, await r.read(), where
 
         instructions = _text(40, f"sys{salt}")  # not carried over by previous_response_id: sent again
         status, body, home = await respond({"instructions": instructions, "input": _text(30, salt)})

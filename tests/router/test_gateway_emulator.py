@@ -406,7 +406,7 @@ async def test_engine_sessions_are_pinned_and_never_tried_elsewhere(emulators: A
         for turn, stream in enumerate((False, True, False)):
             status, raw, h = await _post(s, gw.url + "/generate", _in_session(sid, f"turn {turn} " * 30, stream, rid), None)
             assert status == 200, raw
-            assert (h["X-Kvroute-Replica"], h["X-Kvroute-Reason"]) == (home_id, "affinity")
+            assert (h["X-Kvroute-Replica"], h["X-Kvroute-Reason"]) == (home_id, "pinned")
             if not stream:
                 rid = json.loads(raw)["meta_info"]["id"]
         await _set_faults(s, home, status=503, count=1)

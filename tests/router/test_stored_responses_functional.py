@@ -57,22 +57,24 @@ async def test_a_response_stored_through_one_gateway_is_found_through_another(re
             aiohttp.ClientSession() as s,
         ):
 
-            async def respond(gw: RunningGateway, doc: dict[str, Any], stream: bool) -> tuple[int, bytes, str]:
+            async def respond(gw: RunningGateway, doc: dict[str, Any], stream: bool) -> tuple[int, bytes, str, str]:
                 doc = {"model": MODEL, "max_output_tokens": 10, "instructions": "You are a coder. " * 30,
                        "stream": stream, **doc}  # fmt: skip
                 async with s.post(gw.url + "/v1/responses", json=doc, headers={"session_id": "codex-r"}) as r:
-                    return r.status, await r.read(), r.headers.get("X-Kvroute-Replica", "")
+                    return r.status, await r.read(), r.headers["X-Kvroute-Replica"], r.headers["X-Kvroute-Reason"]
 
-            status, raw, home = await respond(a, {"input": "refactor the parser " * 40}, stream=True)
+            status, raw, home, _ = await respond(a, {"input": "refactor the parser " * 40}, stream=True)
             assert status == 200, raw
             first_id = _response_id(raw, stream=True)
             await b.store.set_status(home, ReplicaStatus.DRAINING)  # the session's next turn moves away
 
             cont = {"input": "now the tests", "previous_response_id": first_id}
-            status, raw, went = await respond(b, cont, stream=False)
-            assert status == 200 and went == home, raw  # to the engine that stored it, via the other gateway
-            status, raw, moved = await respond(b, {"input": "something else", "store": False}, stream=False)
-            assert status == 200 and moved != home, raw  # the policy's own choice, for a turn without one
+            status, raw, went, why = await respond(b, cont, stream=False)
+            # to the engine that stored it, via the other gateway
+            assert status == 200 and (went, why) == (home, "pinned"), raw
+            status, raw, moved, why = await respond(b, {"input": "something else", "store": False}, stream=False)
+            # the policy's own choice, for a turn without one
+            assert status == 200 and moved != home and why == "reassigned_draining", raw
             unstored = _response_id(raw, stream=False)
 
             async with s.get(f"{b.url}/v1/responses/{first_id}") as r:
