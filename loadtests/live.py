@@ -417,6 +417,13 @@ class _Run:
         self.pooled = (
             PooledCache(kv.capacity_tokens, kv.page_size, kv.host_capacity_tokens) if kv.capacity_tokens else None
         )
+        # the replicas report their KV in their own tokens and the pool counts the driver's (4 bytes
+        # each): equal on the emulator, not on a real engine's tokenizer. The pool is sized by the
+        # ratio the engines' usage shows (engine prompt tokens per driver prompt token, so far)
+        self.kv = kv
+        self.engine_prompt_tokens = 0
+        self.driver_prompt_tokens = 0
+        self.pool_ratio = 1.0
         self.tasks: list[asyncio.Task[None]] = []
         self.last_replica: dict[str, str] = {}
         self.move_times: list[float] = []  # modelled t of each session home change
@@ -599,6 +606,8 @@ class _Run:
         # ideal_emul / prompt_emul are in the emulator's tokens (loadtests.ideal): equal to the
         # replica's own count on an emulated replica, scaled to a real engine's count otherwise
         ideal = min(round(ideal_emul * prompt / prompt_emul) if prompt_emul > 0 else 0, prompt)
+        if ok and usage and usage.get("prompt_tokens") and prompt_emul > 0:
+            self._learn_token_ratio(prompt, prompt_emul)
         pooled: int | None = None
         if pooled_emul is not None:
             pooled = min(round(pooled_emul * prompt / prompt_emul) if prompt_emul > 0 else 0, prompt) * u
@@ -646,6 +655,21 @@ class _Run:
             st.ideal_cached_tokens += out.ideal_cached_tokens
             if out.ttft_s is not None:
                 st.ttfts.append(out.ttft_s)
+
+
+    def _learn_token_ratio(self, engine_tokens: int, driver_tokens: int) -> None:
+        """Resize the pool when the engines' tokens per driver token moved by more than 2 %."""
+        self.engine_prompt_tokens += engine_tokens
+        self.driver_prompt_tokens += driver_tokens
+        ratio = self.engine_prompt_tokens / self.driver_prompt_tokens
+        if self.pooled is not None and abs(ratio / self.pool_ratio - 1.0) > 0.02:
+            self.pool_ratio = ratio
+            self.pooled.resize(round(self.kv.capacity_tokens / ratio), round(self.kv.host_capacity_tokens / ratio))
+
+    def token_ratio(self) -> float | None:
+        if not self.driver_prompt_tokens:
+            return None
+        return round(self.engine_prompt_tokens / self.driver_prompt_tokens, 4)
 
 
 async def served_model(session: aiohttp.ClientSession, url: str) -> str:
@@ -817,6 +841,8 @@ def _measures(
             "gateways": 1 + len(config.extra_urls),
             "fresh_connections": config.fresh_connections,
             "route_reasons": dict(sorted(reasons.items())),  # X-Kvroute-Reason counts (kvroute only)
+            # the engines' prompt tokens per driver token (1 on the emulator): the pool's scale
+            "engine_tokens_per_driver_token": run.token_ratio(),
             "error_kinds": dict(sorted(errors.items())),
         }
     )

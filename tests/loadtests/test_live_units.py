@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from loadtests.live import LiveStats, LoadConfig, _load_from_metrics, _load_from_state
+from loadtests.live import FleetKv, LiveStats, LoadConfig, _load_from_metrics, _load_from_state, _Run
 from loadtests.report import comparison_table, load_values, plot_load, plot_ttft_cdf, replica_means
 
 
@@ -113,3 +113,24 @@ def test_demo_scenario_workloads() -> None:
     cfg = load_config(["--port", "0", *fast.kvroute_args()], env)
     assert cfg.store.active_window_s == 6.0 and cfg.health.scrape_interval_s == 0.1
     assert cfg.policy_params_obj().fresh_window_s == 12.0
+
+
+def test_the_pool_is_sized_in_the_drivers_tokens() -> None:
+    """A real engine counts its KV in its own tokenizer's tokens, more of them than the driver's
+    (4 bytes each): the pooled bound's cache is resized by the ratio the engines' usage shows, so it
+    holds what the fleet's KV holds, not that many driver tokens."""
+    run = _Run(LoadConfig(url="http://127.0.0.1:9"), None, LiveStats(), FleetKv(1, 1000, 0))  # type: ignore[arg-type]
+    assert run.pooled is not None and run.token_ratio() is None
+    first, second = list(range(400)), list(range(10_000, 10_400))
+
+    def first_kept() -> int:
+        run.pooled.insert(first)
+        run.pooled.insert(second)  # 800 tokens: both fit a 1,000-token pool, not a 333-token one
+        return run.pooled.hit(first, 401)
+
+    assert first_kept() == 400
+    run._learn_token_ratio(3_000, 1_000)  # the engines counted 3 of their tokens per driver token
+    assert run.token_ratio() == 3.0
+    assert first_kept() == 0  # the pool is now a third of what /server_info said, in driver tokens
+    run._learn_token_ratio(3_030, 1_000)  # the running ratio moves by 0.5 %: no second resize
+    assert run.token_ratio() == 3.015 and run.pool_ratio == 3.0
