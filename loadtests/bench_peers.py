@@ -214,7 +214,7 @@ def bench_peers_main(argv: list[str]) -> int:
     p.add_argument("--hicache", action="store_true", help="give the replicas their HiCache host tier (2x HBM)")
     p.add_argument(
         "--kv-events", action="store_true",
-        help="the emulated replicas publish SGLang's KV events; kvroute routes on exact residency",
+        help="the replicas (emulated or real) publish SGLang's KV events; kvroute routes on exact residency",
     )
     p.add_argument("--workload", choices=["synthetic", "weka"], default="synthetic")
     p.add_argument("--trace", help="WEKA requests .jsonl (default: the copy in the shared traces)")
@@ -308,7 +308,9 @@ def _fleet(ns: Any) -> Any:
 
     log_dir = Path(ns.out) / "sglang-logs"
     print(f"starting {ns.replicas} real SGLang servers (logs in {log_dir})", file=sys.stderr, flush=True)
-    with real_sglang_fleet(ns.replicas, log_dir=log_dir, max_total_tokens=ns.pool_tokens) as servers:
+    with real_sglang_fleet(
+        ns.replicas, log_dir=log_dir, max_total_tokens=ns.pool_tokens, kv_events=ns.kv_events
+    ) as servers:
         yield [s.url for s in servers]
 
 

@@ -171,6 +171,14 @@ def stop_real_server(s: RealServer, grace_s: float = 20.0) -> None:
         s.proc.wait(10)
 
 
+def kv_events_config() -> str:
+    """SGLang's ``--kv-events-config`` publishing on two free local ports (events and replay); it
+    must ``bind``, or SGLang 0.5.23's publisher connects and nobody receives a thing."""
+    doc = {"publisher": "zmq", "endpoint": f"tcp://127.0.0.1:{free_port()}", "bind": True,
+           "replay_endpoint": f"tcp://127.0.0.1:{free_port()}"}  # fmt: skip
+    return json.dumps(doc)
+
+
 @contextlib.contextmanager
 def real_sglang_fleet(
     n: int,
@@ -180,10 +188,12 @@ def real_sglang_fleet(
     context_length: int | None = None,
     sets: Sequence[str] = (),
     extra_flags: Sequence[str] = (),
+    kv_events: bool = False,
     timeout_s: float = 240.0,
 ) -> Iterator[list[RealServer]]:
     """``n`` real servers, server i pinned to the i-th CPU this process may use (round robin),
-    started together; stopped (and their whole process groups) when the block exits."""
+    started together; stopped (and their whole process groups) when the block exits. ``kv_events``:
+    each publishes its KV events (:func:`kv_events_config`, ports of its own)."""
     cpus = sorted(os.sched_getaffinity(0))
     servers: list[RealServer] = []
     try:
@@ -191,7 +201,8 @@ def real_sglang_fleet(
             servers.append(
                 start_real_server(
                     free_port(), cpus[i % len(cpus)], log_dir=log_dir, max_total_tokens=max_total_tokens,
-                    context_length=context_length, sets=sets, extra_flags=extra_flags,
+                    context_length=context_length, extra_flags=extra_flags,
+                    sets=[*sets, f"kv-events-config={kv_events_config()}"] if kv_events else sets,
                 )
             )
         wait_healthy(servers, timeout_s)
