@@ -354,8 +354,6 @@ class _Proxy:
         self.call = call  # an SGLang engine session this request opens, uses or closes
         self.pin = pin  # the replica that engine session or stored response lives on: the only one tried
         self.continues = continues  # the stored response this request continues (previous_response_id)
-        # a Responses request the engine may store: its response's id is pinned (stored_responses.py)
-        self._keeps = req.route == RESPONSES_ROUTE and keeps_response(body)
         self._tagged: bytes | None = None  # the body with the session id (kv_events.forward_session_id)
         # behind KV events, a header session whose body names another session_id: the engine names
         # this request's blocks by the body's id, so residency is read under it
@@ -580,12 +578,14 @@ class _Proxy:
             self.p.stream = sniffer.is_sse
             ds = self.ds
             last_tail = b""
-            keeps = self._keeps and upstream.status == 200
-            stores = self.rt.response_stores
-            if keeps and stores is not None:
-                known = stores.keeps(lease.replica_id, clock.now())
-                keeps = known is not False  # not yet known: pinned (stored_responses.StoreSupport)
-                if known is None:
+            # a response the engine may have stored: its id is pinned (stored_responses.py); a
+            # replica known to keep nothing is not asked about, nor the body read for "store"
+            keeps = self.req.route == RESPONSES_ROUTE and upstream.status == 200
+            if keeps:
+                stores = self.rt.response_stores
+                known = stores.keeps(lease.replica_id, clock.now()) if stores is not None else None
+                keeps = known is not False and keeps_response(self.body)
+                if keeps and known is None:
                     ask_stores = url
             try:
                 t = clock.now()
