@@ -47,7 +47,7 @@ from router.gateway.runtime import (
     STORE_KEY,
     GatewayRuntime,
 )
-from router.gateway.stored_responses import STORED_RESPONSE_ROUTES, StoreSupport, handle_stored_response
+from router.gateway.stored_responses import STORED_RESPONSE_ROUTES, handle_stored_response
 from router.gateway.upstream import ReplicaHttpClient
 from router.policy.base import Policy
 from router.store.base import StateStore
@@ -89,7 +89,6 @@ def make_app(
         config=config, store=store, policy=policy, clock=clock, rng=rng, emit=emitter, client=client
     )
     rt.egress = EgressGuard(config.replicas, config.admin_networks or DEFAULT_ALLOWED_NETWORKS, clock)
-    rt.response_stores = StoreSupport()
     gateway_mw = GatewayMiddleware()
     app = web.Application(
         middlewares=[gateway_mw],

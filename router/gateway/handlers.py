@@ -582,8 +582,7 @@ class _Proxy:
             # replica known to keep nothing is not asked about, nor the body read for "store"
             keeps = self.req.route == RESPONSES_ROUTE and upstream.status == 200
             if keeps:
-                stores = self.rt.response_stores
-                known = stores.keeps(lease.replica_id, clock.now()) if stores is not None else None
+                known = self.rt.response_stores.keeps(lease.replica_id, clock.now())
                 keeps = known is not False and keeps_response(self.body)
                 if keeps and known is None:
                     ask_stores = url
@@ -673,7 +672,7 @@ class _Proxy:
                 self.rt.emit(StoreDegraded(at=self.rt.clock.now(), error=str(exc)))
             if completion.ok:
                 self._record_break(lease, completion)
-                if ask_stores is not None and self.rt.response_stores is not None and self.rt.client is not None:
+                if ask_stores is not None and self.rt.client is not None:
                     await self.rt.response_stores.learn(self.rt.client, lease.replica_id, ask_stores, clock.now())
 
     def _body_for(self, lease: Lease) -> bytes:

@@ -9,7 +9,7 @@ starts.
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
@@ -18,6 +18,7 @@ from router.clock import Clock
 from router.config import GatewayConfig
 from router.events import Emitter
 from router.gateway.middleware import GatewayMiddleware
+from router.gateway.response_stores import StoreSupport
 from router.policy.base import Policy
 from router.store.base import StateStore
 
@@ -26,7 +27,6 @@ if TYPE_CHECKING:
     from router.gateway.egress import EgressGuard
     from router.gateway.forward import ReplicaClient, UpstreamTracer
     from router.gateway.residency import ResidencyService
-    from router.gateway.stored_responses import StoreSupport
 
 __all__ = ["CONFIG_KEY", "EMITTER_KEY", "MIDDLEWARE_KEY", "RUNTIME_KEY", "STORE_KEY", "GatewayRuntime"]
 
@@ -44,7 +44,7 @@ class GatewayRuntime:
     discovery: Discovery | None = None
     egress: EgressGuard | None = None  # replica URLs outside the allowed networks are refused (None = no check)
     residency: ResidencyService | None = None  # exact residency from KV events (kv_events), once started
-    response_stores: StoreSupport | None = None  # which replicas keep Responses API responses
+    response_stores: StoreSupport = field(default_factory=StoreSupport)  # which keep Responses API responses
     draining: bool = False  # shutting down: /ready answers 503
     models_body: dict[str, Any] | None = None
     models_at: float = float("-inf")

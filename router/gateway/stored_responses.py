@@ -4,7 +4,7 @@ A stored response lives in the engine that made it, so what names it must go the
 
   1. A ``/v1/responses`` request that does not say ``"store": false`` has its response's id pinned
      (``PinKind.RESPONSE``) to the replica that answers 200, unless that replica is known to keep
-     nothing (:class:`StoreSupport`). The id is read from the first bytes that carry it (the
+     nothing (``response_stores.StoreSupport``). The id is read from the first bytes that carry it (the
      unstreamed body's ``id``, a stream's ``response.created``) and pinned before those bytes go to
      the client, who cannot name the id sooner.
   2. A request whose ``previous_response_id`` is pinned goes to that replica only and is not retried
@@ -21,23 +21,21 @@ A stored response lives in the engine that made it, so what names it must go the
 
 from __future__ import annotations
 
-import json
 import re
 
 from aiohttp import web
 
 from router.config import GatewayConfig
-from router.errors import BadRequestError, NotFoundError, StoreError, UpstreamConnectError, UpstreamError
+from router.errors import BadRequestError, NotFoundError, StoreError, UpstreamConnectError
 from router.events import StoreDegraded
 from router.gateway.bodies import checked_session_id, parse_body
-from router.gateway.forward import ReplicaClient, filter_headers, read_limited, request_drop_set
+from router.gateway.forward import filter_headers, read_limited, request_drop_set
 from router.gateway.middleware import REQUEST_ID_HEADER, REQUEST_ID_KEY
 from router.gateway.runtime import RUNTIME_KEY, GatewayRuntime
 from router.model import PinKind, ReplicaId
 
 __all__ = [
     "STORED_RESPONSE_ROUTES",
-    "StoreSupport",
     "gone",
     "handle_stored_response",
     "keeps_response",
@@ -55,45 +53,6 @@ _VALID_ID = re.compile(_ID)
 _STORE_KEY = b'"store"'
 _FORWARD_DROP = request_drop_set({REQUEST_ID_HEADER.lower(), "x-forwarded-for", "content-length"})
 _ANSWER_LIMIT = 16 * 1024 * 1024
-
-
-class StoreSupport:
-    """Which replicas keep responses: their ``/server_info``'s ``enable_response_store``, read after a
-    response (never on a client's latency path), at most once per replica per ``max_age_s``. A
-    replica not yet known counts as keeping: a pin too many costs ~0.3 kB of gateway memory (and
-    ~0.14 kB of Redis) for a session TTL, a pin too few a 404. In front of engines without a store
-    (SGLang's default) this keeps every Responses request from writing a pin."""
-
-    __slots__ = ("_asking", "_known", "max_age_s")
-
-    def __init__(self, max_age_s: float = 600.0) -> None:
-        self.max_age_s = max_age_s
-        self._known: dict[ReplicaId, tuple[bool, float]] = {}  # -> (keeps responses, read at)
-        self._asking: set[ReplicaId] = set()
-
-    def keeps(self, replica_id: ReplicaId, now: float) -> bool | None:
-        """``None``: not known, or known longer ago than ``max_age_s`` (an engine may restart with
-        other flags)."""
-        known = self._known.get(replica_id)
-        if known is None or now - known[1] > self.max_age_s:
-            return None
-        return known[0]
-
-    async def learn(self, client: ReplicaClient, replica_id: ReplicaId, url: str, now: float) -> None:
-        """Read one replica's ``/server_info`` (one reader at a time per replica); a replica that does
-        not answer, or answers something else, stays unknown."""
-        if replica_id in self._asking:
-            return
-        self._asking.add(replica_id)
-        try:
-            status, body = await client.fetch(replica_id, url + "/server_info", accept="application/json")
-            flag = json.loads(body).get("enable_response_store") if status == 200 else None
-        except (UpstreamError, ValueError, AttributeError):
-            flag = None
-        finally:
-            self._asking.discard(replica_id)
-        if isinstance(flag, bool):
-            self._known[replica_id] = (flag, now)
 
 
 def keeps_response(body: bytes) -> bool:

@@ -14,13 +14,16 @@ from router.gateway.upstream import ReplicaHttpClient
 @pytest.mark.parametrize("stream", [False, True])
 async def test_gateway_relays_the_same_bytes(fake_replicas: Any, gateway_factory: Any, stream: bool) -> None:
     via, direct = await fake_replicas(2)
-    gw = await gateway_factory([via.url])
+    # health probes share the pool: none after the first round, so what is counted is the requests'
+    gw = await gateway_factory([via.url], health={"health_interval_s": 60.0, "scrape_interval_s": 60.0})
     assert isinstance(gw.runtime.client, ReplicaHttpClient)
     body = b'{"model":"m","messages":[{"role":"user","content":"hi"}],"stream":%s}' % (
         b"true" if stream else b"false"
     )
+    opened = []
     async with aiohttp.ClientSession() as s:
         for _ in range(2):  # the second request rides a pooled connection
+            opened.append(gw.runtime.client.connections_opened)
             async with s.post(
                 gw.url + "/v1/chat/completions", data=body, headers={"Modal-Session-Id": "k"}
             ) as r:
@@ -32,4 +35,4 @@ async def test_gateway_relays_the_same_bytes(fake_replicas: Any, gateway_factory
                 want = await r.read()
             assert got == want
     assert via.state.requests[-1]["body"] == body
-    assert gw.runtime.client.connections_opened == 1
+    assert gw.runtime.client.connections_opened == opened[1] <= opened[0] + 1

@@ -92,15 +92,13 @@ async def test_a_response_stored_through_one_gateway_is_found_through_another(re
 
 
 def _known(gw: RunningGateway, replica_id: str) -> bool:
-    stores = gw.runtime.response_stores
-    return stores is not None and stores.keeps(replica_id, gw.runtime.clock.now()) is not None
+    return gw.runtime.response_stores.keeps(replica_id, gw.runtime.clock.now()) is not None
 
 
 async def _two_responses_pins(gw: RunningGateway) -> tuple[str, list[str | None], bool | None]:
     """Two Responses requests of one session through ``gw``, the second once the gateway has read
     whether the replica keeps responses: (the replica, each response's pin, what was read)."""
     stores = gw.runtime.response_stores
-    assert stores is not None
     ids, rid = [], ""
     async with aiohttp.ClientSession() as s:
         for turn in range(2):
