@@ -171,10 +171,9 @@ async def test_background_request_runs_after_the_answer(emulators: EmuFactory, h
     async with emulators(1, enable_response_store=True, time_scale=1.0) as (emu,):
         body = {"model": emu.replica.config.model_name, "instructions": "Be terse.", "input": Q,
                 "max_output_tokens": 202, "background": True, "temperature": 0}
-        started = time.monotonic()
         status, ctype, raw = await post(http, f"{emu.url}/v1/responses", body)
-        assert (status, ctype) == (200, "application/json") and time.monotonic() - started < 0.3
-        queued = json.loads(raw)
+        assert (status, ctype) == (200, "application/json")
+        queued = json.loads(raw)  # answered before the run: "queued" (a wall-clock bound would be flaky)
         assert list(queued) == KEYS and queued["id"].startswith("resp_")
         assert (queued["status"], queued["output"], queued["usage"], queued["text"]) == ("queued", [], None, None)
         assert queued["incomplete_details"] is None and queued["max_output_tokens"] == 202
