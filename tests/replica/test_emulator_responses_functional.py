@@ -157,7 +157,9 @@ async def test_stream_events(emulators: EmuFactory, http: aiohttp.ClientSession)
                           "response.incomplete"]
     deltas = evs[4:-4]
     assert len(deltas) >= 2 and all(e["type"] == "response.output_text.delta" for e in deltas)  # one per decode step
-    assert len(deltas[0]["delta"]) == 4  # the prefill's token on its own
+    # whole tokens (4 bytes each); the prefill's token comes alone unless a loaded event loop let
+    # the next decode steps catch up before the chunk went out (seen once in CI: 5 tokens)
+    assert all(e["delta"] and len(e["delta"]) % 4 == 0 for e in deltas)
     text = "".join(e["delta"] for e in deltas)
     assert len(text) == 6 * 4 and evs[-4]["text"] == text
     start = evs[0]["response"]
