@@ -12,7 +12,7 @@ import orjson
 from router.config import GatewayConfig
 from router.errors import BadRequestError
 
-__all__ = ["checked_session_id", "parse_body"]
+__all__ = ["body_field", "body_string", "checked_session_id", "parse_body"]
 
 
 def parse_body(body: bytes) -> dict[str, Any]:
@@ -28,6 +28,23 @@ def parse_body(body: bytes) -> dict[str, Any]:
     if not isinstance(obj, dict):
         raise BadRequestError("request body must be a JSON object")
     return obj
+
+
+def body_field(body: bytes, key: str) -> Any:
+    """The top-level ``key`` of a JSON body, parsed only when the bytes mention it; ``None`` when
+    absent or when the body does not parse (the replica judges such a body, as any request)."""
+    if f'"{key}"'.encode() not in body:
+        return None
+    try:
+        return parse_body(body).get(key)
+    except BadRequestError:
+        return None
+
+
+def body_string(body: bytes, key: str) -> str | None:
+    """``body_field`` when it is a non-empty string, else ``None``."""
+    value = body_field(body, key)
+    return value if isinstance(value, str) and value else None
 
 
 def checked_session_id(name: str, value: str, cfg: GatewayConfig) -> str:

@@ -27,7 +27,7 @@ import orjson
 
 from router.config import GatewayConfig
 from router.errors import BadRequestError, NotFoundError
-from router.gateway.bodies import checked_session_id, parse_body
+from router.gateway.bodies import body_field, checked_session_id, parse_body
 from router.model import PinKind, ReplicaId
 from router.store.base import StateStore
 
@@ -84,12 +84,7 @@ def engine_session_call(route: str, body: bytes, cfg: GatewayConfig) -> EngineSe
     """What ``body`` does to an engine session on ``route``; ``None`` for an ordinary request.
     ``BadRequestError`` for a session route whose body names no usable session."""
     if route == "/generate":
-        if b'"session_params"' not in body:
-            return None
-        try:
-            params = parse_body(body).get("session_params")
-        except BadRequestError:
-            return None  # the replica judges a body that does not parse, as for any request
+        params = body_field(body, "session_params")
         sid = params.get("id") if isinstance(params, dict) else None
         if not isinstance(sid, str) or not sid:
             return None

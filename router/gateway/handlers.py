@@ -53,7 +53,7 @@ from router.errors import (
     error_body,
 )
 from router.events import AffinityBroken, RequestFinished, RequestRouted, StoreDegraded, UpstreamRetry
-from router.gateway.bodies import checked_session_id, parse_body
+from router.gateway.bodies import body_string, checked_session_id, parse_body
 from router.gateway.engine_sessions import SESSION_ROUTES, EngineSessionCall, engine_session_call
 from router.gateway.forward import (
     UpstreamResponse,
@@ -204,18 +204,6 @@ def _samples_per_prompt(body: bytes) -> int:
     return n if isinstance(n, int) and not isinstance(n, bool) and n > 1 else 1
 
 
-def _body_session_id(body: bytes) -> str | None:
-    """The body's own ``session_id`` (SGLang's field), if it names one. Parsed only when the bytes
-    mention it."""
-    if b'"session_id"' not in body:
-        return None
-    try:
-        sid = parse_body(body).get("session_id")
-    except BadRequestError:
-        return None
-    return sid if isinstance(sid, str) and sid else None
-
-
 def _routing_key(
     session_id: str | None, body: bytes, route: str, policy: object, cfg: GatewayConfig
 ) -> tuple[str | None, KeySource]:
@@ -359,7 +347,7 @@ class _Proxy:
         # this request's blocks by the body's id, so residency is read under it
         self._engine_id: str | None = None
         if rt.residency is not None and req.key_source is KeySource.HEADER:
-            named = _body_session_id(body)
+            named = body_string(body, "session_id")  # SGLang's own field
             self._engine_id = named if named != req.session_key else None
         self._chain: tuple[str | None] | None = None  # RouteRequest.chain_key, once computed
 
@@ -496,20 +484,6 @@ class _Proxy:
             return
         raise exc
 
-    async def _replica_url(self, replica_id: str, state: ReplicaState | None) -> str | None:
-        url: str | None = None
-        if state is not None:
-            url = str(state.url)
-        else:
-            for r in await self.rt.store.replicas():
-                if r.id == replica_id:
-                    url = r.url
-                    break
-        if url is not None and self.rt.egress is not None and not await self.rt.egress.allowed(url):
-            # a registry entry outside the allowed networks (router/gateway/egress.py): never sent to
-            raise UpstreamConnectError(f"replica {replica_id}: its URL is outside the allowed networks")
-        return url
-
     async def _attempt(self, lease: Lease, state: ReplicaState | None, can_retry: bool) -> None:
         clock = self.rt.clock
         upstream: UpstreamResponse | None = None
@@ -519,7 +493,7 @@ class _Proxy:
         completion = Completion(ok=False)
         try:
             # inside the try: whatever happens from here on, the finally releases the lease
-            url = await self._replica_url(lease.replica_id, state)
+            url = await self.rt.replica_url(lease.replica_id, state)
             if url is None:
                 raise UpstreamConnectError(f"replica {lease.replica_id} is no longer registered")
             client = self.rt.client

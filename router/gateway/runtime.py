@@ -16,9 +16,11 @@ from aiohttp import web
 
 from router.clock import Clock
 from router.config import GatewayConfig
+from router.errors import UpstreamConnectError
 from router.events import Emitter
 from router.gateway.middleware import GatewayMiddleware
 from router.gateway.response_stores import StoreSupport
+from router.model import ReplicaState
 from router.policy.base import Policy
 from router.store.base import StateStore
 
@@ -49,6 +51,22 @@ class GatewayRuntime:
     models_body: dict[str, Any] | None = None
     models_at: float = float("-inf")
     in_flight: int = 0  # requests inside this gateway's handlers (graceful shutdown waits on it)
+
+    async def replica_url(self, replica_id: str, state: ReplicaState | None = None) -> str | None:
+        """The registered URL of ``replica_id`` (from ``state`` when the caller has it), ``None`` if
+        it is not registered; ``UpstreamConnectError`` for a URL outside the allowed networks."""
+        url: str | None = None
+        if state is not None:
+            url = str(state.url)
+        else:
+            for r in await self.store.replicas():
+                if r.id == replica_id:
+                    url = r.url
+                    break
+        if url is not None and self.egress is not None and not await self.egress.allowed(url):
+            # a registry entry outside the allowed networks (router/gateway/egress.py): never sent to
+            raise UpstreamConnectError(f"replica {replica_id}: its URL is outside the allowed networks")
+        return url
 
 
 CONFIG_KEY = web.AppKey("kvroute_config", GatewayConfig)

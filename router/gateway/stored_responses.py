@@ -26,9 +26,9 @@ import re
 from aiohttp import web
 
 from router.config import GatewayConfig
-from router.errors import BadRequestError, NotFoundError, StoreError, UpstreamConnectError
+from router.errors import BadRequestError, NotFoundError, StoreError
 from router.events import StoreDegraded
-from router.gateway.bodies import checked_session_id, parse_body
+from router.gateway.bodies import body_string, checked_session_id
 from router.gateway.forward import filter_headers, read_limited, request_drop_set
 from router.gateway.middleware import REQUEST_ID_HEADER, REQUEST_ID_KEY
 from router.gateway.runtime import RUNTIME_KEY, GatewayRuntime
@@ -77,15 +77,8 @@ def response_id_in(chunk: bytes) -> str | None:
 def previous_response_id(body: bytes, cfg: GatewayConfig) -> str | None:
     """The stored response a request continues; ``None`` when it names none (or names it in a way the
     engine will refuse: not a string)."""
-    if b'"previous_response_id"' not in body:
-        return None
-    try:
-        named = parse_body(body).get("previous_response_id")
-    except BadRequestError:
-        return None  # the engine judges a body that does not parse, as for any request
-    if not isinstance(named, str) or not named:
-        return None
-    return checked_session_id("previous_response_id", named, cfg)
+    named = body_string(body, "previous_response_id")
+    return None if named is None else checked_session_id("previous_response_id", named, cfg)
 
 
 async def pin_response(rt: GatewayRuntime, response_id: str, replica_id: ReplicaId) -> None:
@@ -123,11 +116,9 @@ async def handle_stored_response(request: web.Request) -> web.Response:
     replica_id = await rt.store.pinned(PinKind.RESPONSE, name)
     if replica_id is None:
         raise _not_found(name)
-    url = next((r.url for r in await rt.store.replicas() if r.id == replica_id), None)
+    url = await rt.replica_url(replica_id)
     if url is None:
         raise await gone(rt, name, replica_id, "response_id")
-    if rt.egress is not None and not await rt.egress.allowed(url):
-        raise UpstreamConnectError(f"replica {replica_id}: its URL is outside the allowed networks")
     path = f"/v1/responses/{name}" + ("/cancel" if request.path.endswith("/cancel") else "")
     headers = filter_headers(request.headers.items(), _FORWARD_DROP)
     headers.append((REQUEST_ID_HEADER, request[REQUEST_ID_KEY]))
