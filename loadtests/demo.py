@@ -160,17 +160,28 @@ async def _gateway_overhead(url: str, measures: dict[str, Any]) -> None:
     measures["affinity_breaks_by_residency"] = {
         k: v for k, v in _counter_by_label(text, "kvroute_affinity_breaks_total", "residency").items() if v
     }
+    # and how often a turn sent home for its cache found it there, by the residency that said so
+    outcomes: dict[str, dict[str, int]] = {}
+    for (residency, found), n in _counter_by_labels(text, "kvroute_residency_outcomes_total", ("residency", "found")).items():
+        outcomes.setdefault(residency, {"found": 0, "missed": 0})["found" if found == "true" else "missed"] += n
+    measures["residency_outcomes"] = outcomes
 
 
 def _counter_by_label(text: str, name: str, label: str) -> dict[str, int]:
     """Σ of a Prometheus counter's samples grouped by one label (``{}`` when absent)."""
+    return {k[0]: v for k, v in _counter_by_labels(text, name, (label,)).items()}
+
+
+def _counter_by_labels(text: str, name: str, labels: tuple[str, ...]) -> dict[tuple[str, ...], int]:
+    """Σ of a Prometheus counter's samples grouped by some of its labels (``{}`` when absent)."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    out: dict[str, int] = {}
+    out: dict[tuple[str, ...], int] = {}
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:
-            if s.name == name and label in s.labels:
-                out[s.labels[label]] = out.get(s.labels[label], 0) + int(s.value)
+            if s.name == name and all(lb in s.labels for lb in labels):
+                key = tuple(s.labels[lb] for lb in labels)
+                out[key] = out.get(key, 0) + int(s.value)
     return out
 
 

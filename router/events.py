@@ -28,6 +28,7 @@ __all__ = [
     "ReplicaReadmitted",
     "RequestFinished",
     "RequestRouted",
+    "ResidencyJudged",
     "StoreDegraded",
     "StoreRecovered",
     "UpstreamRetry",
@@ -78,6 +79,23 @@ class AffinityBroken:
     expected_cached_tokens: int
     cached_tokens: int
     residency: str = ""  # which residency the decision went by: "events" | "estimate" | "" (none)
+
+
+@dataclass(frozen=True, slots=True)
+class ResidencyJudged:
+    """A request sent home because its session's cache was thought resident there
+    (``Reason.AFFINITY``), continuing that context: did the engine find it cached
+    (``router.policy.breaks.home_found``)? By the residency the decision went by, this is how often
+    the KV events (or the estimate) were right."""
+
+    request_id: str
+    at: float
+    replica_id: ReplicaId
+    residency: str  # "events" | "estimate"
+    found: bool
+    expected_cached_tokens: int
+    cached_tokens: int
+    resident_tokens: int | None = None  # the session's own tokens the events showed at home when it was routed
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,6 +170,7 @@ Event = (
     RequestRouted
     | UpstreamRetry
     | AffinityBroken
+    | ResidencyJudged
     | RequestFinished
     | ReplicaActivated
     | ReplicaEjected

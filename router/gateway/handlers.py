@@ -52,7 +52,14 @@ from router.errors import (
     UpstreamTimeoutError,
     error_body,
 )
-from router.events import AffinityBroken, RequestFinished, RequestRouted, StoreDegraded, UpstreamRetry
+from router.events import (
+    AffinityBroken,
+    RequestFinished,
+    RequestRouted,
+    ResidencyJudged,
+    StoreDegraded,
+    UpstreamRetry,
+)
 from router.gateway.bodies import body_string, checked_session_id, parse_body
 from router.gateway.engine_sessions import SESSION_ROUTES, EngineSessionCall, engine_session_call
 from router.gateway.forward import (
@@ -87,7 +94,7 @@ from router.model import (
     RouteDecision,
     RouteRequest,
 )
-from router.policy.breaks import classify_break
+from router.policy.breaks import classify_break, home_found
 from router.policy.params import PolicyParams
 from router.policy.prefix_key import chain_key, prefix_key
 from router.residency import with_residency
@@ -298,6 +305,7 @@ class _Progress:
     usage_estimated: bool = False
     breaks: tuple[AffinityBreak, ...] = ()
     residency: str = ""  # the last decision's RouteDecision.residency (reported with its break)
+    resident_tokens: int | None = None  # the session's own tokens the events showed at its home then
     error_content_type: str = ""  # of the last replica error body (relayed when retries run out)
 
 
@@ -408,6 +416,8 @@ class _Proxy:
                 continue
             self.p.replica_id, self.p.reason = lease.replica_id, lease.reason
             self.p.residency = decision.residency
+            sess = snap.session
+            self.p.resident_tokens = sess.resident_tokens if sess is not None and sess.home == lease.replica_id else None
             self.rt.emit(
                 RequestRouted(
                     request_id=self.request_id,
@@ -645,7 +655,7 @@ class _Proxy:
                 log.warning("store release failed for %s: %s", lease.replica_id, exc)
                 self.rt.emit(StoreDegraded(at=self.rt.clock.now(), error=str(exc)))
             if completion.ok:
-                self._record_break(lease, completion)
+                self._judge_residency(lease, completion)
                 if ask_stores is not None and self.rt.client is not None:
                     await self.rt.response_stores.learn(self.rt.client, lease.replica_id, ask_stores, clock.now())
 
@@ -705,7 +715,25 @@ class _Proxy:
             return 1
         return n()
 
-    def _record_break(self, lease: Lease, completion: Completion) -> None:
+    def _judge_residency(self, lease: Lease, completion: Completion) -> None:
+        """Rule 6 feedback: a break when the engine found less of the session's context cached than
+        it had sent, and for a request sent home for its cache, whether the residency was right."""
+        expected = min(lease.prev_context_tokens, completion.prompt_tokens or 0)
+        cached = completion.cached_tokens or 0
+        found = home_found(lease, completion)
+        if found is not None and self.p.residency:
+            self.rt.emit(
+                ResidencyJudged(
+                    request_id=self.request_id,
+                    at=self.rt.clock.now(),
+                    replica_id=lease.replica_id,
+                    residency=self.p.residency,
+                    found=found,
+                    expected_cached_tokens=expected,
+                    cached_tokens=cached,
+                    resident_tokens=self.p.resident_tokens,
+                )
+            )
         reason = classify_break(lease, completion, self.req.key_source)
         if reason is None:
             return
@@ -717,8 +745,8 @@ class _Proxy:
                 replica_id=lease.replica_id,
                 session_id=lease.session_id if self.req.key_source.named else None,
                 reason=reason,
-                expected_cached_tokens=min(lease.prev_context_tokens, completion.prompt_tokens or 0),
-                cached_tokens=completion.cached_tokens or 0,
+                expected_cached_tokens=expected,
+                cached_tokens=cached,
                 residency=self.p.residency,
             )
         )

@@ -31,6 +31,7 @@ from router.events import (
     ReplicaReadmitted,
     RequestFinished,
     RequestRouted,
+    ResidencyJudged,
     StoreDegraded,
     StoreRecovered,
     UpstreamRetry,
@@ -331,6 +332,14 @@ class GatewayMetrics:
             ["verdict"],
             registry=r,
         )
+        self.residency_outcomes = Counter(
+            "kvroute_residency_outcomes",
+            "Requests sent home for their session's cache (affinity) that continued its context: whether "
+            "the engine found it cached (found: true/false), by the residency the decision went by "
+            "(events: the engine's KV events; estimate)",
+            ["residency", "found"],
+            registry=r,
+        )
         self.panic_routes = Counter(
             "kvroute_panic_routes",
             "Attempts sent to a replica marked DOWN because none looked healthy (panic routing)",
@@ -463,6 +472,8 @@ class GatewayMetrics:
                 self.panic_routes.inc()
         elif isinstance(event, AffinityBroken):
             self.affinity_breaks.labels(event.reason.value, event.residency or "none").inc()
+        elif isinstance(event, ResidencyJudged):
+            self.residency_outcomes.labels(event.residency, "true" if event.found else "false").inc()
         elif isinstance(event, UpstreamRetry):
             self.retries.labels(event.error).inc()
         elif isinstance(event, ReplicaEjected):

@@ -24,7 +24,15 @@ from router.autoscale import AutoscaleConfig, AutoscaleSample, AutoscaleState, d
 from router.clock import Clock
 from router.errors import KvrouteError
 from router.eventloop import stop_tasks
-from router.events import AffinityBroken, Event, Hook, RequestFinished, RequestRouted, UpstreamRetry
+from router.events import (
+    AffinityBroken,
+    Event,
+    Hook,
+    RequestFinished,
+    RequestRouted,
+    ResidencyJudged,
+    UpstreamRetry,
+)
 from router.gateway.admin import DEFAULT_ALLOWED_NETWORKS, AdminSettings, PolicyHolder, make_admin_app
 from router.model import ReplicaState, ReplicaStatus
 from router.observability.metrics import CONTENT_TYPE, GatewayMetrics
@@ -95,6 +103,11 @@ class TracingHook:
             )
         elif isinstance(event, AffinityBroken):
             self.tracing.annotate({"kvroute.affinity_break": event.reason.value})
+        elif isinstance(event, ResidencyJudged):
+            judged: dict[str, object] = {"kvroute.residency": event.residency, "kvroute.found_resident": event.found}
+            if event.resident_tokens is not None:
+                judged["kvroute.resident_tokens"] = event.resident_tokens
+            self.tracing.annotate(judged)
         elif isinstance(event, UpstreamRetry):
             self.tracing.annotate({"kvroute.retries": event.attempt, "kvroute.last_retry_error": event.error})
         elif isinstance(event, RequestFinished):

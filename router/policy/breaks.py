@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from router.model import AffinityBreak, Completion, KeySource, Lease, Reason
 
-__all__ = ["classify_break", "continues_context", "found_resident"]
+__all__ = ["classify_break", "continues_context", "found_resident", "home_found"]
 
 CONTINUES_FRACTION = 0.95
 """A request *continues* its session's context when its prompt is at least this fraction of it. The
@@ -37,6 +37,18 @@ def found_resident(
         return None
     expected = min(prev_context_tokens, prompt_tokens)
     return cached_tokens >= expected - (page_tokens + rel_tolerance * expected)
+
+def home_found(lease: Lease, completion: Completion) -> bool | None:
+    """Did a request sent home for its cache (``Reason.AFFINITY``) find that cache there? The check of
+    the residency its decision went by. ``None`` when there is nothing to judge: another reason, a
+    home another gateway chose, a failed request, no cached tokens reported, or a prompt that does
+    not continue the session's context."""
+    if lease.reason is not Reason.AFFINITY or lease.disagreement or not completion.ok:
+        return None
+    if completion.prompt_tokens is None or completion.cached_tokens is None:
+        return None
+    return found_resident(lease.prev_context_tokens, completion.prompt_tokens, completion.cached_tokens)
+
 
 _BY_REASON: dict[Reason, AffinityBreak] = {
     Reason.THICC_SPLIT: AffinityBreak.THICC_SPLIT,

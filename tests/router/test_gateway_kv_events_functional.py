@@ -218,6 +218,83 @@ async def test_a_header_session_whose_body_names_another_session_id_reads_reside
         assert (await gw.store.snapshot("agent-1")).session is not None
 
 
+async def residency_outcomes(http: aiohttp.ClientSession, gw: RunningGateway) -> dict[tuple[str, str], float]:
+    """``kvroute_residency_outcomes_total`` by (residency, found)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    async with http.get(gw.url + "/metrics") as r:
+        text = await r.text()
+    return {
+        (s.labels["residency"], s.labels["found"]): s.value
+        for fam in text_string_to_metric_families(text)
+        for s in fam.samples
+        if s.name == "kvroute_residency_outcomes_total"
+    }
+
+
+@pytest.mark.parametrize("events", [True, False], ids=["events", "estimate"])
+async def test_each_turn_sent_home_is_judged_by_the_residency_that_sent_it(
+    kv_emulators: list[Running], events: bool
+) -> None:
+    """A turn sent home for its cache is checked against the engine's ``cached_tokens`` and counted
+    by the residency the decision went by. A cache flushed behind the gateway's back: the events see
+    it go (the next turn is placed afresh, nothing to judge); the estimate does not, sends the turn
+    home and counts it missed."""
+    urls = [r.url for r in kv_emulators]
+    cfg = fast_config(urls, admin_insecure=True, kv_events={"refresh_s": 0.2} if events else {"mode": "off"})
+    residency = "events" if events else "estimate"
+    async with gateway(cfg) as gw, aiohttp.ClientSession() as http:
+        if events:
+            await wait_for(lambda: all(gw.runtime.residency.view.source(u.removeprefix("http://")) == "events" for u in urls))
+        conv = Conversation(http, gw, kv_emulators if events else None)
+        await conv.turns(5)
+        assert conv.reasons == ["placed_new"] + ["affinity"] * 4, conv.reasons
+        assert await residency_outcomes(http, gw) == {(residency, "true"): 4.0}
+
+        home = next(r for r in kv_emulators if r.url.removeprefix("http://") in conv.replicas)
+        async with http.post(home.url + "/flush_cache") as r:
+            assert r.status == 200
+        if events:
+            await wait_for(lambda: synced(gw, kv_emulators))
+        await conv.turns(2)
+        outcomes = await residency_outcomes(http, gw)
+        if events:
+            assert conv.reasons[5:] == ["placed_evicted", "affinity"], conv.reasons
+            assert outcomes == {("events", "true"): 5.0}, outcomes
+        else:
+            assert conv.reasons[5:] == ["affinity", "affinity"] and conv.cached[5] == 0, (conv.reasons, conv.cached)
+            assert outcomes == {("estimate", "true"): 5.0, ("estimate", "false"): 1.0}, outcomes
+
+
+class Conversation:
+    """One session's growing chat through ``gw``; with ``reps`` each turn waits for their events."""
+
+    def __init__(self, http: aiohttp.ClientSession, gw: RunningGateway, reps: list[Running] | None) -> None:
+        self.http, self.gw, self.reps = http, gw, reps
+        self.msgs = [{"role": "user", "content": "explain the radix cache " * 12}]
+        self.reasons: list[str] = []
+        self.cached: list[int] = []
+        self.replicas: set[str] = set()
+
+    async def turns(self, n: int) -> None:
+        for _ in range(n):
+            body = {"model": "emulated/small-test", "messages": self.msgs, "max_tokens": 8}
+            url = self.gw.url + "/v1/chat/completions"
+            async with self.http.post(url, json=body, headers={"Modal-Session-Id": "s-1"}) as r:
+                assert r.status == 200, await r.text()
+                d = await r.json()
+                self.reasons.append(r.headers["X-Kvroute-Reason"])
+                self.replicas.add(r.headers["X-Kvroute-Replica"])
+            self.cached.append(d["usage"]["prompt_tokens_details"]["cached_tokens"])
+            if self.reps is not None:
+                await wait_for(self.synced)
+            self.msgs = [*self.msgs, {"role": "assistant", "content": d["choices"][0]["message"]["content"]},
+                         {"role": "user", "content": f"and then {len(self.reasons)} " * 6}]  # fmt: skip
+
+    def synced(self) -> bool:
+        return self.reps is not None and synced(self.gw, self.reps)
+
+
 async def test_gateway_without_events_stays_off(emulators_plain: list[Running]) -> None:
     cfg = fast_config([r.url for r in emulators_plain], admin_insecure=True, kv_events={"refresh_s": 0.1})
     async with gateway(cfg) as gw, aiohttp.ClientSession() as http:

@@ -10,6 +10,7 @@ from router.events import (
     ReplicaEjected,
     RequestFinished,
     RequestRouted,
+    ResidencyJudged,
     StoreDegraded,
     UpstreamRetry,
 )
@@ -80,6 +81,8 @@ def test_events_feed_counters_and_histograms() -> None:
             cached_tokens=0,
         )
     )
+    for found in (True, True, False):
+        m(ResidencyJudged("x", 1.0, "r1", "events", found, expected_cached_tokens=900, cached_tokens=900 * found))
     m(UpstreamRetry(request_id="x", at=1.0, replica_id="r1", attempt=1, error="upstream_connect_error"))
     m(ReplicaEjected(at=1.0, replica_id="r1", cause="connect"))
     m(StoreDegraded(at=1.0, error="boom"))
@@ -101,6 +104,8 @@ def test_events_feed_counters_and_histograms() -> None:
     assert s[("kvroute_completion_tokens_total", ())] == 30
     assert s[("kvroute_client_disconnects_total", (("route", "/generate"),))] == 1
     assert s[("kvroute_affinity_breaks_total", (("reason", "evicted"), ("residency", "none")))] == 1
+    assert s[("kvroute_residency_outcomes_total", (("found", "true"), ("residency", "events")))] == 2
+    assert s[("kvroute_residency_outcomes_total", (("found", "false"), ("residency", "events")))] == 1
     assert s[("kvroute_upstream_retries_total", (("error", "upstream_connect_error"),))] == 1
     assert s[("kvroute_replica_ejections_total", (("cause", "connect"), ("replica", "r1")))] == 1
     assert s[("kvroute_store_degraded_events_total", ())] == 1

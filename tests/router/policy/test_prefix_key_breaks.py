@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from router.model import AffinityBreak, Completion, KeySource, Lease, Reason
-from router.policy.breaks import classify_break
+from router.policy.breaks import classify_break, home_found
 from router.policy.prefix_key import chain_key, prefix_key
 
 CHAT = "/v1/chat/completions"
@@ -241,3 +241,29 @@ def test_classify_break(
     lease_: Lease, completion: Completion, source: KeySource, expected: AffinityBreak | None
 ) -> None:
     assert classify_break(lease_, completion, source) is expected
+
+
+@pytest.mark.parametrize(
+    ("lease_", "completion", "expected"),
+    [
+        (lease(), done(cached=100_000), True),
+        (lease(), done(cached=98_000), True),  # the break's slack: a page and 2 %
+        (lease(), done(cached=97_000), False),
+        (lease(), done(cached=0), False),
+        (lease(prev=0), done(cached=0), None),  # nothing was there to find
+        (lease(), done(prompt=20_000, cached=5_000), None),  # a sub-agent's prompt: no evidence
+        (lease(), done(cached=None), None),  # the engine did not report
+        (lease(), done(ok=False, cached=0), None),
+        # not sent home for its cache: its hit says nothing about the residency the decision read
+        (lease(Reason.PLACED_EVICTED), done(cached=0), None),
+        (lease(Reason.THICC_SPLIT), done(cached=0), None),
+        (lease(Reason.HASH), done(cached=0), None),
+        (lease(disagreement=True), done(cached=0), None),  # another gateway's home
+    ],
+)
+def test_home_found_judges_only_turns_sent_home_for_their_cache(
+    lease_: Lease, completion: Completion, expected: bool | None
+) -> None:
+    assert home_found(lease_, completion) is expected
+    if expected is not None:  # the same judgement as the break's
+        assert (classify_break(lease_, completion, KeySource.HEADER) is None) is expected
