@@ -59,7 +59,7 @@ from router.model import (
     ReplicaState,
     ReplicaStatus,
 )
-from router.policy import Policy, classify_break, make_policy
+from router.policy import Policy, classify_break, home_found, make_policy
 from router.policy.params import PolicyParams
 from router.residency import ResidencyIndex
 from router.route_input import route_request
@@ -222,6 +222,7 @@ class _Req:
         "output_tokens",
         "pooled",
         "replica",
+        "residency",
         "rid",
         "t_first",
         "t_start",
@@ -250,6 +251,7 @@ class _Req:
         self.ideal = 0
         self.pooled = 0
         self.gw = 0
+        self.residency = ""  # the decision's RouteDecision.residency
 
 
 class _Gateway:
@@ -337,6 +339,7 @@ class _Sim:
             "refused": 0,
             "no_replica": 0,
             "residency_checks": {},
+            "residency_outcomes": {},
         }
 
     # ---- fleet ---------------------------------------------------------------------------------
@@ -576,6 +579,7 @@ class _Sim:
         if decision.estimate_check:  # events told residency exactly: would the estimate have agreed?
             checks = self.stats["residency_checks"]
             checks[decision.estimate_check] = checks.get(decision.estimate_check, 0) + 1
+        req.residency = decision.residency
         try:
             lease = self.core.acquire(decision, request)
         except ReplicaNotFoundError:  # a lagging view chose a replica the store already removed: refused
@@ -736,6 +740,10 @@ class _Sim:
             )
             if lease is not None:
                 break_reason = self._break(req, lease, completion)
+                found = home_found(lease, completion, page_tokens=self.page) if req.residency else None
+                if found is not None:  # as the gateway counts kvroute_residency_outcomes_total
+                    tally = self.stats["residency_outcomes"].setdefault(req.residency, {"found": 0, "missed": 0})
+                    tally["found" if found else "missed"] += 1
             self.ideal.add(req.full, req.ideal // self.page)
             self.pooled.insert(req.full)
         else:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from router.policy.base import Policy
 from router.policy.baselines import HashPolicy, LeastLoadedPolicy, RandomPolicy, RoundRobinPolicy
-from router.policy.breaks import classify_break
+from router.policy.breaks import classify_break, home_found
 from router.policy.hashing import hrw_rank, hrw_top
 from router.policy.kv_aware import KvAwarePolicy
 from router.policy.params import PolicyParams
@@ -34,6 +34,7 @@ __all__ = [
     "RandomPolicy",
     "RoundRobinPolicy",
     "classify_break",
+    "home_found",
     "hrw_rank",
     "hrw_top",
     "make_policy",

@@ -38,7 +38,7 @@ def found_resident(
     expected = min(prev_context_tokens, prompt_tokens)
     return cached_tokens >= expected - (page_tokens + rel_tolerance * expected)
 
-def home_found(lease: Lease, completion: Completion) -> bool | None:
+def home_found(lease: Lease, completion: Completion, *, page_tokens: int = 64) -> bool | None:
     """Did a request sent home for its cache (``Reason.AFFINITY``) find that cache there? The check of
     the residency its decision went by. ``None`` when there is nothing to judge: another reason, a
     home another gateway chose, a failed request, no cached tokens reported, or a prompt that does
@@ -47,7 +47,9 @@ def home_found(lease: Lease, completion: Completion) -> bool | None:
         return None
     if completion.prompt_tokens is None or completion.cached_tokens is None:
         return None
-    return found_resident(lease.prev_context_tokens, completion.prompt_tokens, completion.cached_tokens)
+    return found_resident(
+        lease.prev_context_tokens, completion.prompt_tokens, completion.cached_tokens, page_tokens=page_tokens
+    )
 
 
 _BY_REASON: dict[Reason, AffinityBreak] = {

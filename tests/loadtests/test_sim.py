@@ -168,6 +168,12 @@ def test_kv_events_give_the_policy_exact_residency(small_specs: list[SessionSpec
     assert off.stats["residency_checks"] == {}
     checks = on.stats["residency_checks"]
     assert checks.get("agree", 0) > 0.5 * sum(checks.values()) > 0
+    # the turns each residency sent home, judged by the cache they found there, as the gateway judges
+    # them: the estimate alone without events; with them, the events' (a miss is a cache evicted
+    # while its turn queued)
+    assert set(off.stats["residency_outcomes"]) == {"estimate"}
+    ev = on.stats["residency_outcomes"]["events"]
+    assert ev["found"] > 0 and ev["missed"] <= 0.1 * ev["found"], ev
     assert on.measures["errors"] == 0 and on.measures["requests"] > 0.9 * off.measures["requests"]
     # exact residency keeps a session home while a tenth of its context is resident (the shared
     # prefix counts), so it promises no fewer `evicted` breaks than the estimate (over eight seeds of
