@@ -223,6 +223,7 @@ class _Req:
         "pooled",
         "replica",
         "residency",
+        "resident",
         "rid",
         "t_first",
         "t_start",
@@ -252,6 +253,7 @@ class _Req:
         self.pooled = 0
         self.gw = 0
         self.residency = ""  # the decision's RouteDecision.residency
+        self.resident: int | None = None  # with events: the session's own tokens its home held then
 
 
 class _Gateway:
@@ -580,6 +582,9 @@ class _Sim:
             checks = self.stats["residency_checks"]
             checks[decision.estimate_check] = checks.get(decision.estimate_check, 0) + 1
         req.residency = decision.residency
+        sess = snap.session
+        home = sess.home if sess is not None else None
+        req.resident = sess.resident_tokens if sess is not None and decision.replica_id == home else None
         try:
             lease = self.core.acquire(decision, request)
         except ReplicaNotFoundError:  # a lagging view chose a replica the store already removed: refused
@@ -740,7 +745,8 @@ class _Sim:
             )
             if lease is not None:
                 break_reason = self._break(req, lease, completion)
-                found = home_found(lease, completion, page_tokens=self.page) if req.residency else None
+                exact = req.resident if req.residency == "events" else None
+                found = home_found(lease, completion, resident_tokens=exact, page_tokens=self.page) if req.residency else None
                 if found is not None:  # as the gateway counts kvroute_residency_outcomes_total
                     tally = self.stats["residency_outcomes"].setdefault(req.residency, {"found": 0, "missed": 0})
                     tally["found" if found else "missed"] += 1

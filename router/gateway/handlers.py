@@ -720,7 +720,8 @@ class _Proxy:
         it had sent, and for a request sent home for its cache, whether the residency was right."""
         expected = min(lease.prev_context_tokens, completion.prompt_tokens or 0)
         cached = completion.cached_tokens or 0
-        found = home_found(lease, completion)
+        exact = self.p.resident_tokens if self.p.residency == "events" else None
+        found = home_found(lease, completion, resident_tokens=exact)
         if found is not None and self.p.residency:
             self.rt.emit(
                 ResidencyJudged(

@@ -28,27 +28,40 @@ def found_resident(
     prompt_tokens: int,
     cached_tokens: int,
     *,
+    expected_tokens: int | None = None,
     page_tokens: int = 64,
     rel_tolerance: float = 0.02,
 ) -> bool | None:
-    """Engine feedback on residency (rule 6): was the session's previous context still cached where
-    this request ran? ``None`` when the request does not continue that context (no evidence)."""
+    """Engine feedback on residency (rule 6): was the session's previous context (or, given
+    ``expected_tokens``, that much of it) still cached where this request ran? ``None`` when the
+    request does not continue that context (no evidence)."""
     if not continues_context(prev_context_tokens, prompt_tokens):
         return None
-    expected = min(prev_context_tokens, prompt_tokens)
+    want = prev_context_tokens if expected_tokens is None else expected_tokens
+    expected = min(want, prompt_tokens)
     return cached_tokens >= expected - (page_tokens + rel_tolerance * expected)
 
-def home_found(lease: Lease, completion: Completion, *, page_tokens: int = 64) -> bool | None:
-    """Did a request sent home for its cache (``Reason.AFFINITY``) find that cache there? The check of
-    the residency its decision went by. ``None`` when there is nothing to judge: another reason, a
-    home another gateway chose, a failed request, no cached tokens reported, or a prompt that does
-    not continue the session's context."""
+
+def home_found(
+    lease: Lease, completion: Completion, *, resident_tokens: int | None = None, page_tokens: int = 64
+) -> bool | None:
+    """Did a request sent home for its cache (``Reason.AFFINITY``) find there what the residency its
+    decision went by promised? The estimate promises the whole previous context; exact residency
+    promises the session's own ``resident_tokens`` it saw (which may be a part: a session stays home
+    while a tenth is left), so a miss then means the events were wrong or the cache went while the
+    request queued. ``None`` when there is nothing to judge: another reason, a home another gateway
+    chose, a failed request, no cached tokens reported, or a prompt that does not continue the
+    session's context."""
     if lease.reason is not Reason.AFFINITY or lease.disagreement or not completion.ok:
         return None
     if completion.prompt_tokens is None or completion.cached_tokens is None:
         return None
     return found_resident(
-        lease.prev_context_tokens, completion.prompt_tokens, completion.cached_tokens, page_tokens=page_tokens
+        lease.prev_context_tokens,
+        completion.prompt_tokens,
+        completion.cached_tokens,
+        expected_tokens=resident_tokens,
+        page_tokens=page_tokens,
     )
 
 

@@ -267,3 +267,20 @@ def test_home_found_judges_only_turns_sent_home_for_their_cache(
     assert home_found(lease_, completion) is expected
     if expected is not None:  # the same judgement as the break's
         assert (classify_break(lease_, completion, KeySource.HEADER) is None) is expected
+
+
+@pytest.mark.parametrize(
+    ("resident", "cached", "expected"),
+    [
+        (40_000, 60_000, True),  # exact residency kept home a session with part of its cache left
+        (40_000, 39_200, True),  # within a page and 2 %
+        (40_000, 30_000, False),  # the events promised more than the engine had
+        (0, 0, True),
+        (200_000, 101_000, True),  # no more than the prompt can be found
+    ],
+)
+def test_home_found_with_exact_residency_holds_the_engine_to_what_the_events_promised(
+    resident: int, cached: int, expected: bool
+) -> None:
+    assert home_found(lease(), done(cached=cached), resident_tokens=resident) is expected
+    assert home_found(lease(), done(prompt=20_000, cached=0), resident_tokens=resident) is None  # not continuing
