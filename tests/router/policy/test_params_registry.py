@@ -87,6 +87,7 @@ def test_exported_members() -> None:
             "RandomPolicy",
             "RoundRobinPolicy",
             "classify_break",
+            "home_found",
             "hrw_rank",
             "hrw_top",
             "make_policy",
