@@ -42,6 +42,7 @@ from aiohttp import web
 from router.errors import KvrouteError
 from router.eventloop import stop_tasks
 from router.events import Event, RequestFinished
+from router.gateway.forward import usage_from_json
 from router.model import Completion, KeySource, ReplicaStatus, SessionState
 from router.route_input import route_request
 
@@ -58,7 +59,8 @@ __all__ = [
 
 log = logging.getLogger("kvroute.handoff")
 
-_ROUTES = ("/v1/chat/completions", "/v1/completions", "/generate")
+# every inference route a session's turn can take (router.gateway.handlers.INFERENCE_ROUTES)
+_ROUTES = ("/v1/chat/completions", "/v1/completions", "/generate", "/v1/messages", "/v1/responses")
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,6 +84,7 @@ class HandoffStats:
     sent: int = 0  # warm-up requests that completed (2xx)
     failed: int = 0  # warm-up requests that failed
     skipped_no_prompt: int = 0  # idle sessions on a draining replica whose prompt this gateway lacks
+    skipped_unwarmable: int = 0  # whose last prompt cannot run elsewhere (warmup_body: None)
     skipped_no_target: int = 0  # the policy had nowhere else to put the session
     helped: int = 0
     not_helped: int = 0
@@ -95,12 +98,15 @@ class HandoffStats:
 
 
 def warmup_body(route: str, body: bytes) -> bytes | None:
-    """The same prompt with exactly one output token, not streamed. ``None`` if not a JSON object."""
+    """The same prompt with exactly one output token, not streamed, stored nowhere. ``None`` if it
+    cannot be replayed on another replica: not a JSON object, or it names what lives on the old one
+    only (an SGLang engine session's ``session_params``, a stored response's
+    ``previous_response_id``)."""
     try:
         doc = json.loads(body)
     except (ValueError, UnicodeDecodeError):
         return None
-    if not isinstance(doc, dict):
+    if not isinstance(doc, dict) or doc.get("session_params") or doc.get("previous_response_id"):
         return None
     doc["stream"] = False
     doc.pop("stream_options", None)
@@ -111,6 +117,12 @@ def warmup_body(route: str, body: bytes) -> bytes | None:
         sp.pop("min_new_tokens", None)
         sp["n"] = 1
         doc["sampling_params"] = sp
+    elif route == "/v1/messages":
+        doc["max_tokens"] = 1  # thinking stays: it shapes the prompt's template, and SGLang allows it
+    elif route == "/v1/responses":
+        doc["max_output_tokens"] = 3  # SGLang keeps 2 of it for BOS/EOS: one token is generated
+        doc["store"] = False  # nobody will ask for this response
+        doc["background"] = False
     else:
         doc["max_tokens"] = 1
         if "max_completion_tokens" in doc:
@@ -118,27 +130,6 @@ def warmup_body(route: str, body: bytes) -> bytes | None:
         doc.pop("min_tokens", None)
         doc["n"] = 1  # tools, system prompt, messages stay: they are the prefix to warm
     return json.dumps(doc, separators=(",", ":")).encode()
-
-
-def _usage(body: bytes) -> tuple[int | None, int | None, int | None]:
-    """prompt, cached, completion tokens of a non-streamed OpenAI or native response."""
-    try:
-        doc = json.loads(body)
-    except (ValueError, UnicodeDecodeError):
-        return None, None, None
-    if isinstance(doc, list) and doc:
-        doc = doc[0]
-    if not isinstance(doc, dict):
-        return None, None, None
-    usage = doc.get("usage")
-    if isinstance(usage, dict):
-        details = usage.get("prompt_tokens_details")
-        cached = details.get("cached_tokens") if isinstance(details, dict) else None
-        return usage.get("prompt_tokens"), cached, usage.get("completion_tokens")
-    meta = doc.get("meta_info")
-    if isinstance(meta, dict):
-        return meta.get("prompt_tokens"), meta.get("cached_tokens"), meta.get("completion_tokens")
-    return None, None, None
 
 
 # ---- the prompt book and the capturing client ------------------------------------------------------
@@ -215,6 +206,7 @@ class HandoffManager:
     stats: HandoffStats = field(default_factory=HandoffStats)
     _pending: dict[str, tuple[str, int]] = field(default_factory=dict)  # sid -> (target, prompt tokens)
     _busy: set[str] = field(default_factory=set)
+    _skipped: set[str] = field(default_factory=set)  # counted as skipped while on a draining home
     _tasks: set[asyncio.Task[None]] = field(default_factory=set)
     _sem: asyncio.Semaphore | None = None
 
@@ -240,42 +232,43 @@ class HandoffManager:
 
     async def scan_once(self) -> None:
         rt = self.runtime
+        seen: set[str] = set()
         for rep in await rt.store.replicas():
             if rep.status is not ReplicaStatus.DRAINING:
                 continue
             for sess in await rt.store.sessions_on(rep.id, limit=100_000):
+                seen.add(sess.session_id)
                 self._maybe_start(sess, rep.id)
+        self._skipped &= seen  # a session skipped once is counted once while it stays on a draining home
 
     def _maybe_start(self, sess: SessionState, home: str) -> None:
         sid = sess.session_id
-        if sess.in_flight_total > 0 or sid in self._busy or sid in self._pending:
+        if sess.in_flight_total > 0 or sid in self._busy or sid in self._pending or sid in self._skipped:
             return
         prompt = self.book.get(sid)
-        if prompt is None:
-            self.stats.skipped_no_prompt += 1
+        body = warmup_body(prompt.route, prompt.body) if prompt is not None else None
+        if prompt is None or body is None:
+            self._skipped.add(sid)
+            if prompt is None:
+                self.stats.skipped_no_prompt += 1
+            else:
+                self.stats.skipped_unwarmable += 1
             return
         self._busy.add(sid)
-        task = asyncio.create_task(self._handoff(sid, home, prompt), name=f"kvroute-handoff-{sid[:32]}")
+        task = asyncio.create_task(self._handoff(sid, home, prompt.route, body), name=f"kvroute-handoff-{sid[:32]}")
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _handoff(self, sid: str, home: str, prompt: _Prompt) -> None:
+    async def _handoff(self, sid: str, home: str, route: str, body: bytes) -> None:
         rt = self.runtime
         if self._sem is None:
             self._sem = asyncio.Semaphore(self.config.max_concurrent)
         try:
             async with self._sem:
-                body = warmup_body(prompt.route, prompt.body)
-                if body is None:
-                    self.stats.failed += 1
-                    return
                 snap = await rt.store.snapshot(sid)
                 if snap.session is None or snap.session.home != home or snap.session.in_flight_total:
                     return  # moved or busy meanwhile: the next scan decides again
-                req = route_request(
-                    sid, KeySource.HEADER, route=prompt.route, body_bytes=len(prompt.body),
-                    session=snap.session,
-                )
+                req = route_request(sid, KeySource.HEADER, route=route, body_bytes=len(body), session=snap.session)
                 decision = rt.policy.route(req, snap, rt.rng)
                 if decision.replica_id == home:
                     self.stats.skipped_no_target += 1
@@ -283,12 +276,12 @@ class HandoffManager:
                 lease = await rt.store.acquire(decision, req)
                 completion = Completion(ok=False)
                 try:
-                    completion = await self._warm(lease.replica_id, prompt.route, body, sid)
+                    completion = await self._warm(lease.replica_id, route, body, sid)
                 finally:
                     await rt.store.release(lease, completion)
                 if completion.ok:
                     self.stats.sent += 1
-                    self._pending[sid] = (lease.replica_id, completion.prompt_tokens or len(prompt.body) // 4)
+                    self._pending[sid] = (lease.replica_id, completion.prompt_tokens or len(body) // 4)
                     log.info("warm hand-off", extra={"session_replica_from": home, "to": lease.replica_id})
                 else:
                     self.stats.failed += 1
@@ -316,13 +309,18 @@ class HandoffManager:
             resp.abort()
             raise
         resp.release()
-        prompt, cached, completion = _usage(raw)
+        try:
+            usage = usage_from_json(json.loads(raw))
+        except (ValueError, UnicodeDecodeError):
+            usage = None
         ok = 200 <= resp.status < 300
+        if usage is None:
+            return Completion(ok=ok, started_output=False)
         return Completion(
             ok=ok,
-            prompt_tokens=prompt,
-            cached_tokens=cached,
-            completion_tokens=completion,
+            prompt_tokens=usage.prompt_tokens,
+            cached_tokens=usage.cached_tokens,
+            completion_tokens=usage.completion_tokens,
             started_output=False,
         )
 

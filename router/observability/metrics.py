@@ -290,6 +290,28 @@ class DiscoveryCollector(Collector):
         yield c
 
 
+class HandoffCollector(Collector):
+    """Scrape-time counters of the warm hand-off of draining replicas' sessions (``router.handoff``),
+    when the gateway runs it: one sample per ``HandoffStats`` field."""
+
+    def __init__(self) -> None:
+        self.source: Callable[[], Any] = lambda: None  # -> the gateway's ``HandoffStats`` (None when off)
+
+    def collect(self) -> Iterator[Metric]:
+        st = self.source()
+        if st is None:
+            return
+        c = CounterMetricFamily(
+            "kvroute_handoffs",
+            "Warm hand-offs of idle sessions on draining replicas, by outcome (sent, failed, skipped_*; "
+            "and at the session's next turn: helped, not_helped, missed)",
+            labels=["outcome"],
+        )
+        for outcome, n in st.to_dict().items():
+            c.add_metric([outcome], float(n))
+        yield c
+
+
 class GatewayMetrics:
     """All gateway metrics in one registry. Call it with events (it is a ``Hook``)."""
 
@@ -425,6 +447,8 @@ class GatewayMetrics:
         r.register(self.fleet)
         self.discovery = DiscoveryCollector()
         r.register(self.discovery)
+        self.handoff = HandoffCollector()
+        r.register(self.handoff)
         # labelled children of the per-request series, cached: labels() costs more than inc()
         self._children: dict[tuple[str, ...], Any] = {}
         self._finished: dict[tuple[str, Reason | None, int], tuple[Any, Any, Any]] = {}

@@ -34,6 +34,7 @@ from router.events import (
     UpstreamRetry,
 )
 from router.gateway.admin import DEFAULT_ALLOWED_NETWORKS, AdminSettings, PolicyHolder, make_admin_app
+from router.handoff import HANDOFF_KEY
 from router.model import ReplicaState, ReplicaStatus
 from router.observability.metrics import CONTENT_TYPE, GatewayMetrics
 from router.observability.stats import RollingStats
@@ -253,6 +254,7 @@ class OperatorSurface:
                 gateway_mw.add_outer(mw)
             rt.tracer = self.tracing.upstream_tracer()
             self.metrics.discovery.source = lambda: rt.discovery
+            self.metrics.handoff.source = lambda: handoff.stats if (handoff := app.get(HANDOFF_KEY)) else None
         if self.store is None or self.clock is None or self.holder is None:
             raise RuntimeError("OperatorSurface.setup on a bare app needs store, clock and holder")
         app.router.add_get("/metrics", self.metrics_handler)

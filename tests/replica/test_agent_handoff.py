@@ -15,9 +15,21 @@ from typing import Any
 
 import aiohttp
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
-from router.handoff import HANDOFF_KEY, HandoffConfig, PromptBook, _usage, handoff_setup, warmup_body
-from router.model import ReplicaStatus
+from router.clock import VirtualClock
+from router.gateway.forward import usage_from_json
+from router.handoff import HANDOFF_KEY, HandoffConfig, HandoffManager, PromptBook, handoff_setup, warmup_body
+from router.model import (
+    BindSession,
+    Completion,
+    Reason,
+    ReplicaSpec,
+    ReplicaStatus,
+    RouteDecision,
+    RouteRequest,
+)
+from router.store.memory import MemoryStore
 
 MODEL = "moonshotai/Kimi-K2.6"
 
@@ -53,14 +65,51 @@ def test_warmup_body_generate_and_garbage() -> None:
     assert warmup_body("/v1/completions", b"[1, 2]") is None
 
 
-def test_usage_parsing() -> None:
-    openai = {
-        "usage": {"prompt_tokens": 10, "prompt_tokens_details": {"cached_tokens": 8}, "completion_tokens": 1}
-    }
-    assert _usage(json.dumps(openai).encode()) == (10, 8, 1)
-    native = {"meta_info": {"prompt_tokens": 5, "cached_tokens": 0, "completion_tokens": 1}}
-    assert _usage(json.dumps(native).encode()) == (5, 0, 1)
-    assert _usage(b"{}") == (None, None, None) and _usage(b"x") == (None, None, None)
+def test_warmup_body_messages_and_responses() -> None:
+    """Claude Code's and Codex's APIs: one output token, not streamed; a Responses warm-up is not
+    stored (nobody will ask for it) and not run in the background."""
+    msgs = {"model": "m", "system": "be terse", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4096,
+            "stream": True, "thinking": {"type": "enabled", "budget_tokens": 2048}, "tools": [{"name": "f"}]}  # fmt: skip
+    doc = json.loads(warmup_body("/v1/messages", json.dumps(msgs).encode()) or b"")
+    assert doc == {**msgs, "max_tokens": 1, "stream": False}
+    resp = {"model": "m", "input": [{"role": "user", "content": "hi"}], "instructions": "be terse",
+            "max_output_tokens": 900, "stream": True, "background": True}  # fmt: skip
+    doc = json.loads(warmup_body("/v1/responses", json.dumps(resp).encode()) or b"")
+    assert doc == {**resp, "max_output_tokens": 3, "stream": False, "store": False, "background": False}
+
+
+@pytest.mark.parametrize(
+    ("route", "body"),
+    [
+        ("/v1/responses", {"model": "m", "input": "go on", "previous_response_id": "resp_1"}),  # stored on the old one
+        ("/generate", {"text": "abc", "session_params": {"id": "es1", "rid": "r1"}}),  # an engine session
+    ],
+)
+def test_a_prompt_that_names_what_lives_on_the_old_replica_is_not_warmed(route: str, body: dict[str, Any]) -> None:
+    assert warmup_body(route, json.dumps(body).encode()) is None
+
+
+async def test_a_session_that_cannot_be_warmed_is_counted_once() -> None:
+    """Sessions on a draining replica with no prompt here, or one that cannot run elsewhere: skipped
+    and counted once while they stay there, not at every scan."""
+    store = MemoryStore(VirtualClock())
+    for rid in ("r1", "r2"):
+        await store.upsert_replica(ReplicaSpec(id=rid, url=f"http://{rid}"), ReplicaStatus.ACTIVE)
+    for sid in ("no-prompt", "unwarmable"):
+        d = RouteDecision("r1", Reason.PLACED_NEW, effects=(BindSession(sid, "r1", None, Reason.PLACED_NEW),))
+        await store.release(await store.acquire(d, RouteRequest(sid)), Completion(ok=True, prompt_tokens=100))
+    await store.set_status("r1", ReplicaStatus.DRAINING)
+    book = PromptBook(max_sessions=10, max_bytes=1 << 20)
+    book.record("unwarmable", "r1", "/v1/completions", b"not json")
+    manager = HandoffManager(runtime=type("Runtime", (), {"store": store})(), book=book)
+    for _ in range(3):
+        await manager.scan_once()
+    assert (manager.stats.skipped_no_prompt, manager.stats.skipped_unwarmable, manager.stats.sent) == (1, 1, 0)
+    await store.set_status("r1", ReplicaStatus.ACTIVE)
+    await manager.scan_once()  # off the draining home: forgotten, counted again if it drains again
+    await store.set_status("r1", ReplicaStatus.DRAINING)
+    await manager.scan_once()
+    assert (manager.stats.skipped_no_prompt, manager.stats.skipped_unwarmable) == (2, 2)
 
 
 def test_prompt_book_is_bounded_and_keeps_the_latest() -> None:
@@ -117,13 +166,16 @@ def emulators() -> Iterator[list[str]]:
 async def _gateway(urls: list[str], handoff: bool) -> Any:
     from router.config import load_config
     from router.gateway.serve import start_gateway
+    from router.observability.surface import operator_surface_from_config
 
     argv = ["--host", "127.0.0.1", "--port", "0", "--seed", "3"]
     for u in urls:
         argv += ["--replica", u]
     argv += ["--set", "health.health_interval_s=0.2", "--set", "health.scrape_interval_s=0.2"]
     cfg = load_config(argv, {})
-    setup = [handoff_setup(HandoffConfig(interval_s=0.1))] if handoff else []
+    setup = [operator_surface_from_config(cfg).setup]  # /metrics, as `kvroute serve --warm-handoff` has it
+    if handoff:
+        setup.append(handoff_setup(HandoffConfig(interval_s=0.1)))
     return await start_gateway(cfg, extra_setup=setup)
 
 
@@ -134,22 +186,31 @@ async def http() -> AsyncIterator[aiohttp.ClientSession]:
 
 
 async def _turn(
-    http: aiohttp.ClientSession, gw: str, sid: str, messages: list[dict[str, str]]
+    http: aiohttp.ClientSession, gw: str, sid: str, messages: list[dict[str, str]], api: str = "chat"
 ) -> dict[str, Any]:
-    body = {"model": MODEL, "messages": messages, "max_tokens": 8, "ignore_eos": True}
-    async with http.post(gw + "/v1/chat/completions", json=body, headers={"Modal-Session-Id": sid}) as r:
+    """One turn on ``api``: chat (OpenAI), messages (Anthropic: Claude Code), responses (Codex)."""
+    if api == "messages":
+        system = [m["content"] for m in messages if m["role"] == "system"]
+        route, body = "/v1/messages", {"model": MODEL, "system": system[0], "max_tokens": 8,
+                                       "messages": [m for m in messages if m["role"] != "system"]}  # fmt: skip
+    elif api == "responses":
+        route, body = "/v1/responses", {"model": MODEL, "input": messages, "max_output_tokens": 8}
+    else:
+        route, body = "/v1/chat/completions", {"model": MODEL, "messages": messages, "max_tokens": 8, "ignore_eos": True}
+    async with http.post(gw + route, json=body, headers={"Modal-Session-Id": sid}) as r:
         assert r.status == 200, await r.text()
-        doc = await r.json()
+        usage = usage_from_json(await r.json())
+        assert usage is not None and usage.prompt_tokens is not None and usage.cached_tokens is not None
         return {
             "replica": r.headers["X-Kvroute-Replica"],
             "reason": r.headers["X-Kvroute-Reason"],
-            "prompt": doc["usage"]["prompt_tokens"],
-            "cached": doc["usage"]["prompt_tokens_details"]["cached_tokens"],
+            "prompt": usage.prompt_tokens,
+            "cached": usage.cached_tokens,
         }
 
 
 async def _drain_and_next_turn(
-    http: aiohttp.ClientSession, urls: list[str], handoff: bool
+    http: aiohttp.ClientSession, urls: list[str], handoff: bool, api: str = "chat"
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]], Any]:
     gw = await _gateway(urls, handoff)
     try:
@@ -160,7 +221,7 @@ async def _drain_and_next_turn(
         first: dict[str, dict[str, Any]] = {}
         for sid, msgs in sessions.items():
             msgs.append({"role": "user", "content": "turn 1"})
-            first[sid] = await _turn(http, gw.url, sid, msgs)
+            first[sid] = await _turn(http, gw.url, sid, msgs, api)
             msgs.append({"role": "assistant", "content": "done 1"})
         victim = Counter(t["replica"] for t in first.values()).most_common(1)[0][0]
         moved = [sid for sid, t in first.items() if t["replica"] == victim]
@@ -168,7 +229,7 @@ async def _drain_and_next_turn(
         if handoff:
             manager = gw.app[HANDOFF_KEY]
             deadline = time.monotonic() + 30
-            while manager.stats.sent < len(moved):
+            while manager.stats.sent + manager.stats.failed < len(moved):
                 assert time.monotonic() < deadline, manager.stats
                 await asyncio.sleep(0.05)
         else:
@@ -176,16 +237,27 @@ async def _drain_and_next_turn(
         second = []
         for sid in moved:
             sessions[sid].append({"role": "user", "content": "turn 2"})
-            second.append({**await _turn(http, gw.url, sid, sessions[sid]), "sid": sid, "victim": victim})
+            second.append({**await _turn(http, gw.url, sid, sessions[sid], api), "sid": sid, "victim": victim})
+        if handoff:  # what the operator sees of it
+            async with http.get(gw.url + "/metrics") as r:
+                text = await r.text()
+            exported = {
+                s.labels["outcome"]: int(s.value)
+                for fam in text_string_to_metric_families(text)
+                for s in fam.samples
+                if s.name == "kvroute_handoffs_total"
+            }
+            assert exported == gw.app[HANDOFF_KEY].stats.to_dict()
         return [first[s] for s in moved], second, gw.app[HANDOFF_KEY].stats if handoff else None
     finally:
         await gw.close()
 
 
+@pytest.mark.parametrize("api", ["chat", "messages", "responses"])
 async def test_warm_handoff_makes_the_next_turn_hit_the_cache(
-    emulators: list[str], http: aiohttp.ClientSession
+    emulators: list[str], http: aiohttp.ClientSession, api: str
 ) -> None:
-    before, after, stats = await _drain_and_next_turn(http, emulators, handoff=True)
+    before, after, stats = await _drain_and_next_turn(http, emulators, handoff=True, api=api)
     assert after, "the drained replica had sessions"
     for b, a in zip(before, after, strict=True):
         assert a["replica"] != a["victim"]
