@@ -140,7 +140,7 @@ def cache_surely_gone(session: SessionState, home: ReplicaState, params: PolicyP
 def load_score(replica: ReplicaState, context_tokens: int, params: PolicyParams) -> float:
     """Expected delay of one more session of ``context_tokens`` here, in requests-in-flight units.
 
-    Requests in flight (exact, all gateways) + the active sessions bound here (closed-loop sessions
+    Requests in flight (all gateways, others' as of the store's last refresh) + the active sessions bound here (closed-loop sessions
     come back: ``w_sessions`` each) + a penalty once the working set with this session exceeds
     ``working_set_limit`` of HBM (where a replica starts evicting its own sessions).
     """
