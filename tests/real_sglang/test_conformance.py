@@ -683,3 +683,55 @@ async def test_stored_responses_are_found_where_they_were_stored(
     assert gone.status == 404 and not gone.ok
     # the engine prepended the stored conversation: nearly all of the first prompt came from cache
     assert cont.ok and cont.prompt_tokens > first.prompt_tokens and cont.cached_tokens >= 0.9 * first.prompt_tokens
+
+
+@pytest.mark.parametrize("api", ["messages", "responses"])
+async def test_warm_handoff_prefills_a_draining_engines_session_on_its_next_home(
+    fleet: list[RealServer], api: str
+) -> None:
+    """``--warm-handoff`` on Claude Code's and Codex's APIs against real engines: once a session's
+    home drains, its last prompt is sent with one output token to the engine its next turn will use
+    (a Responses warm-up not stored), so that turn finds its context cached there."""
+    from router.handoff import HANDOFF_KEY, HandoffConfig, handoff_setup
+
+    log = EventLog()
+    cfg = fast_config([s.url for s in fleet], health=REAL_HEALTH, timeouts=REAL_TIMEOUTS)
+    gw = await start_gateway(cfg, hooks=(log,), extra_setup=[handoff_setup(HandoffConfig(interval_s=0.1))])
+    salt = uuid.uuid4().hex[:6]
+    sid = f"handoff-{api}-{salt}"
+    try:
+        async with aiohttp.ClientSession() as s:
+            async with s.get(gw.url + "/v1/models") as r:
+                model = (await r.json())["data"][0]["id"]
+            system, msgs = _text(40, f"sys{salt}"), [{"role": "user", "content": _text(30, salt)}]
+
+            async def turn() -> str:
+                if api == "messages":
+                    route = "/v1/messages"
+                    doc = {"model": model, "system": system, "messages": msgs, "max_tokens": 4, "stream": True}
+                else:
+                    route = "/v1/responses"
+                    doc = {"model": model, "instructions": system, "input": msgs, "max_output_tokens": 4,
+                           "stream": True, "temperature": 0}  # fmt: skip
+                async with s.post(gw.url + route, json=doc, headers={"Modal-Session-Id": sid}) as r:
+                    body = await r.read()
+                    assert r.status == 200, body
+                    home = r.headers["X-Kvroute-Replica"]
+                reply = (_messages_reply if api == "messages" else _responses_reply)(body, True)[0]
+                msgs.extend([{"role": "assistant", "content": reply}, {"role": "user", "content": _text(8, salt)}])
+                return home
+
+            home = await turn()
+            await gw.store.set_status(home, ReplicaStatus.DRAINING)
+            manager = gw.app[HANDOFF_KEY]
+            await wait_for(lambda: manager.stats.sent + manager.stats.failed >= 1, timeout_s=60)
+            assert manager.stats.failed == 0, manager.stats
+            moved = await turn()
+        await wait_for(lambda: len(log.of(RequestFinished)) == 2)
+        first, second = log.of(RequestFinished)
+        assert moved != home and second.replica_id == moved
+        # the warm-up prefilled the first turn's whole prompt there, before this turn came
+        assert second.cached_tokens is not None and second.cached_tokens >= 0.9 * first.prompt_tokens, (first, second)
+        assert (manager.stats.helped, manager.stats.not_helped, manager.stats.missed) == (1, 0, 0), manager.stats
+    finally:
+        await gw.close()
