@@ -81,6 +81,9 @@ class Reason(StrEnum):
     THICC_SPLIT = "thicc_split"  # session has too many requests in flight at home -> overflow replica
     PLACED_NEW = "placed_new"  # first request of a session
     PLACED_EVICTED = "placed_evicted"  # home's cache of this session is surely gone: placed afresh by load
+    # a session the store does not know (its binding expired, the gateway restarted on embedded state)
+    # whose cache the engines' KV events show resident: placed there
+    PLACED_RESIDENT = "placed_resident"
     REASSIGNED_OVERLOAD = "reassigned_overload"  # home persistently overloaded: moved at turn start
     REASSIGNED_DRAINING = "reassigned_draining"  # home draining
     REASSIGNED_GONE = "reassigned_gone"  # home down or removed

@@ -70,6 +70,7 @@ __all__ = [
     "ResidencyView",
     "merged_source",
     "snapshot_with_residency",
+    "unbound_with_residency",
     "with_residency",
 ]
 
@@ -362,9 +363,22 @@ def with_residency(session: SessionState, view: ResidencyView | None, engine_id:
     return dataclasses.replace(session, resident_tokens=home, resident_on=on)
 
 
-def snapshot_with_residency(snap: ClusterSnapshot, view: ResidencyView | None) -> ClusterSnapshot:
-    if view is None or snap.session is None:
+def unbound_with_residency(session_id: str, view: ResidencyView | None) -> SessionState | None:
+    """A session the store does not know, as the engines' events know it: a state with only
+    ``resident_on`` filled when some replica holds its blocks (its binding expired, or the gateway
+    restarted on embedded state), else ``None``."""
+    on = () if view is None else view.resident_on(session_id)
+    return SessionState(session_id, resident_on=on) if on else None
+
+
+def snapshot_with_residency(
+    snap: ClusterSnapshot, view: ResidencyView | None, session_key: str | None = None
+) -> ClusterSnapshot:
+    if view is None:
         return snap
+    if snap.session is None:
+        found = unbound_with_residency(session_key, view) if session_key else None
+        return snap if found is None else dataclasses.replace(snap, session=found)
     s = with_residency(snap.session, view)
     return snap if s is snap.session else dataclasses.replace(snap, session=s)
 

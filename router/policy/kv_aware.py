@@ -267,14 +267,19 @@ class KvAwarePolicy:
             )
             return RouteDecision(target.id, Reason.PLACED_NEW, (), scores)
         if sess is None or sess.session_id != sid or sess.home is None:
-            ctx = sess.context_tokens if sess is not None and sess.session_id == sid else 0
+            own = sess if sess is not None and sess.session_id == sid else None
+            ctx = (own.context_tokens if own is not None else 0) or request.prompt_tokens_estimate
+            if own is not None and own.resident_on:
+                back = self._back_to_cache(view, snapshot, own, ctx)
+                if back is not None:
+                    return back
             target, scores = self._place(
                 view,
                 request,
                 snapshot,
                 rng,
                 key=sid,
-                ctx=ctx or request.prompt_tokens_estimate,
+                ctx=ctx,
                 avoid=frozenset(),
                 binding=True,
             )
@@ -373,6 +378,26 @@ class KvAwarePolicy:
                 return decision
         kept = self._collapse(sess, keep_only=tuple(o for o in sess.overflow if sess.in_flight_at(o) > 0))
         return RouteDecision(home.id, Reason.AFFINITY, kept, ((home.id, load_score(home, 0, p)),))
+
+    def _back_to_cache(
+        self, view: _View, snapshot: ClusterSnapshot, sess: SessionState, ctx: int
+    ) -> RouteDecision | None:
+        """Rule 6 for a session without a home whose cache the engines' KV events show resident (its
+        binding expired, or the gateway restarted on embedded state): it is bound where most of its
+        own context is, if that is at least a tenth of it (less is a cold prefill anywhere, as
+        ``exact_gone`` says) and the replica may take it (ACTIVE, in the pool, under the hard bound)."""
+        best: tuple[ReplicaState, int] | None = None
+        for rid, tokens in sess.resident_on:
+            r = snapshot.replica(rid)
+            if tokens < 0.1 * ctx or r is None or r.status is not ReplicaStatus.ACTIVE or not view.in_pool(r):
+                continue
+            if (view.panic or r.in_flight < view.hard_bound) and (best is None or tokens > best[1]):
+                best = (r, tokens)
+        if best is None:
+            return None
+        target = best[0]
+        bind = BindSession(sess.session_id, target.id, only_if=None, reason=Reason.PLACED_RESIDENT)
+        return RouteDecision(target.id, Reason.PLACED_RESIDENT, (bind,), ((target.id, load_score(target, ctx, self.params)),))
 
     def _follow_chain(
         self, view: _View, snapshot: ClusterSnapshot, sess: SessionState, at: ReplicaId

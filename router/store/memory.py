@@ -45,7 +45,7 @@ from router.model import (
     fleet_totals,
     remember_chain,
 )
-from router.residency import ResidencyView, with_residency
+from router.residency import ResidencyView, unbound_with_residency, with_residency
 from router.store.base import StoreConfig, learn_horizon, residency_feedback
 
 __all__ = ["PLACEMENT_REASONS", "MemoryCore", "MemoryStore", "Pins"]
@@ -400,6 +400,8 @@ class MemoryCore:
         now = self.clock.now()
         self._prune(now)
         sess = self.session(session_key) if session_key else None
+        if sess is None and session_key and self.residency is not None:
+            sess = unbound_with_residency(session_key, self.residency)
         view = self._replica_view()  # brings ``_totals`` up to date
         return ClusterSnapshot(
             now=now,

@@ -361,3 +361,44 @@ async def test_one_gateway_publishes_another_reads_through_redis(kv_emulators: l
         async with http.get(b.url + "/admin/stats") as r:
             body = await r.json()
         assert all("residency_source" in v for v in body["replicas"])
+
+
+async def test_a_restarted_gateway_sends_each_session_back_to_its_cache(kv_emulators: list[Running]) -> None:
+    """A gateway on embedded state forgets every session when it restarts; the engines do not. The
+    new gateway replays their KV events from the start, and each session's next turn goes where its
+    cache is (``placed_resident``) and finds it there, instead of being placed by load (where half
+    of them would meet a cold replica)."""
+    urls = [r.url for r in kv_emulators]
+    cfg = fast_config(urls, admin_insecure=True, kv_events={"refresh_s": 0.2})
+
+    def events_everywhere(gw: RunningGateway) -> bool:
+        svc = gw.runtime.residency
+        return svc is not None and all(svc.view.source(u.removeprefix("http://")) == "events" for u in urls)
+
+    sessions = {f"r{i}": [{"role": "user", "content": f"task {i}: " + f"part{i} of the plan " * 10}] for i in range(6)}
+    homes: dict[str, str] = {}
+    async with aiohttp.ClientSession() as http:
+        async with gateway(cfg) as first:
+            await wait_for(lambda: events_everywhere(first))
+            for sid, msgs in sessions.items():
+                body = {"model": "emulated/small-test", "messages": msgs, "max_tokens": 8}
+                async with http.post(first.url + "/v1/chat/completions", json=body, headers={"Modal-Session-Id": sid}) as r:
+                    assert r.status == 200, await r.text()
+                    homes[sid] = r.headers["X-Kvroute-Replica"]
+                    msgs += [{"role": "assistant", "content": (await r.json())["choices"][0]["message"]["content"]},
+                             {"role": "user", "content": "go on"}]  # fmt: skip
+            await wait_for(lambda: synced(first, kv_emulators))
+        assert len(set(homes.values())) == 2  # the sessions were spread over both replicas
+
+        async with gateway(cfg) as second:  # a fresh embedded store: no session is known
+            await wait_for(lambda: events_everywhere(second))
+            for sid, msgs in sessions.items():
+                assert (await second.store.session(sid)) is None
+                body = {"model": "emulated/small-test", "messages": msgs, "max_tokens": 8}
+                async with http.post(second.url + "/v1/chat/completions", json=body, headers={"Modal-Session-Id": sid}) as r:
+                    assert r.status == 200, await r.text()
+                    went, reason = r.headers["X-Kvroute-Replica"], r.headers["X-Kvroute-Reason"]
+                    cached = (await r.json())["usage"]["prompt_tokens_details"]["cached_tokens"]
+                assert (went, reason) == (homes[sid], "placed_resident"), (sid, went, reason)
+                assert cached > 0
+                assert (await second.store.session(sid)).home == went  # type: ignore[union-attr]

@@ -616,3 +616,22 @@ async def test_engine_feedback_moves_the_residency_horizon(env: Env) -> None:
     assert await horizon() == 6000
     await turn("s", 1200, 900)  # half a hit is no clear evidence either way
     assert await horizon() == 6000
+
+
+async def test_a_session_only_the_engines_know_is_in_the_snapshot_with_its_residency(env: Env) -> None:
+    """An unknown session key whose blocks the KV events name: the snapshot carries it without a
+    home, with ``resident_on`` filled (the policy sends it back to its cache); nothing is stored."""
+    from router.residency import ResidencyIndex
+
+    store = await env.make()
+    for rid in ("r0", "r1"):
+        await store.upsert_replica(spec(rid), ReplicaStatus.ACTIVE)
+    idx = ResidencyIndex()
+    for rid in ("r0", "r1"):
+        idx.replica(rid).cleared()  # complete: every block known
+    idx.replica("r1").stored(None, [11, 12], 16, 32, 1, "lost")
+    store.residency = idx  # type: ignore[attr-defined]
+    snap = await store.snapshot("lost")
+    assert snap.session is not None and snap.session.home is None and snap.session.resident_on == (("r1", 32),)
+    assert (await store.snapshot("never-seen")).session is None
+    assert await store.session("lost") is None

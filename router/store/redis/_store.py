@@ -408,7 +408,7 @@ class RedisStore:
     async def snapshot(self, session_key: str | None) -> ClusterSnapshot:
         snap = await self._snapshot(session_key)
         # exact residency (router/residency.py): from this gateway's subscribers or the Redis mirror
-        return snap if self.residency is None else snapshot_with_residency(snap, self.residency)
+        return snap if self.residency is None else snapshot_with_residency(snap, self.residency, session_key)
 
     async def _snapshot(self, session_key: str | None) -> ClusterSnapshot:
         self._ensure_started()

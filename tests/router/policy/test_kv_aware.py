@@ -871,3 +871,27 @@ def test_exact_residency_decides_when_the_engine_publishes_it(
     assert (d.reason is Reason.PLACED_EVICTED) is gone
     assert d.residency == ("estimate" if resident is None else "events")
     assert d.estimate_check == check
+
+
+@pytest.mark.parametrize(
+    ("resident_on", "excluded", "want", "reason"),
+    [
+        (((B, 30_000), (C, 60_000)), set(), C, Reason.PLACED_RESIDENT),  # where most of its own context is
+        (((B, 30_000), (C, 60_000)), {C}, B, Reason.PLACED_RESIDENT),  # a retry: not where it failed
+        (((C, 60_000),), set(), C, Reason.PLACED_RESIDENT),  # though B is idler
+        (((C, 9_000),), set(), B, Reason.PLACED_NEW),  # under a tenth of 100k: a cold prefill anywhere
+        (((A, 60_000),), set(), B, Reason.PLACED_NEW),  # A over the hard bound (9 in flight, bound 8)
+        (((D, 60_000),), set(), B, Reason.PLACED_NEW),  # D draining: no session binds there
+    ],
+)
+def test_a_session_without_a_home_goes_back_to_where_the_events_show_its_cache(
+    resident_on: tuple[tuple[str, int], ...], excluded: set[str], want: str, reason: Reason
+) -> None:
+    """A session the store does not know (its binding expired, or the gateway restarted on embedded
+    state) but whose blocks the engines' KV events name: rule 6 sends it to its cache, under the
+    same conditions as any home; otherwise it is placed by load (B, the idlest)."""
+    sess = dataclasses.replace(session("s1", None, ctx=0, turns=0), resident_on=resident_on)  # as the store builds it
+    snap = snapshot(replica(A, in_flight=9), replica(B), replica(C, in_flight=2), replica(D, status=S.DRAINING), sess=sess)
+    d = KvAwarePolicy().route(request(prompt=100_000, excluded=excluded), snap, random.Random(0))
+    assert (d.replica_id, d.reason) == (want, reason)
+    assert d.effects == (bind(want, None, reason),)
