@@ -23,6 +23,7 @@ import hashlib
 import hmac
 import ipaddress
 import json
+import logging
 import random
 import socket
 from collections import Counter
@@ -53,6 +54,8 @@ from router.policy.kv_aware import cache_surely_gone, residency_horizon
 from router.policy.params import PolicyParams
 from router.residency import OFF, with_residency
 from router.store.base import StateStore
+
+log = logging.getLogger("kvroute.admin")
 
 __all__ = [
     "ADMIN_COOKIE",
@@ -111,6 +114,7 @@ class PolicyHolder:
         # ``initial``: adopt a policy the gateway already built (same name and params)
         self._policy = initial if initial is not None else factory(name, params)
         self.generation = 0
+        self.shared_generation = 0  # of the store's shared config last installed (0: none)
 
     @property
     def params(self) -> PolicyParams:
@@ -125,18 +129,51 @@ class PolicyHolder:
 
     def replace(self, name: str | None = None, changes: Mapping[str, Any] | None = None) -> PolicyParams:
         """Validate and apply; raises ``ValueError`` naming the bad key and changes nothing then."""
+        prepared = self.prepare(name, changes)
+        self.install(prepared)
+        return prepared[1]
+
+    def prepare(
+        self, name: str | None = None, changes: Mapping[str, Any] | None = None
+    ) -> tuple[str, PolicyParams, Policy]:
+        """The policy ``replace`` would install, built and validated (``ValueError``), not installed."""
         new_name = self.name if name is None else name
         new_params = self._params.with_changes(**dict(changes or {}))
-        new_policy = self._factory(new_name, new_params)  # ValueError for an unknown policy name
-        self.name, self._params, self._policy = new_name, new_params, new_policy
+        return new_name, new_params, self._factory(new_name, new_params)  # ValueError: unknown policy
+
+    def install(self, prepared: tuple[str, PolicyParams, Policy]) -> None:
+        """One assignment each, no await: a decision sees the old policy or the new one."""
+        self.name, self._params, self._policy = prepared
         self.generation += 1
-        return new_params
+
+    @staticmethod
+    def config_doc(prepared: tuple[str, PolicyParams, Policy]) -> str:
+        """What ``StateStore.share_config`` carries: the whole config, not the change."""
+        return json.dumps({"policy": prepared[0], "params": prepared[1].to_dict()}, separators=(",", ":"))
 
     def __getattr__(self, item: str) -> Any:
         # policy-specific extras (e.g. an ``observe`` hook) stay reachable through the holder
         if item.startswith("_"):
             raise AttributeError(item)
         return getattr(self._policy, item)
+
+
+async def follow_shared_config(store: StateStore, holder: PolicyHolder, interval_s: float) -> None:
+    """Install the policy config another gateway shared (``PATCH /admin/config``) as it changes, the
+    first time at start: every gateway of a store routes with the last one patched. One cheap read
+    per ``interval_s`` (the document only when its generation moved). A document this gateway
+    cannot install (a newer version's parameter) is logged and skipped until the next change."""
+    while True:
+        gen, doc = await store.shared_config(holder.shared_generation)
+        if doc is not None and gen != holder.shared_generation:
+            try:
+                data = json.loads(doc)
+                holder.install(holder.prepare(data["policy"], data["params"]))
+                log.info("policy config generation %d installed from the shared store", gen)
+            except (ValueError, TypeError, KeyError, OverflowError) as exc:
+                log.warning("shared policy config generation %d not installed: %s", gen, exc)
+            holder.shared_generation = gen
+        await asyncio.sleep(interval_s)
 
 
 # ---- settings and pure views ----------------------------------------------------------------------
@@ -545,7 +582,12 @@ def make_admin_app(
         )
 
     def _config_body() -> dict[str, Any]:
-        return {"policy": holder.name, "params": holder.params.to_dict(), "generation": holder.generation}
+        return {
+            "policy": holder.name,
+            "params": holder.params.to_dict(),
+            "generation": holder.generation,
+            "shared_generation": holder.shared_generation,
+        }
 
     async def get_config(request: web.Request) -> web.Response:
         return web.json_response(_config_body())
@@ -562,10 +604,16 @@ def make_admin_app(
         if not isinstance(changes, dict):
             raise BadRequestError("params: expected an object")
         try:
-            holder.replace(name, changes)
+            prepared = holder.prepare(name, changes)
         except (ValueError, TypeError, OverflowError) as exc:
             msg = str(exc)
             raise BadRequestError(msg if ":" in msg else f"params: {msg}") from None
+        # shared first (every gateway of the store follows it), then installed here: a store that
+        # cannot take it is a 503 and nothing changes anywhere
+        generation = await store.share_config(holder.config_doc(prepared))
+        holder.install(prepared)
+        holder.shared_generation = generation
+        log.info("policy config generation %d shared: %s", generation, holder.config_doc(prepared))
         return web.json_response(_config_body())
 
     async def get_openapi(request: web.Request) -> web.Response:

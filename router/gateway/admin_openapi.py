@@ -228,11 +228,16 @@ def openapi_spec() -> dict[str, Any]:
     }
     config = {
         "type": "object",
-        "required": ["policy", "params", "generation"],
+        "required": ["policy", "params", "generation", "shared_generation"],
         "properties": {
             "policy": {"type": "string"},
             "params": {"$ref": "#/components/schemas/PolicyParams"},
             "generation": {"type": "integer", "minimum": 0},
+            "shared_generation": {
+                "type": "integer",
+                "minimum": 0,
+                "description": "generation of the config shared through the store that this gateway routes with (0: none)",
+            },
         },
     }
     config_patch = {

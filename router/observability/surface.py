@@ -33,7 +33,13 @@ from router.events import (
     ResidencyJudged,
     UpstreamRetry,
 )
-from router.gateway.admin import DEFAULT_ALLOWED_NETWORKS, AdminSettings, PolicyHolder, make_admin_app
+from router.gateway.admin import (
+    DEFAULT_ALLOWED_NETWORKS,
+    AdminSettings,
+    PolicyHolder,
+    follow_shared_config,
+    make_admin_app,
+)
 from router.handoff import HANDOFF_KEY
 from router.model import ReplicaState, ReplicaStatus
 from router.observability.metrics import CONTENT_TYPE, GatewayMetrics
@@ -46,6 +52,10 @@ if TYPE_CHECKING:
     from router.config import GatewayConfig
 
 log = logging.getLogger("kvroute.observability")
+
+SHARED_CONFIG_POLL_S = 2.0
+"""How often a gateway reads the store's shared policy config generation (one small read; a PATCH
+through another gateway reaches this one within it)."""
 
 __all__ = [
     "FleetSampler",
@@ -285,11 +295,14 @@ class OperatorSurface:
         return ctx
 
     async def _background(self, _app: web.Application) -> AsyncIterator[None]:
-        task = asyncio.create_task(self.sampler.run(), name="kvroute-fleet-sampler")
+        tasks = [asyncio.create_task(self.sampler.run(), name="kvroute-fleet-sampler")]
+        if self.store is not None and self.holder is not None:
+            follow = follow_shared_config(self.store, self.holder, SHARED_CONFIG_POLL_S)
+            tasks.append(asyncio.create_task(follow, name="kvroute-shared-config"))
         try:
             yield
         finally:
-            await stop_tasks(task)
+            await stop_tasks(*tasks)
             await self.tracing.close()
 
 

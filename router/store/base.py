@@ -154,4 +154,14 @@ class StateStore(Protocol):
 
     async def unpin(self, kind: PinKind, name: str) -> None: ...
 
+    async def share_config(self, doc: str) -> int:
+        """Share the policy config (``PATCH /admin/config``'s JSON) with every gateway of this store:
+        its new generation (1, 2, ...). ``StoreError`` when it could not be shared."""
+        ...
+
+    async def shared_config(self, known: int) -> tuple[int, str | None]:
+        """The shared policy config's generation, with its JSON only when that is not ``known``
+        (``(0, None)``: none shared). A store that cannot be read answers ``(known, None)``."""
+        ...
+
     async def close(self) -> None: ...

@@ -32,6 +32,8 @@ Keys (``P`` = ``{prefix}:``):
                                    (``/open_session``) lives on (``PinKind``); PEXPIRE = session idle TTL
                                    (refreshed on every read)
     P resp:<id>            string  the same for a Responses API response the engine stored
+    P config               hash    gen (counter), doc (JSON {"policy", "params"}): the policy config
+                                   shared by ``PATCH /admin/config``, which every gateway follows
 
 Exact residency shared by KV-event writers (one per replica: its sidecar, or a gateway; see
 ``router/store/residency.py`` and docs/KV_EVENTS.md):

@@ -176,6 +176,7 @@ class MemoryCore:
         self._last_now = float("-inf")
         self._monotonic = True  # False once the clock went back: then always prune fully
         self.pins = Pins(clock, self.config.session_ttl_s)
+        self.config_doc: tuple[int, str | None] = (0, None)  # the shared policy config (generation, JSON)
 
     def _dirty(self, rep: _Replica) -> None:
         rep.state = None
@@ -538,6 +539,14 @@ class MemoryCore:
     def unpin(self, kind: PinKind, name: str) -> None:
         self.pins.unpin(kind, name)
 
+    def share_config(self, doc: str) -> int:
+        self.config_doc = (self.config_doc[0] + 1, doc)
+        return self.config_doc[0]
+
+    def shared_config(self, known: int) -> tuple[int, str | None]:
+        gen, doc = self.config_doc
+        return (gen, None) if gen == known else (gen, doc)
+
 
 class MemoryStore:
     """Async ``StateStore`` over a ``MemoryCore`` (one process; nothing to start)."""
@@ -609,6 +618,12 @@ class MemoryStore:
 
     async def unpin(self, kind: PinKind, name: str) -> None:
         self.core.unpin(kind, name)
+
+    async def share_config(self, doc: str) -> int:
+        return self.core.share_config(doc)
+
+    async def shared_config(self, known: int) -> tuple[int, str | None]:
+        return self.core.shared_config(known)
 
     async def close(self) -> None:
         return None

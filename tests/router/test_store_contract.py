@@ -635,3 +635,19 @@ async def test_a_session_only_the_engines_know_is_in_the_snapshot_with_its_resid
     assert snap.session is not None and snap.session.home is None and snap.session.resident_on == (("r1", 32),)
     assert (await store.snapshot("never-seen")).session is None
     assert await store.session("lost") is None
+
+
+async def test_the_shared_policy_config_has_a_generation(env: Env) -> None:
+    """``PATCH /admin/config`` shares the whole config through the store; a reader names the
+    generation it has and gets the document only when there is a newer one. On Redis every
+    gateway of the store sees it; the memory store serves one gateway."""
+    store = await env.make()
+    assert await store.shared_config(0) == (0, None)
+    assert await store.share_config('{"policy":"kv_aware","params":{"thicc_threshold":5}}') == 1
+    assert await store.shared_config(0) == (1, '{"policy":"kv_aware","params":{"thicc_threshold":5}}')
+    assert await store.shared_config(1) == (1, None)
+    assert await store.share_config('{"policy":"hash","params":{}}') == 2
+    if env.kind != "memory":
+        other = await env.make(gateway_id="gw-other")
+        assert await other.shared_config(1) == (2, '{"policy":"hash","params":{}}')
+        assert await other.share_config("{}") == 3 and await store.shared_config(2) == (3, "{}")

@@ -655,6 +655,29 @@ class RedisStore:
                 return rid
         return self._pins.get(kind, name)
 
+    async def share_config(self, doc: str) -> int:
+        if self.degraded:
+            raise StoreError(f"redis is degraded ({self.last_error}): the config cannot be shared")
+        self._ensure_started()
+        try:
+            return int(await self._wire.eval("config", ["set", doc]))
+        except StoreError as exc:
+            self._fail(exc)
+            raise
+
+    async def shared_config(self, known: int) -> tuple[int, str | None]:
+        if self.degraded:
+            return known, None
+        self._ensure_started()
+        try:
+            got = await self._wire.eval("config", ["get", known])
+        except StoreError as exc:
+            self._fail(exc)
+            return known, None
+        gen = int(got[0])
+        doc = got[1] if len(got) > 1 else None
+        return gen, doc.decode() if isinstance(doc, bytes) else doc
+
     async def unpin(self, kind: PinKind, name: str) -> None:
         self._pins.unpin(kind, name)
         if self.degraded:

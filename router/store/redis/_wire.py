@@ -33,7 +33,7 @@ from router.store.keys import KeySpace
 
 __all__ = ["RedisWire", "map_redis_errors", "spec_json"]
 
-_SCRIPTS = ("acquire", "release", "snapshot", "sessions", "registry", "lease", "republish")
+_SCRIPTS = ("acquire", "release", "snapshot", "sessions", "registry", "lease", "republish", "config")
 _PARSE_CACHE_MAX = 10_000
 
 
