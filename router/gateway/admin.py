@@ -168,10 +168,12 @@ async def follow_shared_config(store: StateStore, holder: PolicyHolder, interval
         if doc is not None and gen != holder.shared_generation:
             try:
                 data = json.loads(doc)
+                if not isinstance(data, dict) or not isinstance(data.get("params"), dict):
+                    raise TypeError("expected {policy, params: {...}}")
                 holder.install(holder.prepare(data["policy"], data["params"]))
                 log.info("policy config generation %d installed from the shared store", gen)
-            except (ValueError, TypeError, KeyError, OverflowError) as exc:
-                log.warning("shared policy config generation %d not installed: %s", gen, exc)
+            except (ValueError, TypeError, KeyError, OverflowError, RecursionError) as exc:
+                log.warning("shared policy config generation %d not installed: %s", gen, str(exc)[:200])
             holder.shared_generation = gen
         await asyncio.sleep(interval_s)
 

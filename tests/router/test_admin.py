@@ -449,3 +449,33 @@ async def test_metrics_endpoint_is_outside_admin(admin: tuple[TestClient, Memory
     resp = await client.get("/metrics")
     assert resp.status == 200 and resp.headers["Content-Type"].startswith("text/plain")
     assert 'kvroute_replica_in_flight_requests{replica="127.0.0.1:31001"} 0.0' in await resp.text()
+
+
+async def test_a_shared_config_this_gateway_cannot_install_is_skipped_not_fatal() -> None:
+    """The follower of the store's shared config survives any document another writer left there (not
+    JSON, the wrong shape, an unknown policy, a bad value, nesting past the parser's depth): it logs
+    it, keeps routing with what it has, and installs the next good one."""
+    import asyncio
+
+    from router.gateway.admin import follow_shared_config
+
+    store = MemoryStore(VirtualClock())
+    holder = PolicyHolder("kv_aware", PolicyParams())
+    task = asyncio.create_task(follow_shared_config(store, holder, 0.001))
+    try:
+        for doc in ("not json", "[]", '{"policy": "kv_aware"}', '{"policy": "nope", "params": {}}',
+                    '{"policy": "kv_aware", "params": {"thicc_threshold": -1}}', '{"policy": "kv_aware", "params": []}',
+                    "[" * 100_000 + "]" * 100_000):  # fmt: skip
+            gen = await store.share_config(doc)
+            async with asyncio.timeout(5):
+                while holder.shared_generation != gen:
+                    await asyncio.sleep(0.001)
+            assert (holder.name, holder.params, holder.generation) == ("kv_aware", PolicyParams(), 0), doc[:40]
+        gen = await store.share_config('{"policy": "hash", "params": {"thicc_threshold": 5}}')
+        async with asyncio.timeout(5):
+            while holder.shared_generation != gen:
+                await asyncio.sleep(0.001)
+        assert (holder.name, holder.params.thicc_threshold, holder.generation) == ("hash", 5, 1)
+        assert not task.done()
+    finally:
+        task.cancel()
