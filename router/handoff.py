@@ -282,6 +282,9 @@ class HandoffManager:
                 if completion.ok:
                     self.stats.sent += 1
                     self._pending[sid] = (lease.replica_id, completion.prompt_tokens or len(body) // 4)
+                    if len(self._pending) > self.config.max_sessions:  # sessions that never came back
+                        del self._pending[next(iter(self._pending))]
+                        self.stats.missed += 1
                     log.info("warm hand-off", extra={"session_replica_from": home, "to": lease.replica_id})
                 else:
                     self.stats.failed += 1
