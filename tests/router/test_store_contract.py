@@ -635,6 +635,13 @@ async def test_a_session_only_the_engines_know_is_in_the_snapshot_with_its_resid
     assert snap.session is not None and snap.session.home is None and snap.session.resident_on == (("r1", 32),)
     assert (await store.snapshot("never-seen")).session is None
     assert await store.session("lost") is None
+    # the policy sends it back to its cache, and that binds it like any first bind
+    d = bind("lost", "r1", reason=Reason.PLACED_RESIDENT)
+    lease = await store.acquire(d, RouteRequest("lost", prompt_tokens_estimate=100))
+    assert (lease.replica_id, lease.reason, lease.disagreement) == ("r1", Reason.PLACED_RESIDENT, False)
+    await store.release(lease, done(100, cached=32))
+    s = await store.session("lost")
+    assert s is not None and s.home == "r1"
 
 
 async def test_the_shared_policy_config_has_a_generation(env: Env) -> None:
