@@ -188,6 +188,37 @@ async def test_resident_prefix_matches_the_engines_cached_tokens(server: _Server
         assert subs["gaps"] == 0 and subs["decode_errors"] == 0 and subs["rebuilds"] == 1
 
 
+async def test_a_restarted_gateway_finds_each_sessions_cache_in_the_engines_replay(server: _Server) -> None:
+    """A gateway on embedded state forgets every session when it restarts; the engine does not. The
+    new gateway asks the real engine to replay its KV events from sequence 0 (a fresh engine's buffer
+    still holds them all), finds the session's blocks under its id, and sends its next turn back to
+    that cache (``placed_resident``, not ``placed_new``)."""
+    rid = f"127.0.0.1:{server.port}"
+    msgs = [{"role": "user", "content": "a session that outlives its gateway " * 15}]
+    async with gateway(server.url) as first, aiohttp.ClientSession() as http:
+        svc = first.runtime.residency
+        assert svc is not None
+        await wait_for(lambda: svc.view.source(rid) == EVENTS, 30)
+        d = await _chat(http, first, "real-R", msgs)
+        u = d["usage"]
+        await _settled(first, "real-R", u["prompt_tokens"] + u["completion_tokens"] - 1 - u["prompt_tokens_details"]["cached_tokens"])
+    msgs = [*msgs, {"role": "assistant", "content": d["choices"][0]["message"]["content"]},
+            {"role": "user", "content": "and after the restart?"}]  # fmt: skip
+    async with gateway(server.url) as second, aiohttp.ClientSession() as http:
+        svc = second.runtime.residency
+        assert svc is not None
+        await wait_for(lambda: svc.view.source(rid) == EVENTS, 30)
+        assert await second.store.session("real-R") is None  # the store knows nothing of it
+        snap = await second.store.snapshot("real-R")
+        assert snap.session is not None and [r for r, _ in snap.session.resident_on] == [rid]
+        body = {"model": "tiny", "messages": msgs, "max_tokens": 4}
+        async with http.post(second.url + "/v1/chat/completions", json=body, headers={"Modal-Session-Id": "real-R"}) as r:
+            assert r.status == 200, await r.text()
+            assert r.headers["X-Kvroute-Reason"] == "placed_resident"
+            cached = (await r.json())["usage"]["prompt_tokens_details"]["cached_tokens"]
+        assert cached >= u["prompt_tokens"] - 1, (cached, u)
+
+
 async def test_an_engine_restart_is_rebuilt_from_sequence_zero(server: _Server) -> None:
     async with gateway(server.url) as gw, aiohttp.ClientSession() as http:
         rid = f"127.0.0.1:{server.port}"
