@@ -162,7 +162,8 @@ async def _gateway_overhead(url: str, measures: dict[str, Any]) -> None:
     }
     # and how often a turn sent home for its cache found it there, by the residency that said so
     outcomes: dict[str, dict[str, int]] = {}
-    for (residency, found), n in _counter_by_labels(text, "kvroute_residency_outcomes_total", ("residency", "found")).items():
+    judged = _counter_by_labels(text, "kvroute_residency_outcomes_total", ("residency", "found"))
+    for (residency, found), n in judged.items():
         outcomes.setdefault(residency, {"found": 0, "missed": 0})["found" if found == "true" else "missed"] += n
     measures["residency_outcomes"] = outcomes
 

@@ -157,7 +157,8 @@ class ReplicaState:
     url: str
     status: ReplicaStatus = ReplicaStatus.ACTIVE
     joined_at: float = 0.0  # when it first became ACTIVE (scale-up ramp)
-    in_flight: int = 0  # requests in flight through all gateways (this gateway's own at once; others' as of the last refresh)
+    # requests in flight through all gateways: this gateway's own at once, others' as of the last refresh
+    in_flight: int = 0
     engine: EngineLoad = field(default_factory=EngineLoad)
     capacity_tokens: int = 0  # HBM KV capacity (``capacities``: engine first; 0 = unknown -> policy default)
     host_capacity_tokens: int = 0  # HiCache host tier (``capacities``); 0 = none

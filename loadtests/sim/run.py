@@ -745,8 +745,10 @@ class _Sim:
             )
             if lease is not None:
                 break_reason = self._break(req, lease, completion)
-                exact = req.resident if req.residency == "events" else None
-                found = home_found(lease, completion, resident_tokens=exact, page_tokens=self.page) if req.residency else None
+                found = None
+                if req.residency:  # kv_aware's decisions on a known session
+                    exact = req.resident if req.residency == "events" else None
+                    found = home_found(lease, completion, resident_tokens=exact, page_tokens=self.page)
                 if found is not None:  # as the gateway counts kvroute_residency_outcomes_total
                     tally = self.stats["residency_outcomes"].setdefault(req.residency, {"found": 0, "missed": 0})
                     tally["found" if found else "missed"] += 1

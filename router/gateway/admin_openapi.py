@@ -236,7 +236,7 @@ def openapi_spec() -> dict[str, Any]:
             "shared_generation": {
                 "type": "integer",
                 "minimum": 0,
-                "description": "generation of the config shared through the store that this gateway routes with (0: none)",
+                "description": "generation of the store's shared config this gateway routes with (0: none)",
             },
         },
     }

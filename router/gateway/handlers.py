@@ -416,8 +416,8 @@ class _Proxy:
                 continue
             self.p.replica_id, self.p.reason = lease.replica_id, lease.reason
             self.p.residency = decision.residency
-            sess = snap.session
-            self.p.resident_tokens = sess.resident_tokens if sess is not None and sess.home == lease.replica_id else None
+            at_home = snap.session is not None and snap.session.home == lease.replica_id
+            self.p.resident_tokens = snap.session.resident_tokens if at_home and snap.session else None
             self.rt.emit(
                 RequestRouted(
                     request_id=self.request_id,

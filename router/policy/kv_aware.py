@@ -140,8 +140,8 @@ def cache_surely_gone(session: SessionState, home: ReplicaState, params: PolicyP
 def load_score(replica: ReplicaState, context_tokens: int, params: PolicyParams) -> float:
     """Expected delay of one more session of ``context_tokens`` here, in requests-in-flight units.
 
-    Requests in flight (all gateways, others' as of the store's last refresh) + the active sessions bound here (closed-loop sessions
-    come back: ``w_sessions`` each) + a penalty once the working set with this session exceeds
+    Requests in flight (all gateways; others' as of the store's last refresh) + the active sessions
+    bound here (closed-loop sessions come back: ``w_sessions`` each) + a penalty once the working set with this session exceeds
     ``working_set_limit`` of HBM (where a replica starts evicting its own sessions).
     """
     ws = (replica.active_context_tokens + max(0, context_tokens)) / hbm_capacity(replica, params)
@@ -397,7 +397,8 @@ class KvAwarePolicy:
             return None
         target = best[0]
         bind = BindSession(sess.session_id, target.id, only_if=None, reason=Reason.PLACED_RESIDENT)
-        return RouteDecision(target.id, Reason.PLACED_RESIDENT, (bind,), ((target.id, load_score(target, ctx, self.params)),))
+        score = load_score(target, ctx, self.params)
+        return RouteDecision(target.id, Reason.PLACED_RESIDENT, (bind,), ((target.id, score),))
 
     def _follow_chain(
         self, view: _View, snapshot: ClusterSnapshot, sess: SessionState, at: ReplicaId
