@@ -7,9 +7,13 @@ the references that keep its KV), so the gateway pins it:
   1. ``/open_session`` is placed by the policy like a session's first request (keyed by the
      ``Modal-Session-Id`` header, else by the engine session's id). A body without ``session_id``
      gets one here (as SGLang would make one), so the pin is known before the engine answers.
-     An id already open behind this gateway is refused (400), as one engine refuses it.
+     The id is reserved first (``StateStore.reserve``: set only if absent, so of two opens racing
+     through any gateways of one store exactly one gets it): an id already open or being opened
+     is refused (400), as one engine refuses it.
   2. The replica that answers 200 is pinned (``StateStore.pin``) before the client
-     has the answer: its next request cannot race the pin.
+     has the answer: its next request cannot race the pin. Any other outcome (an error status, no
+     answer, the client gone) frees the reservation. A request naming an id still being opened is
+     a 404, as the engine would answer it.
   3. ``/generate`` naming ``session_params.id`` and ``/close_session`` go to the pinned replica only:
      never retried elsewhere, where the session does not exist. A session the gateway does not know
      (never opened through it, closed, idle longer than the session TTL) is a 404; one whose replica
@@ -31,20 +35,26 @@ from router.gateway.bodies import body_field, checked_session_id, parse_body
 from router.model import PinKind, ReplicaId
 from router.store.base import StateStore
 
-__all__ = ["CLOSE_ROUTE", "OPEN_ROUTE", "SESSION_ROUTES", "EngineSessionCall", "engine_session_call"]
+__all__ = ["CLOSE_ROUTE", "OPENING", "OPEN_ROUTE", "SESSION_ROUTES", "EngineSessionCall", "engine_session_call"]
 
 OPEN_ROUTE = "/open_session"
 CLOSE_ROUTE = "/close_session"
 SESSION_ROUTES = (OPEN_ROUTE, CLOSE_ROUTE)
 
 
-@dataclass(frozen=True, slots=True)
+# what an id being opened is pinned to until its engine answers: no replica id has a comma
+# (docs/REDIS.md), so it never names one
+OPENING: ReplicaId = ","
+
+
+@dataclass(slots=True)
 class EngineSessionCall:
     """A request that opens, uses or closes one engine session."""
 
     route: str
     session_id: str
     body: bytes  # what to forward: an open without an id gets the gateway's
+    reserved: bool = False  # an open holding its id's reservation, not yet settled by an answer
 
     @property
     def opens(self) -> bool:
@@ -52,16 +62,19 @@ class EngineSessionCall:
 
     async def pinned(self, store: StateStore) -> ReplicaId | None:
         """Rule 3: where a use or a close must go (``None`` for an open: the policy places it)."""
-        rid = await store.pinned(PinKind.ENGINE_SESSION, self.session_id)
         if self.opens:
-            if rid is not None:
+            if not await store.reserve(PinKind.ENGINE_SESSION, self.session_id, OPENING):
                 raise BadRequestError(f"engine session {self.session_id!r} is already open")
+            self.reserved = True
             return None
+        rid = await store.pinned(PinKind.ENGINE_SESSION, self.session_id)
         if rid is None:
             raise NotFoundError(
                 f"engine session {self.session_id!r} is not open behind this gateway "
                 f"(open it with {OPEN_ROUTE} through the gateway)"
             )
+        if rid == OPENING:
+            raise NotFoundError(f"engine session {self.session_id!r} is still being opened")
         return rid
 
     async def replica_gone(self, store: StateStore, replica_id: ReplicaId) -> NotFoundError:
@@ -72,11 +85,20 @@ class EngineSessionCall:
 
     async def answered(self, store: StateStore, replica_id: ReplicaId, status: int) -> None:
         """Rules 2 and 4, before the answer is relayed."""
-        if status != 200:
-            return
         if self.opens:
-            await store.pin(PinKind.ENGINE_SESSION, self.session_id, replica_id)
-        elif self.route == CLOSE_ROUTE:
+            self.reserved = False
+            if status == 200:
+                await store.pin(PinKind.ENGINE_SESSION, self.session_id, replica_id)
+            else:
+                await store.unpin(PinKind.ENGINE_SESSION, self.session_id)
+        elif self.route == CLOSE_ROUTE and status == 200:
+            await store.unpin(PinKind.ENGINE_SESSION, self.session_id)
+
+    async def abandoned(self, store: StateStore) -> None:
+        """Rule 2: an open that ended without an answer (every replica failed, the client left)
+        frees its id."""
+        if self.reserved:
+            self.reserved = False
             await store.unpin(PinKind.ENGINE_SESSION, self.session_id)
 
 

@@ -804,6 +804,7 @@ async def serve_inference(
     clock = rt.clock
     prog = _Progress(t0=clock.now())
     req: RouteRequest | None = None
+    call: EngineSessionCall | None = None
     rt.in_flight += 1
     try:
         session_id = session_id_from_headers(headers, cfg)
@@ -865,6 +866,11 @@ async def serve_inference(
                     error=prog.error,
                 )
             )
+        if call is not None and call.reserved:  # an open that got no answer frees its id (shielded:
+            try:  # a client gone cancels this task, not the store's write)
+                await asyncio.shield(call.abandoned(rt.store))
+            except StoreError as exc:
+                log.warning("engine session reservation not freed: %s", exc)
 
 
 async def handle_inference(request: web.Request) -> web.StreamResponse:

@@ -152,6 +152,11 @@ class StateStore(Protocol):
         expired. A pin outlives its replica's registration: the caller checks that."""
         ...
 
+    async def reserve(self, kind: PinKind, name: str, replica_id: ReplicaId) -> bool:
+        """``pin`` only if ``name`` is not pinned: ``False`` (nothing changed) when it is. Atomic
+        across the gateways of one store, so of racing callers exactly one gets ``True``."""
+        ...
+
     async def unpin(self, kind: PinKind, name: str) -> None: ...
 
     async def share_config(self, doc: str) -> int:

@@ -131,6 +131,12 @@ class Pins:
         self.pin(kind, name, pin[0])
         return pin[0]
 
+    def reserve(self, kind: PinKind, name: str, replica_id: ReplicaId) -> bool:
+        if self.get(kind, name) is not None:
+            return False
+        self.pin(kind, name, replica_id)
+        return True
+
     def unpin(self, kind: PinKind, name: str) -> None:
         self._pins.pop((kind, name), None)
 
@@ -536,6 +542,9 @@ class MemoryCore:
     def pinned(self, kind: PinKind, name: str) -> ReplicaId | None:
         return self.pins.get(kind, name)
 
+    def reserve(self, kind: PinKind, name: str, replica_id: ReplicaId) -> bool:
+        return self.pins.reserve(kind, name, replica_id)
+
     def unpin(self, kind: PinKind, name: str) -> None:
         self.pins.unpin(kind, name)
 
@@ -615,6 +624,9 @@ class MemoryStore:
 
     async def pinned(self, kind: PinKind, name: str) -> ReplicaId | None:
         return self.core.pinned(kind, name)
+
+    async def reserve(self, kind: PinKind, name: str, replica_id: ReplicaId) -> bool:
+        return self.core.reserve(kind, name, replica_id)
 
     async def unpin(self, kind: PinKind, name: str) -> None:
         self.core.unpin(kind, name)

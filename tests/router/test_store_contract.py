@@ -6,6 +6,7 @@ stores side by side and requires identical snapshots after every step.
 
 from __future__ import annotations
 
+import asyncio
 import random
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, replace
@@ -448,6 +449,21 @@ async def test_pin_kinds_are_apart(env: Env) -> None:
     assert await store.pinned(PinKind.RESPONSE, "resp_1") == "r1"
     env.clock.advance(31)
     assert await store.pinned(PinKind.RESPONSE, "resp_1") is None  # a response's pin expires too
+
+
+async def test_a_reservation_goes_to_one_of_racing_callers(env: Env) -> None:
+    """``reserve`` pins only a name nobody has pinned: of several callers, on one store or on
+    several gateways' stores sharing Redis, exactly one gets it; an unpinned name is free again."""
+    store = await fleet(env)
+    stores = [store] if env.kind == "memory" else [store, await env.make(gateway_id="gw-2"), await env.make(gateway_id="gw-3")]
+    got = await asyncio.gather(*(s.reserve(PinKind.ENGINE_SESSION, "es-1", ",") for s in stores * 3))
+    assert sorted(got) == [False] * (len(got) - 1) + [True]
+    assert await store.pinned(PinKind.ENGINE_SESSION, "es-1") == ","
+    await store.pin(PinKind.ENGINE_SESSION, "es-1", "r1")  # the open's answer settles it
+    assert not await stores[-1].reserve(PinKind.ENGINE_SESSION, "es-1", ",")
+    assert await stores[-1].reserve(PinKind.RESPONSE, "es-1", "r2")  # another kind, another pin
+    await stores[-1].unpin(PinKind.ENGINE_SESSION, "es-1")
+    assert await store.reserve(PinKind.ENGINE_SESSION, "es-1", ",")
 
 
 async def test_request_without_session(env: Env) -> None:

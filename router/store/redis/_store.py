@@ -678,6 +678,23 @@ class RedisStore:
         doc = got[1] if len(got) > 1 else None
         return gen, doc.decode() if isinstance(doc, bytes) else doc
 
+    async def reserve(self, kind: PinKind, name: str, replica_id: ReplicaId) -> bool:
+        if not self.degraded:
+            self._ensure_started()
+            key = self._wire.keys.pin(kind, name)
+            try:
+                done = await self._wire.command(
+                    "reserve", "SET", key, f"{replica_id}|{self._wire.now()}", "NX", "PX", self._session_ttl_ms
+                )
+            except StoreError as exc:
+                self._fail(exc)
+            else:
+                if done:
+                    self._pins.pin(kind, name, replica_id)
+                return bool(done)
+        # degraded: this gateway's own pins only, as ``pin`` writes them meanwhile
+        return self._pins.reserve(kind, name, replica_id)
+
     async def unpin(self, kind: PinKind, name: str) -> None:
         self._pins.unpin(kind, name)
         if self.degraded:
