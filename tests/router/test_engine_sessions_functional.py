@@ -19,11 +19,12 @@ from replica.emulator.runner import start_emulators, stop_emulators
 from replica.emulator.server import EmulatorConfig
 from router.clock import SystemClock
 from router.config import GatewayConfig
+from router.gateway.engine_sessions import OPENING
 from router.gateway.serve import RunningGateway, make_store, start_gateway
 from router.model import PinKind
 from tests.router.conftest import fast_config
 
-LATENCY_S = 0.2  # each way, per chunk: an open takes at least 0.4 s through a proxy
+LATENCY_S = 0.3  # each way, per chunk: an open takes at least 0.6 s through a proxy
 
 
 @contextlib.asynccontextmanager
@@ -51,11 +52,13 @@ async def test_racing_opens_of_one_id_through_two_gateways_open_it_once(redis_ur
         cfg_b = fast_config(urls, redis_url=redis_url, gateway_id="gw-b", health=health)
         async with _gateway(cfg_a) as a, _gateway(cfg_b) as b, aiohttp.ClientSession() as s:
             open_body = {"capacity_of_str_len": 4096, "session_id": "agent-7"}
-            early = _post(s, b.url + "/generate", {"text": "too soon", "session_params": {"id": "agent-7"}})
 
             async def use_while_opening() -> tuple[int, Any]:
-                await asyncio.sleep(LATENCY_S)  # the reservation is made, the open still in flight
-                return await early
+                # once the id is reserved, and while its open is still on its way to the engine
+                async with asyncio.timeout(10):
+                    while await a.store.pinned(PinKind.ENGINE_SESSION, "agent-7") != OPENING:
+                        await asyncio.sleep(0.005)
+                return await _post(s, b.url + "/generate", {"text": "too soon", "session_params": {"id": "agent-7"}})
 
             (st_a, body_a), (st_b, body_b), (st_early, body_early) = await asyncio.gather(
                 _post(s, a.url + "/open_session", open_body),
