@@ -612,10 +612,11 @@ def make_admin_app(
             raise BadRequestError(msg if ":" in msg else f"params: {msg}") from None
         # shared first (every gateway of the store follows it), then installed here: a store that
         # cannot take it is a 503 and nothing changes anywhere
-        generation = await store.share_config(holder.config_doc(prepared))
+        doc = holder.config_doc(prepared)
+        generation = await store.share_config(doc)
         holder.install(prepared)
         holder.shared_generation = generation
-        log.info("policy config generation %d shared: %s", generation, holder.config_doc(prepared))
+        log.info("policy config generation %d shared: %s", generation, doc)
         return web.json_response(_config_body())
 
     async def get_openapi(request: web.Request) -> web.Response:

@@ -260,17 +260,29 @@ class FleetCollector(Collector):
                 )
 
 
-class DiscoveryCollector(Collector):
-    """Scrape-time counters of the gateway's discovery (``router.discovery``): its health checks and
-    scrapes by outcome, ``shared`` = left alone because someone else's was fresh (rules 6 and 7)."""
+class _SourcedCollector(Collector):
+    """Scrape-time counters read from an object the gateway sets later (``source``; nothing is
+    exported while it returns ``None``)."""
 
     def __init__(self) -> None:
-        self.source: Callable[[], Any] = lambda: None  # -> the gateway's ``Discovery`` (None before it runs)
+        self.source: Callable[[], Any] = lambda: None
 
     def collect(self) -> Iterator[Metric]:
-        d = self.source()
-        if d is None:
-            return
+        obj = self.source()
+        if obj is not None:
+            yield self.family(obj)
+
+    def family(self, obj: Any) -> Metric:
+        raise NotImplementedError
+
+
+class DiscoveryCollector(_SourcedCollector):
+    """Scrape-time counters of the gateway's discovery (``router.discovery``, the ``source``): its
+    health checks and scrapes by outcome, ``shared`` = left alone because someone else's was fresh
+    (rules 6 and 7)."""
+
+    def family(self, obj: Any) -> Metric:
+        d = obj
         c = CounterMetricFamily(
             "kvroute_discovery_probes",
             "Health checks and /metrics scrapes of this gateway's discovery, by outcome "
@@ -287,29 +299,23 @@ class DiscoveryCollector(Collector):
             ("scrape", "shared", d.scrapes_shared),
         ):
             c.add_metric([probe, outcome], float(n))
-        yield c
+        return c
 
 
-class HandoffCollector(Collector):
-    """Scrape-time counters of the warm hand-off of draining replicas' sessions (``router.handoff``),
-    when the gateway runs it: one sample per ``HandoffStats`` field."""
+class HandoffCollector(_SourcedCollector):
+    """Scrape-time counters of the warm hand-off of draining replicas' sessions (``router.handoff``;
+    the ``source`` is its ``HandoffStats``, None when off): one sample per field."""
 
-    def __init__(self) -> None:
-        self.source: Callable[[], Any] = lambda: None  # -> the gateway's ``HandoffStats`` (None when off)
-
-    def collect(self) -> Iterator[Metric]:
-        st = self.source()
-        if st is None:
-            return
+    def family(self, obj: Any) -> Metric:
         c = CounterMetricFamily(
             "kvroute_handoffs",
             "Warm hand-offs of idle sessions on draining replicas, by outcome (sent, failed, skipped_*; "
             "and at the session's next turn: helped, not_helped, missed)",
             labels=["outcome"],
         )
-        for outcome, n in st.to_dict().items():
+        for outcome, n in obj.to_dict().items():
             c.add_metric([outcome], float(n))
-        yield c
+        return c
 
 
 class GatewayMetrics:
