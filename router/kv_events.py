@@ -119,6 +119,7 @@ class KvEventSubscriber:
         self._last = -1  # last sequence number applied
         self._dups_ok = False  # right after a replay: live batches at or below _last are its overlap
         self._await_first = False  # no replay socket: the first live batch decides (rule 2)
+        self.synced = asyncio.Event()  # set by the first synchronisation (or when the subscriber ends)
         sink.stale = True
 
     # ---- main loop ---------------------------------------------------------------------------
@@ -156,6 +157,7 @@ class KvEventSubscriber:
         finally:
             self.connected = False
             self.sink.stale = True
+            self.synced.set()  # nobody waits for a subscriber that has ended
             with contextlib.suppress(zmq.ZMQError):
                 sub.disable_monitor()
             mon.close(linger=0)
@@ -210,6 +212,12 @@ class KvEventSubscriber:
 
     # ---- synchronisation (rules 2, 3) ----------------------------------------------------------
     async def _sync(self) -> None:
+        try:
+            await self._resync()
+        finally:
+            self.synced.set()
+
+    async def _resync(self) -> None:
         self.stats.syncs += 1
         if self.replay_endpoint is None:
             self._await_first = True
@@ -371,6 +379,16 @@ class KvEventsManager:
                 "ranks": [s.stats.to_dict() | {"connected": s.connected} for s in sub.subscribers],
             }
         return out
+
+    async def wait_synced(self, timeout_s: float) -> bool:
+        """Wait (at most ``timeout_s``) until every subscriber has had its first synchronisation
+        (the replay of what its engine holds); whether all had."""
+        waits = [s.synced.wait() for sub in self._subs.values() for s in sub.subscribers if not s.synced.is_set()]
+        if not waits:
+            return True
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.gather(*waits), timeout_s)
+        return all(s.synced.is_set() for sub in self._subs.values() for s in sub.subscribers)
 
     def ensure(self, replica_id: str, desc: KvEventsDescriptor) -> None:
         cur = self._subs.get(replica_id)

@@ -169,6 +169,10 @@ def make_app(
         from router.gateway.residency import make_residency
 
         rt.residency = make_residency(config, store, rt.client, egress=rt.egress)
+        # serve the first requests on what the engines hold: after a restart on embedded state each
+        # session's next turn then goes back to its cache (placed_resident), not where load says
+        if rt.residency is not None:
+            await rt.residency.ready(config.kv_events.replay_timeout_s + config.timeouts.probe_s)
         yield
         if rt.residency is not None:
             svc, rt.residency = rt.residency, None

@@ -46,6 +46,7 @@ class ResidencyService:
         self.mirror: Any = None  # router.store.residency.RedisResidencyMirror (redis mode)
         self._tasks: list[asyncio.Task[None]] = []
         self._closers: list[Any] = []
+        self.first_refresh = asyncio.Event()  # the registry was read once and its replicas subscribed to
 
     def stats(self) -> dict[str, Any]:
         out: dict[str, Any] = {"mode": self.mode}
@@ -63,6 +64,23 @@ class ResidencyService:
     def subscribed(self, replica_id: str) -> bool:
         """Whether this replica's events are followed (so forwarding the session id pays off)."""
         return self.view.source(replica_id) != OFF
+
+    async def ready(self, timeout_s: float) -> bool:
+        """Wait (at most ``timeout_s``) until the engines' replays are applied, so that a gateway
+        that starts (or restarts on embedded state) serves its first requests on what the engines
+        hold; whether they were. True at once when there is nothing to subscribe to."""
+        if self.manager is None:
+            return True
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        try:
+            await asyncio.wait_for(self.first_refresh.wait(), timeout_s)
+            synced: bool = await self.manager.wait_synced(max(0.0, deadline - loop.time()))
+        except TimeoutError:
+            synced = False
+        if not synced:
+            log.warning("kv events: not every replica's replay was in within %.1f s; serving on what is", timeout_s)
+        return synced
 
     async def close(self) -> None:
         await stop_tasks(*self._tasks)
@@ -102,6 +120,7 @@ def make_residency(
             # only replicas whose URL the egress rules allow (the ZMQ endpoints are on their hosts)
             replicas = [r for r in await store.replicas() if egress is None or await egress.allowed(r.url)]
             await manager.refresh([(r.id, r.url) for r in replicas])
+            svc.first_refresh.set()
             await clock_sleep(kv.refresh_s)
 
     svc._tasks.append(asyncio.get_running_loop().create_task(follow_registry(), name="kvroute-kv-events"))

@@ -294,3 +294,40 @@ async def test_emulator_reports_its_config_back(bad: str) -> None:
         assert kv["publisher"] == "zmq" and kv["endpoint_host"] == "127.0.0.1" and kv["block_size"] == 16
         assert "replay_endpoint_port_base" not in kv and kv["dp_size"] == 1
         assert json.loads(bad)["endpoint"].endswith(":*")
+
+
+async def test_wait_synced_returns_once_the_replay_is_in_and_is_bounded_when_nobody_answers() -> None:
+    """What a starting gateway waits for before it serves (``ResidencyService.ready``): the
+    replay of a live publisher comes in at once; a publisher that is advertised but does not answer
+    holds the wait only to its bound."""
+    from loadtests.procs import free_port
+
+    def info(endpoint: str | None, replay: str | None) -> dict[str, Any]:
+        port = lambda e: int(e.rsplit(":", 1)[1]) if e else None  # noqa: E731
+        return {"kv_events": {"publisher": "zmq", "endpoint_port_base": port(endpoint),
+                              "replay_endpoint_port_base": port(replay)}}  # fmt: skip
+
+    async with publisher() as pub:
+        pub.publish([CLEARED])
+        pub.publish([stored([1, 2], None, "s")])
+        await until(lambda: pub.published == 2)
+        assert pub.bound is not None and pub.bound_replay is not None
+        dead = f"tcp://127.0.0.1:{free_port()}"
+        infos = {"live": info(pub.bound, pub.bound_replay), "dead": info(dead, dead)}
+
+        async def fetch(rid: str, u: str) -> dict[str, Any] | None:
+            return infos[rid]
+
+        idx = ResidencyIndex()
+        mgr = KvEventsManager(idx, fetch, replay_timeout_s=0.5)
+        try:
+            await mgr.refresh([("live", "http://127.0.0.1:1")])
+            assert await mgr.wait_synced(5.0)
+            assert idx.resident_tokens("live", "s") == 8  # applied before the wait returned
+
+            await mgr.refresh([("live", "http://127.0.0.1:1"), ("dead", "http://127.0.0.1:1")])
+            t0 = asyncio.get_running_loop().time()
+            assert not await mgr.wait_synced(0.3)
+            assert asyncio.get_running_loop().time() - t0 < 2.0
+        finally:
+            await mgr.close()
