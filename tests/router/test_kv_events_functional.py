@@ -302,10 +302,9 @@ async def test_wait_synced_returns_once_the_replay_is_in_and_is_bounded_when_nob
     holds the wait only to its bound."""
     from loadtests.procs import free_port
 
-    def info(endpoint: str | None, replay: str | None) -> dict[str, Any]:
-        port = lambda e: int(e.rsplit(":", 1)[1]) if e else None  # noqa: E731
-        return {"kv_events": {"publisher": "zmq", "endpoint_port_base": port(endpoint),
-                              "replay_endpoint_port_base": port(replay)}}  # fmt: skip
+    def info(endpoint: str, replay: str) -> dict[str, Any]:
+        return {"kv_events": {"publisher": "zmq", "endpoint_port_base": int(endpoint.rsplit(":", 1)[1]),
+                              "replay_endpoint_port_base": int(replay.rsplit(":", 1)[1])}}  # fmt: skip
 
     async with publisher() as pub:
         pub.publish([CLEARED])
