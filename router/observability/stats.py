@@ -37,6 +37,7 @@ class _Bucket:
     decisions: Counter[str] = field(default_factory=Counter)
     breaks: Counter[str] = field(default_factory=Counter)
     breaks_by_replica: Counter[str] = field(default_factory=Counter)
+    outcomes: Counter[str] = field(default_factory=Counter)
     statuses: Counter[str] = field(default_factory=Counter)
     input_tokens: int = 0
     cached_tokens: int = 0
@@ -73,6 +74,8 @@ class FleetStats:
     breaks_window: dict[str, int]
     breaks_total: dict[str, int]
     breaks_by_replica_total: dict[str, int]
+    residency_outcomes_window: dict[str, int]
+    residency_outcomes_total: dict[str, int]
     statuses_total: dict[str, int]
     series: tuple[SeriesPoint, ...]
 
@@ -88,6 +91,7 @@ class FleetStats:
             "retries_total": self.retries_total,
             "decisions_by_reason": {"window": self.decisions_window, "total": self.decisions_total},
             "affinity_breaks_by_reason": {"window": self.breaks_window, "total": self.breaks_total},
+            "residency_outcomes": {"window": self.residency_outcomes_window, "total": self.residency_outcomes_total},
             "requests_by_status": self.statuses_total,
             "series": [
                 {
@@ -115,6 +119,7 @@ class RollingStats:
         self._decisions: Counter[str] = Counter()
         self._breaks: Counter[str] = Counter()
         self._breaks_by_replica: Counter[str] = Counter()
+        self._outcomes: Counter[str] = Counter()
         self._statuses: Counter[str] = Counter()
         self._input = 0
         self._cached = 0
@@ -181,6 +186,13 @@ class RollingStats:
             b.breaks_by_replica[replica_id] += 1
             self._breaks_by_replica[replica_id] += 1
 
+    def record_residency_outcome(self, now: float, residency: str, found: bool) -> None:
+        """A turn sent home for its cache met what its residency promised (``found``) or not;
+        counted as ``<residency>_found`` / ``<residency>_missed``."""
+        key = f"{residency}_{'found' if found else 'missed'}"
+        self._bucket(now).outcomes[key] += 1
+        self._outcomes[key] += 1
+
     def sample(self, now: float, loads: Sequence[int]) -> SeriesPoint:
         """Record one fixed-interval sample of per-replica in-flight (ACTIVE replicas, by id)."""
         b = self._bucket(now)
@@ -207,12 +219,14 @@ class RollingStats:
         self._prune(now)
         decisions: Counter[str] = Counter()
         breaks: Counter[str] = Counter()
+        outcomes: Counter[str] = Counter()
         inp = cached = reqs = 0
         n = 0
         s1 = s2 = 0.0
         for b in self._buckets:
             decisions.update(b.decisions)
             breaks.update(b.breaks)
+            outcomes.update(b.outcomes)
             inp += b.input_tokens
             cached += b.cached_tokens
             reqs += b.requests
@@ -237,6 +251,8 @@ class RollingStats:
             breaks_window=dict(sorted(breaks.items())),
             breaks_total=dict(sorted(self._breaks.items())),
             breaks_by_replica_total=dict(sorted(self._breaks_by_replica.items())),
+            residency_outcomes_window=dict(sorted(outcomes.items())),
+            residency_outcomes_total=dict(sorted(self._outcomes.items())),
             statuses_total=dict(sorted(self._statuses.items())),
             series=tuple(p for p in self._series if p.t >= horizon),
         )

@@ -86,6 +86,8 @@ class StatsHook:
             )
         elif isinstance(event, AffinityBroken):
             st.record_break(event.at, event.reason.value, event.replica_id)
+        elif isinstance(event, ResidencyJudged):
+            st.record_residency_outcome(event.at, event.residency, event.found)
         elif isinstance(event, UpstreamRetry):
             st.record_retry(event.at)
 

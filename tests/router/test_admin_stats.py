@@ -44,6 +44,21 @@ def test_window_chr_decisions_and_breaks_expire() -> None:
     assert v.chr_window is None and v.breaks_window == {} and v.breaks_total == {"evicted": 1}
 
 
+def test_residency_outcomes_count_by_residency_and_expire_from_the_window() -> None:
+    st = RollingStats(window_s=10.0, bucket_s=1.0)
+    st.record_residency_outcome(1.0, "events", True)
+    st.record_residency_outcome(1.5, "events", False)
+    st.record_residency_outcome(8.0, "estimate", True)
+    st.record_residency_outcome(8.2, "events", True)
+    v = st.view(9.0)
+    assert v.residency_outcomes_window == {"estimate_found": 1, "events_found": 2, "events_missed": 1}
+    v = st.view(15.0)  # the first two fell out of the window; totals keep them
+    assert v.residency_outcomes_window == {"estimate_found": 1, "events_found": 1}
+    assert v.residency_outcomes_total == {"estimate_found": 1, "events_found": 2, "events_missed": 1}
+    assert v.to_dict()["residency_outcomes"] == {"window": v.residency_outcomes_window,
+                                                 "total": v.residency_outcomes_total}  # fmt: skip
+
+
 def test_unknown_token_counts_stay_out_of_chr() -> None:
     st = RollingStats()
     st.record_finished(1.0, status="200", prompt_tokens=None, cached_tokens=None)

@@ -72,6 +72,8 @@ async def _server() -> tuple[TestServer, MemoryStore, Any]:
     surface.stats.record_decision(clock.now(), "affinity")
     surface.stats.record_finished(clock.now(), status="200", prompt_tokens=1000, cached_tokens=800)
     surface.stats.record_break(clock.now(), "evicted", "127.0.0.1:41002")
+    for found in (True, True, False):
+        surface.stats.record_residency_outcome(clock.now(), "events", found)
     app = web.Application()
     surface.setup(app)
     server = TestServer(app, host="127.0.0.1", port=0)
@@ -163,6 +165,10 @@ async def test_dashboard_renders_stats_and_updates() -> None:
                 )
                 assert await page.locator('#decisions [data-key="placed_new"] .num').text_content() == "1"
                 assert await page.locator('#breaks [data-key="evicted"] .num').text_content() == "1"
+                outcomes = page.locator("#residency-outcomes .num")
+                assert await page.locator('#residency-outcomes [data-key="events_found"] .num').text_content() == "2"
+                assert await page.locator('#residency-outcomes [data-key="events_missed"] .num').text_content() == "1"
+                assert await outcomes.count() == 2
 
                 # the fleet changes: a new in-flight request on replica 3 and a drained replica 4,
                 # virtual time moves on and more responses arrive
