@@ -380,14 +380,12 @@ class KvEventsManager:
             }
         return out
 
-    async def wait_synced(self, timeout_s: float) -> bool:
-        """Wait (at most ``timeout_s``) until every subscriber has had its first synchronisation
-        (the replay of what its engine holds); whether all had."""
-        waits = [s.synced.wait() for sub in self._subs.values() for s in sub.subscribers if not s.synced.is_set()]
-        if not waits:
-            return True
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(asyncio.gather(*waits), timeout_s)
+    async def wait_synced(self) -> bool:
+        """Wait until every subscriber has had its first synchronisation (the replay of what its
+        engine holds), or has ended; whether all are synchronised. The caller bounds the wait."""
+        for sub in list(self._subs.values()):
+            for s in sub.subscribers:
+                await s.synced.wait()
         return all(s.synced.is_set() for sub in self._subs.values() for s in sub.subscribers)
 
     def ensure(self, replica_id: str, desc: KvEventsDescriptor) -> None:

@@ -15,6 +15,7 @@ and ``resident_on`` in every snapshot; the admin API reads ``source(replica)`` f
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from typing import TYPE_CHECKING, Any
 
@@ -71,13 +72,11 @@ class ResidencyService:
         hold; whether they were. True at once when there is nothing to subscribe to."""
         if self.manager is None:
             return True
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout_s
-        try:
-            await asyncio.wait_for(self.first_refresh.wait(), timeout_s)
-            synced: bool = await self.manager.wait_synced(max(0.0, deadline - loop.time()))
-        except TimeoutError:
-            synced = False
+        synced = False
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout_s):  # not wait_for: it can lose a cancel (docs/RELIABILITY.md)
+                await self.first_refresh.wait()
+                synced = await self.manager.wait_synced()
         if not synced:
             log.warning("kv events: not every replica's replay was in within %.1f s; serving on what is", timeout_s)
         return synced

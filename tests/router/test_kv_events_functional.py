@@ -298,8 +298,8 @@ async def test_emulator_reports_its_config_back(bad: str) -> None:
 
 async def test_wait_synced_returns_once_the_replay_is_in_and_is_bounded_when_nobody_answers() -> None:
     """What a starting gateway waits for before it serves (``ResidencyService.ready``): the
-    replay of a live publisher comes in at once; a publisher that is advertised but does not answer
-    holds the wait only to its bound."""
+    replay of a live publisher comes in at once; one that is advertised but does not answer holds
+    the wait until the caller's bound."""
     from loadtests.procs import free_port
 
     def info(endpoint: str, replay: str) -> dict[str, Any]:
@@ -321,12 +321,39 @@ async def test_wait_synced_returns_once_the_replay_is_in_and_is_bounded_when_nob
         mgr = KvEventsManager(idx, fetch, replay_timeout_s=0.5)
         try:
             await mgr.refresh([("live", "http://127.0.0.1:1")])
-            assert await mgr.wait_synced(5.0)
+            async with asyncio.timeout(5.0):
+                assert await mgr.wait_synced()
             assert idx.resident_tokens("live", "s") == 8  # applied before the wait returned
 
             await mgr.refresh([("live", "http://127.0.0.1:1"), ("dead", "http://127.0.0.1:1")])
-            t0 = asyncio.get_running_loop().time()
-            assert not await mgr.wait_synced(0.3)
-            assert asyncio.get_running_loop().time() - t0 < 2.0
+            with pytest.raises(TimeoutError):
+                async with asyncio.timeout(0.3):
+                    await mgr.wait_synced()
         finally:
             await mgr.close()
+
+
+async def test_a_starting_gateways_wait_for_the_replays_is_bounded() -> None:
+    """``ResidencyService.ready``: the gateway's start waits for the registry's first read and every
+    replay, and no longer than its bound when a publisher never answers (it then serves anyway)."""
+    from loadtests.procs import free_port
+    from router.gateway.residency import ResidencyService
+
+    dead = free_port()
+
+    async def fetch(rid: str, u: str) -> dict[str, Any] | None:
+        return {"kv_events": {"publisher": "zmq", "endpoint_port_base": dead, "replay_endpoint_port_base": dead}}
+
+    idx = ResidencyIndex()
+    svc = ResidencyService(idx, "auto")
+    svc.manager = KvEventsManager(idx, fetch, replay_timeout_s=0.5)
+    try:
+        assert not await svc.ready(0.2)  # the registry was never read
+        await svc.manager.refresh([("dead", "http://127.0.0.1:1")])
+        svc.first_refresh.set()
+        t0 = asyncio.get_running_loop().time()
+        assert not await svc.ready(0.3)
+        assert asyncio.get_running_loop().time() - t0 < 2.0
+        assert await ResidencyService(idx, "redis").ready(0.1)  # nothing to subscribe to: ready at once
+    finally:
+        await svc.manager.close()
