@@ -1,4 +1,4 @@
-"""``kvroute bench <peers|parity|overhead|emulator|redis|faults|soak|probes|kv-events|sim|sweep>``: one entry for the benchmarks.
+"""``kvroute bench <peers|parity|overhead|emulator|redis|faults|restart|soak|probes|kv-events|sim|sweep>``: one entry for the benchmarks.
 
 Each benchmark prints JSON (and a table on stderr); modules are imported lazily so that
 ``kvroute bench overhead`` does not import matplotlib and ``bench emulator`` imports no router.
@@ -18,6 +18,7 @@ BENCHES: dict[str, tuple[str, str, str]] = {
     "emulator": ("loadtests.bench_emulator", "cli_main", "emulator CPU per request outside modelled time"),
     "redis": ("loadtests.bench_redis", "cli_main", "Redis round trips per request, Redis vs memory store"),
     "faults": ("loadtests.faults", "cli_main", "fault campaign under load: completed / clean errors / lost"),
+    "restart": ("loadtests.bench_restart", "cli_main", "a gateway on embedded state restarts: where sessions go next"),
     "soak": ("loadtests.soak", "cli_main", "connection scale: idle + active streams against one gateway"),
     "probes": ("loadtests.bench_probes", "cli_main", "what probing many replicas costs relayed requests"),
     "kv-events": ("loadtests.bench_kv_events", "cli_main", "exact residency: cost per KV event, memory per session"),

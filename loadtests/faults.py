@@ -59,6 +59,10 @@ ALL_FAULTS = (
 )
 
 
+Observer = Callable[[str, str, str, int, int], None]
+"""Told of each completed request: session id, replica, route reason, prompt and cached tokens."""
+
+
 @dataclass
 class Outcomes:
     completed: int = 0
@@ -79,9 +83,11 @@ class Outcomes:
 # ---- processes ---------------------------------------------------------------------------------------
 
 
-async def start_emulator(procs: Procs, time_scale: float) -> tuple[subprocess.Popen[bytes], str]:
+async def start_emulator(
+    procs: Procs, time_scale: float, extra: Sequence[str] = ()
+) -> tuple[subprocess.Popen[bytes], str]:
     p = procs.start([PY, "-m", "router.cli", "emulate", "--replicas", "1", "--base-port", "0", "--profile", "small-test",
-                     "--time-scale", str(time_scale)])  # fmt: skip
+                     "--time-scale", str(time_scale), *extra])  # fmt: skip
     url = await read_line(p.stdout)
     if not url.startswith("http://"):
         raise RuntimeError(f"emulator did not start: {url!r}")
@@ -90,9 +96,11 @@ async def start_emulator(procs: Procs, time_scale: float) -> tuple[subprocess.Po
 
 
 async def start_gateway_proc(
-    procs: Procs, replicas: list[str], redis_url: str, gid: str, extra: Sequence[str] = ()
+    procs: Procs, replicas: list[str], redis_url: str | None, gid: str, extra: Sequence[str] = (), port: int = 0
 ) -> tuple[subprocess.Popen[bytes], str]:
-    args = [PY, "-m", "router.cli", "serve", "--port", "0", "--redis", redis_url, "--gateway-id", gid, "--max-retries", "2"]
+    """A ``kvroute serve`` process on ``port`` (0: a free one), on ``redis_url`` or embedded state (None)."""
+    args = [PY, "-m", "router.cli", "serve", "--port", str(port), "--gateway-id", gid, "--max-retries", "2",
+            *(["--redis", redis_url] if redis_url else [])]  # fmt: skip
     for r in replicas:
         args += ["--replica", r]
     args += ["--set", "health.health_interval_s=0.2", "--set", "health.scrape_interval_s=0.2",
@@ -115,8 +123,11 @@ async def start_gateway_proc(
 class Load:
     """Closed-loop sessions; each request lands in exactly one bucket of the current phase."""
 
-    def __init__(self, gateways: list[str], clients: int, seed: int, timeout_s: float) -> None:
+    def __init__(
+        self, gateways: list[str], clients: int, seed: int, timeout_s: float, observe: Observer | None = None
+    ) -> None:
         self.gateways = list(gateways)
+        self.observe = observe  # told of every completed request (``loadtests.bench_restart``)
         self.dead: set[str] = set()
         self.clients = clients
         self.rng = random.Random(seed)
@@ -136,19 +147,22 @@ class Load:
     async def _client(self, session: aiohttp.ClientSession, i: int) -> None:
         rng = random.Random(self.rng.random())
         sid, history, turn = f"fc{i}-0", f"system prompt of client {i}: " + "tools " * 300, 0
+        refused = False
         while not self.stop.is_set():
-            turn += 1
-            if turn % 12 == 0:  # sessions end and new ones begin
-                sid, history = f"fc{i}-{turn}", f"system prompt of client {i}: " + "tools " * 300
+            if not refused:  # a turn no gateway took is sent again, as an agent would
+                turn += 1
+                if turn % 12 == 0:  # sessions end and new ones begin
+                    sid, history = f"fc{i}-{turn}", f"system prompt of client {i}: " + "tools " * 300
+                history += f" user turn {turn}: " + "code " * rng.randint(20, 60)
+                # every third turn is a long answer, so that kills land mid-stream
+                body = {"model": "m", "messages": [{"role": "user", "content": history}], "stream": True,
+                        "max_tokens": 48 if turn % 3 else 400, "stream_options": {"include_usage": True}}  # fmt: skip
             live = [g for g in self.gateways if g not in self.dead] or self.gateways
             gw = live[i % len(live)]
-            history += f" user turn {turn}: " + "code " * rng.randint(20, 60)
-            # every third turn is a long answer, so that kills land mid-stream
-            body = {"model": "m", "messages": [{"role": "user", "content": history}], "stream": True,
-                    "max_tokens": 48 if turn % 3 else 400, "stream_options": {"include_usage": True}}  # fmt: skip
             self.in_flight += 1
+            refused = False
             try:
-                await asyncio.wait_for(self._one(session, gw, sid, body), self.timeout_s)
+                refused = await asyncio.wait_for(self._one(session, gw, sid, body), self.timeout_s)
             except TimeoutError:
                 self.phase.lost += 1
                 self.phase.errors["client_timeout"] = self.phase.errors.get("client_timeout", 0) + 1
@@ -156,12 +170,13 @@ class Load:
                 self.in_flight -= 1
             await asyncio.sleep(rng.uniform(0.01, 0.1))  # think time
 
-    async def _one(self, session: aiohttp.ClientSession, gw: str, sid: str, body: dict[str, Any]) -> None:
+    async def _one(self, session: aiohttp.ClientSession, gw: str, sid: str, body: dict[str, Any]) -> bool:
+        """One request, counted; True when no gateway took the connection."""
         ph = self.phase  # a request counts in the phase it started in
         try:
             async with session.post(gw + "/v1/chat/completions", json=body, headers={"Modal-Session-Id": sid}) as r:
+                rid, reason = r.headers.get("X-Kvroute-Replica", ""), r.headers.get("X-Kvroute-Reason", "")
                 if r.status == 200:
-                    rid = r.headers.get("X-Kvroute-Replica", "")
                     first = await r.content.readany()
                     self.streaming[rid] = self.streaming.get(rid, 0) + 1
                     self.streaming[gw] = self.streaming.get(gw, 0) + 1
@@ -179,29 +194,35 @@ class Load:
                     except (ValueError, KeyError, TypeError):
                         ph.lost += 1
                         ph.errors["non_json_error"] = ph.errors.get("non_json_error", 0) + 1
-                    return
+                    return False
         except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as exc:
+            ph.error(type(exc).__name__)
             if isinstance(exc, aiohttp.ClientConnectorError):
                 self.dead.add(gw)
-            ph.error(type(exc).__name__)
-            return
+                return True
+            return False
         text = raw.decode("utf-8", "replace")
         events = [ln[6:] for ln in text.split("\n") if ln.startswith("data: ")]
         if any('"error"' in e for e in events if e != "[DONE]"):
             ph.error("sse_error_event")
-            return
+            return False
         if not events or events[-1] != "[DONE]":
             ph.lost += 1
             ph.errors["silent_truncation"] = ph.errors.get("silent_truncation", 0) + 1
-            return
+            return False
         ph.completed += 1
         for e in reversed(events[:-1]):
             with contextlib.suppress(ValueError):
                 usage = json.loads(e).get("usage")
                 if usage:
-                    ph.prompt_tokens += int(usage.get("prompt_tokens") or 0)
-                    ph.cached_tokens += int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+                    prompt = int(usage.get("prompt_tokens") or 0)
+                    cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+                    ph.prompt_tokens += prompt
+                    ph.cached_tokens += cached
+                    if self.observe is not None:
+                        self.observe(sid, rid, reason, prompt, cached)
                     break
+        return False
 
 
 # ---- the campaign ---------------------------------------------------------------------------------

@@ -1,0 +1,46 @@
+"""``kvroute bench restart`` end to end, short: a gateway on embedded state restarts under load
+(real ``kvroute serve`` and ``kvroute emulate`` processes, SGLang's KV events over ZMQ). With the
+events every session's first turn after the restart goes back to its cache; placed by load
+(``kv_events.mode=off``) most do not; nothing is lost either way."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+
+def test_a_restarted_gateway_on_events_sends_every_session_back_to_its_cache(tmp_path: Path) -> None:
+    out = tmp_path / "restart.json"
+    p = subprocess.run(
+        [sys.executable, "-m", "router.cli", "bench", "restart", "--arms", "events,estimate", "--phase-s", "2",
+         "--clients", "12", "--output", str(out)],
+        capture_output=True, text=True, timeout=240, check=False,
+    )  # fmt: skip
+    assert p.returncode == 0, p.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert doc["total_lost"] == 0
+    arms = {a["arm"]: a for a in doc["arms"]}
+    events, estimate = arms["events"]["first_turn_after_restart"], arms["estimate"]["first_turn_after_restart"]
+    assert events["sessions"] >= 8, events  # the sessions that ran before the restart came back
+    assert events["reasons"] == {"placed_resident": events["sessions"]}, events
+    assert events["back_home"] == events["sessions"], events
+    assert events["chr"] >= arms["events"]["chr_before"] - 0.05, arms["events"]
+    # without the events the new gateway knows none of them and places each by load
+    assert estimate["reasons"] == {"placed_new": estimate["sessions"]}, estimate
+    assert estimate["back_home"] < estimate["sessions"], estimate
+    assert estimate["chr"] < events["chr"], (estimate, events)
+    for a in arms.values():  # the load ran on both gateways; the gap shows only as refused connections
+        assert a["completed"] > 100, a
+        assert set(a["error_kinds"]) <= {"ClientConnectorError", "ServerDisconnectedError", "ClientOSError"}, a
+
+
+def test_cli_rejects_unknown_arms() -> None:
+    p = subprocess.run([sys.executable, "-m", "router.cli", "bench", "restart", "--arms", "coin_flip"],
+                       capture_output=True, text=True, timeout=60, check=False)  # fmt: skip
+    assert p.returncode == 2 and "coin_flip" in p.stderr
