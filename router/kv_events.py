@@ -382,7 +382,7 @@ class KvEventsManager:
 
     async def wait_synced(self) -> bool:
         """Wait until every subscriber has had its first synchronisation (the replay of what its
-        engine holds), or has ended; whether all are synchronised. The caller bounds the wait."""
+        engine holds) or has ended; False if one was added meanwhile. The caller bounds the wait."""
         for sub in list(self._subs.values()):
             for s in sub.subscribers:
                 await s.synced.wait()
