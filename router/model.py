@@ -215,6 +215,11 @@ class SessionState:
     # cached there when it first stored (router/residency.py rule 2b)
     resident_tokens: int | None = None
     resident_on: tuple[tuple[ReplicaId, int], ...] = ()  # every replica known to hold > 0 of it, sorted
+    # replicas whose incomplete mirror holds the block the session stored last, of a depth the events
+    # do not tell (its chain begins before the replay did); filled only for a session without a home
+    # (router.residency.unbound_with_residency). A radix cache evicts leaves first, so all of the
+    # session's context up to that block is there.
+    tip_on: tuple[ReplicaId, ...] = ()
     # where each of the session's recent conversations (RouteRequest.chain_key) last ran, oldest first
     # (at most MAX_CHAINS): a sub-agent's context is where its own previous turn went, not at home
     chains: tuple[tuple[str, ReplicaId], ...] = ()

@@ -47,6 +47,12 @@ Rule 6 (bounds): at most ``max_blocks`` blocks (beyond that the mirror cannot be
         dropped and marked incomplete) and ``max_sessions`` session entries (least recently
         changed dropped first, a store that leaves the tip where it is counting as a change; a dropped
         session reads as rule 5 says).
+Rule 7 (a tip of unknown depth): on an incomplete mirror a session that stored below a block we
+        never saw has a tip whose end is unknown, so its tokens are ``None``; but a radix cache
+        evicts leaves first, so while that tip is resident all of the session's context up to it
+        is too. ``tip_on`` names such replicas, for a session the store does not know: after an
+        engine's replay buffer has rolled (SGLang keeps its last 10,000 batches) a restarted
+        gateway still finds the sessions that stored in that window.
 
 Memory and cost per event are measured by ``kvroute bench kv-events`` (docs/KV_EVENTS.md).
 """
@@ -97,6 +103,11 @@ class ResidencyView(Protocol):
 
     def resident_on(self, session_id: str) -> tuple[tuple[str, int], ...]:
         """``(replica, tokens)`` for every replica where the session is known to hold > 0 tokens."""
+        ...
+
+    def tip_on(self, session_id: str) -> tuple[str, ...]:
+        """Replicas not in ``resident_on`` whose mirror holds the session's last stored block, of
+        unknown depth (rule 7)."""
         ...
 
     def source(self, replica_id: str) -> str:
@@ -153,6 +164,14 @@ class ReplicaResidency:
         if b is None or b[1] < 0:
             return None
         return max(0, b[1] - self.bases.get(session_id, 0))
+
+    def tip_resident(self, session_id: str) -> bool:
+        """Rule 7: the session's tip is a resident block whose depth is unknown."""
+        if self.stale:
+            return False
+        t = self.tips.get(session_id)
+        b = None if t is None else self.blocks.get(t)
+        return b is not None and b[1] < 0 and b[2] != 0
 
     @property
     def resident_blocks(self) -> int:
@@ -365,10 +384,12 @@ def with_residency(session: SessionState, view: ResidencyView | None, engine_id:
 
 def unbound_with_residency(session_id: str, view: ResidencyView | None) -> SessionState | None:
     """A session the store does not know, as the engines' events know it: a state with only
-    ``resident_on`` filled when some replica holds its blocks (its binding expired, or the gateway
-    restarted on embedded state), else ``None``."""
-    on = () if view is None else view.resident_on(session_id)
-    return SessionState(session_id, resident_on=on) if on else None
+    ``resident_on`` and ``tip_on`` filled when some replica holds its blocks (its binding expired,
+    or the gateway restarted on embedded state), else ``None``."""
+    if view is None:
+        return None
+    on, tips = view.resident_on(session_id), view.tip_on(session_id)
+    return SessionState(session_id, resident_on=on, tip_on=tips) if on or tips else None
 
 
 def snapshot_with_residency(
@@ -448,6 +469,13 @@ class ResidencyIndex:
             v = self.resident_tokens(rid, session_id)
             if v:
                 out.append((rid, v))
+        return tuple(out)
+
+    def tip_on(self, session_id: str) -> tuple[str, ...]:
+        out: list[str] = []
+        for rid in self._order:
+            if any(r.tip_resident(session_id) for r in self._reps[rid]) and not self.resident_tokens(rid, session_id):
+                out.append(rid)
         return tuple(out)
 
     def source(self, replica_id: str) -> str:

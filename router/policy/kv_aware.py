@@ -269,7 +269,7 @@ class KvAwarePolicy:
         if sess is None or sess.session_id != sid or sess.home is None:
             own = sess if sess is not None and sess.session_id == sid else None
             ctx = (own.context_tokens if own is not None else 0) or request.prompt_tokens_estimate
-            if own is not None and own.resident_on:
+            if own is not None and (own.resident_on or own.tip_on):
                 back = self._back_to_cache(view, snapshot, own, ctx)
                 if back is not None:
                     return back
@@ -385,16 +385,26 @@ class KvAwarePolicy:
         """Rule 6 for a session without a home whose cache the engines' KV events show resident (its
         binding expired, or the gateway restarted on embedded state): it is bound where most of its
         own context is, if that is at least a tenth of it (less is a cold prefill anywhere, as
-        ``exact_gone`` says) and the replica may take it (ACTIVE, in the pool, under the hard bound)."""
+        ``exact_gone`` says) and the replica may take it (ACTIVE, in the pool, under the hard bound).
+        Failing that, where an incomplete mirror holds its last stored block (``tip_on``: all of
+        its context up to that block is there), the least loaded such replica."""
+
+        def may_take(rid: ReplicaId) -> ReplicaState | None:
+            r = snapshot.replica(rid)
+            if r is None or r.status is not ReplicaStatus.ACTIVE or not view.in_pool(r):
+                return None
+            return r if view.panic or r.in_flight < view.hard_bound else None
+
         best: tuple[ReplicaState, int] | None = None
         for rid, tokens in sess.resident_on:
-            r = snapshot.replica(rid)
-            if tokens < 0.1 * ctx or r is None or r.status is not ReplicaStatus.ACTIVE or not view.in_pool(r):
-                continue
-            if (view.panic or r.in_flight < view.hard_bound) and (best is None or tokens > best[1]):
+            r = may_take(rid) if tokens >= 0.1 * ctx else None
+            if r is not None and (best is None or tokens > best[1]):
                 best = (r, tokens)
         if best is None:
-            return None
+            tips = [r for r in map(may_take, sess.tip_on) if r is not None]
+            if not tips:
+                return None
+            best = (min(tips, key=lambda r: (r.in_flight, r.id)), 0)
         target = best[0]
         bind = BindSession(sess.session_id, target.id, only_if=None, reason=Reason.PLACED_RESIDENT)
         score = load_score(target, ctx, self.params)

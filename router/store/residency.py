@@ -205,6 +205,9 @@ class RedisResidencyMirror:
                 out.append((rid, v))
         return tuple(out)
 
+    def tip_on(self, session_id: str) -> tuple[str, ...]:
+        return ()  # the writers publish token counts only
+
     def source(self, replica_id: str) -> str:
         if replica_id not in self._src:
             return OFF

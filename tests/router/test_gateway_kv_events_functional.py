@@ -270,6 +270,67 @@ async def test_each_turn_sent_home_is_judged_by_the_residency_that_sent_it(
         assert shown["total"] == shown["window"] == want, shown
 
 
+async def test_a_restarted_gateway_finds_sessions_whose_history_outran_the_replay_buffer() -> None:
+    """An engine that has served a while no longer holds its events from sequence 0 (SGLang keeps
+    its last ``buffer_steps`` batches), so a restarted gateway's mirror is incomplete and the
+    sessions' token counts are unknown. Each session's last turn stored its blocks within the
+    buffer, below blocks the gateway never saw: a radix cache evicts leaves first, so while that
+    last block is resident all of the session's context is, and its next turn goes there
+    (``placed_resident`` on ``tip_on``) and finds its cache."""
+    buffer = 12
+    kv = json.dumps({**json.loads(KV), "buffer_steps": buffer})
+    prof = get_profile("small-test").with_overrides(kv_capacity_tokens=4096, host_capacity_tokens=0)
+    reps = await start_emulators(2, config=EmulatorConfig(profile=prof, time_scale=0.002, kv_events_config=kv))
+    urls = [r.url for r in reps]
+    cfg = fast_config(urls, admin_insecure=True, kv_events={"refresh_s": 0.2})
+    pubs = [r.replica.kv_publisher for r in reps]
+    assert all(p is not None for p in pubs)
+
+    def next_seq() -> list[int]:
+        return [p.stats()["next_seq"] for p in pubs if p is not None]
+
+    sessions = {f"b{i}": [{"role": "user", "content": f"task {i}: " + f"part{i} of the plan " * 8}] for i in range(6)}
+    homes: dict[str, str] = {}
+    try:
+        async with aiohttp.ClientSession() as http:
+            async with gateway(cfg) as first:
+                rounds = 0
+                while rounds < 3 or min(next_seq()) <= 2 * buffer:  # seq 0 is long gone from the buffer
+                    rounds += 1
+                    before = next_seq()
+                    for sid, msgs in sessions.items():
+                        body = {"model": "emulated/small-test", "messages": msgs, "max_tokens": 2}
+                        async with http.post(first.url + "/v1/chat/completions", json=body,
+                                             headers={"Modal-Session-Id": sid}) as r:  # fmt: skip
+                            assert r.status == 200, await r.text()
+                            homes[sid] = r.headers["X-Kvroute-Replica"]
+                            msgs += [{"role": "assistant", "content": (await r.json())["choices"][0]["message"]["content"]},
+                                     {"role": "user", "content": f"round {rounds} " * 4}]  # fmt: skip
+                    assert rounds < 12, next_seq()
+                # every session's last turn is within what the engines still replay
+                assert all(n - b < buffer for n, b in zip(next_seq(), before, strict=True)), (before, next_seq())
+                await wait_for(lambda: synced(first, reps))
+            assert len(set(homes.values())) == 2
+
+            async with gateway(cfg) as second:
+                svc = second.runtime.residency
+                assert svc is not None
+                assert {svc.view.source(u.removeprefix("http://")) for u in urls} == {"estimate"}  # incomplete
+                for sid, msgs in sessions.items():
+                    assert (await second.store.session(sid)) is None
+                    snap = await second.store.snapshot(sid)
+                    assert snap.session is not None and snap.session.tip_on == (homes[sid],), (sid, snap.session)
+                    body = {"model": "emulated/small-test", "messages": msgs, "max_tokens": 2}
+                    async with http.post(second.url + "/v1/chat/completions", json=body, headers={"Modal-Session-Id": sid}) as r:
+                        assert r.status == 200, await r.text()
+                        went, reason = r.headers["X-Kvroute-Replica"], r.headers["X-Kvroute-Reason"]
+                        usage = (await r.json())["usage"]
+                    assert (went, reason) == (homes[sid], "placed_resident"), (sid, went, reason)
+                    assert usage["prompt_tokens_details"]["cached_tokens"] >= usage["prompt_tokens"] // 2, usage
+    finally:
+        await stop_emulators(reps)
+
+
 class Conversation:
     """One session's growing chat through ``gw``; with ``reps`` each turn waits for their events."""
 

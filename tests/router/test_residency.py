@@ -148,6 +148,28 @@ def test_eviction_into_an_unknown_ancestor_is_unknown() -> None:
     assert r.resident_tokens("s") is None
 
 
+def test_a_resident_tip_of_unknown_depth_names_its_replica() -> None:
+    """Rule 7: the session stored below a block we never saw (its chain began before the replay);
+    its tokens are unknown, but while its last block is resident all of its context is."""
+    idx = ResidencyIndex()
+    a, b, c = idx.replica("a"), idx.replica("b"), idx.replica("c")
+    c.cleared()
+    a.stored(999, chain(1, 2), 16, 32, GPU, "s")  # incomplete: joined after the session began
+    b.stored(None, chain(50, 2), 16, 32, GPU, "s")  # stored from the root after we joined: exact
+    c.stored(None, chain(60, 2), 16, 32, GPU, "t")
+    assert a.tip_resident("s") and not b.tip_resident("s") and not c.tip_resident("t")
+    assert idx.resident_tokens("a", "s") is None
+    assert idx.resident_on("s") == (("b", 32),) and idx.tip_on("s") == ("a",)
+    assert idx.tip_on("t") == () and idx.tip_on("nobody") == ()
+    a.stored(2, chain(3, 1), 16, 16, GPU, "s")  # its next turn, below its tip: still unknown depth
+    assert idx.tip_on("s") == ("a",)
+    a.stale = True  # disconnected: it may have changed unseen
+    assert idx.tip_on("s") == ()
+    a.stale = False
+    a.removed([3, 2, 1], GPU)  # evicted up into what we never saw: nothing is known
+    assert idx.tip_on("s") == () and idx.resident_tokens("a", "s") is None
+
+
 def test_clear_zeroes_every_session_and_makes_it_complete() -> None:
     r = ReplicaResidency()
     r.stored(None, chain(1, 2), 16, 32, GPU, "s")

@@ -874,23 +874,31 @@ def test_exact_residency_decides_when_the_engine_publishes_it(
 
 
 @pytest.mark.parametrize(
-    ("resident_on", "excluded", "want", "reason"),
+    ("resident_on", "excluded", "want", "reason", "tip_on"),
     [
-        (((B, 30_000), (C, 60_000)), set(), C, Reason.PLACED_RESIDENT),  # where most of its own context is
-        (((B, 30_000), (C, 60_000)), {C}, B, Reason.PLACED_RESIDENT),  # a retry: not where it failed
-        (((C, 60_000),), set(), C, Reason.PLACED_RESIDENT),  # though B is idler
-        (((C, 9_000),), set(), B, Reason.PLACED_NEW),  # under a tenth of 100k: a cold prefill anywhere
-        (((A, 60_000),), set(), B, Reason.PLACED_NEW),  # A over the hard bound (9 in flight, bound 8)
-        (((D, 60_000),), set(), B, Reason.PLACED_NEW),  # D draining: no session binds there
+        (((B, 30_000), (C, 60_000)), set(), C, Reason.PLACED_RESIDENT, ()),  # where most of its own context is
+        (((B, 30_000), (C, 60_000)), {C}, B, Reason.PLACED_RESIDENT, ()),  # a retry: not where it failed
+        (((C, 60_000),), set(), C, Reason.PLACED_RESIDENT, ()),  # though B is idler
+        (((C, 9_000),), set(), B, Reason.PLACED_NEW, ()),  # under a tenth of 100k: a cold prefill anywhere
+        (((A, 60_000),), set(), B, Reason.PLACED_NEW, ()),  # A over the hard bound (9 in flight, bound 8)
+        (((D, 60_000),), set(), B, Reason.PLACED_NEW, ()),  # D draining: no session binds there
+        # an incomplete mirror holds its last stored block (depth unknown): all of it is there
+        ((), set(), C, Reason.PLACED_RESIDENT, (C,)),
+        ((), set(), C, Reason.PLACED_RESIDENT, (A, C)),  # A over the hard bound
+        ((), set(), B, Reason.PLACED_RESIDENT, (C, B)),  # the least loaded of two
+        ((), {C}, B, Reason.PLACED_NEW, (C,)),  # a retry: not where it failed
+        ((), set(), B, Reason.PLACED_NEW, (D,)),  # draining
+        (((B, 30_000),), set(), B, Reason.PLACED_RESIDENT, (C,)),  # a known amount goes first
+        (((B, 5_000),), set(), C, Reason.PLACED_RESIDENT, (C,)),  # a known tenth does not: the tip does
     ],
 )
 def test_a_session_without_a_home_goes_back_to_where_the_events_show_its_cache(
-    resident_on: tuple[tuple[str, int], ...], excluded: set[str], want: str, reason: Reason
+    resident_on: tuple[tuple[str, int], ...], excluded: set[str], want: str, reason: Reason, tip_on: tuple[str, ...]
 ) -> None:
     """A session the store does not know (its binding expired, or the gateway restarted on embedded
     state) but whose blocks the engines' KV events name: rule 6 sends it to its cache, under the
     same conditions as any home; otherwise it is placed by load (B, the idlest)."""
-    sess = dataclasses.replace(session("s1", None, ctx=0, turns=0), resident_on=resident_on)  # as the store builds it
+    sess = dataclasses.replace(session("s1", None, ctx=0, turns=0), resident_on=resident_on, tip_on=tip_on)
     snap = snapshot(replica(A, in_flight=9), replica(B), replica(C, in_flight=2), replica(D, status=S.DRAINING), sess=sess)
     d = KvAwarePolicy().route(request(prompt=100_000, excluded=excluded), snap, random.Random(0))
     assert (d.replica_id, d.reason) == (want, reason)
