@@ -51,8 +51,9 @@ class _Server:
     """One real SGLang (``kvroute launch --profile sglang-cpu-tiny``) publishing KV events on fixed
     ports, so that a restart comes back on the same endpoints."""
 
-    def __init__(self, port: int, kv_port: int, replay_port: int, log_dir: Path) -> None:
+    def __init__(self, port: int, kv_port: int, replay_port: int, log_dir: Path, buffer_steps: int | None = None) -> None:
         self.port, self.kv_port, self.replay_port, self.log_dir = port, kv_port, replay_port, log_dir
+        self.buffer_steps = buffer_steps  # SGLang's replay buffer (None: its default, 10,000 batches)
         self.real: RealServer | None = None
 
     @property
@@ -60,8 +61,10 @@ class _Server:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self) -> None:
-        kv = {"publisher": "zmq", "endpoint": f"tcp://127.0.0.1:{self.kv_port}", "bind": True,
-              "replay_endpoint": f"tcp://127.0.0.1:{self.replay_port}"}
+        kv: dict[str, Any] = {"publisher": "zmq", "endpoint": f"tcp://127.0.0.1:{self.kv_port}", "bind": True,
+                              "replay_endpoint": f"tcp://127.0.0.1:{self.replay_port}"}  # fmt: skip
+        if self.buffer_steps is not None:
+            kv["buffer_steps"] = self.buffer_steps
         self.real = start_real_server(self.port, max(os.sched_getaffinity(0)), log_dir=self.log_dir,
                                       max_total_tokens=POOL, context_length=4096,
                                       sets=[f"kv-events-config={json.dumps(kv)}"])
@@ -75,6 +78,10 @@ class _Server:
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[_Server]:
+    yield from _serve()
+
+
+def _serve(buffer_steps: int | None = None) -> Iterator[_Server]:
     why = runtime_missing()
     if why is not None:
         missing(why)
@@ -85,7 +92,7 @@ def server() -> Iterator[_Server]:
         # the test with both logs.
         failures: list[str] = []
         for attempt in range(2):
-            s = _Server(free_port(), free_port(), free_port(), Path(tmp) / str(attempt))
+            s = _Server(free_port(), free_port(), free_port(), Path(tmp) / str(attempt), buffer_steps)
             try:
                 s.start()
                 break
@@ -236,3 +243,47 @@ async def test_an_engine_restart_is_rebuilt_from_sequence_zero(server: _Server) 
         assert await _resident(gw, "real-C") == 0
         st = svc.manager.stats()[rid]["ranks"][0]
         assert st["rebuilds"] >= 2 and st["disconnects"] >= 1
+
+
+ROLLED = 4
+
+
+@pytest.fixture
+def rolled_server() -> Iterator[_Server]:
+    """A real SGLang that replays only its last ``ROLLED`` batches of KV events."""
+    yield from _serve(ROLLED)
+
+
+async def test_a_restarted_gateway_finds_a_session_after_the_engines_replay_buffer_rolled(
+    rolled_server: _Server,
+) -> None:
+    """The engine has published more batches than it keeps, so a restarted gateway cannot rebuild its
+    cache from sequence 0 (the mirror is incomplete, the session's depth unknown). The session's last
+    turn stored its blocks within the buffer: the new gateway finds that block (``tip_on``) and sends
+    the next turn to it, where the engine reports all of the previous prompt cached."""
+    server = rolled_server
+    rid = f"127.0.0.1:{server.port}"
+    msgs = [{"role": "user", "content": "a session older than the replay buffer " * 15}]
+    async with gateway(server.url) as first, aiohttp.ClientSession() as http:
+        svc = first.runtime.residency
+        assert svc is not None and svc.view.source(rid) == EVENTS
+        for turn in range(6):  # two batches a turn (its prompt at prefill, prompt + answer at the end)
+            d = await _chat(http, first, "real-O", msgs, max_tokens=8)
+            msgs = [*msgs, {"role": "assistant", "content": d["choices"][0]["message"]["content"]},
+                    {"role": "user", "content": f"and at step {turn}?"}]  # fmt: skip
+        last = d["usage"]
+        seq = svc.manager.stats()[rid]["ranks"][0]["last_seq"]
+        assert seq >= 2 * ROLLED, seq
+    async with gateway(server.url) as second, aiohttp.ClientSession() as http:
+        svc = second.runtime.residency
+        assert svc is not None
+        assert svc.view.source(rid) == "estimate"  # incomplete: the replay began after sequence 0
+        snap = await second.store.snapshot("real-O")
+        assert snap.session is not None and snap.session.resident_tokens is None, snap.session
+        assert snap.session.resident_on == () and snap.session.tip_on == (rid,), snap.session
+        body = {"model": "tiny", "messages": msgs, "max_tokens": 2}
+        async with http.post(second.url + "/v1/chat/completions", json=body, headers={"Modal-Session-Id": "real-O"}) as r:
+            assert r.status == 200, await r.text()
+            assert r.headers["X-Kvroute-Reason"] == "placed_resident"
+            cached = (await r.json())["usage"]["prompt_tokens_details"]["cached_tokens"]
+        assert cached >= last["prompt_tokens"] - 1, (cached, last)
