@@ -100,6 +100,13 @@ def _totals(phases: Sequence[Outcomes]) -> dict[str, Any]:
     }
 
 
+async def _residency_sources(s: aiohttp.ClientSession, gw: str) -> dict[str, int]:
+    """The new gateway's replicas by residency source (``events``: its mirror is complete)."""
+    async with s.get(gw + "/admin/stats", headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}) as r:
+        r.raise_for_status()
+        return dict(Counter(str(rep.get("residency_source")) for rep in (await r.json())["replicas"]))
+
+
 async def run_arm(
     arm: str,
     *,
@@ -108,14 +115,17 @@ async def run_arm(
     phase_s: float,
     time_scale: float,
     seed: int,
+    replay_batches: int | None = None,
     client_timeout_s: float = 20.0,
     log: Callable[[str], None] = lambda _m: None,
 ) -> dict[str, Any]:
     """One arm: a fleet, a gateway, warm-up, ``before``, the restart, ``after``. Bounded: about
-    ``3 * phase_s`` plus the processes' start and the client timeout."""
+    ``3 * phase_s`` plus the processes' start and the client timeout. ``replay_batches``: the
+    engines' replay buffer (SGLang's ``buffer_steps``; None: its default, 10,000)."""
     procs = Procs({"KVROUTE_ADMIN_TOKEN": ADMIN_TOKEN})
+    kv = json.loads(KV_EVENTS_CONFIG) | ({} if replay_batches is None else {"buffer_steps": replay_batches})
     # room for every client's session (about 1,200 tokens) on any replica: a miss is placement
-    room = ["--set", f"kv_capacity_tokens={max(8192, 2 * 1200 * clients)}", "--kv-events-config", KV_EVENTS_CONFIG]
+    room = ["--set", f"kv_capacity_tokens={max(8192, 2 * 1200 * clients)}", "--kv-events-config", json.dumps(kv)]
     try:
         emus = await asyncio.gather(*(start_emulator(procs, time_scale, room) for _ in range(replicas)))
         urls = [u for _, u in emus]
@@ -143,6 +153,7 @@ async def run_arm(
             load.dead.clear()
             await asyncio.sleep(phase_s)
             after = load.new_phase()
+            sources = await _residency_sources(s, gw)
             load.stop.set()
             await asyncio.wait_for(task, client_timeout_s + 5)
             late = load.new_phase()
@@ -155,6 +166,7 @@ async def run_arm(
         "chr_after": after.chr(),
         "first_turn_after_restart": first.report(),
         "restart_to_listening_s": round(listening_s, 2),
+        "residency_sources_after": sources,
         **_totals((warm, before, after, late)),
     }
 
@@ -167,12 +179,13 @@ async def run_restart(
     phase_s: float = 6.0,
     time_scale: float = 0.05,
     seed: int = 1,
+    replay_batches: int | None = None,
     log: Callable[[str], None] = lambda _m: None,
 ) -> dict[str, Any]:
     rows = []
     for arm in arms:
-        rows.append(await run_arm(arm, replicas=replicas, clients=clients, phase_s=phase_s,
-                                  time_scale=time_scale, seed=seed, log=log))  # fmt: skip
+        rows.append(await run_arm(arm, replicas=replicas, clients=clients, phase_s=phase_s, time_scale=time_scale,
+                                  seed=seed, replay_batches=replay_batches, log=log))  # fmt: skip
     return {
         "bench": "restart",
         "replicas": replicas,
@@ -180,6 +193,7 @@ async def run_restart(
         "phase_s": phase_s,
         "time_scale": time_scale,
         "seed": seed,
+        "replay_batches": replay_batches,
         "arms": rows,
         "total_lost": sum(r["lost"] for r in rows),
     }
@@ -193,16 +207,22 @@ def cli_main(argv: list[str]) -> int:
     p.add_argument("--phase-s", type=float, default=6.0, help="wall seconds of warm-up, of before and of after")
     p.add_argument("--time-scale", type=float, default=0.05)
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument(
+        "--replay-batches", type=int, default=None, metavar="N",
+        help="the engines keep only their last N batches of KV events (SGLang's buffer_steps, default 10,000): "
+        "an engine that has served a while, whose history a restarted gateway cannot replay from the start",
+    )  # fmt: skip
     p.add_argument("--output", metavar="PATH", help="also write the JSON here")
     a = p.parse_args(argv)
     arms = tuple(x.strip() for x in a.arms.split(",") if x.strip())
     bad = [x for x in arms if x not in ARMS]
-    if bad or not arms or a.replicas < 2 or a.clients < 1 or a.phase_s <= 0 or a.time_scale <= 0:
+    if (bad or not arms or a.replicas < 2 or a.clients < 1 or a.phase_s <= 0 or a.time_scale <= 0
+            or (a.replay_batches is not None and a.replay_batches < 1)):
         print(f"kvroute bench restart: bad arguments (unknown arms {bad}; need replicas >= 2, clients >= 1, "
               "phase-s > 0, time-scale > 0)", file=sys.stderr)  # fmt: skip
         return 2
     out = asyncio.run(run_restart(arms, replicas=a.replicas, clients=a.clients, phase_s=a.phase_s,
-                                  time_scale=a.time_scale, seed=a.seed,
+                                  time_scale=a.time_scale, seed=a.seed, replay_batches=a.replay_batches,
                                   log=lambda m: print(m, file=sys.stderr, flush=True)))  # fmt: skip
     text = json.dumps(out, indent=2)
     print(text)
