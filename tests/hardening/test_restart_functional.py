@@ -44,3 +44,6 @@ def test_cli_rejects_unknown_arms() -> None:
     p = subprocess.run([sys.executable, "-m", "router.cli", "bench", "restart", "--arms", "coin_flip"],
                        capture_output=True, text=True, timeout=60, check=False)  # fmt: skip
     assert p.returncode == 2 and "coin_flip" in p.stderr
+    p = subprocess.run([sys.executable, "-m", "router.cli", "bench", "restart", "--replay-batches", "0"],
+                       capture_output=True, text=True, timeout=60, check=False)  # fmt: skip
+    assert p.returncode == 2 and "bad arguments" in p.stderr
