@@ -39,7 +39,7 @@ from loadtests.faults import ADMIN_TOKEN, Load, Outcomes, start_emulator, start_
 from loadtests.procs import Procs, free_port
 from loadtests.scenario import KV_EVENTS_CONFIG
 
-__all__ = ["ARMS", "FirstTurns", "cli_main", "run_restart"]
+__all__ = ["ARMS", "HANDOVERS", "FirstTurns", "cli_main", "run_restart"]
 
 ARMS: dict[str, tuple[str, ...]] = {
     "events": (),
@@ -47,6 +47,10 @@ ARMS: dict[str, tuple[str, ...]] = {
     "hash": ("--policy", "hash"),
 }
 """The gateway's flags per arm; every arm runs on the same fleet, which publishes KV events."""
+
+HANDOVERS = ("stop-start", "reuse-port")
+"""How the new gateway takes the port: after the old one has exited, or (``--reuse-port``, both
+gateways) beside it, the old one then draining."""
 
 
 @dataclass
@@ -116,12 +120,14 @@ async def run_arm(
     time_scale: float,
     seed: int,
     replay_batches: int | None = None,
+    handover: str = "stop-start",
     client_timeout_s: float = 20.0,
     log: Callable[[str], None] = lambda _m: None,
 ) -> dict[str, Any]:
     """One arm: a fleet, a gateway, warm-up, ``before``, the restart, ``after``. Bounded: about
     ``3 * phase_s`` plus the processes' start and the client timeout. ``replay_batches``: the
-    engines' replay buffer (SGLang's ``buffer_steps``; None: its default, 10,000)."""
+    engines' replay buffer (SGLang's ``buffer_steps``; None: its default, 10,000). ``handover``
+    (``HANDOVERS``): how the new gateway takes over the port."""
     procs = Procs({"KVROUTE_ADMIN_TOKEN": ADMIN_TOKEN})
     kv = json.loads(KV_EVENTS_CONFIG) | ({} if replay_batches is None else {"buffer_steps": replay_batches})
     # room for every client's session (about 1,200 tokens) on any replica: a miss is placement
@@ -130,7 +136,7 @@ async def run_arm(
         emus = await asyncio.gather(*(start_emulator(procs, time_scale, room) for _ in range(replicas)))
         urls = [u for _, u in emus]
         port = free_port()
-        gw_args = ARMS[arm]
+        gw_args = (*ARMS[arm], *(["--reuse-port"] if handover == "reuse-port" else []))
         old, gw = await start_gateway_proc(procs, urls, None, f"{arm}-1", gw_args, port=port)
         first = FirstTurns()
         load = Load([gw], clients, seed, client_timeout_s, observe=first)
@@ -144,11 +150,18 @@ async def run_arm(
             before = load.new_phase()
             log(f"{arm}: restarting the gateway")
             t0 = time.monotonic()
-            old.send_signal(signal.SIGTERM)
-            await asyncio.to_thread(old.wait, 30)  # its requests end before it exits (graceful shutdown)
-            _new, gw2 = await start_gateway_proc(procs, urls, None, f"{arm}-2", gw_args, port=port)
+            if handover == "reuse-port":  # the new one listens beside the old, then the old drains
+                _new, gw2 = await start_gateway_proc(procs, urls, None, f"{arm}-2", gw_args, port=port)
+                listening_s = time.monotonic() - t0
+                old.send_signal(signal.SIGTERM)
+                await asyncio.to_thread(old.wait, 30)
+            else:
+                old.send_signal(signal.SIGTERM)
+                await asyncio.to_thread(old.wait, 30)  # its requests end before it exits (graceful shutdown)
+                _new, gw2 = await start_gateway_proc(procs, urls, None, f"{arm}-2", gw_args, port=port)
+                listening_s = time.monotonic() - t0
             first.armed = True  # from here every completed request started at the new gateway
-            listening_s = time.monotonic() - t0
+            handover_s = time.monotonic() - t0
             assert gw2 == gw, (gw2, gw)
             load.dead.clear()
             await asyncio.sleep(phase_s)
@@ -165,7 +178,9 @@ async def run_arm(
         "chr_before": before.chr(),
         "chr_after": after.chr(),
         "first_turn_after_restart": first.report(),
+        "handover": handover,
         "restart_to_listening_s": round(listening_s, 2),
+        "restart_to_old_gone_and_new_listening_s": round(handover_s, 2),
         "residency_sources_after": sources,
         **_totals((warm, before, after, late)),
     }
@@ -180,12 +195,13 @@ async def run_restart(
     time_scale: float = 0.05,
     seed: int = 1,
     replay_batches: int | None = None,
+    handover: str = "stop-start",
     log: Callable[[str], None] = lambda _m: None,
 ) -> dict[str, Any]:
     rows = []
     for arm in arms:
         rows.append(await run_arm(arm, replicas=replicas, clients=clients, phase_s=phase_s, time_scale=time_scale,
-                                  seed=seed, replay_batches=replay_batches, log=log))  # fmt: skip
+                                  seed=seed, replay_batches=replay_batches, handover=handover, log=log))  # fmt: skip
     return {
         "bench": "restart",
         "replicas": replicas,
@@ -194,6 +210,7 @@ async def run_restart(
         "time_scale": time_scale,
         "seed": seed,
         "replay_batches": replay_batches,
+        "handover": handover,
         "arms": rows,
         "total_lost": sum(r["lost"] for r in rows),
     }
@@ -212,6 +229,9 @@ def cli_main(argv: list[str]) -> int:
         help="the engines keep only their last N batches of KV events (SGLang's buffer_steps, default 10,000): "
         "an engine that has served a while, whose history a restarted gateway cannot replay from the start",
     )  # fmt: skip
+    p.add_argument("--handover", choices=HANDOVERS, default="stop-start",
+                   help="stop the old gateway, then start the new one; or start the new one beside it "
+                   "(both --reuse-port) and then stop the old one")  # fmt: skip
     p.add_argument("--output", metavar="PATH", help="also write the JSON here")
     a = p.parse_args(argv)
     arms = tuple(x.strip() for x in a.arms.split(",") if x.strip())
@@ -223,6 +243,7 @@ def cli_main(argv: list[str]) -> int:
         return 2
     out = asyncio.run(run_restart(arms, replicas=a.replicas, clients=a.clients, phase_s=a.phase_s,
                                   time_scale=a.time_scale, seed=a.seed, replay_batches=a.replay_batches,
+                                  handover=a.handover,
                                   log=lambda m: print(m, file=sys.stderr, flush=True)))  # fmt: skip
     text = json.dumps(out, indent=2)
     print(text)

@@ -268,6 +268,9 @@ class GatewayConfig(BaseSettings):
     tls_cert: str | None = None  # PEM certificate (chain) of the listener: HTTPS when set with tls_key
     tls_key: str | None = None  # PEM private key of the listener
     warm_handoff: bool = False  # warm the next home of a draining replica's idle sessions (router/handoff.py)
+    # SO_REUSEPORT on the listener: a new gateway binds the port while the old one still serves, so a
+    # restart refuses no connection (docs/OPERATIONS.md "Restarting a gateway")
+    reuse_port: bool = False
     kv_events: KvEventsSettings = Field(default_factory=KvEventsSettings)  # type: ignore[arg-type]
 
     @classmethod
@@ -581,6 +584,12 @@ def build_arg_parser(prog: str = "kvroute serve") -> argparse.ArgumentParser:
         action="store_true",
         default=argparse.SUPPRESS,
         help="while a replica drains, pre-warm its idle sessions' next home (docs/DEPLOY.md)",
+    )
+    p.add_argument(
+        "--reuse-port",
+        action="store_true",
+        default=argparse.SUPPRESS,
+        help="SO_REUSEPORT: start the next gateway on the same port before stopping this one (no refused connections)",
     )
     p.add_argument("--gateway-id")
     p.add_argument("--log-level")

@@ -105,6 +105,15 @@ def make_app(
     app[RUNTIME_KEY] = rt
     app[MIDDLEWARE_KEY] = gateway_mw
 
+    async def close_when_draining(request: web.Request, response: web.StreamResponse) -> None:
+        # a shutting-down gateway ends each keep-alive connection with its current answer, so clients
+        # reconnect (to the next gateway on the port) instead of keeping a connection it must cut
+        if rt.draining:
+            response.force_close()
+            response.headers["Connection"] = "close"  # aiohttp wrote its own before this hook ran
+
+    app.on_response_prepare.append(close_when_draining)
+
     for path in (*INFERENCE_ROUTES, COUNT_TOKENS_ROUTE):
         app.router.add_post(path, handle_inference)
     for path in SESSION_ROUTES:  # SGLang takes both (router/gateway/engine_sessions.py)

@@ -149,7 +149,8 @@ async def start_gateway(
 
     try:
         listener = await loop.create_server(
-            connection, config.host, config.port, ssl=ssl_context, reuse_address=True, backlog=128
+            connection, config.host, config.port, ssl=ssl_context, reuse_address=True, backlog=128,
+            reuse_port=config.reuse_port or None,
         )
     except OSError:
         await runner.cleanup()

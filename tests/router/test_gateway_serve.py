@@ -148,3 +148,53 @@ async def test_serve_routes_and_drains_on_sigterm(fake_replicas: Any) -> None:
         if proc.returncode is None:
             proc.kill()
             await proc.wait()
+
+
+@pytest.mark.slow
+async def test_a_new_gateway_takes_the_port_beside_the_old_one_with_reuse_port(fake_replicas: Any) -> None:
+    """``--reuse-port``: the next gateway binds the port while the old one still serves; on SIGTERM
+    the old one stops accepting, finishes what it has, and ends each keep-alive connection with its
+    answer (``Connection: close``), so its clients' next requests reach the new gateway: no
+    connection refused during a restart."""
+    from loadtests.procs import free_port
+
+    (rep,) = await fake_replicas(1)
+    rep.state.chunks, rep.state.chunk_delay_s = 10, 0.1  # a 1 s stream keeps the old one draining
+    port = str(free_port())
+    common = ["--host", "127.0.0.1", "--port", port, "--replica", rep.url, "--reuse-port",
+              "--set", "health.health_interval_s=0.1"]  # fmt: skip
+    old = await _spawn(*common, "--gateway-id", "gw-old")
+    new: asyncio.subprocess.Process | None = None
+    try:
+        url = await _url(old)
+
+        async def gateway_id(s: aiohttp.ClientSession) -> tuple[str, str | None]:  # and the connection
+            async with s.get(url + "/health") as r:
+                assert r.status == 200
+                return (await r.json())["gateway_id"], r.headers.get("Connection")
+
+        # one keep-alive connection each, both made before the new gateway exists: both to the old
+        kept = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1))
+        streaming = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1))
+        async with kept, streaming:
+            assert await gateway_id(kept) == await gateway_id(streaming) == ("gw-old", None)
+            new = await _spawn(*common, "--gateway-id", "gw-new")
+            assert await _url(new) == url  # bound beside the old one
+            body = b'{"text":"hi","stream":true}'
+            async with streaming.post(url + "/generate", data=body, headers={"Modal-Session-Id": "h"}) as r:
+                assert r.status == 200
+                await r.content.readline()
+                old.send_signal(signal.SIGTERM)
+                await asyncio.sleep(0.3)  # it has closed its listener and is draining
+                # the old gateway still answers on the connection it holds, and closes it
+                assert await gateway_id(kept) == ("gw-old", "close")
+                # the next request needs a new connection: only the new gateway accepts any more
+                assert await gateway_id(kept) == ("gw-new", None)
+                rest = await r.read()
+            assert rest.endswith(b"data: [DONE]\n\n")  # the stream under way finished on the old one
+        assert await asyncio.wait_for(old.wait(), 20) == 0
+    finally:
+        for p in (old, new):
+            if p is not None and p.returncode is None:
+                p.kill()
+                await p.wait()
