@@ -104,11 +104,18 @@ def _totals(phases: Sequence[Outcomes]) -> dict[str, Any]:
     }
 
 
-async def _residency_sources(s: aiohttp.ClientSession, gw: str) -> dict[str, int]:
-    """The new gateway's replicas by residency source (``events``: its mirror is complete)."""
-    async with s.get(gw + "/admin/stats", headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}) as r:
+async def _residency_sources(s: aiohttp.ClientSession, gw: str) -> dict[str, Any]:
+    """The new gateway's replicas by residency source (``events``: its mirror is complete), and its
+    subscribers' counters summed (``GET /admin/kv-events``)."""
+    async with s.get(gw + "/admin/kv-events", headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}) as r:
         r.raise_for_status()
-        return dict(Counter(str(rep.get("residency_source")) for rep in (await r.json())["replicas"]))
+        kv = await r.json()
+    ranks = [rank for sub in kv.get("subscribers", {}).values() for rank in sub["ranks"]]
+    counters = ("syncs", "rebuilds", "replay_failures", "gaps", "gaps_unrecovered", "restarts", "disconnects")
+    return {
+        "sources": dict(Counter(str(v["source"]) for v in kv.get("replicas", {}).values())),
+        "subscribers": {c: sum(int(rk[c]) for rk in ranks) for c in counters} if ranks else {},
+    }
 
 
 async def run_arm(

@@ -378,8 +378,10 @@ def make_admin_app(
     stats: RollingStats,
     clock: Clock,
     settings: AdminSettings,
+    kv_events: Callable[[], dict[str, Any]] | None = None,
 ) -> web.Application:
-    """The ``/admin`` sub-app; mount it with ``app.add_subapp("/admin", make_admin_app(...))``."""
+    """The ``/admin`` sub-app; mount it with ``app.add_subapp("/admin", make_admin_app(...))``.
+    ``kv_events``: what ``GET /admin/kv-events`` shows (the gateway's ``ResidencyService.stats``)."""
     from router.gateway.admin_openapi import openapi_spec
 
     token = (settings.token or "").encode()
@@ -594,6 +596,9 @@ def make_admin_app(
     async def get_config(request: web.Request) -> web.Response:
         return web.json_response(_config_body())
 
+    async def get_kv_events(request: web.Request) -> web.Response:
+        return web.json_response(kv_events() if kv_events is not None else {"mode": "off"})
+
     async def patch_config(request: web.Request) -> web.Response:
         data = await _json_body(request)
         unknown = set(data) - {"policy", "params"}
@@ -645,6 +650,7 @@ def make_admin_app(
     r.add_delete("/replicas/{replica_id}", delete_replica)
     r.add_get("/sessions/{session_id}", get_session)
     r.add_get("/config", get_config)
+    r.add_get("/kv-events", get_kv_events)
     r.add_patch("/config", patch_config)
     r.add_get("/openapi.json", get_openapi)
     r.add_get("/ui", get_ui)

@@ -253,6 +253,17 @@ def openapi_spec() -> dict[str, Any]:
             "params": {"$ref": "#/components/schemas/PolicyParams"},
         },
     }
+    kv_events = {
+        "type": "object",
+        "required": ["mode"],
+        "properties": {
+            "mode": {"type": "string", "enum": ["off", "auto", "subscribe", "redis"]},
+            "replicas": {"type": "object", "additionalProperties": {"type": "object"}},
+            "subscribers": {"type": "object", "additionalProperties": {"type": "object"}},
+            "writer": {"type": "object"},
+            "mirror": {"type": "object"},
+        },
+    }
     rid_param = {
         "name": "replica_id",
         "in": "path",
@@ -278,6 +289,15 @@ def openapi_spec() -> dict[str, Any]:
                     "operationId": "getStats",
                     "summary": "Per-replica and fleet routing statistics",
                     "responses": {"200": ok("#/components/schemas/Stats"), "401": _ERR},
+                }
+            },
+            "/admin/kv-events": {
+                "get": {
+                    "operationId": "getKvEvents",
+                    "summary": "Exact residency: the mode, each replica's mirror (source, blocks, sessions, "
+                    "events) and each subscriber's counters (syncs, rebuilds, gaps, replay failures, "
+                    "connection)",
+                    "responses": {"200": ok("#/components/schemas/KvEvents"), "401": _ERR},
                 }
             },
             "/admin/replicas": {
@@ -454,6 +474,7 @@ def openapi_spec() -> dict[str, Any]:
                 "Replica": replica,
                 "ReplicaIn": replica_in,
                 "Stats": stats,
+                "KvEvents": kv_events,
                 "Session": session,
                 "Config": config,
                 "ConfigPatch": config_patch,

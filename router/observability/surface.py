@@ -270,7 +270,15 @@ class OperatorSurface:
         if self.store is None or self.clock is None or self.holder is None:
             raise RuntimeError("OperatorSurface.setup on a bare app needs store, clock and holder")
         app.router.add_get("/metrics", self.metrics_handler)
-        admin_app = make_admin_app(self.store, self.holder, self.stats, self.clock, self.admin)
+        kv_events = None
+        if RUNTIME_KEY in app:
+            runtime = app[RUNTIME_KEY]
+
+            def kv_events() -> dict[str, Any]:  # the service is made at start-up, after this
+                svc = runtime.residency
+                return {"mode": "off"} if svc is None else svc.stats()
+
+        admin_app = make_admin_app(self.store, self.holder, self.stats, self.clock, self.admin, kv_events)
         if self.admin_listen is None:
             app.add_subapp("/admin", admin_app)
         else:

@@ -345,6 +345,13 @@ def test_replica_view_shows_the_learned_residency_horizon() -> None:
     assert (view["residency_horizon_tokens"], view["tokens_written"]) == (400, 5000)
 
 
+async def test_kv_events_without_a_residency_service_reads_off(admin: tuple[TestClient, MemoryStore, Any]) -> None:
+    client, _, _ = admin
+    r = await client.get("/admin/kv-events", headers=AUTH)
+    assert r.status == 200 and await r.json() == {"mode": "off"}
+    assert (await client.get("/admin/kv-events")).status == 401
+
+
 async def test_config_get_patch_and_validation(admin: tuple[TestClient, MemoryStore, Any]) -> None:
     client, _, surface = admin
     body = await (await client.get("/admin/config", headers=AUTH)).json()

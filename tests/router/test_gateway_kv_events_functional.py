@@ -459,6 +459,14 @@ async def test_a_restarted_gateway_sends_each_session_back_to_its_cache(kv_emula
             # no waiting here: a gateway serves only once the engines' replays are in, or clients
             # that retry as it comes up would meet it blind and be placed by load
             assert events_everywhere(second)
+            async with http.get(second.url + "/admin/kv-events") as r:  # what the operator sees of it
+                assert r.status == 200
+                kv = await r.json()
+            ids = {u.removeprefix("http://") for u in urls}
+            assert kv["mode"] == "auto" and set(kv["replicas"]) == set(kv["subscribers"]) == ids, kv
+            assert all(v["source"] == "events" for v in kv["replicas"].values()), kv
+            ranks = [rank for sub in kv["subscribers"].values() for rank in sub["ranks"]]
+            assert all(rk["connected"] and rk["rebuilds"] == 1 and rk["replay_failures"] == 0 for rk in ranks), kv
             for sid, msgs in sessions.items():
                 assert (await second.store.session(sid)) is None
                 body = {"model": "emulated/small-test", "messages": msgs, "max_tokens": 8}
