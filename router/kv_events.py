@@ -16,6 +16,8 @@ Rules:
        * otherwise, or with no replay socket or no answer in time: the mirror is dropped and marked
          incomplete (``estimate``) until the engine clears its cache (``AllBlocksCleared``) or
          restarts. Without a replay socket, a first live batch with sequence 0 is a complete start.
+       * a replay that got no answer is asked again after 1, 2 and 4 x ``replay_timeout_s`` (a
+         transient stall must not leave a young engine's mirror incomplete for good).
      A replay is bounded as a whole (10 x ``replay_timeout_s``, 200,000 batches): past either, it
      is abandoned as if unanswered and the live stream followed.
   3. Live batches must arrive with consecutive sequence numbers. A jump is a *gap* (ZMQ drops
@@ -68,6 +70,7 @@ _YIELD_EVERY = 64
 # so 200,000 is far beyond an honest answer; 10 x the timeout leaves an honest one time to stream.
 _REPLAY_BUDGET_TIMEOUTS = 10
 _REPLAY_MAX_BATCHES = 200_000
+_RESYNC_TRIES = 3  # rule 2: a replay that got no answer is asked again, after 1, 2, 4 x replay_timeout_s
 _CONNECT_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED
 _DISCONNECT_EVENTS = zmq.EVENT_DISCONNECTED
 
@@ -120,6 +123,8 @@ class KvEventSubscriber:
         self._dups_ok = False  # right after a replay: live batches at or below _last are its overlap
         self._await_first = False  # no replay socket: the first live batch decides (rule 2)
         self.synced = asyncio.Event()  # set by the first synchronisation (or when the subscriber ends)
+        self._resync_at: float | None = None  # time.monotonic() of the next try of an unanswered replay
+        self._resync_tries = 0
         sink.stale = True
 
     # ---- main loop ---------------------------------------------------------------------------
@@ -137,7 +142,12 @@ class KvEventSubscriber:
         poller.register(mon, zmq.POLLIN)
         try:
             while True:
-                ready = dict(await poller.poll())
+                wait_ms = None if self._resync_at is None else max(0, int((self._resync_at - time.monotonic()) * 1000))
+                ready = dict(await poller.poll(wait_ms))
+                if self._resync_at is not None and time.monotonic() >= self._resync_at:
+                    self._resync_at = None
+                    if self.connected:
+                        await self._sync()
                 if mon in ready:
                     # ZMQ's readiness is edge-triggered: drain the queue, or a message can sit unseen
                     while True:
@@ -168,6 +178,7 @@ class KvEventSubscriber:
         if ev == _CONNECT_EVENTS:
             self.connected = True
             self.stats.connects += 1
+            self._resync_tries = 0
             await self._sync()
         elif ev == _DISCONNECT_EVENTS:
             self.connected = False
@@ -228,7 +239,11 @@ class KvEventSubscriber:
             self._drop("replay socket did not answer")
             self.sink.stale = False
             self._await_first = False
+            if self._resync_tries < _RESYNC_TRIES:
+                self._resync_at = time.monotonic() + self.replay_timeout_s * 2**self._resync_tries
+                self._resync_tries += 1
             return
+        self._resync_tries = 0
         if not batches or batches[0][0] == 0:
             # the whole history (or none yet: nothing published, the cache is still empty)
             self._start_complete()

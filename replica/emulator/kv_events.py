@@ -364,6 +364,7 @@ class KvEventsPublisher:
         self.published = 0
         self.dropped = 0
         self.replays = 0
+        self.ignore_replays = 0  # fault injection for tests: leave the next N replay requests unanswered
         self._pub = self._ctx.socket(zmq.PUB)
         self._pub.setsockopt(zmq.LINGER, 0)
         self._pub.set_hwm(config.hwm)
@@ -428,6 +429,9 @@ class KvEventsPublisher:
             client, _, start_b = frames
             start = int.from_bytes(start_b, "big")
             self.replays += 1
+            if self.ignore_replays > 0:
+                self.ignore_replays -= 1
+                continue
             for seq, buf in list(self._buffer):
                 if seq >= start:
                     await sock.send_multipart((client, b"", self._topic, seq.to_bytes(8, "big"), buf))

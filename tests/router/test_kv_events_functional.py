@@ -357,3 +357,26 @@ async def test_a_starting_gateways_wait_for_the_replays_is_bounded() -> None:
         assert await ResidencyService(idx, "redis").ready(0.1)  # nothing to subscribe to: ready at once
     finally:
         await svc.manager.close()
+
+
+async def test_an_unanswered_replay_is_asked_again_and_the_mirror_becomes_complete() -> None:
+    """Rule 2: a replay that got no answer (a stalled engine) leaves the mirror incomplete only
+    until the subscriber asks again (after 1, 2, 4 x ``replay_timeout_s``), not for good."""
+    sink = ReplicaResidency()
+    async with publisher() as pub:
+        pub.publish([CLEARED])
+        pub.publish([stored([1, 2], None, "s")])
+        await until(lambda: pub.published == 2)
+        pub.ignore_replays = 2  # the first sync's replay and its first retry go unanswered
+        assert pub.bound is not None
+        sub = KvEventSubscriber(pub.bound, sink, replay_endpoint=pub.bound_replay, replay_timeout_s=0.2)
+        task = asyncio.create_task(sub.run())
+        try:
+            await until(lambda: sub.stats.replay_failures == 1)
+            assert not sink.complete and sink.resident_tokens("s") is None
+            await until(lambda: sink.complete and sink.resident_tokens("s") == 8)
+            assert sub.stats.replay_failures == 2 and sub.stats.rebuilds == 1 and pub.replays == 3
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
