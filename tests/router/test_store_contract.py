@@ -646,9 +646,13 @@ async def test_a_session_only_the_engines_know_is_in_the_snapshot_with_its_resid
     for rid in ("r0", "r1"):
         idx.replica(rid).cleared()  # complete: every block known
     idx.replica("r1").stored(None, [11, 12], 16, 32, 1, "lost")
+    idx.replica("r0").reset_incomplete()  # its engine's replay no longer starts at sequence 0
+    idx.replica("r0").stored(999, [21], 16, 16, 1, "old")  # below a block never seen: depth unknown
     store.residency = idx  # type: ignore[attr-defined]
     snap = await store.snapshot("lost")
     assert snap.session is not None and snap.session.home is None and snap.session.resident_on == (("r1", 32),)
+    snap = await store.snapshot("old")  # an incomplete mirror holds its last stored block (rule 7)
+    assert snap.session is not None and (snap.session.resident_on, snap.session.tip_on) == ((), ("r0",))
     assert (await store.snapshot("never-seen")).session is None
     assert await store.session("lost") is None
     # the policy sends it back to its cache, and that binds it like any first bind
