@@ -10,6 +10,7 @@ one as new, by load. For each arm, all on 127.0.0.1:
   events, with room for every session's cache (so a miss is placement, not eviction);
 - one ``kvroute serve`` on embedded state on a fixed port. The arm says how it routes: ``events``
   (kv_aware on the engines' events), ``estimate`` (kv_aware, ``kv_events.mode=off``), ``hash``;
+  ``redis`` is ``events`` with the gateway's state in Redis instead (what a restart keeps);
 - the fault campaign's closed-loop sessions (``loadtests.faults.Load``: growing histories, SSE streams
   with usage).
 
@@ -45,8 +46,11 @@ ARMS: dict[str, tuple[str, ...]] = {
     "events": (),
     "estimate": ("--set", "kv_events.mode=off"),
     "hash": ("--policy", "hash"),
+    "redis": (),
 }
-"""The gateway's flags per arm; every arm runs on the same fleet, which publishes KV events."""
+"""The gateway's flags per arm; every arm runs on the same fleet, which publishes KV events. ``redis``:
+kv_aware on the events with its state in a fresh ``redis-server`` (not embedded): the reference, a
+restart that forgets nothing."""
 
 HANDOVERS = ("stop-start", "reuse-port")
 """How the new gateway takes the port: after the old one has exited, or (``--reuse-port``, both
@@ -136,6 +140,11 @@ async def run_arm(
     engines' replay buffer (SGLang's ``buffer_steps``; None: its default, 10,000). ``handover``
     (``HANDOVERS``): how the new gateway takes over the port."""
     procs = Procs({"KVROUTE_ADMIN_TOKEN": ADMIN_TOKEN})
+    redis = None
+    if arm == "redis":
+        from loadtests.redis_server import RedisServer
+
+        redis = RedisServer().start()
     kv = json.loads(KV_EVENTS_CONFIG) | ({} if replay_batches is None else {"buffer_steps": replay_batches})
     # room for every client's session (about 1,200 tokens) on any replica: a miss is placement
     room = ["--set", f"kv_capacity_tokens={max(8192, 2 * 1200 * clients)}", "--kv-events-config", json.dumps(kv)]
@@ -144,7 +153,8 @@ async def run_arm(
         urls = [u for _, u in emus]
         port = free_port()
         gw_args = (*ARMS[arm], *(["--reuse-port"] if handover == "reuse-port" else []))
-        old, gw = await start_gateway_proc(procs, urls, None, f"{arm}-1", gw_args, port=port)
+        redis_url = None if redis is None else redis.url
+        old, gw = await start_gateway_proc(procs, urls, redis_url, f"{arm}-1", gw_args, port=port)
         first = FirstTurns()
         load = Load([gw], clients, seed, client_timeout_s, observe=first)
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=3)
@@ -158,14 +168,14 @@ async def run_arm(
             log(f"{arm}: restarting the gateway")
             t0 = time.monotonic()
             if handover == "reuse-port":  # the new one listens beside the old, then the old drains
-                _new, gw2 = await start_gateway_proc(procs, urls, None, f"{arm}-2", gw_args, port=port)
+                _new, gw2 = await start_gateway_proc(procs, urls, redis_url, f"{arm}-2", gw_args, port=port)
                 listening_s = time.monotonic() - t0
                 old.send_signal(signal.SIGTERM)
                 await asyncio.to_thread(old.wait, 30)
             else:
                 old.send_signal(signal.SIGTERM)
                 await asyncio.to_thread(old.wait, 30)  # its requests end before it exits (graceful shutdown)
-                _new, gw2 = await start_gateway_proc(procs, urls, None, f"{arm}-2", gw_args, port=port)
+                _new, gw2 = await start_gateway_proc(procs, urls, redis_url, f"{arm}-2", gw_args, port=port)
                 listening_s = time.monotonic() - t0
             first.armed = True  # from here every completed request started at the new gateway
             handover_s = time.monotonic() - t0
@@ -179,6 +189,8 @@ async def run_arm(
             late = load.new_phase()
     finally:
         procs.cleanup()
+        if redis is not None:
+            redis.cleanup()
     return {
         "arm": arm,
         "gateway_args": list(gw_args),
