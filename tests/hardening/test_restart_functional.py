@@ -1,7 +1,8 @@
 """``kvroute bench restart`` end to end, short: a gateway on embedded state restarts under load
-(real ``kvroute serve`` and ``kvroute emulate`` processes, SGLang's KV events over ZMQ). With the
-events every session's first turn after the restart goes back to its cache; placed by load
-(``kv_events.mode=off``) most do not; nothing is lost either way."""
+(real ``kvroute serve`` and ``kvroute emulate`` processes, SGLang's KV events over ZMQ, a real
+``redis-server`` for the reference arm). With the events every session's first turn after the
+restart goes back to its cache; placed by load (``kv_events.mode=off``) most do not; with the state
+in Redis the new gateway knows them all; nothing is lost either way."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ pytestmark = pytest.mark.slow
 def test_a_restarted_gateway_on_events_sends_every_session_back_to_its_cache(tmp_path: Path) -> None:
     out = tmp_path / "restart.json"
     p = subprocess.run(
-        [sys.executable, "-m", "router.cli", "bench", "restart", "--arms", "events,estimate", "--phase-s", "2",
+        [sys.executable, "-m", "router.cli", "bench", "restart", "--arms", "events,estimate,redis", "--phase-s", "2",
          "--clients", "12", "--output", str(out)],
         capture_output=True, text=True, timeout=240, check=False,
     )  # fmt: skip
@@ -35,6 +36,9 @@ def test_a_restarted_gateway_on_events_sends_every_session_back_to_its_cache(tmp
     assert estimate["reasons"] == {"placed_new": estimate["sessions"]}, estimate
     assert estimate["back_home"] < estimate["sessions"], estimate
     assert estimate["chr"] < events["chr"], (estimate, events)
+    # with its state in Redis the new gateway knows every session already
+    redis = arms["redis"]["first_turn_after_restart"]
+    assert redis["sessions"] >= 8 and redis["reasons"].get("affinity", 0) >= redis["sessions"] - 1, redis
     for a in arms.values():  # the load ran on both gateways; the gap shows only as refused connections
         assert a["completed"] > 100, a
         assert set(a["error_kinds"]) <= {"ClientConnectorError", "ServerDisconnectedError", "ClientOSError"}, a
