@@ -7,9 +7,12 @@ Each benchmark prints JSON (and a table on stderr); modules are imported lazily 
 from __future__ import annotations
 
 import importlib
+import json
 import sys
+from pathlib import Path
+from typing import Any
 
-__all__ = ["BENCHES", "cli_main"]
+__all__ = ["BENCHES", "cli_main", "emit_json"]
 
 BENCHES: dict[str, tuple[str, str, str]] = {
     "peers": ("loadtests.bench_peers", "bench_peers_main", "kvroute vs sglang-router and vllm-router, same workload"),
@@ -25,6 +28,16 @@ BENCHES: dict[str, tuple[str, str, str]] = {
     "sweep": ("loadtests.sweep", "cli_main", "policy variants vs the default, paired by seed, simulated bench"),
     "sim": ("loadtests.bench_sim", "cli_main", "the simulator on 1,000 replicas: wall, CPU, peak RSS, measures"),
 }
+
+
+def emit_json(doc: Any, path: str | Path | None = None) -> None:
+    """A benchmark's result: JSON on stdout and, when ``path`` is given, the same in that file."""
+    text = json.dumps(doc, indent=2)
+    if path:
+        out = Path(path)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(text + "\n")
+    print(text)
 
 
 def _usage() -> str:

@@ -31,6 +31,7 @@ from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from loadtests.bench import emit_json
 from loadtests.overhead import measure_cell
 from loadtests.peers import PEERS, running_redis, running_router
 from loadtests.procs import read_urls, start_process, stop_process
@@ -213,10 +214,7 @@ def cli_main(argv: list[str]) -> int:
 
 
 def _emit(doc: dict[str, Any], path: Path | None) -> int:
-    text = json.dumps(doc, indent=2)
-    if path:
-        path.write_text(text + "\n")
-    print(text)
+    emit_json(doc, path)
     return 0
 
 

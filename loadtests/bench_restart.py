@@ -36,6 +36,7 @@ from typing import Any
 
 import aiohttp
 
+from loadtests.bench import emit_json
 from loadtests.faults import ADMIN_TOKEN, Load, Outcomes, start_emulator, start_gateway_proc
 from loadtests.procs import Procs, free_port
 from loadtests.scenario import KV_EVENTS_CONFIG
@@ -264,11 +265,7 @@ def cli_main(argv: list[str]) -> int:
                                   time_scale=a.time_scale, seed=a.seed, replay_batches=a.replay_batches,
                                   handover=a.handover,
                                   log=lambda m: print(m, file=sys.stderr, flush=True)))  # fmt: skip
-    text = json.dumps(out, indent=2)
-    print(text)
-    if a.output:
-        with open(a.output, "w") as f:
-            f.write(text + "\n")
+    emit_json(out, a.output)
     return 0 if out["total_lost"] == 0 else 1
 
 

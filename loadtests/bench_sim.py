@@ -20,6 +20,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from loadtests.bench import emit_json
+
 __all__ = ["cli_main", "run_bench"]
 
 MEASURES = ("chr", "ideal_chr", "ttft_p99_s", "ttft_floor_p99_s", "engine_queue_p99_s", "engine_queue_share", "requests", "dispersion", "dispersion_floor", "dispersion_sticky", "dispersion_between",
@@ -111,11 +113,7 @@ def cli_main(argv: list[str]) -> int:
     except (RuntimeError, subprocess.TimeoutExpired) as exc:
         print(f"kvroute bench sim: {exc}", file=sys.stderr)
         return 1
-    text = json.dumps(result, indent=2)
-    print(text)
-    if ns.json is not None:
-        ns.json.parent.mkdir(parents=True, exist_ok=True)
-        ns.json.write_text(text + "\n")
+    emit_json(result, ns.json)
     return 0
 
 

@@ -39,6 +39,7 @@ from typing import Any
 
 import aiohttp
 
+from loadtests.bench import emit_json
 from loadtests.procs import Procs, read_line
 
 __all__ = ["ALL_FAULTS", "Outcomes", "cli_main", "run_campaign"]
@@ -504,11 +505,7 @@ def cli_main(argv: list[str]) -> int:
                                    time_scale=a.time_scale, seed=a.seed, chr_tolerance=a.chr_tolerance,
                                    gateway_args=a.gateway_arg,
                                    log=lambda m: print(m, file=sys.stderr, flush=True)))  # fmt: skip
-    text = json.dumps(out, indent=2)
-    print(text)
-    if a.output:
-        with open(a.output, "w") as f:
-            f.write(text + "\n")
+    emit_json(out, a.output)
     return 0 if out["all_ok"] else 1
 
 

@@ -44,6 +44,7 @@ from typing import Any
 
 import aiohttp
 
+from loadtests.bench import emit_json
 from loadtests.measures import percentile
 from loadtests.peers import PEERS, emulated_fleet, find_binary, running_router
 
@@ -409,8 +410,5 @@ def cli_main(argv: list[str]) -> int:
         )
     )
     print_table(doc)
-    text = json.dumps(doc, indent=2)
-    if ns.json:
-        ns.json.write_text(text + "\n")
-    print(text)
+    emit_json(doc, ns.json)
     return 0

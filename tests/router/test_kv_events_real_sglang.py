@@ -128,6 +128,18 @@ async def _chat(http: aiohttp.ClientSession, gw: RunningGateway, sid: str, msgs:
         return await r.json()  # type: ignore[no-any-return]
 
 
+async def _cached_placed_resident(
+    http: aiohttp.ClientSession, gw: RunningGateway, sid: str, msgs: list[dict[str, str]], max_tokens: int
+) -> int:
+    """The session's next turn through a gateway that did not know it: sent back to its cache
+    (``placed_resident``); the engine's ``cached_tokens`` for it."""
+    body = {"model": "tiny", "messages": msgs, "max_tokens": max_tokens}
+    async with http.post(gw.url + "/v1/chat/completions", json=body, headers={"Modal-Session-Id": sid}) as r:
+        assert r.status == 200, await r.text()
+        assert r.headers["X-Kvroute-Reason"] == "placed_resident"
+        return int((await r.json())["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+
 async def _resident(gw: RunningGateway, sid: str) -> int | None:
     snap = await gw.store.snapshot(sid)
     return None if snap.session is None else snap.session.resident_tokens
@@ -218,11 +230,7 @@ async def test_a_restarted_gateway_finds_each_sessions_cache_in_the_engines_repl
         assert await second.store.session("real-R") is None  # the store knows nothing of it
         snap = await second.store.snapshot("real-R")
         assert snap.session is not None and [r for r, _ in snap.session.resident_on] == [rid]
-        body = {"model": "tiny", "messages": msgs, "max_tokens": 4}
-        async with http.post(second.url + "/v1/chat/completions", json=body, headers={"Modal-Session-Id": "real-R"}) as r:
-            assert r.status == 200, await r.text()
-            assert r.headers["X-Kvroute-Reason"] == "placed_resident"
-            cached = (await r.json())["usage"]["prompt_tokens_details"]["cached_tokens"]
+        cached = await _cached_placed_resident(http, second, "real-R", msgs, 4)
         assert cached >= u["prompt_tokens"] - 1, (cached, u)
 
 
@@ -281,9 +289,5 @@ async def test_a_restarted_gateway_finds_a_session_after_the_engines_replay_buff
         snap = await second.store.snapshot("real-O")
         assert snap.session is not None and snap.session.resident_tokens is None, snap.session
         assert snap.session.resident_on == () and snap.session.tip_on == (rid,), snap.session
-        body = {"model": "tiny", "messages": msgs, "max_tokens": 2}
-        async with http.post(second.url + "/v1/chat/completions", json=body, headers={"Modal-Session-Id": "real-O"}) as r:
-            assert r.status == 200, await r.text()
-            assert r.headers["X-Kvroute-Reason"] == "placed_resident"
-            cached = (await r.json())["usage"]["prompt_tokens_details"]["cached_tokens"]
+        cached = await _cached_placed_resident(http, second, "real-O", msgs, 2)
         assert cached >= last["prompt_tokens"] - 1, (cached, last)
