@@ -187,7 +187,11 @@ def make_app(
             svc, rt.residency = rt.residency, None
             await svc.close()
 
-    app.cleanup_ctx.extend([client_ctx, registry_ctx, discovery_ctx, residency_ctx])
+    async def background_ctx(app: web.Application) -> AsyncIterator[None]:
+        yield
+        await rt.background.close()  # before the client closes: each held lease is released
+
+    app.cleanup_ctx.extend([client_ctx, registry_ctx, discovery_ctx, residency_ctx, background_ctx])
     for fn in extra_setup:
         fn(app)
     return app

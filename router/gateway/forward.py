@@ -303,7 +303,7 @@ class UsageSniffer:
     (then a usage chunk counts the one-token stand-in it ran: nothing to learn from).
     """
 
-    __slots__ = ("_buf", "_last", "_max", "_mode", "_overflow", "_start", "errored", "events")
+    __slots__ = ("_buf", "_doc", "_last", "_max", "_mode", "_overflow", "_start", "errored", "events")
 
     def __init__(
         self,
@@ -315,6 +315,7 @@ class UsageSniffer:
         ct = content_type.split(";", 1)[0].strip().lower()
         self._mode = "sse" if ct == "text/event-stream" else "json" if ct.endswith("json") else "none"
         self._buf = bytearray()
+        self._doc: Any = None  # the JSON body, parsed once (``document``)
         self._last: bytes | None = None
         self._start: bytes | None = None  # Anthropic's message_start
         self._max = max_json_bytes if self._mode == "json" else max_line_bytes
@@ -393,9 +394,9 @@ class UsageSniffer:
         """``samples_per_prompt``: asked only of a JSON list (``usage_from_json``), the rare case
         that needs the request's ``n``."""
         if self._mode == "json":
-            if self._overflow or not self._buf:
+            data = self.document()
+            if data is None:
                 return None
-            data = _loads(self._buf)
             return usage_from_json(data, samples_per_prompt() if isinstance(data, list) else 1)
         if self.errored:
             return None
@@ -413,6 +414,15 @@ class UsageSniffer:
             return None
         return usage_from_json(obj)
 
+
+    def document(self) -> Any:
+        """The JSON body as parsed, once it is complete; ``None`` for a stream, an over-long or
+        unparsable body."""
+        if self._mode != "json" or self._overflow or not self._buf:
+            return None
+        if self._doc is None:
+            self._doc = _loads(self._buf)
+        return self._doc
 
     @staticmethod
     def _anthropic_result(start: bytes, delta: bytes | None) -> Usage | None:

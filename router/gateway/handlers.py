@@ -60,15 +60,18 @@ from router.events import (
     StoreDegraded,
     UpstreamRetry,
 )
+from router.gateway.background import running_response
 from router.gateway.bodies import body_string, checked_session_id, parse_body
 from router.gateway.engine_sessions import SESSION_ROUTES, EngineSessionCall, engine_session_call
 from router.gateway.forward import (
     UpstreamResponse,
+    Usage,
     UsageSniffer,
     filter_headers,
     is_connect_failure,
     request_drop_set,
     response_drop_set,
+    usage_from_json,
 )
 from router.gateway.middleware import REQUEST_ID_HEADER, REQUEST_ID_KEY, read_body_limited
 from router.gateway.residency import with_session_id
@@ -133,6 +136,7 @@ _RELAY_DROP = response_drop_set()
 _RELAY_DROP_DECIDED = response_drop_set({REPLICA_HEADER.lower(), REASON_HEADER.lower()})
 _REQUEST_ID_LOWER = REQUEST_ID_HEADER.lower()
 _ERROR_BODY_LIMIT = 64 * 1024
+_FINISHED = frozenset({"completed", "incomplete"})  # a Responses API run that produced its answer
 _MAX_STALE_REROUTES = 3  # a session moved by other gateways between our snapshot and acquire
 
 
@@ -499,6 +503,7 @@ class _Proxy:
         upstream: UpstreamResponse | None = None
         sniffer: UsageSniffer | None = None
         ask_stores: str | None = None  # the replica's URL, when whether it keeps responses is unknown
+        running: str | None = None  # a background response's id: its engine runs it after the answer
         done = False
         completion = Completion(ok=False)
         try:
@@ -609,6 +614,8 @@ class _Proxy:
                 # learnt once the client has its last byte: usage parsing is off the latency path
                 # (a client that hangs up during this last write still counts as not ok, below)
                 completion = self._completion(sniffer, ok=self.p.ok)
+                if self.req.route == RESPONSES_ROUTE and completion.ok:
+                    running = running_response(sniffer.document())
                 self.p.write_wait_s += clock.now() - t
                 if self.p.ttft_s is None:
                     self.p.ttft_s = clock.now() - self.p.t0
@@ -645,19 +652,37 @@ class _Proxy:
             if upstream is not None and not done:
                 upstream.abort()  # closes the connection: the engine aborts the request
             completion = dataclasses.replace(completion, started_output=self.p.sent)
-            try:
-                store = self.rt.store
-                if getattr(store, "never_suspends", False):
-                    await store.release(lease, completion)  # no await point: nothing can cancel it
-                else:
-                    await asyncio.shield(store.release(lease, completion))
-            except StoreError as exc:  # the response is already decided: never fail it for this
-                log.warning("store release failed for %s: %s", lease.replica_id, exc)
-                self.rt.emit(StoreDegraded(at=self.rt.clock.now(), error=str(exc)))
-            if completion.ok:
-                self._judge_residency(lease, completion)
-                if ask_stores is not None and self.rt.client is not None:
-                    await self.rt.response_stores.learn(self.rt.client, lease.replica_id, ask_stores, clock.now())
+            if running is not None:  # its load stays until the engine has run it (background.py)
+                await self.rt.background.hold(self.rt, lease.replica_id, running, functools.partial(self._ran, lease))
+            else:
+                await self._release(lease, completion)
+            if completion.ok and ask_stores is not None and self.rt.client is not None:
+                await self.rt.response_stores.learn(self.rt.client, lease.replica_id, ask_stores, clock.now())
+
+    async def _release(self, lease: Lease, completion: Completion) -> None:
+        """The lease's one release, and what the answer taught about the session's cache."""
+        try:
+            store = self.rt.store
+            if getattr(store, "never_suspends", False):
+                await store.release(lease, completion)  # no await point: nothing can cancel it
+            else:
+                await asyncio.shield(store.release(lease, completion))
+        except StoreError as exc:  # the response is already decided: never fail it for this
+            log.warning("store release failed for %s: %s", lease.replica_id, exc)
+            self.rt.emit(StoreDegraded(at=self.rt.clock.now(), error=str(exc)))
+        if completion.ok:
+            self._judge_residency(lease, completion)
+
+    async def _ran(self, lease: Lease, final: Mapping[str, Any] | None) -> None:
+        """A background response's run ended (``final``: the response as its engine keeps it) or
+        is no longer watched (``None``): its lease is released."""
+        completion = Completion(ok=False, started_output=True)
+        if final is not None and final.get("status") in _FINISHED:
+            usage = usage_from_json(final)
+            completion = Completion(ok=True, started_output=True)
+            if usage is not None and usage.prompt_tokens is not None:
+                completion = replace(self._learnt(usage, ok=True, samples=1), started_output=True)
+        await self._release(lease, completion)
 
     def _body_for(self, lease: Lease) -> bytes:
         """The body, with the session's key in it for a replica whose KV events we follow: SGLang then
@@ -692,14 +717,7 @@ class _Proxy:
             self.p.cached_tokens = usage.cached_tokens
             self.p.completion_tokens = usage.completion_tokens
             self.p.usage_estimated = False
-            return Completion(
-                ok=ok,
-                prompt_tokens=usage.prompt_tokens,
-                cached_tokens=usage.cached_tokens,
-                completion_tokens=usage.completion_tokens,
-                prompt_bytes=0 if self.continues else len(self.body),  # its body is not its prompt
-                samples=self._samples(sniffer, n) if usage.completion_tokens else 1,
-            )
+            return self._learnt(usage, ok, self._samples(sniffer, n) if usage.completion_tokens else 1)
         if not ok:
             return Completion(ok=False)
         # no usage in the response (stream without include_usage): estimate, cached unknown
@@ -707,6 +725,16 @@ class _Proxy:
         self.p.prompt_tokens, self.p.cached_tokens, self.p.completion_tokens = est, None, None
         self.p.usage_estimated = True
         return Completion(ok=True, prompt_tokens=est)
+
+    def _learnt(self, usage: Usage, ok: bool, samples: int) -> Completion:
+        return Completion(
+            ok=ok,
+            prompt_tokens=usage.prompt_tokens,
+            cached_tokens=usage.cached_tokens,
+            completion_tokens=usage.completion_tokens,
+            prompt_bytes=0 if self.continues else len(self.body),  # its body is not its prompt
+            samples=samples,
+        )
 
     def _samples(self, sniffer: UsageSniffer | None, n: Callable[[], int]) -> int:
         """Outputs the usage's ``completion_tokens`` adds up: every one of ``n`` on the OpenAI routes

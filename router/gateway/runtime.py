@@ -18,6 +18,7 @@ from router.clock import Clock
 from router.config import GatewayConfig
 from router.errors import UpstreamConnectError
 from router.events import Emitter
+from router.gateway.background import BackgroundRuns
 from router.gateway.middleware import GatewayMiddleware
 from router.gateway.response_stores import StoreSupport
 from router.model import ReplicaState
@@ -47,6 +48,7 @@ class GatewayRuntime:
     egress: EgressGuard | None = None  # replica URLs outside the allowed networks are refused (None = no check)
     residency: ResidencyService | None = None  # exact residency from KV events (kv_events), once started
     response_stores: StoreSupport = field(default_factory=StoreSupport)  # which keep Responses API responses
+    background: BackgroundRuns = field(default_factory=BackgroundRuns)  # leases of background responses still running (background.py)
     draining: bool = False  # shutting down: /ready answers 503
     models_body: dict[str, Any] | None = None
     models_at: float = float("-inf")

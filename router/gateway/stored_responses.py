@@ -17,6 +17,8 @@ A stored response lives in the engine that made it, so what names it must go the
      fleet of a thousand. A 404 from the pinned replica (it restarted) drops the pin.
   4. The continuing request's body is not its prompt (the engine prepends the stored conversation),
      so it teaches nothing about tokens per byte.
+
+A ``background`` response's load is kept until its engine has run it: ``background.py``.
 """
 
 from __future__ import annotations

@@ -685,6 +685,44 @@ async def test_stored_responses_are_found_where_they_were_stored(
     assert cont.ok and cont.prompt_tokens > first.prompt_tokens and cont.cached_tokens >= 0.9 * first.prompt_tokens
 
 
+async def test_a_background_response_counts_on_its_engine_until_it_has_run(
+    fleet: list[RealServer], gateway_factory: Any
+) -> None:
+    """SGLang answers ``"background": true`` with ``queued`` and runs the request afterwards: the
+    gateway keeps it in flight on that engine until a read of the response finds it finished, then
+    learns the session's context from the final usage (router/gateway/background.py)."""
+    health = {**REAL_HEALTH, "scrape_interval_s": 0.5}  # the cadence of the reads
+    gw = await gateway_factory([s.url for s in fleet], health=health, timeouts=REAL_TIMEOUTS)
+    sid = f"bg-{uuid.uuid4().hex[:6]}"
+
+    async def in_flight() -> int:
+        return sum(r.in_flight for r in await gw.store.replicas())
+
+    async def idle() -> bool:
+        return await in_flight() == 0
+
+    async with aiohttp.ClientSession() as s:
+        async with s.get(gw.url + "/v1/models") as r:
+            model = (await r.json())["data"][0]["id"]
+        doc = {"model": model, "temperature": 0, "input": _text(60, sid), "max_output_tokens": 24, "background": True}
+        async with s.post(gw.url + "/v1/responses", json=doc, headers={"Modal-Session-Id": sid}) as r:
+            queued = await r.json()
+            assert r.status == 200 and queued["status"] == "queued", queued
+        assert await in_flight() == 1  # answered, still counted: the engine runs it now
+        final = queued
+        for _ in range(300):
+            async with s.get(f"{gw.url}/v1/responses/{queued['id']}") as r:
+                final = await r.json()
+            if final["status"] not in ("queued", "in_progress"):
+                break
+            await asyncio.sleep(0.1)
+        assert final["status"] in ("completed", "incomplete"), final
+    await wait_for(idle)
+    session = await gw.store.session(sid)
+    assert session is not None
+    assert session.context_tokens == final["usage"]["input_tokens"] + final["usage"]["output_tokens"]
+
+
 @pytest.mark.parametrize("api", ["messages", "responses"])
 async def test_warm_handoff_prefills_a_draining_engines_session_on_its_next_home(
     fleet: list[RealServer], api: str

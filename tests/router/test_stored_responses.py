@@ -11,6 +11,7 @@ import pytest
 
 from router.config import GatewayConfig
 from router.errors import BadRequestError
+from router.gateway.background import running_response
 from router.gateway.stored_responses import keeps_response, previous_response_id, response_id_in
 
 RID = "resp_" + "ab12" * 8
@@ -60,3 +61,22 @@ def test_previous_response_id() -> None:
     assert previous_response_id(b'{"previous_response_id":', cfg) is None
     with pytest.raises(BadRequestError, match="previous_response_id"):  # past the id limits: refused here
         previous_response_id(json.dumps({"previous_response_id": "resp_" + "a" * 5000}).encode(), cfg)
+
+
+@pytest.mark.parametrize(
+    ("doc", "running"),
+    [
+        ({"id": RID, "object": "response", "status": "queued"}, RID),  # SGLang's answer to background
+        ({"id": RID, "object": "response", "status": "in_progress"}, RID),
+        ({"id": RID, "object": "response", "status": "completed"}, None),  # an ordinary answer
+        ({"id": RID, "object": "response", "status": "incomplete"}, None),
+        ({"id": RID, "object": "chat.completion", "status": "queued"}, None),
+        ({"id": 7, "object": "response", "status": "queued"}, None),  # hostile: not an id
+        ({"object": "response", "status": "queued"}, None),
+        ([{"id": RID, "object": "response", "status": "queued"}], None),
+        (None, None),  # the body did not parse
+    ],
+)
+def test_running_response(doc: object, running: str | None) -> None:
+    """Which answers leave a run going on the engine (router/gateway/background.py rule 1)."""
+    assert running_response(doc) == running
