@@ -18,6 +18,9 @@ Rules:
          restarts. Without a replay socket, a first live batch with sequence 0 is a complete start.
        * a replay that got no answer is asked again after 1, 2 and 4 x ``replay_timeout_s`` (a
          transient stall must not leave a young engine's mirror incomplete for good).
+       * the publisher sends a replay at once on a ROUTER socket, which drops what overflows (the
+         end marker too): a replay with a hole, or that falls silent without its end marker, is
+         continued from the first batch missing.
      A replay is bounded as a whole (10 x ``replay_timeout_s``, 200,000 batches): past either, it
      is abandoned as if unanswered and the live stream followed.
   3. Live batches must arrive with consecutive sequence numbers. A jump is a *gap* (ZMQ drops
@@ -70,6 +73,7 @@ _YIELD_EVERY = 64
 # so 200,000 is far beyond an honest answer; 10 x the timeout leaves an honest one time to stream.
 _REPLAY_BUDGET_TIMEOUTS = 10
 _REPLAY_MAX_BATCHES = 200_000
+_REPLAY_RCVHWM = 50_000  # messages: five of SGLang's default buffers
 _RESYNC_TRIES = 3  # rule 2: a replay that got no answer is asked again, after 1, 2, 4 x replay_timeout_s
 _CONNECT_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED
 _DISCONNECT_EVENTS = zmq.EVENT_DISCONNECTED
@@ -85,6 +89,7 @@ class SubscriberStats:
     syncs: int = 0  # synchronisations after a (re)connection
     rebuilds: int = 0  # complete rebuilds from sequence 0
     replay_failures: int = 0
+    replay_resumes: int = 0  # a replay asked again from the first batch the publisher dropped
     decode_errors: int = 0
     connects: int = 0
     disconnects: int = 0
@@ -307,39 +312,74 @@ class KvEventSubscriber:
         self.stats.last_batch_at = time.monotonic()
 
     async def _replay(self, start: int) -> list[tuple[int, bytes]] | None:
-        """Every buffered batch from ``start`` (``None``: no answer within the timeout, or no end
-        marker within ``_REPLAY_BUDGET_TIMEOUTS`` timeouts and ``_REPLAY_MAX_BATCHES`` batches)."""
+        """Every buffered batch from ``start``, in order and without a hole (``None``: no answer
+        within the timeout, or not all of it within ``_REPLAY_BUDGET_TIMEOUTS`` timeouts and
+        ``_REPLAY_MAX_BATCHES`` batches).
+
+        SGLang sends its whole buffer at once on a ROUTER socket, which drops what overflows its
+        send queue, the end marker too: what was lost is asked for again, from the first batch
+        missing, as long as each answer brings more (rule 2)."""
+        out: list[tuple[int, bytes]] = []
+        deadline = time.monotonic() + _REPLAY_BUDGET_TIMEOUTS * self.replay_timeout_s
+        ask = start
+        try:
+            while True:
+                got, ended = await self._ask_replay(ask, deadline, _REPLAY_MAX_BATCHES - len(out))
+                before, whole = len(out), True
+                for seq, payload in got:
+                    if out and seq <= out[-1][0]:
+                        continue
+                    if out and seq != out[-1][0] + 1:
+                        whole = False  # dropped by the publisher: asked for again
+                        break
+                    out.append((seq, payload))
+                if ended and whole:
+                    return out
+                if len(out) == before:
+                    raise _ReplayFailed(f"replay from {ask} brought nothing new")
+                self.stats.replay_resumes += 1
+                ask = out[-1][0] + 1
+        except _ReplayFailed as exc:
+            self.stats.replay_failures += 1
+            log.info("kv events %s: %s (%d batches from %d in)", self.name, exc, len(out), start)
+            return None
+
+    async def _ask_replay(self, start: int, deadline: float, limit: int) -> tuple[list[tuple[int, bytes]], bool]:
+        """One replay request: the batches that arrived, and whether the end marker did."""
         assert self.replay_endpoint is not None
         dealer = self._ctx.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
+        # a whole buffer fits in the socket's queue while the event loop is busy elsewhere: past the
+        # default 1,000 the publisher's sends back up and it drops the rest
+        dealer.setsockopt(zmq.RCVHWM, _REPLAY_RCVHWM)
         try:
             dealer.connect(self.replay_endpoint)
             await dealer.send_multipart([b"", start.to_bytes(8, "big")])
-            out: list[tuple[int, bytes]] = []
-            deadline = time.monotonic() + _REPLAY_BUDGET_TIMEOUTS * self.replay_timeout_s
+            got: list[tuple[int, bytes]] = []
             while True:
                 left_s = deadline - time.monotonic()
-                if left_s <= 0 or len(out) >= _REPLAY_MAX_BATCHES:
-                    self.stats.replay_failures += 1
-                    log.info("kv events %s: replay from %d abandoned after %d batches (no end marker)",
-                             self.name, start, len(out))
-                    return None
+                if left_s <= 0 or len(got) >= limit:
+                    raise _ReplayFailed(f"replay from {start} abandoned (no end marker)")
                 if not await dealer.poll(max(1, int(min(self.replay_timeout_s, left_s) * 1000))):
-                    self.stats.replay_failures += 1
-                    log.info("kv events %s: replay from %d timed out", self.name, start)
-                    return None
+                    if got:
+                        return got, False  # the end marker was dropped, or what followed it
+                    raise _ReplayFailed(f"replay from {start} timed out")
                 frames = await dealer.recv_multipart()
                 if len(frames) != 4:
                     self.stats.decode_errors += 1
                     continue
                 if frames[2] == END_SEQ:
-                    return out
+                    return got, True
                 try:
-                    out.append((decode_seq(frames[2]), frames[3]))
+                    got.append((decode_seq(frames[2]), frames[3]))
                 except WireError:
                     self.stats.decode_errors += 1
         finally:
             dealer.close(linger=0)
+
+
+class _ReplayFailed(Exception):
+    pass
 
 
 # ---- many replicas ------------------------------------------------------------------------------

@@ -8,10 +8,12 @@ import asyncio
 import contextlib
 import functools
 import json
+import threading
 from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
+import msgspec
 import pytest
 
 from replica.emulator.kv_events import KvEventsConfig, KvEventsPublisher
@@ -380,3 +382,79 @@ async def test_an_unanswered_replay_is_asked_again_and_the_mirror_becomes_comple
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+
+
+class ThreadPublisher:
+    """SGLang's ``ZmqEventPublisher`` replay as it is written: a thread with a blocking ROUTER that
+    answers a replay request by sending every buffered batch at once, then the end marker (the
+    emulator's asyncio publisher yields to its loop between sends, so it rarely overflows)."""
+
+    def __init__(self, batches: list[tuple[int, bytes]], lose: list[tuple[range, bool]] | None = None) -> None:
+        import zmq
+
+        self._zmq = zmq
+        self._ctx = zmq.Context()
+        self._pub = self._ctx.socket(zmq.PUB)
+        self._pub.bind("tcp://127.0.0.1:*")
+        self._router = self._ctx.socket(zmq.ROUTER)
+        self._router.setsockopt(zmq.LINGER, 0)
+        self._router.bind("tcp://127.0.0.1:*")
+        self.endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.replay_endpoint = self._router.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._batches = batches
+        # what the n-th answer loses, as a ROUTER whose send queue overflowed: (batches, end marker)
+        self._lose = lose or []
+        self.replays = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            if not self._router.poll(50):
+                continue
+            client, _, start_b = self._router.recv_multipart()
+            start = int.from_bytes(start_b, "big")
+            lost, end_lost = self._lose[self.replays] if self.replays < len(self._lose) else (range(0), False)
+            self.replays += 1
+            for seq, buf in self._batches:
+                if seq >= start and seq not in lost:
+                    self._router.send_multipart((client, b"", b"", seq.to_bytes(8, "big"), buf))
+            if not end_lost:
+                self._router.send_multipart((client, b"", b"", KvEventsPublisher.END_SEQ, b""))
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._pub.close(linger=0)
+        self._router.close(linger=0)
+        self._ctx.term()
+
+
+@pytest.mark.parametrize("lose", ["as_it_falls", "a_hole_then_the_end_marker"])
+async def test_a_replay_of_a_full_buffer_is_complete_though_the_publisher_drops_part_of_it(lose: str) -> None:
+    """SGLang answers a replay by sending its whole buffer (10,000 batches by default) at once on a
+    ROUTER socket, which drops what overflows its send queue, the end marker included. The
+    subscriber takes all of it into its own queue and asks again from the first batch it lost, so
+    the mirror is complete (rule 2). ``a_hole_then_the_end_marker``: the first answer loses 200
+    batches in the middle, the second (from the first lost) its end marker, the third brings it."""
+    n = 10_000
+    encode = msgspec.msgpack.Encoder().encode
+    batches = [(0, encode([0.0, [CLEARED], 0]))]
+    batches += [(i, encode([0.0, [stored([i], i - 1 if i > 1 else None, "s")], 0])) for i in range(1, n)]
+    scripted = lose == "a_hole_then_the_end_marker"
+    pub = ThreadPublisher(batches, [(range(4000, 4200), False), (range(0), True)] if scripted else None)
+    sink = ReplicaResidency()
+    sub = KvEventSubscriber(pub.endpoint, sink, replay_endpoint=pub.replay_endpoint, replay_timeout_s=1.0)
+    task = asyncio.create_task(sub.run())
+    try:
+        await until(lambda: sub.stats.syncs >= 1 and not sink.stale, timeout_s=30.0)
+        assert sub.stats.replay_failures == 0 and sub.stats.gaps_unrecovered == 0, sub.stats
+        assert sink.complete and sink.resident_tokens("s") == 4 * (n - 1)
+        if scripted:
+            assert sub.stats.replay_resumes == 2 and pub.replays == 3
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        pub.close()
