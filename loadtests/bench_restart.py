@@ -116,7 +116,7 @@ async def _residency_sources(s: aiohttp.ClientSession, gw: str) -> dict[str, Any
         r.raise_for_status()
         kv = await r.json()
     ranks = [rank for sub in kv.get("subscribers", {}).values() for rank in sub["ranks"]]
-    counters = ("syncs", "rebuilds", "replay_failures", "gaps", "gaps_unrecovered", "restarts", "disconnects")
+    counters = ("syncs", "rebuilds", "replay_failures", "replay_resumes", "gaps", "gaps_unrecovered", "restarts", "disconnects")
     return {
         "sources": dict(Counter(str(v["source"]) for v in kv.get("replicas", {}).values())),
         "subscribers": {c: sum(int(rk[c]) for rk in ranks) for c in counters} if ranks else {},
