@@ -924,7 +924,15 @@ async def handle_inference(request: web.Request) -> web.StreamResponse:
 
 async def handle_health(request: web.Request) -> web.Response:
     rt = request.app[RUNTIME_KEY]
-    return web.json_response({"status": "ok", "gateway_id": rt.config.gateway_id, "in_flight": rt.in_flight})
+    # in_flight: requests inside the handlers; background_responses: runs whose load is still held
+    return web.json_response(
+        {
+            "status": "ok",
+            "gateway_id": rt.config.gateway_id,
+            "in_flight": rt.in_flight,
+            "background_responses": len(rt.background),
+        }
+    )
 
 
 async def handle_ready(request: web.Request) -> web.Response:

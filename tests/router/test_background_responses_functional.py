@@ -61,6 +61,8 @@ async def test_a_background_response_counts_in_flight_until_its_engine_has_run_i
         rid = await _start(s, gw, "bg-1")
         # the answer is back, the engine is running it: its load is still there
         assert await _in_flight(gw) == 1
+        async with s.get(gw.url + "/health") as r:
+            assert (await r.json())["background_responses"] == 1 and (await r.json())["in_flight"] == 0
         assert (await _status(s, gw, rid))["status"] in ("queued", "in_progress")
         assert await _in_flight(gw) == 1
         deadline = time.monotonic() + 20
