@@ -354,6 +354,7 @@ class _Proxy:
         self.call = call  # an SGLang engine session this request opens, uses or closes
         self.pin = pin  # the replica that engine session or stored response lives on: the only one tried
         self.continues = continues  # the stored response this request continues (previous_response_id)
+        self.prompt_bytes = 0 if continues else len(body)  # a continuation's body is not its prompt
         self._tagged: bytes | None = None  # the body with the session id (kv_events.forward_session_id)
         # behind KV events, a header session whose body names another session_id: the engine names
         # this request's blocks by the body's id, so residency is read under it
@@ -653,6 +654,7 @@ class _Proxy:
                 upstream.abort()  # closes the connection: the engine aborts the request
             completion = dataclasses.replace(completion, started_output=self.p.sent)
             if running is not None:  # its load stays until the engine has run it (background.py)
+                self.body, self._tagged = b"", None  # not kept alive for the run (a Codex body: 100s of kB)
                 await self.rt.background.hold(self.rt, lease.replica_id, running, functools.partial(self._ran, lease))
             else:
                 await self._release(lease, completion)
@@ -732,7 +734,7 @@ class _Proxy:
             prompt_tokens=usage.prompt_tokens,
             cached_tokens=usage.cached_tokens,
             completion_tokens=usage.completion_tokens,
-            prompt_bytes=0 if self.continues else len(self.body),  # its body is not its prompt
+            prompt_bytes=self.prompt_bytes,
             samples=samples,
         )
 
