@@ -19,17 +19,17 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import orjson
 
+from router.clock import Clock
+from router.config import GatewayConfig
 from router.errors import UpstreamError
 from router.eventloop import stop_tasks
+from router.gateway.forward import ReplicaClient
 
-if TYPE_CHECKING:
-    from router.gateway.runtime import GatewayRuntime
-
-__all__ = ["RUNNING", "BackgroundRuns", "running_response"]
+__all__ = ["RUNNING", "BackgroundRuns", "Gateway", "running_response"]
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +47,16 @@ def running_response(doc: Any) -> str | None:
     return rid if isinstance(rid, str) else None
 
 
+class Gateway(Protocol):
+    """What a watch reads of the gateway (``runtime.GatewayRuntime``)."""
+
+    config: GatewayConfig
+    clock: Clock
+    client: ReplicaClient | None
+
+    async def replica_url(self, replica_id: str) -> str | None: ...
+
+
 class BackgroundRuns:
     """The leases of background responses still running on their engines, one watch task each."""
 
@@ -57,7 +67,7 @@ class BackgroundRuns:
     def __len__(self) -> int:
         return len(self._tasks)
 
-    async def hold(self, rt: GatewayRuntime, replica_id: str, response_id: str, finish: Finish) -> None:
+    async def hold(self, rt: Gateway, replica_id: str, response_id: str, finish: Finish) -> None:
         """Rule 1: watch ``response_id`` on ``replica_id``; ``finish`` releases the lease (at once if
         the gateway is stopping)."""
         if self._closed:
@@ -73,7 +83,7 @@ class BackgroundRuns:
         await stop_tasks(*self._tasks)
 
 
-async def _watch(rt: GatewayRuntime, replica_id: str, response_id: str, finish: Finish) -> None:
+async def _watch(rt: Gateway, replica_id: str, response_id: str, finish: Finish) -> None:
     final: Mapping[str, Any] | None = None
     deadline = rt.clock.now() + rt.config.timeouts.first_byte_s
     try:
@@ -82,7 +92,7 @@ async def _watch(rt: GatewayRuntime, replica_id: str, response_id: str, finish: 
         await asyncio.shield(finish(final))  # rule 4
 
 
-async def _final(rt: GatewayRuntime, replica_id: str, response_id: str, deadline: float) -> Mapping[str, Any] | None:
+async def _final(rt: Gateway, replica_id: str, response_id: str, deadline: float) -> Mapping[str, Any] | None:
     interval = rt.config.health.scrape_interval_s
     while rt.clock.now() < deadline:
         await asyncio.sleep(interval)
