@@ -173,6 +173,42 @@ async def test_a_replay_without_end_is_abandoned_and_the_live_stream_followed(
         assert sub.stats.last_seq == 0
 
 
+def losing(batch: int, n: int) -> ReplayScript:
+    """Every answer loses the same batch (a resume can never fill the hole)."""
+    async def script(start: int) -> AsyncIterator[list[bytes]]:
+        for seq in range(max(start, 0), n):
+            if seq != batch:
+                yield [b"", seq_frame(seq), payload([stored([1000 + seq], None)])]
+        yield [b"", END_SEQ, b""]
+    return script
+
+
+def trickle() -> ReplayScript:
+    """Every answer brings one batch more, then falls silent without its end marker."""
+    async def script(start: int) -> AsyncIterator[list[bytes]]:
+        yield [b"", seq_frame(max(start, 0)), payload([stored([1000 + start], None)])]
+    return script
+
+
+@pytest.mark.timeout(20, method="signal")
+@pytest.mark.parametrize("kind", ["the_same_hole", "a_trickle"])
+async def test_a_replay_that_cannot_be_completed_is_abandoned_in_bounded_time(kind: str) -> None:
+    """Rule 2's resumes: a hole the publisher loses again, or answers that each bring one batch and
+    never the end, end the replay (failed, mirror incomplete) within its budget, and the live
+    stream is followed."""
+    sink = ReplicaResidency()
+    script = losing(5, 20) if kind == "the_same_hole" else trickle()
+    async with HostilePublisher(script) as pub, following(pub, sink, replay_timeout_s=0.1) as (sub, task):
+        await until(lambda: sub.stats.replay_failures >= 1)
+        assert not sink.complete and not task.done()
+        if kind == "the_same_hole":
+            assert sub.stats.replay_resumes == 1 and pub.replays == 2  # asked again once: no progress
+        else:
+            assert sub.stats.replay_resumes >= 2  # one batch more each time, until the budget ran out
+        await pub.send(40, [stored([1, 2], None, "a")])
+        await until(lambda: sink.resident_tokens("a") == 8)
+
+
 # ---- 4. negative sequence numbers -----------------------------------------------------------------
 
 
