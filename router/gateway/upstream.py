@@ -38,7 +38,8 @@ Rules:
      ``idle_read_s`` between later chunks.
   8. ``http://`` and ``https://`` (TLS with the system's CA store and host name check). The small
      ``fetch`` probes (health, metrics, models) share the pool, so ``max_connections`` bounds every
-     connection to the replicas.
+     connection to the replicas. A probe is read whole, up to ``MAX_FETCH_BYTES`` (past it:
+     ``UpstreamBrokenError``, the connection closed).
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ from router.errors import (
 )
 from router.gateway.forward import ConnectFailure, UpstreamResponse, read_limited
 
-__all__ = ["KEEPALIVE_S", "MAX_HEADERS", "MAX_HEAD_BYTES", "READ_BUFFER_BYTES", "ReplicaHttpClient"]
+__all__ = ["KEEPALIVE_S", "MAX_FETCH_BYTES", "MAX_HEADERS", "MAX_HEAD_BYTES", "READ_BUFFER_BYTES", "ReplicaHttpClient"]
 
 KEEPALIVE_S = 4.0
 """An idle pooled connection older than this is closed rather than reused (rule 2)."""
@@ -74,6 +75,10 @@ MAX_HEAD_BYTES = 64 * 1024
 
 MAX_HEADERS = 256
 """A response with more header lines than this is refused (rule 5)."""
+
+MAX_FETCH_BYTES = 16 * 1024 * 1024
+"""A probe's answer (``fetch``: /metrics, /server_info, a stored response) longer than this is cut
+and refused: a probe is read whole into memory (SGLang's largest, /metrics, is tens of kB)."""
 
 _IDLE, _HEAD, _BODY, _DONE, _CLOSED = range(5)
 _NO_BODY = frozenset({204, 304})
@@ -642,7 +647,13 @@ class ReplicaHttpClient:
         resp = _RawUpstream(conn, limit, limit)
         try:
             async with asyncio.timeout_at(deadline):
-                body = b"".join([chunk async for chunk in resp])
+                parts, size = [], 0
+                async for chunk in resp:
+                    size += len(chunk)
+                    if size > MAX_FETCH_BYTES:
+                        raise UpstreamBrokenError(f"replica {replica_id}: answer over {MAX_FETCH_BYTES} bytes")
+                    parts.append(chunk)
+                body = b"".join(parts)
         except TimeoutError:
             resp.abort()
             raise UpstreamTimeoutError(f"replica {replica_id}: probe timed out") from None

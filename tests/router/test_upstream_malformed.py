@@ -9,6 +9,7 @@ pool still gets its own answer).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Self
@@ -24,7 +25,7 @@ from router.errors import (
     UpstreamTimeoutError,
 )
 from router.gateway.forward import is_connect_failure
-from router.gateway.upstream import MAX_HEAD_BYTES, MAX_HEADERS, ReplicaHttpClient
+from router.gateway.upstream import MAX_FETCH_BYTES, MAX_HEAD_BYTES, MAX_HEADERS, ReplicaHttpClient
 
 OK = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
 
@@ -224,6 +225,28 @@ async def test_a_body_delimited_by_close_ends_with_the_connection(client: Replic
         resp.release()
         await _still_in_step(client, wire)
     assert wire.connections == 2  # HTTP/1.0 without keep-alive: not reused
+
+
+async def test_a_probe_answer_without_end_is_cut_at_the_limit(client: ReplicaHttpClient) -> None:
+    """``fetch`` reads a probe whole: an answer past ``MAX_FETCH_BYTES`` is refused as soon as it
+    passes it, not buffered for as long as the probe's timeout lets it stream."""
+    sent = 0
+
+    async def flood(w: asyncio.StreamWriter) -> None:
+        nonlocal sent
+        w.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % (8 * MAX_FETCH_BYTES))
+        chunk = b"m" * (1 << 20)
+        with contextlib.suppress(ConnectionError):
+            while sent < 8 * MAX_FETCH_BYTES:
+                w.write(chunk)
+                await w.drain()
+                sent += len(chunk)
+
+    async with Wire([flood]) as wire:
+        with pytest.raises(UpstreamBrokenError, match="over"):
+            await client.fetch("r", wire.url + "/metrics", timeout_s=30.0)
+        assert sent < 4 * MAX_FETCH_BYTES  # cut, not read to the end
+        await _still_in_step(client, wire)
 
 
 # ---- interim and bodiless answers ------------------------------------------------------------------
