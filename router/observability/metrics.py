@@ -318,6 +318,52 @@ class HandoffCollector(_SourcedCollector):
         return c
 
 
+# the subscribers' counters exported per replica (summed over its DP ranks); the rest of
+# SubscriberStats (sequence numbers, timings) is on GET /admin/kv-events
+KV_EVENT_COUNTERS = (
+    "batches", "syncs", "rebuilds", "replay_failures", "replay_resumes", "gaps", "gaps_unrecovered",
+    "restarts", "decode_errors", "connects", "disconnects",
+)  # fmt: skip
+
+
+class KvEventsCollector(_SourcedCollector):
+    """Scrape-time figures of exact residency (``router.gateway.residency``; the ``source`` is its
+    ``stats()``): each replica's mirror source, whether its subscribers are connected, and their
+    counters, so an operator can alert on a replica that fell back to the estimate."""
+
+    def collect(self) -> Iterator[Metric]:
+        obj = self.source()
+        if not obj:
+            return
+        replicas = obj.get("replicas") or {}
+        source = GaugeMetricFamily(
+            "kvroute_replica_residency_source",
+            "1 for where the replica's residency comes from: events (a complete mirror) or estimate",
+            labels=["replica", "source"],
+        )
+        for rid, view in replicas.items():
+            source.add_metric([rid, str(view["source"])], 1.0)
+        yield source
+        subs = obj.get("subscribers") or {}
+        connected = GaugeMetricFamily(
+            "kvroute_kv_events_connected", "The replica's event subscribers (DP ranks) now connected", labels=["replica"]
+        )
+        counters = CounterMetricFamily(
+            "kvroute_kv_events",
+            "KV-event subscriber counters by replica (summed over its DP ranks): batches applied, syncs, rebuilds "
+            "from sequence 0, replay failures and resumes, gaps (unrecovered), publisher restarts, decode errors, "
+            "connects, disconnects",
+            labels=["replica", "kind"],
+        )
+        for rid, sub in subs.items():
+            ranks = sub["ranks"]
+            connected.add_metric([rid], float(sum(1 for r in ranks if r["connected"])))
+            for kind in KV_EVENT_COUNTERS:
+                counters.add_metric([rid, kind], float(sum(r[kind] for r in ranks)))
+        yield connected
+        yield counters
+
+
 class GatewayMetrics:
     """All gateway metrics in one registry. Call it with events (it is a ``Hook``)."""
 
@@ -455,6 +501,8 @@ class GatewayMetrics:
         r.register(self.discovery)
         self.handoff = HandoffCollector()
         r.register(self.handoff)
+        self.kv_events = KvEventsCollector()
+        r.register(self.kv_events)
         # labelled children of the per-request series, cached: labels() costs more than inc()
         self._children: dict[tuple[str, ...], Any] = {}
         self._finished: dict[tuple[str, Reason | None, int], tuple[Any, Any, Any]] = {}

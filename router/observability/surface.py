@@ -267,6 +267,7 @@ class OperatorSurface:
             rt.tracer = self.tracing.upstream_tracer()
             self.metrics.discovery.source = lambda: rt.discovery
             self.metrics.handoff.source = lambda: handoff.stats if (handoff := app.get(HANDOFF_KEY)) else None
+            self.metrics.kv_events.source = lambda: rt.residency.stats() if rt.residency is not None else None
         if self.store is None or self.clock is None or self.holder is None:
             raise RuntimeError("OperatorSurface.setup on a bare app needs store, clock and holder")
         app.router.add_get("/metrics", self.metrics_handler)

@@ -134,6 +134,16 @@ async def test_gateway_subscribes_forwards_and_fills_snapshots(kv_emulators: lis
         async with http.get(gw.url + "/admin/stats") as r:
             stats = await r.json()
         assert {v["residency_source"] for v in stats["replicas"]} == {"events"}
+        # the same on /metrics, for alerts on a replica that falls back to the estimate
+        ids = {u.removeprefix("http://") for u in urls}
+        samples = await metric_samples(http, gw)
+        assert {k[1] for k, v in samples.items() if k[0] == "kvroute_replica_residency_source" and v == 1} == {
+            (("replica", i), ("source", "events")) for i in ids
+        }
+        for i in ids:
+            assert samples[("kvroute_kv_events_connected", (("replica", i),))] == 1
+            assert samples[("kvroute_kv_events_total", (("kind", "syncs"), ("replica", i)))] >= 1
+            assert samples[("kvroute_kv_events_total", (("kind", "replay_failures"), ("replica", i)))] == 0
 
         msgs = [{"role": "user", "content": "explain the radix cache " * 12}]
         d = await chat(http, gw.url, "sess-1", msgs)
@@ -218,17 +228,27 @@ async def test_a_header_session_whose_body_names_another_session_id_reads_reside
         assert (await gw.store.snapshot("agent-1")).session is not None
 
 
-async def residency_outcomes(http: aiohttp.ClientSession, gw: RunningGateway) -> dict[tuple[str, str], float]:
-    """``kvroute_residency_outcomes_total`` by (residency, found)."""
+async def metric_samples(
+    http: aiohttp.ClientSession, gw: RunningGateway
+) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Every sample on the gateway's ``/metrics``, by (name, sorted labels)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     async with http.get(gw.url + "/metrics") as r:
         text = await r.text()
     return {
-        (s.labels["residency"], s.labels["found"]): s.value
+        (s.name, tuple(sorted(s.labels.items()))): s.value
         for fam in text_string_to_metric_families(text)
         for s in fam.samples
-        if s.name == "kvroute_residency_outcomes_total"
+    }
+
+
+async def residency_outcomes(http: aiohttp.ClientSession, gw: RunningGateway) -> dict[tuple[str, str], float]:
+    """``kvroute_residency_outcomes_total`` by (residency, found)."""
+    return {
+        (dict(labels)["residency"], dict(labels)["found"]): v
+        for (name, labels), v in (await metric_samples(http, gw)).items()
+        if name == "kvroute_residency_outcomes_total"
     }
 
 
