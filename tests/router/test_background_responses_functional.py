@@ -6,6 +6,7 @@ until the run ends, is cancelled, the replica leaves or the gateway stops, and l
 from __future__ import annotations
 
 import asyncio
+import random
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -16,8 +17,9 @@ import pytest
 from replica.emulator.profiles import get_profile
 from replica.emulator.runner import Running, start_emulators, stop_emulators
 from replica.emulator.server import EmulatorConfig
-from router.gateway.serve import RunningGateway
-from tests.router.conftest import wait_for
+from router.clock import SystemClock
+from router.gateway.serve import RunningGateway, make_store, start_gateway
+from tests.router.conftest import fast_config, wait_for
 
 MODEL = "emulated/small-test"
 
@@ -121,3 +123,28 @@ async def _status_of(gw: RunningGateway, rid: str) -> str:
 async def _status_of_engine(engine: Running, rid: str) -> str:
     async with aiohttp.ClientSession() as s, s.get(f"{engine.url}/v1/responses/{rid}") as r:
         return str((await r.json())["status"])
+
+
+async def test_a_background_run_through_one_gateway_counts_for_every_gateway_of_the_store(
+    engine: Running, redis_url: str
+) -> None:
+    """Two gateways on one Redis: the run's load, held by the gateway that relayed its answer,
+    is in the other's view too, and a cancel through the other ends it for both."""
+    gws = []
+    try:
+        for gid in ("gw-a", "gw-b"):
+            cfg = fast_config([engine.url], redis_url=redis_url, gateway_id=gid)
+            clock = SystemClock()
+            gws.append(await start_gateway(cfg, make_store(cfg, clock), clock=clock, rng=random.Random(7)))
+        a, b = gws
+        async with aiohttp.ClientSession() as s:
+            rid = await _start(s, a, "bg-shared", tokens=400)
+            await wait_for(lambda: _in_flight_is(b, 1))
+            async with s.post(f"{b.url}/v1/responses/{rid}/cancel") as r:
+                assert r.status == 200 and (await r.json())["status"] == "cancelled"
+            await wait_for(lambda: _in_flight_is(a, 0))
+            await wait_for(lambda: _in_flight_is(b, 0))
+            assert not a.runtime.background
+    finally:
+        for gw in gws:
+            await gw.close()
