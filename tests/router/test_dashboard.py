@@ -141,6 +141,7 @@ async def test_dashboard_renders_stats_and_updates() -> None:
                     assert cells["sessions_active"] == str(rep["sessions_active"])
                     assert cells["running"] == str(rep["running"]) and cells["queued"] == str(rep["queued"])
                     assert cells["affinity_breaks"] == str(rep["affinity_breaks"])
+                    assert cells["residency_source"] == rep["residency_source"]
                 first = await _cells(page, "127.0.0.1:41001")
                 assert (
                     first["in_flight"] == "2"
