@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Protocol
 
@@ -27,6 +28,7 @@ from router.clock import Clock
 from router.config import GatewayConfig
 from router.errors import UpstreamError
 from router.eventloop import stop_tasks
+from router.gateway.bodies import RESPONSE_ID
 from router.gateway.forward import ReplicaClient
 
 __all__ = ["RUNNING", "BackgroundRuns", "Gateway", "running_response"]
@@ -34,6 +36,7 @@ __all__ = ["RUNNING", "BackgroundRuns", "Gateway", "running_response"]
 log = logging.getLogger(__name__)
 
 RUNNING = frozenset({"queued", "in_progress"})
+_VALID_ID = re.compile(RESPONSE_ID)
 
 # the final response (None: released without it, rule 3) -> the lease released
 Finish = Callable[[Mapping[str, Any] | None], Awaitable[None]]
@@ -44,7 +47,7 @@ def running_response(doc: Any) -> str | None:
     if not isinstance(doc, dict) or doc.get("object") != "response" or doc.get("status") not in RUNNING:
         return None
     rid = doc.get("id")
-    return rid if isinstance(rid, str) else None
+    return rid if isinstance(rid, str) and _VALID_ID.fullmatch(rid) else None  # it goes into a URL
 
 
 class Gateway(Protocol):

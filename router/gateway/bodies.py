@@ -12,7 +12,11 @@ import orjson
 from router.config import GatewayConfig
 from router.errors import BadRequestError
 
-__all__ = ["body_field", "body_string", "checked_session_id", "parse_body"]
+__all__ = ["RESPONSE_ID", "body_field", "body_string", "checked_session_id", "parse_body"]
+
+# the shape of a Responses API id SGLang makes ("resp_" + 32 hex digits): an id of any other shape is
+# never pinned, looked up or read back from an engine
+RESPONSE_ID = "resp_[A-Za-z0-9_-]{1,200}"
 
 
 def parse_body(body: bytes) -> dict[str, Any]:

@@ -30,7 +30,7 @@ from aiohttp import web
 from router.config import GatewayConfig
 from router.errors import BadRequestError, NotFoundError, StoreError
 from router.events import StoreDegraded
-from router.gateway.bodies import body_string, checked_session_id
+from router.gateway.bodies import RESPONSE_ID, body_string, checked_session_id
 from router.gateway.forward import filter_headers, read_limited, request_drop_set
 from router.gateway.middleware import REQUEST_ID_HEADER, REQUEST_ID_KEY
 from router.gateway.runtime import RUNTIME_KEY, GatewayRuntime
@@ -48,10 +48,8 @@ __all__ = [
 
 STORED_RESPONSE_ROUTES = ("/v1/responses/{response_id}", "/v1/responses/{response_id}/cancel")
 
-# SGLang's ids are "resp_" + 32 hex digits; anything else is never pinned, so never proxied
-_ID = "resp_[A-Za-z0-9_-]{1,200}"
-_RESPONSE_ID = re.compile(rb'"id"\s*:\s*"(' + _ID.encode() + rb')"')
-_VALID_ID = re.compile(_ID)
+_RESPONSE_ID = re.compile(rb'"id"\s*:\s*"(' + RESPONSE_ID.encode() + rb')"')
+_VALID_ID = re.compile(RESPONSE_ID)
 _STORE_KEY = b'"store"'
 _FORWARD_DROP = request_drop_set({REQUEST_ID_HEADER.lower(), "x-forwarded-for", "content-length"})
 _ANSWER_LIMIT = 16 * 1024 * 1024

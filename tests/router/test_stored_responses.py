@@ -72,6 +72,7 @@ def test_previous_response_id() -> None:
         ({"id": RID, "object": "response", "status": "incomplete"}, None),
         ({"id": RID, "object": "chat.completion", "status": "queued"}, None),
         ({"id": 7, "object": "response", "status": "queued"}, None),  # hostile: not an id
+        ({"id": "resp_1/../../admin?x=\r\n", "object": "response", "status": "queued"}, None),  # not SGLang's shape
         ({"object": "response", "status": "queued"}, None),
         ([{"id": RID, "object": "response", "status": "queued"}], None),
         (None, None),  # the body did not parse
