@@ -196,16 +196,29 @@ def real_sglang_fleet(
     each publishes its KV events (:func:`kv_events_config`, ports of its own)."""
     cpus = sorted(os.sched_getaffinity(0))
     servers: list[RealServer] = []
+
+    def start(i: int) -> RealServer:
+        return start_real_server(
+            free_port(), cpus[i % len(cpus)], log_dir=log_dir, max_total_tokens=max_total_tokens,
+            context_length=context_length, extra_flags=extra_flags,
+            sets=[*sets, f"kv-events-config={kv_events_config()}"] if kv_events else sets,
+        )  # fmt: skip
+
     try:
-        for i in range(n):
-            servers.append(
-                start_real_server(
-                    free_port(), cpus[i % len(cpus)], log_dir=log_dir, max_total_tokens=max_total_tokens,
-                    context_length=context_length, extra_flags=extra_flags,
-                    sets=[*sets, f"kv-events-config={kv_events_config()}"] if kv_events else sets,
-                )
-            )
-        wait_healthy(servers, timeout_s)
+        servers.extend(start(i) for i in range(n))
+        try:
+            wait_healthy(servers, timeout_s)
+        except RuntimeError:
+            # SGLang exits when its own warm-up request times out (10 s), which servers starting
+            # together on a busy machine can hit: each one that exited is started again, once, alone
+            exited = [i for i, s in enumerate(servers) if s.proc.poll() is not None]
+            if not exited:
+                raise
+            for i in exited:
+                stop_real_server(servers[i])
+                servers[i] = start(i)
+                wait_healthy([servers[i]], timeout_s)
+            wait_healthy(servers, timeout_s)
         yield servers
     finally:
         for s in servers:
