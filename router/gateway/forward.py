@@ -166,7 +166,8 @@ class UpstreamResponse(Protocol):
         ...
 
     def abort(self) -> None:
-        """Close the connection now (the engine sees the disconnect and aborts the request)."""
+        """Close the connection now (the engine sees the disconnect and aborts the request); a no-op
+        once released."""
         ...
 
 

@@ -313,6 +313,18 @@ class _Progress:
     error_content_type: str = ""  # of the last replica error body (relayed when retries run out)
 
 
+@dataclass(slots=True)
+class _Answer:
+    """A replica's answer being read: its chunks, what the sniffer has seen, the first piece."""
+
+    upstream: UpstreamResponse
+    chunks: AsyncIterator[bytes]
+    sniffer: UsageSniffer
+    first_token_event: int  # events before the first token's (0: the first chunk carries it)
+    first: bytes | None = None
+    fed: bool = False  # ``first`` was fed to the sniffer already
+
+
 def panic_snapshot(snap: ClusterSnapshot, excluded: frozenset[str]) -> ClusterSnapshot | None:
     """PURE. ``snap`` with its DOWN replicas shown ACTIVE, for a request the policy could place
     nowhere; ``None`` when no DOWN replica is left outside ``excluded``. Health is a guess (a slow
@@ -376,19 +388,8 @@ class _Proxy:
         attempt = 0
         stale = 0
         while True:
+            snap, req = await self._snapshot(excluded)
             panicked = False
-            snap = await self.rt.store.snapshot(self.req.session_key)
-            if self._engine_id is not None and snap.session is not None and self.rt.residency is not None:
-                snap = replace(snap, session=with_residency(snap.session, self.rt.residency.view, self._engine_id))
-            req = self.req = route_request(
-                self.req.session_key,
-                self.req.key_source,
-                route=self.req.route,
-                body_bytes=self.req.body_bytes,
-                session=snap.session,
-                excluded=frozenset(excluded),
-                chain_key=self._chain_key if self.req.key_source.named else None,
-            )
             if self.pin is not None:
                 if snap.replica(self.pin) is None:
                     if self.call is not None:
@@ -397,18 +398,11 @@ class _Proxy:
                 decision = RouteDecision(self.pin, Reason.PINNED)  # what it names exists there only
             else:
                 try:
-                    decision = self.rt.policy.route(req, snap, self.rt.rng)
+                    decision, panicked = self._choose(req, snap)
                 except NoReplicaError:
-                    # every replica looks down: try them anyway rather than refuse the client (panic
-                    # routing, as Envoy does); a refused connection still excludes one per attempt
-                    panic = panic_snapshot(snap, req.excluded)
-                    if panic is None:
-                        if last_error is not None:
-                            return await self._give_up(last_error)
-                        raise
-                    decision = self.rt.policy.route(req, panic, self.rt.rng)
-                    panicked = True
-                    log.warning("no healthy replica: panic-routing to %s (DOWN)", decision.replica_id)
+                    if last_error is not None:
+                        return await self._give_up(last_error)
+                    raise
             try:
                 lease = await self.rt.store.acquire(decision, req)
             except StaleSessionError:  # another gateway moved the session: decide again on fresh state
@@ -419,27 +413,7 @@ class _Proxy:
             except ReplicaNotFoundError:  # the chosen replica was removed between snapshot and acquire
                 excluded.add(decision.replica_id)
                 continue
-            self.p.replica_id, self.p.reason = lease.replica_id, lease.reason
-            self.p.residency = decision.residency
-            at_home = snap.session is not None and snap.session.home == lease.replica_id
-            self.p.resident_tokens = snap.session.resident_tokens if at_home and snap.session else None
-            self.rt.emit(
-                RequestRouted(
-                    request_id=self.request_id,
-                    at=self.rt.clock.now(),
-                    route=req.route,
-                    replica_id=lease.replica_id,
-                    reason=lease.reason,
-                    key_source=req.key_source,
-                    session_id=req.session_key if req.key_source.named else None,
-                    attempt=attempt,
-                    disagreement=lease.disagreement,
-                    scores=decision.scores,
-                    residency=decision.residency,
-                    estimate_check=decision.estimate_check,
-                    panic=panicked,
-                )
-            )
+            self._routed(snap, req, decision, lease, attempt, panicked)
             can_retry = attempt < self.cfg.max_retries and self.pin is None
             try:
                 return await self._attempt(lease, snap.replica(lease.replica_id), can_retry)
@@ -447,11 +421,7 @@ class _Proxy:
                 if self.p.sent:
                     raise
                 last_error = exc
-                if self.rt.discovery is not None:
-                    if is_connect_failure(exc):
-                        await self.rt.discovery.on_connect_error(lease.replica_id, str(exc))
-                    else:  # answered badly or not in time: evidence against it (discovery rule 3)
-                        self.rt.discovery.on_request_failure(lease.replica_id, str(exc))
+                await self._failed(lease.replica_id, exc)
                 if not can_retry:
                     return await self._give_up(exc)
                 excluded.add(lease.replica_id)
@@ -467,6 +437,71 @@ class _Proxy:
                     )
                 )
                 log.info("retrying after %s on %s (attempt %d)", exc.code, lease.replica_id, attempt)
+
+    async def _snapshot(self, excluded: set[str]) -> tuple[ClusterSnapshot, RouteRequest]:
+        """The state this attempt is decided on, and the request as the policy sees it then."""
+        snap = await self.rt.store.snapshot(self.req.session_key)
+        if self._engine_id is not None and snap.session is not None and self.rt.residency is not None:
+            snap = replace(snap, session=with_residency(snap.session, self.rt.residency.view, self._engine_id))
+        req = self.req = route_request(
+            self.req.session_key,
+            self.req.key_source,
+            route=self.req.route,
+            body_bytes=self.req.body_bytes,
+            session=snap.session,
+            excluded=frozenset(excluded),
+            chain_key=self._chain_key if self.req.key_source.named else None,
+        )
+        return snap, req
+
+    def _choose(self, req: RouteRequest, snap: ClusterSnapshot) -> tuple[RouteDecision, bool]:
+        """The policy's decision, and whether it was panic routing: when every replica looks down,
+        they are tried anyway rather than the client refused (as Envoy does); a refused connection
+        still excludes one per attempt. ``NoReplicaError`` when not even a DOWN one is left."""
+        try:
+            return self.rt.policy.route(req, snap, self.rt.rng), False
+        except NoReplicaError:
+            panic = panic_snapshot(snap, req.excluded)
+            if panic is None:
+                raise
+            decision = self.rt.policy.route(req, panic, self.rt.rng)
+            log.warning("no healthy replica: panic-routing to %s (DOWN)", decision.replica_id)
+            return decision, True
+
+    def _routed(
+        self, snap: ClusterSnapshot, req: RouteRequest, decision: RouteDecision, lease: Lease, attempt: int, panic: bool
+    ) -> None:
+        self.p.replica_id, self.p.reason = lease.replica_id, lease.reason
+        self.p.residency = decision.residency
+        at_home = snap.session is not None and snap.session.home == lease.replica_id
+        self.p.resident_tokens = snap.session.resident_tokens if at_home and snap.session else None
+        self.rt.emit(
+            RequestRouted(
+                request_id=self.request_id,
+                at=self.rt.clock.now(),
+                route=req.route,
+                replica_id=lease.replica_id,
+                reason=lease.reason,
+                key_source=req.key_source,
+                session_id=req.session_key if req.key_source.named else None,
+                attempt=attempt,
+                disagreement=lease.disagreement,
+                scores=decision.scores,
+                residency=decision.residency,
+                estimate_check=decision.estimate_check,
+                panic=panic,
+            )
+        )
+
+    async def _failed(self, replica_id: ReplicaId, exc: UpstreamError) -> None:
+        """An attempt failed before the first byte: evidence against its replica for discovery."""
+        discovery = self.rt.discovery
+        if discovery is None:
+            return
+        if is_connect_failure(exc):
+            await discovery.on_connect_error(replica_id, str(exc))
+        else:  # answered badly or not in time: evidence against it (discovery rule 3)
+            discovery.on_request_failure(replica_id, str(exc))
 
     @staticmethod
     async def _opening(
@@ -500,39 +535,68 @@ class _Proxy:
         raise exc
 
     async def _attempt(self, lease: Lease, state: ReplicaState | None, can_retry: bool) -> None:
-        clock = self.rt.clock
         upstream: UpstreamResponse | None = None
-        sniffer: UsageSniffer | None = None
+        answer: _Answer | None = None
         ask_stores: str | None = None  # the replica's URL, when whether it keeps responses is unknown
         running: str | None = None  # a background response's id: its engine runs it after the answer
-        done = False
         completion = Completion(ok=False)
         try:
             # inside the try: whatever happens from here on, the finally releases the lease
             url = await self.rt.replica_url(lease.replica_id, state)
             if url is None:
                 raise UpstreamConnectError(f"replica {lease.replica_id} is no longer registered")
-            client = self.rt.client
-            assert client is not None, "gateway client not started"
-            target = url + self.req.route
-            tracer = self.rt.tracer
-            span = tracer.start("POST", target) if tracer is not None else None
-            headers = self.fwd_headers if span is None else [*self.fwd_headers, *span.headers]
-            t = clock.now()
-            try:
-                upstream = await client.send(lease.replica_id, "POST", target, headers, self._body_for(lease))
-            except BaseException as exc:
-                if span is not None:
-                    span.fail(exc)
-                raise
-            finally:
-                self.p.upstream_wait_s += clock.now() - t
+            upstream = await self._send(lease, url + self.req.route, can_retry)
+            answer = await self._open(upstream)
+            # ---- commit: from here on the client has our status line -----------------------------
+            keeps, ask_stores = self._keeps_response(lease, url, upstream.status)
+            completion, running = await self._relay(lease, answer, keeps)
+        except UpstreamError as exc:
+            self.p.error = exc.code
+            raise
+        except asyncio.CancelledError:
+            self.p.client_gone = True
+            if answer is not None:
+                completion = self._completion(answer.sniffer, ok=False)
+            raise
+        finally:
+            if upstream is not None:
+                upstream.abort()  # unless read to its end: closes the connection, the engine aborts the request
+            completion = dataclasses.replace(completion, started_output=self.p.sent)
+            if running is not None:  # its load stays until the engine has run it (background.py)
+                self.body, self._tagged = b"", None  # not kept alive for the run (a Codex body: 100s of kB)
+                await self.rt.background.hold(self.rt, lease.replica_id, running, functools.partial(self._ran, lease))
+            else:
+                await self._release(lease, completion)
+            if completion.ok and ask_stores is not None and self.rt.client is not None:
+                await self.rt.response_stores.learn(self.rt.client, lease.replica_id, ask_stores, self.rt.clock.now())
+
+    async def _send(self, lease: Lease, target: str, can_retry: bool) -> UpstreamResponse:
+        """The request sent, its status line and headers in. A 5xx that may be retried elsewhere is
+        raised (with its body, relayed if no retry is left)."""
+        clock = self.rt.clock
+        client = self.rt.client
+        assert client is not None, "gateway client not started"
+        tracer = self.rt.tracer
+        span = tracer.start("POST", target) if tracer is not None else None
+        headers = self.fwd_headers if span is None else [*self.fwd_headers, *span.headers]
+        t = clock.now()
+        try:
+            upstream = await client.send(lease.replica_id, "POST", target, headers, self._body_for(lease))
+        except BaseException as exc:
             if span is not None:
-                span.end(upstream.status)
+                span.fail(exc)
+            raise
+        finally:
+            self.p.upstream_wait_s += clock.now() - t
+        if span is not None:
+            span.end(upstream.status)
+        try:
             if upstream.status >= 500 and can_retry:
                 t = clock.now()
-                err_body = await upstream.read(_ERROR_BODY_LIMIT)
-                self.p.upstream_wait_s += clock.now() - t
+                try:
+                    err_body = await upstream.read(_ERROR_BODY_LIMIT)
+                finally:
+                    self.p.upstream_wait_s += clock.now() - t
                 self.p.error_content_type = upstream.content_type
                 raise UpstreamStatusError(
                     f"replica {lease.replica_id} answered {upstream.status}", upstream.status, err_body
@@ -541,125 +605,121 @@ class _Proxy:
                 self.rt.discovery.on_success(lease.replica_id)
             if self.call is not None:  # pinned or unpinned before the client has the answer
                 await self.call.answered(self.rt.store, lease.replica_id, upstream.status)
-            sniffer = UsageSniffer(upstream.content_type)
-            chunks = upstream.chunks().__aiter__()
-            # SGLang opens a Responses API stream with two lifecycle events before the prefill: the
-            # first token comes with the third event (TTFT counts from the first chunk elsewhere)
-            first_token_event = 3 if self.req.route == RESPONSES_ROUTE else 0
+        except BaseException:
+            upstream.abort()  # the caller never holds this answer: it is closed here
+            raise
+        return upstream
+
+    async def _open(self, upstream: UpstreamResponse) -> _Answer:
+        """The answer's first piece read. A replica that fails meanwhile raises before the client has
+        a byte (so the request may still be retried)."""
+        sniffer = UsageSniffer(upstream.content_type)
+        # SGLang opens a Responses API stream with two lifecycle events before the prefill: the first
+        # token comes with the third event (TTFT counts from the first chunk elsewhere)
+        first_token_event = 3 if self.req.route == RESPONSES_ROUTE else 0
+        answer = _Answer(upstream, upstream.chunks().__aiter__(), sniffer, first_token_event)
+        clock = self.rt.clock
+        t = clock.now()
+        try:
+            answer.first = await anext(answer.chunks, None)
+            if answer.first is not None and first_token_event > 0 and sniffer.is_sse:
+                # rule 5: held (and fed to the sniffer) until the first token's event
+                answer.first = await self._opening(answer.first, answer.chunks, upstream, sniffer, first_token_event)
+                answer.fed = True
+        finally:
+            self.p.upstream_wait_s += clock.now() - t
+        return answer
+
+    def _keeps_response(self, lease: Lease, url: str, status: int) -> tuple[bool, str | None]:
+        """Whether the answer may hold a response the engine stored (its id is then pinned,
+        stored_responses.py), and the replica's URL when whether it keeps any is not yet known. A
+        replica known to keep nothing is not asked about, nor the body read for ``store``."""
+        if self.req.route != RESPONSES_ROUTE or status != 200:
+            return False, None
+        known = self.rt.response_stores.keeps(lease.replica_id, self.rt.clock.now())
+        keeps = known is not False and keeps_response(self.body)
+        return keeps, (url if keeps and known is None else None)
+
+    def _relay_headers(self, lease: Lease, upstream: UpstreamResponse) -> list[tuple[str, str]]:
+        decided = self.cfg.decision_headers
+        headers = filter_headers(upstream.headers, _RELAY_DROP_DECIDED if decided else _RELAY_DROP)
+        if decided:
+            headers += _decision_headers(lease.replica_id, lease.reason)
+        # headers leave with the first chunk: the request id is set now
+        if not any(k.lower() == _REQUEST_ID_LOWER for k, _ in headers):
+            headers.append((REQUEST_ID_HEADER, self.request_id))
+        return headers
+
+    async def _relay(self, lease: Lease, answer: _Answer, keeps: bool) -> tuple[Completion, str | None]:
+        """The answer relayed to the client from its first piece on: what it taught, and the id of a
+        background response its engine runs on. A break after the first byte is never retried (rule
+        4): a stream ends with an error event, any other body is cut."""
+        clock = self.rt.clock
+        upstream, sniffer, ds = answer.upstream, answer.sniffer, self.ds
+        self.p.status = upstream.status
+        self.p.stream = sniffer.is_sse
+        last_tail = b""
+        fed = answer.fed
+        try:
             t = clock.now()
-            try:
-                first: bytes | None = await anext(chunks, None)
-                fed = False  # the first piece was fed to the sniffer already
-                if first is not None and first_token_event > 0 and sniffer.is_sse:
-                    # rule 5: held (and fed to the sniffer) until the first token's event
-                    first = await self._opening(first, chunks, upstream, sniffer, first_token_event)
-                    fed = True
-            finally:
-                self.p.upstream_wait_s += clock.now() - t
-            # ---- commit: from here on the client has our status line -----------------------------
-            decided = self.cfg.decision_headers
-            headers = filter_headers(upstream.headers, _RELAY_DROP_DECIDED if decided else _RELAY_DROP)
-            if decided:
-                headers += _decision_headers(lease.replica_id, lease.reason)
-            # headers leave with the first chunk: the request id is set now
-            if not any(k.lower() == _REQUEST_ID_LOWER for k, _ in headers):
-                headers.append((REQUEST_ID_HEADER, self.request_id))
-            self.p.status = upstream.status
-            self.p.stream = sniffer.is_sse
-            ds = self.ds
-            last_tail = b""
-            # a response the engine may have stored: its id is pinned (stored_responses.py); a
-            # replica known to keep nothing is not asked about, nor the body read for "store"
-            keeps = self.req.route == RESPONSES_ROUTE and upstream.status == 200
-            if keeps:
-                known = self.rt.response_stores.keeps(lease.replica_id, clock.now())
-                keeps = known is not False and keeps_response(self.body)
-                if keeps and known is None:
-                    ask_stores = url
-            try:
-                t = clock.now()
-                await ds.begin(
-                    upstream.status,
-                    headers,
-                    upstream.content_length if not sniffer.is_sse else None,
-                )
-                self.p.sent = True
-                chunk = first
-                last = b""  # the body's final piece: sent with the end of the response, one write
-                while chunk is not None:
-                    if chunk:
-                        if keeps and (response_id := response_id_in(chunk)) is not None:
-                            keeps = False
-                            await pin_response(self.rt, response_id, lease.replica_id)
-                        if not fed:
-                            sniffer.feed(chunk)
-                        fed = False
-                        if upstream.at_eof():
-                            last = chunk
-                            break
-                        await ds.write(chunk)
-                        last_tail = (last_tail + chunk)[-2:]
-                    self.p.write_wait_s += clock.now() - t
-                    if self.p.ttft_s is None and sniffer.events >= first_token_event:
-                        self.p.ttft_s = clock.now() - self.p.t0
-                    t = clock.now()
-                    try:
-                        chunk = await anext(chunks, None)
-                    finally:
-                        self.p.upstream_wait_s += clock.now() - t
-                    t = clock.now()
-                done = True
-                upstream.release()
-                self.p.ok = 200 <= upstream.status < 300
-                await ds.end(last)
-                # learnt once the client has its last byte: usage parsing is off the latency path
-                # (a client that hangs up during this last write still counts as not ok, below)
-                completion = self._completion(sniffer, ok=self.p.ok)
-                if self.req.route == RESPONSES_ROUTE and completion.ok:
-                    running = running_response(sniffer.document())
+            length = upstream.content_length if not sniffer.is_sse else None
+            await ds.begin(upstream.status, self._relay_headers(lease, upstream), length)
+            self.p.sent = True
+            chunk = answer.first
+            last = b""  # the body's final piece: sent with the end of the response, one write
+            while chunk is not None:
+                if chunk:
+                    if keeps and (response_id := response_id_in(chunk)) is not None:
+                        keeps = False
+                        await pin_response(self.rt, response_id, lease.replica_id)
+                    if not fed:
+                        sniffer.feed(chunk)
+                    fed = False
+                    if upstream.at_eof():
+                        last = chunk
+                        break
+                    await ds.write(chunk)
+                    last_tail = (last_tail + chunk)[-2:]
                 self.p.write_wait_s += clock.now() - t
-                if self.p.ttft_s is None:
+                if self.p.ttft_s is None and sniffer.events >= answer.first_token_event:
                     self.p.ttft_s = clock.now() - self.p.t0
-                return
-            except UpstreamError as exc:
-                # after the first byte: never retried (rule 4)
-                self.p.error = exc.code
-                completion = self._completion(sniffer, ok=False)
-                log.warning("upstream %s broke mid-response: %s", lease.replica_id, exc)
-                if self.rt.discovery is not None:
-                    self.rt.discovery.on_request_failure(lease.replica_id, str(exc))
-                if sniffer.is_sse:
-                    sep = b"" if last_tail == b"\n\n" else b"\n\n"
-                    msg = f"upstream {lease.replica_id} failed mid-stream: {exc.code}"
-                    code = 504 if isinstance(exc, UpstreamTimeoutError) else 502
-                    await ds.end(sep + sse_error_event(msg, code, route=self.req.route, sequence=sniffer.events))
-                else:
-                    ds.cut()
-                return
-            except ConnectionResetError:
-                # the client went away while we wrote (handler not cancelled): stop at once
-                self.p.client_gone = True
-                completion = self._completion(sniffer, ok=False)
-                return
+                t = clock.now()
+                try:
+                    chunk = await anext(answer.chunks, None)
+                finally:
+                    self.p.upstream_wait_s += clock.now() - t
+                t = clock.now()
+            upstream.release()
+            self.p.ok = 200 <= upstream.status < 300
+            await ds.end(last)
+            # learnt once the client has its last byte: usage parsing is off the latency path
+            # (a client that hangs up during this last write still counts as not ok, below)
+            completion = self._completion(sniffer, ok=self.p.ok)
+            running = None
+            if self.req.route == RESPONSES_ROUTE and completion.ok:
+                running = running_response(sniffer.document())
+            self.p.write_wait_s += clock.now() - t
+            if self.p.ttft_s is None:
+                self.p.ttft_s = clock.now() - self.p.t0
+            return completion, running
         except UpstreamError as exc:
             self.p.error = exc.code
-            raise
-        except asyncio.CancelledError:
-            self.p.client_gone = True
-            if sniffer is not None:
-                completion = self._completion(sniffer, ok=False)
-            raise
-        finally:
-            if upstream is not None and not done:
-                upstream.abort()  # closes the connection: the engine aborts the request
-            completion = dataclasses.replace(completion, started_output=self.p.sent)
-            if running is not None:  # its load stays until the engine has run it (background.py)
-                self.body, self._tagged = b"", None  # not kept alive for the run (a Codex body: 100s of kB)
-                await self.rt.background.hold(self.rt, lease.replica_id, running, functools.partial(self._ran, lease))
+            log.warning("upstream %s broke mid-response: %s", lease.replica_id, exc)
+            if self.rt.discovery is not None:
+                self.rt.discovery.on_request_failure(lease.replica_id, str(exc))
+            completion = self._completion(sniffer, ok=False)
+            if sniffer.is_sse:
+                sep = b"" if last_tail == b"\n\n" else b"\n\n"
+                msg = f"upstream {lease.replica_id} failed mid-stream: {exc.code}"
+                code = 504 if isinstance(exc, UpstreamTimeoutError) else 502
+                await ds.end(sep + sse_error_event(msg, code, route=self.req.route, sequence=sniffer.events))
             else:
-                await self._release(lease, completion)
-            if completion.ok and ask_stores is not None and self.rt.client is not None:
-                await self.rt.response_stores.learn(self.rt.client, lease.replica_id, ask_stores, clock.now())
+                ds.cut()
+            return completion, None
+        except ConnectionResetError:
+            # the client went away while we wrote (handler not cancelled): stop at once
+            self.p.client_gone = True
+            return self._completion(sniffer, ok=False), None
 
     async def _release(self, lease: Lease, completion: Completion) -> None:
         """The lease's one release, and what the answer taught about the session's cache."""
