@@ -6,16 +6,18 @@ loop (~0.1 ms a ``/health``, ~0.5 ms a parsed ``/metrics``), and every request b
 The emulator cannot show this: it serves all its replicas from one loop, which spaces their answers
 out by itself. So this bench puts ``--replicas`` *static* replicas in one subprocess
 (``python -m loadtests.bench_probes --serve N``: canned ``/health``, a canned emulator exposition on
-``/metrics``, a canned chat completion; each answer costs them next to nothing), then, for each value
+``/metrics``, a canned SGLang ``/v1/loads``, a canned chat completion; each answer costs them next to
+nothing), then, for each value
 of ``health.spread`` in ``--spreads`` (alternating, ``--repeat`` times), starts ``kvroute serve`` in
 front of all of them and measures c=1 latency for ``--duration`` seconds. Prints a table on stderr
 and JSON on stdout (p50 / p99 / p99.9 / max, ms).
 
 ``--idle-cpu --gateways 1,2``: no traffic; for each count G, G gateways on one private Redis in front
 of the same static replicas, started a little apart, and over ``--duration`` seconds each gateway's
-own CPU per second (``/proc``, Linux) and the ``/metrics`` scrapes and ``/health`` checks each replica
-answered per second (discovery rules 6 and 7: the gateways share one scrape and one health check per
-replica per interval through the store).
+own CPU per second (``/proc``, Linux) and the ``/metrics`` scrapes, ``/v1/loads`` reads and
+``/health`` checks each replica answered per second (discovery rules 6 and 7: the gateways share one
+scrape and one health check per replica per interval through the store; rule 4: the load is read
+from ``/v1/loads``, ``/metrics`` only now and then).
 """
 
 from __future__ import annotations
@@ -65,8 +67,14 @@ async def _serve_static(n: int) -> None:
         gen_throughput=500.0, spec_accept_length=2.0, waiting_tokens=0, decode_sum_seq_lens=200_000,
     )  # fmt: skip
     exposition = ReplicaMetrics("default", lambda: load, hicache=False).render()
+    rank = {"dp_rank": 0, "num_running_reqs": load.running, "num_waiting_reqs": load.queued,
+            "num_waiting_uncached_tokens": 0, "num_used_tokens": load.used_tokens,
+            "max_total_num_tokens": load.capacity_tokens, "max_running_requests": 64,
+            "token_usage": load.token_usage, "gen_throughput": load.gen_throughput,
+            "cache_hit_rate": load.cache_hit_rate}  # fmt: skip
+    loads_doc = json.dumps({"version": "0.5.23", "loads": [rank]}).encode()
     chat = json.dumps(_CHAT).encode()
-    scrapes = [0, 0]  # /metrics and /health answered by all of them (``GET /_scrapes`` on any)
+    scrapes = [0, 0, 0]  # /metrics, /health and /v1/loads answered by all of them (``GET /_scrapes`` on any)
 
     async def health(_: web.Request) -> web.Response:
         scrapes[1] += 1
@@ -76,8 +84,12 @@ async def _serve_static(n: int) -> None:
         scrapes[0] += 1
         return web.Response(body=exposition, content_type="text/plain")
 
+    async def loads(_: web.Request) -> web.Response:
+        scrapes[2] += 1
+        return web.Response(body=loads_doc, content_type="application/json")
+
     async def scrape_count(_: web.Request) -> web.Response:
-        return web.json_response({"scrapes": scrapes[0], "health_checks": scrapes[1]})
+        return web.json_response({"scrapes": scrapes[0], "health_checks": scrapes[1], "loads": scrapes[2]})
 
     async def completions(request: web.Request) -> web.Response:
         await request.read()
@@ -90,6 +102,7 @@ async def _serve_static(n: int) -> None:
         app = web.Application()
         app.router.add_get("/health", health)
         app.router.add_get("/metrics", metrics)
+        app.router.add_get("/v1/loads", loads)
         app.router.add_get("/_scrapes", scrape_count)
         app.router.add_get("/v1/models", models)
         app.router.add_post("/v1/chat/completions", completions)
@@ -146,10 +159,10 @@ async def run_idle_cpu_bench(
     runs: list[dict[str, Any]] = []
     async with _static_replicas(replicas) as (urls, log_dir):
 
-        async def probes(http: aiohttp.ClientSession) -> tuple[int, int]:
+        async def probes(http: aiohttp.ClientSession) -> tuple[int, int, int]:
             async with http.get(urls[0] + "/_scrapes") as r:
                 doc = await r.json()
-                return int(doc["scrapes"]), int(doc["health_checks"])
+                return int(doc["scrapes"]), int(doc["health_checks"]), int(doc["loads"])
 
         async with aiohttp.ClientSession() as http:
             for g in gateways:
@@ -165,12 +178,14 @@ async def run_idle_cpu_bench(
                     await asyncio.sleep(duration_s)
                     c1, n1, t1 = [cpu_s(p.proc.pid) for p in procs], await probes(http), time.monotonic()
                 cpu = [round((b - a) / (t1 - t0), 3) for a, b in zip(c0, c1, strict=True)]
-                scraped, checked = (round((b - a) / (t1 - t0) / replicas, 3) for a, b in zip(n0, n1, strict=True))
+                scraped, checked, loaded = (
+                    round((b - a) / (t1 - t0) / replicas, 3) for a, b in zip(n0, n1, strict=True)
+                )
                 runs.append({"gateways": g, "cpu_per_s": cpu, "cpu_per_s_total": round(sum(cpu), 3),
-                             "scrapes_per_replica_per_s": scraped,
+                             "scrapes_per_replica_per_s": scraped, "loads_per_replica_per_s": loaded,
                              "health_checks_per_replica_per_s": checked})  # fmt: skip
-                say(f"  {g} gateway(s): CPU/s {cpu} (total {sum(cpu):.2f}), per replica per s: {scraped} scrapes, "
-                    f"{checked} health checks")  # fmt: skip
+                say(f"  {g} gateway(s): CPU/s {cpu} (total {sum(cpu):.2f}), per replica per s: {scraped} /metrics "
+                    f"scrapes, {loaded} /v1/loads reads, {checked} health checks")  # fmt: skip
     return {"bench": "probes-idle-cpu", "replicas": replicas, "duration_s": duration_s, "runs": runs}
 
 

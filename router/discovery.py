@@ -20,9 +20,11 @@ Rules:
   3b. Passive ejection: the forwarder reports connect errors; ``eject_on_connect_errors`` of them in
      a row take an ACTIVE replica DOWN at once (readmitted by health checks like any DOWN replica).
   4. Polling is cheap: one shared client session, per-probe timeouts, jittered intervals, one
-     probe per replica at a time. ``/metrics`` is scraped with ``Accept: text/plain``, then
-     ``/v1/loads`` (small JSON) for the figures ``/metrics`` lacks; SGLang 0.5.23 has no
-     ``/get_load`` (404), so it is never asked.
+     probe per replica at a time. The load is read from ``/v1/loads?include=core`` (small JSON,
+     every figure but the HiCache host tier's); ``/metrics`` (``Accept: text/plain``), whose whole
+     exposition costs far more to parse, is read for the host tier every ``_METRICS_EVERY`` rounds,
+     and every round for an engine without a usable ``/v1/loads`` (an older SGLang, another
+     engine). SGLang 0.5.23 has no ``/get_load`` (404), so it is never asked.
   5. Polling is smooth: a round starts every interval (not an interval after the last one ended)
      and starts its replicas' probes evenly over ``spread`` of it, in the store's order, so each
      replica keeps its phase and the answers do not reach the event loop together: each answer
@@ -83,7 +85,7 @@ from typing import TYPE_CHECKING
 
 from router.clock import Clock
 from router.config import HealthConfig
-from router.engine_metrics import MetricsParseError, apply_v1_loads, parse_engine_metrics
+from router.engine_metrics import MetricsParseError, load_from_v1_loads, parse_engine_metrics
 from router.errors import ReplicaNotFoundError, UpstreamError, UpstreamTimeoutError
 from router.events import Event, ReplicaActivated, ReplicaEjected, ReplicaReadmitted
 from router.model import EngineLoad, HealthStamp, ReplicaId, ReplicaState, ReplicaStatus
@@ -99,6 +101,14 @@ __all__ = ["Discovery", "HealthTrack", "ProbeOutcome", "health_transition"]
 log = logging.getLogger("kvroute.discovery")
 
 _METRICS_OFF_BACKOFF = 30  # rounds to skip after a 404 on /metrics (engine without --enable-metrics)
+# while /v1/loads answers, /metrics is read every this many rounds only: the host tier's figures are all
+# it adds, and parsing SGLang's whole exposition is most of a scrape's cost (rule 4)
+_METRICS_EVERY = 10
+_CORE_ONLY = "?include=core"  # /v1/loads' flat figures, without its memory, queue and spec sections
+
+
+def _with_host(load: EngineLoad, metrics: EngineLoad) -> EngineLoad:
+    return replace(load, host_used_tokens=metrics.host_used_tokens, host_capacity_tokens=metrics.host_capacity_tokens)
 
 
 class ProbeOutcome(enum.Enum):
@@ -188,6 +198,8 @@ class Discovery:
         self._connect_errors: dict[ReplicaId, int] = {}
         self._metrics_off: dict[ReplicaId, int] = {}
         self._loads_off: dict[ReplicaId, int] = {}
+        self._metrics_wait: dict[ReplicaId, int] = {}  # rounds until /metrics is read again (rule 4)
+        self._host: dict[ReplicaId, EngineLoad] = {}  # the last /metrics reading: the host tier's figures
         self._request_failures: dict[ReplicaId, int] = {}  # since the replica's last success
         self._alive_at: dict[ReplicaId, float] = {}  # last sign of life: good probe or answered request
         # rule 8: (probers, replica ids) the designation was computed for, and the replicas it gives us
@@ -397,13 +409,59 @@ class Discovery:
         return self._clock.now() - e.updated_at < 2.0 * self._cfg.scrape_interval_s * (1.0 + self._cfg.jitter)
 
     async def _scrape_one(self, r: ReplicaState, probers: frozenset[str]) -> None:
-        skip = self._metrics_off.get(r.id, 0)
-        if skip > 0:
-            self._metrics_off[r.id] = skip - 1
-            return
         if self._reported_by_another(r, probers):
             self.scrapes_shared += 1
             return
+        now = self._clock.now()
+        load = await self._loads(r, now)
+        wait = self._metrics_wait.get(r.id, 0)
+        if load is not None and wait > 0:
+            self._metrics_wait[r.id] = wait - 1
+        else:
+            metrics = await self._metrics(r, now)
+            if metrics is not None:
+                self._host[r.id] = metrics
+                self._metrics_wait[r.id] = _METRICS_EVERY - 1
+                load = metrics if load is None else _with_host(load, metrics)
+        if load is None:
+            return
+        self.scrapes_ok += 1
+        await self._store.report_engine_load(r.id, replace(load, reported_by=self.writer_id))
+
+    async def _loads(self, r: ReplicaState, now: float) -> EngineLoad | None:
+        """Rule 4: the load from ``/v1/loads`` (its core figures); ``None`` when the engine has no such
+        route (backs off like a missing ``/metrics``), does not answer, or answers nonsense."""
+        path = self._cfg.loads_path
+        skip = self._loads_off.get(r.id, 0)
+        if not path or skip > 0:
+            if skip > 0:
+                self._loads_off[r.id] = skip - 1
+            return None
+        try:
+            status, body = await self._client.fetch(
+                r.id, r.url + path + _CORE_ONLY, accept="application/json", timeout_s=self._probe_s
+            )
+        except UpstreamError as exc:
+            log.debug("%s of %s failed: %s", path, r.id, exc)
+            return None
+        if status == 404:
+            self._loads_off[r.id] = _METRICS_OFF_BACKOFF
+            return None
+        if status != 200:
+            return None
+        try:
+            return load_from_v1_loads(json.loads(body), now=now, host=self._host.get(r.id))
+        except (MetricsParseError, ValueError) as exc:
+            log.debug("bad %s from %s: %s", path, r.id, exc)
+            return None
+
+    async def _metrics(self, r: ReplicaState, now: float) -> EngineLoad | None:
+        """Rule 4: the load from ``/metrics``; ``None`` (a failed scrape, counted) when the engine does
+        not answer it sensibly. Backs off after a 404 (SGLang without ``--enable-metrics``)."""
+        skip = self._metrics_off.get(r.id, 0)
+        if skip > 0:
+            self._metrics_off[r.id] = skip - 1
+            return None
         try:
             status, body = await self._client.fetch(
                 r.id, r.url + self._cfg.metrics_path, accept="text/plain", timeout_s=self._probe_s
@@ -411,51 +469,21 @@ class Discovery:
         except UpstreamError as exc:
             self.scrapes_failed += 1
             log.debug("scrape of %s failed: %s", r.id, exc)
-            return
+            return None
         if status == 404:
             self._metrics_off[r.id] = _METRICS_OFF_BACKOFF
             self.scrapes_failed += 1
             log.info("replica %s has no /metrics (SGLang without --enable-metrics?)", r.id)
-            return
+            return None
         if status != 200:
             self.scrapes_failed += 1
-            return
+            return None
         try:
-            load = parse_engine_metrics(body.decode("utf-8", "replace"), now=self._clock.now())
+            return parse_engine_metrics(body.decode("utf-8", "replace"), now=now)
         except MetricsParseError as exc:
             self.scrapes_failed += 1
             log.debug("bad /metrics from %s: %s", r.id, exc)
-            return
-        load = await self._with_loads(r, load)
-        self.scrapes_ok += 1
-        await self._store.report_engine_load(r.id, replace(load, reported_by=self.writer_id))
-
-    async def _with_loads(self, r: ReplicaState, load: EngineLoad) -> EngineLoad:
-        """``load`` completed from ``/v1/loads`` (waiting uncached tokens); unchanged if the engine
-        has no such route (backs off like a missing ``/metrics``) or answers nonsense."""
-        path = self._cfg.loads_path
-        skip = self._loads_off.get(r.id, 0)
-        if not path or skip > 0:
-            if skip > 0:
-                self._loads_off[r.id] = skip - 1
-            return load
-        try:
-            status, body = await self._client.fetch(
-                r.id, r.url + path, accept="application/json", timeout_s=self._probe_s
-            )
-        except UpstreamError as exc:
-            log.debug("%s of %s failed: %s", path, r.id, exc)
-            return load
-        if status == 404:
-            self._loads_off[r.id] = _METRICS_OFF_BACKOFF
-            return load
-        if status != 200:
-            return load
-        try:
-            return apply_v1_loads(load, json.loads(body))
-        except (MetricsParseError, ValueError) as exc:
-            log.debug("bad %s from %s: %s", path, r.id, exc)
-            return load
+            return None
 
     # ---- loops -------------------------------------------------------------------------------------
 
@@ -493,6 +521,8 @@ class Discovery:
             self._connect_errors,
             self._metrics_off,
             self._loads_off,
+            self._metrics_wait,
+            self._host,
             self._request_failures,
             self._alive_at,
         ):

@@ -1,5 +1,6 @@
 """PURE: SGLang's Prometheus exposition (``GET /metrics``, ``Accept: text/plain``) -> ``EngineLoad``,
-plus the figures only ``GET /v1/loads`` has (:func:`apply_v1_loads`: ``num_waiting_uncached_tokens``).
+plus the figures only ``GET /v1/loads`` has (:func:`apply_v1_loads`: ``num_waiting_uncached_tokens``),
+and an ``EngineLoad`` from ``/v1/loads`` alone (:func:`load_from_v1_loads`: all but the host tier).
 
 Names are SGLang's own (``sglang:num_running_reqs`` ...); the underscore
 spelling (``sglang_num_running_reqs``, OpenMetrics / ``/v1/loads?format=prometheus``) is accepted too.
@@ -32,7 +33,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from router.model import EngineLoad
 
-__all__ = ["MetricsParseError", "apply_v1_loads", "parse_engine_metrics", "scrape_values"]
+__all__ = ["MetricsParseError", "apply_v1_loads", "load_from_v1_loads", "parse_engine_metrics", "scrape_values"]
 
 _PREFIX = "sglang_"
 _RANK_LABELS = frozenset({"tp_rank", "pp_rank", "moe_ep_rank", "attn_tp_rank", "attn_cp_rank", "pid"})
@@ -131,17 +132,58 @@ def parse_engine_metrics(text: str, *, now: float = 0.0) -> EngineLoad:
     )
 
 
+# /v1/loads key -> how DP ranks combine (as /metrics' schedulers, rule 3) and the EngineLoad field
+_V1_LOADS: dict[str, tuple[str, str]] = {
+    "num_running_reqs": (_SUM, "running"),
+    "num_waiting_reqs": (_SUM, "queued"),
+    "token_usage": (_MAX, "kv_util"),
+    "max_total_num_tokens": (_SUM, "capacity_tokens"),
+    "cache_hit_rate": (_MAX, "cache_hit_rate"),
+    "gen_throughput": (_SUM, "gen_throughput"),
+    "num_waiting_uncached_tokens": (_SUM, "waiting_uncached_tokens"),
+}
+_V1_INT = frozenset({"running", "queued", "capacity_tokens", "waiting_uncached_tokens"})
+_V1_FRACTION = frozenset({"kv_util", "cache_hit_rate"})
+
+
+def _ranks(doc: Any) -> list[Mapping[str, Any]]:
+    ranks = doc.get("loads") if isinstance(doc, Mapping) else None
+    if not isinstance(ranks, list) or not all(isinstance(r, Mapping) for r in ranks):
+        raise MetricsParseError("not a /v1/loads document (no 'loads' list of objects)")
+    return ranks
+
+
+def _finite(v: Any) -> float | None:
+    if isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v):
+        return float(v)
+    return None
+
+
+def load_from_v1_loads(doc: Any, *, now: float = 0.0, host: EngineLoad | None = None) -> EngineLoad:
+    """An ``EngineLoad`` from one ``GET /v1/loads`` answer alone, stamped ``updated_at=now``: every
+    figure ``/metrics`` gives but the HiCache host tier, which is taken from ``host`` (an earlier
+    ``/metrics`` reading; 0 without one). DP ranks combine as ``/metrics``' schedulers do (rule 3).
+    Raises :class:`MetricsParseError` unless every rank reports its running requests: an answer
+    that does not is no load report to go by (``/metrics`` then is)."""
+    ranks = _ranks(doc)
+    if not ranks or any(_finite(r.get("num_running_reqs")) is None for r in ranks):
+        raise MetricsParseError("a /v1/loads document without num_running_reqs for every rank")
+    fields: dict[str, Any] = {}
+    for key, (how, name) in _V1_LOADS.items():
+        values = [max(0.0, v) for r in ranks if (v := _finite(r.get(key))) is not None]
+        if not values:
+            continue
+        total = sum(values) if how == _SUM else max(values)
+        fields[name] = round(total) if name in _V1_INT else min(1.0, total) if name in _V1_FRACTION else total
+    if host is not None:
+        fields["host_used_tokens"], fields["host_capacity_tokens"] = host.host_used_tokens, host.host_capacity_tokens
+    return EngineLoad(updated_at=now, **fields)
+
+
 def apply_v1_loads(load: EngineLoad, doc: Any) -> EngineLoad:
     """``load`` with the figures of one ``GET /v1/loads`` answer (SGLang 0.5.x: ``{"loads": [one
     object per DP rank]}``) that ``/metrics`` lacks: ``num_waiting_uncached_tokens``, summed over
     ranks. Raises :class:`MetricsParseError` if ``doc`` is not that shape; a rank without the key
     adds 0 (an engine too old to report it)."""
-    ranks = doc.get("loads") if isinstance(doc, Mapping) else None
-    if not isinstance(ranks, list) or not all(isinstance(r, Mapping) for r in ranks):
-        raise MetricsParseError("not a /v1/loads document (no 'loads' list of objects)")
-    waiting = 0.0
-    for rank in ranks:
-        v = rank.get("num_waiting_uncached_tokens", 0)
-        if isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) and v > 0:
-            waiting += v
+    waiting = sum(max(0.0, _finite(r.get("num_waiting_uncached_tokens")) or 0.0) for r in _ranks(doc))
     return replace(load, waiting_uncached_tokens=round(waiting))

@@ -53,6 +53,9 @@ class FakeReplicaState:
     health_delay_s: float = 0.0  # before answering /health (a busy SGLang answers it late)
     scraped_at: list[float] = field(default_factory=list)  # loop time of each /metrics request
     checked_at: list[float] = field(default_factory=list)  # ... and of each /health request
+    host_used_tokens: int = 0  # /metrics' HiCache host tier (only /metrics has it)
+    loads: bool = False  # serve /v1/loads (SGLang 0.5.x); without it 404, as an older engine
+    loads_at: list[str] = field(default_factory=list)  # the query string of each /v1/loads request
 
 
 class FakeReplica:
@@ -311,8 +314,19 @@ class FakeReplica:
             f"sglang:num_queue_reqs{{{labels}}} 0.0\n"
             f"sglang:token_usage{{{labels}}} 0.1\n"
             f"sglang:max_total_num_tokens{{{labels}}} 850000.0\n"
+            f"sglang:hicache_host_used_tokens{{{labels}}} {float(self.state.host_used_tokens)}\n"
+            f"sglang:hicache_host_total_tokens{{{labels}}} 1700000.0\n"
         )
         return web.Response(text=text, content_type="text/plain")
+
+    async def _loads(self, request: web.Request) -> web.Response:
+        if not self.state.loads:
+            raise web.HTTPNotFound()
+        self.state.loads_at.append(request.query_string)
+        rank = {"dp_rank": 0, "num_running_reqs": self.state.active, "num_waiting_reqs": 2,
+                "num_waiting_uncached_tokens": 4096, "max_total_num_tokens": 850000, "token_usage": 0.25,
+                "gen_throughput": 100.0, "cache_hit_rate": 0.5}  # fmt: skip
+        return web.json_response({"version": "0.5.23", "loads": [rank]})
 
     async def _models(self, request: web.Request) -> web.Response:
         return web.json_response(
@@ -340,6 +354,7 @@ class FakeReplica:
             app.router.add_post(path, self._inference)
         app.router.add_get("/health", self._health)
         app.router.add_get("/metrics", self._metrics)
+        app.router.add_get("/v1/loads", self._loads)
         app.router.add_get("/v1/models", self._models)
         self.runner = web.AppRunner(app, handler_cancellation=True, access_log=None, max_field_size=65536)
         await self.runner.setup()

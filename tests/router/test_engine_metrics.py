@@ -7,7 +7,13 @@ from pathlib import Path
 
 import pytest
 
-from router.engine_metrics import MetricsParseError, apply_v1_loads, parse_engine_metrics, scrape_values
+from router.engine_metrics import (
+    MetricsParseError,
+    apply_v1_loads,
+    load_from_v1_loads,
+    parse_engine_metrics,
+    scrape_values,
+)
 from router.model import EngineLoad
 
 SAMPLE = (Path(__file__).parent / "fixtures" / "sglang_metrics_0.5.23.txt").read_text()
@@ -139,3 +145,32 @@ def test_v1_loads_adds_waiting_uncached_tokens() -> None:
 def test_v1_loads_garbage_raises_our_error(doc: object) -> None:
     with pytest.raises(MetricsParseError):
         apply_v1_loads(EngineLoad(), doc)
+
+
+def test_a_load_from_v1_loads_alone() -> None:
+    """A real SGLang 0.5.23 ``/v1/loads`` (idle) gives every figure ``/metrics`` does but the host
+    tier's, taken from an earlier ``/metrics`` reading; DP ranks combine as ``/metrics``' do."""
+    assert load_from_v1_loads(LOADS, now=7.0) == EngineLoad(
+        capacity_tokens=40_000, cache_hit_rate=0.944, updated_at=7.0
+    )
+    host = EngineLoad(running=9, host_used_tokens=5, host_capacity_tokens=80_000)
+    rank = {"num_running_reqs": 2, "num_waiting_reqs": 1, "token_usage": 0.5, "max_total_num_tokens": 1000,
+            "cache_hit_rate": 0.25, "gen_throughput": 10.5, "num_waiting_uncached_tokens": 300}  # fmt: skip
+    two = {"loads": [rank, dict(rank, token_usage=0.75, cache_hit_rate=0.5)]}
+    assert load_from_v1_loads(two, now=1.0, host=host) == EngineLoad(
+        running=4, queued=2, kv_util=0.75, capacity_tokens=2000, host_used_tokens=5, host_capacity_tokens=80_000,
+        cache_hit_rate=0.5, gen_throughput=21.0, waiting_uncached_tokens=600, updated_at=1.0,
+    )  # fmt: skip
+    # nonsense in a figure counts as absent; negative and over-one values are clamped
+    odd = {"loads": [{"num_running_reqs": 1, "num_waiting_reqs": "x", "token_usage": 3.0, "gen_throughput": -1}]}
+    assert load_from_v1_loads(odd) == EngineLoad(running=1, kv_util=1.0)
+
+
+@pytest.mark.parametrize(
+    "doc",
+    [{"loads": []}, {"loads": [{"num_waiting_reqs": 1}]}, {"loads": [{"num_running_reqs": True}]},
+     {"loads": [{"num_running_reqs": 1}, {}]}, {"loads": [{"num_running_reqs": float("nan")}]}, None],
+)  # fmt: skip
+def test_a_v1_loads_answer_without_running_requests_is_no_load(doc: object) -> None:
+    with pytest.raises(MetricsParseError):
+        load_from_v1_loads(doc)
