@@ -384,6 +384,35 @@ async def test_info_endpoints(emu: Running, http: aiohttp.ClientSession) -> None
             assert r.status == 200 and await r.read() == b"", path
 
 
+async def test_metrics_and_v1_loads_report_the_same_load(emulators: EmuFactory, http: aiohttp.ClientSession) -> None:
+    """A gateway reads the load from ``/v1/loads`` and ``/metrics`` only now and then (discovery rule
+    4), so the two must agree, as they do on SGLang (one scheduler's figures): running and queued
+    requests, KV use, capacity and hit rate, read back to back on a busy replica."""
+    from router.engine_metrics import load_from_v1_loads, parse_engine_metrics
+
+    async with emulators(1, time_scale=2.0) as (rep,):  # slow: the figures hold still between reads
+        msgs = [{"role": "user", "content": "a prompt long enough to hold some KV " * 20}]
+        sent = [asyncio.create_task(post(http, f"{rep.url}/v1/chat/completions", chat_body(msgs, max_tokens=400)))
+                for _ in range(6)]  # fmt: skip
+        try:
+            for _ in range(100):
+                async with http.get(f"{rep.url}/v1/loads?include=core") as r:
+                    loads = load_from_v1_loads(await r.json())
+                if loads.running == 4 and loads.queued == 2:  # small-test runs 4 at once
+                    break
+                await asyncio.sleep(0.05)
+            async with http.get(f"{rep.url}/metrics", headers={"Accept": "text/plain"}) as r:
+                metrics = parse_engine_metrics(await r.text())
+        finally:
+            for t in sent:
+                t.cancel()
+            await asyncio.gather(*sent, return_exceptions=True)
+    assert (loads.running, loads.queued) == (4, 2), loads
+    assert (metrics.running, metrics.queued) == (4, 2) and metrics.capacity_tokens == loads.capacity_tokens == 8192
+    assert metrics.kv_util > 0 and abs(metrics.kv_util - loads.kv_util) < 0.02, (metrics, loads)
+    assert metrics.cache_hit_rate == pytest.approx(loads.cache_hit_rate, abs=1e-6)
+
+
 async def test_tokenize_detokenize(emu: Running, http: aiohttp.ClientSession) -> None:
     msgs = [{"role": "user", "content": "tokenize me please"}]
     _, tok, _ = await post(http, f"{emu.url}/tokenize", {"model": "m", "messages": msgs})
