@@ -10,7 +10,8 @@ Lifecycle (one :class:`Agent`)::
 - WAITING_ENGINE: polls the engine's ``/health``; then reads ``/server_info`` (+ ``/model_info``) for
   capacity, TP and HiCache, and registers the replica (advertised URL, model, capacity, TP).
   A new replica starts as ``joining``; the gateways promote it after their first good health check.
-- REGISTERED: every ``heartbeat_interval_s`` scrapes ``/metrics`` and heartbeats the registry with
+- REGISTERED: every ``heartbeat_interval_s`` reads the engine's load (``EngineProbe.load``:
+  ``/v1/loads``, ``/metrics`` now and then, as the gateways' discovery) and heartbeats the registry with
   the load (running, queued, KV utilisation, cache hit rate, host-tier use); the heartbeat refreshes
   the registry TTL, so a sidecar that dies leaves no entry behind. A beat waits for the scrape at most
   (``replica_ttl_s`` - ``heartbeat_interval_s``) / 2, then refreshes the entry with the last known load
@@ -467,7 +468,7 @@ class Agent:
             return spec
 
     async def _scrape(self) -> EngineLoad | None:
-        """One ``/metrics`` scrape; ``None`` when the engine did not answer (in time, or sensibly)."""
+        """One reading of the engine's load; ``None`` when the engine did not answer (in time, or sensibly)."""
         try:
             load = await self.probe.load(self.clock.now())
         except EngineProbeError as exc:

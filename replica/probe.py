@@ -3,8 +3,8 @@
 Rules:
   1. One ``aiohttp.ClientSession`` is passed in; every call has a timeout.
   2. aiohttp/OS errors are mapped here, at one boundary, to :class:`EngineProbeError`.
-  3. ``/metrics`` is parsed by ``router.engine_metrics`` (the gateway's parser): one parser for the
-     whole project.
+  3. ``/metrics`` and ``/v1/loads`` are parsed, and read when, as the gateway's discovery does
+     (``router.engine_metrics``): one reading of an engine's load for the whole project.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Any
 
 import aiohttp
 
-from router.engine_metrics import MetricsParseError, apply_v1_loads, parse_engine_metrics
+from router.engine_metrics import LoadReadings, MetricsParseError, load_from_v1_loads, parse_engine_metrics
 from router.errors import KvrouteError
 from router.model import EngineLoad, ReplicaSpec
 
@@ -51,6 +51,7 @@ class EngineProbe:
         self._base = base_url.rstrip("/")
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
         self._health_path = health_path
+        self._readings = LoadReadings()
 
     async def healthy(self) -> bool:
         """``GET /health`` answered 200 (anything else, or no answer, is unhealthy)."""
@@ -86,7 +87,23 @@ class EngineProbe:
         return await self._json("/model_info")
 
     async def load(self, now: float) -> EngineLoad:
-        """Scrape ``/metrics`` (classic text format) into an ``EngineLoad`` stamped ``now``."""
+        """The engine's load, read as the gateway's discovery reads it (``LoadReadings``):
+        ``/v1/loads`` every time, ``/metrics`` now and then for the host tier, and every time
+        ``/v1/loads`` gives nothing (an older engine). Raises when neither answers."""
+        loads = await self._loads(now)
+        if loads is not None and not self._readings.metrics_due(loads):
+            return loads
+        try:
+            metrics: EngineLoad | None = await self._metrics(now)
+        except EngineProbeError:
+            if loads is None:
+                raise
+            metrics = None
+        load = self._readings.combine(loads, metrics)
+        assert load is not None  # one of the two answered
+        return load
+
+    async def _metrics(self, now: float) -> EngineLoad:
         async with _map_errors("metrics"):
             async with self._session.get(
                 self._base + "/metrics", headers={"Accept": "text/plain"}, timeout=self._timeout
@@ -94,19 +111,18 @@ class EngineProbe:
                 if r.status != 200:
                     raise EngineProbeError(f"/metrics: HTTP {r.status} (is --enable-metrics on?)")
                 text = (await r.read()).decode("utf-8")
-            load = parse_engine_metrics(text, now=now)
-        return await self._with_loads(load)
+            return parse_engine_metrics(text, now=now)
 
-    async def _with_loads(self, load: EngineLoad) -> EngineLoad:
-        """``load`` completed from ``/v1/loads`` (waiting uncached tokens); unchanged when the
-        engine lacks the route or does not answer it sensibly (best effort: /metrics is the load)."""
+    async def _loads(self, now: float) -> EngineLoad | None:
+        """The load from ``/v1/loads``; ``None`` when the engine lacks the route or does not answer it
+        sensibly."""
         try:
-            async with self._session.get(self._base + "/v1/loads", timeout=self._timeout) as r:
+            async with self._session.get(self._base + "/v1/loads?include=core", timeout=self._timeout) as r:
                 if r.status != 200:
-                    return load
-                return apply_v1_loads(load, json.loads(await r.read()))
+                    return None
+                return load_from_v1_loads(json.loads(await r.read()), now=now, host=self._readings.host)
         except (TimeoutError, aiohttp.ClientError, OSError, ValueError, MetricsParseError):
-            return load
+            return None
 
 
 # ---- pure ------------------------------------------------------------------------------------------

@@ -22,7 +22,7 @@ Rules:
   4. Polling is cheap: one shared client session, per-probe timeouts, jittered intervals, one
      probe per replica at a time. The load is read from ``/v1/loads?include=core`` (small JSON,
      every figure but the HiCache host tier's); ``/metrics`` (``Accept: text/plain``), whose whole
-     exposition costs far more to parse, is read for the host tier every ``_METRICS_EVERY`` rounds,
+     exposition costs far more to parse, is read for the host tier every ``METRICS_EVERY`` rounds,
      and every round for an engine without a usable ``/v1/loads`` (an older SGLang, another
      engine). SGLang 0.5.23 has no ``/get_load`` (404), so it is never asked.
   5. Polling is smooth: a round starts every interval (not an interval after the last one ended)
@@ -85,7 +85,7 @@ from typing import TYPE_CHECKING
 
 from router.clock import Clock
 from router.config import HealthConfig
-from router.engine_metrics import MetricsParseError, load_from_v1_loads, parse_engine_metrics
+from router.engine_metrics import LoadReadings, MetricsParseError, load_from_v1_loads, parse_engine_metrics
 from router.errors import ReplicaNotFoundError, UpstreamError, UpstreamTimeoutError
 from router.events import Event, ReplicaActivated, ReplicaEjected, ReplicaReadmitted
 from router.model import EngineLoad, HealthStamp, ReplicaId, ReplicaState, ReplicaStatus
@@ -101,14 +101,7 @@ __all__ = ["Discovery", "HealthTrack", "ProbeOutcome", "health_transition"]
 log = logging.getLogger("kvroute.discovery")
 
 _METRICS_OFF_BACKOFF = 30  # rounds to skip after a 404 on /metrics (engine without --enable-metrics)
-# while /v1/loads answers, /metrics is read every this many rounds only: the host tier's figures are all
-# it adds, and parsing SGLang's whole exposition is most of a scrape's cost (rule 4)
-_METRICS_EVERY = 10
 _CORE_ONLY = "?include=core"  # /v1/loads' flat figures, without its memory, queue and spec sections
-
-
-def _with_host(load: EngineLoad, metrics: EngineLoad) -> EngineLoad:
-    return replace(load, host_used_tokens=metrics.host_used_tokens, host_capacity_tokens=metrics.host_capacity_tokens)
 
 
 class ProbeOutcome(enum.Enum):
@@ -198,8 +191,7 @@ class Discovery:
         self._connect_errors: dict[ReplicaId, int] = {}
         self._metrics_off: dict[ReplicaId, int] = {}
         self._loads_off: dict[ReplicaId, int] = {}
-        self._metrics_wait: dict[ReplicaId, int] = {}  # rounds until /metrics is read again (rule 4)
-        self._host: dict[ReplicaId, EngineLoad] = {}  # the last /metrics reading: the host tier's figures
+        self._readings: dict[ReplicaId, LoadReadings] = {}  # when /metrics is due, the host tier (rule 4)
         self._request_failures: dict[ReplicaId, int] = {}  # since the replica's last success
         self._alive_at: dict[ReplicaId, float] = {}  # last sign of life: good probe or answered request
         # rule 8: (probers, replica ids) the designation was computed for, and the replicas it gives us
@@ -413,22 +405,16 @@ class Discovery:
             self.scrapes_shared += 1
             return
         now = self._clock.now()
-        load = await self._loads(r, now)
-        wait = self._metrics_wait.get(r.id, 0)
-        if load is not None and wait > 0:
-            self._metrics_wait[r.id] = wait - 1
-        else:
-            metrics = await self._metrics(r, now)
-            if metrics is not None:
-                self._host[r.id] = metrics
-                self._metrics_wait[r.id] = _METRICS_EVERY - 1
-                load = metrics if load is None else _with_host(load, metrics)
+        readings = self._readings.setdefault(r.id, LoadReadings())
+        load = await self._loads(r, now, readings.host)
+        if readings.metrics_due(load):
+            load = readings.combine(load, await self._metrics(r, now))
         if load is None:
             return
         self.scrapes_ok += 1
         await self._store.report_engine_load(r.id, replace(load, reported_by=self.writer_id))
 
-    async def _loads(self, r: ReplicaState, now: float) -> EngineLoad | None:
+    async def _loads(self, r: ReplicaState, now: float, host: EngineLoad | None) -> EngineLoad | None:
         """Rule 4: the load from ``/v1/loads`` (its core figures); ``None`` when the engine has no such
         route (backs off like a missing ``/metrics``), does not answer, or answers nonsense."""
         path = self._cfg.loads_path
@@ -450,7 +436,7 @@ class Discovery:
         if status != 200:
             return None
         try:
-            return load_from_v1_loads(json.loads(body), now=now, host=self._host.get(r.id))
+            return load_from_v1_loads(json.loads(body), now=now, host=host)
         except (MetricsParseError, ValueError) as exc:
             log.debug("bad %s from %s: %s", path, r.id, exc)
             return None
@@ -521,8 +507,7 @@ class Discovery:
             self._connect_errors,
             self._metrics_off,
             self._loads_off,
-            self._metrics_wait,
-            self._host,
+            self._readings,
             self._request_failures,
             self._alive_at,
         ):

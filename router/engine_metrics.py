@@ -1,6 +1,7 @@
 """PURE: SGLang's Prometheus exposition (``GET /metrics``, ``Accept: text/plain``) -> ``EngineLoad``,
-plus the figures only ``GET /v1/loads`` has (:func:`apply_v1_loads`: ``num_waiting_uncached_tokens``),
-and an ``EngineLoad`` from ``/v1/loads`` alone (:func:`load_from_v1_loads`: all but the host tier).
+the same from ``GET /v1/loads`` (:func:`load_from_v1_loads`: all but the host tier, plus the queued
+uncached prefill ``/metrics`` lacks), and when each is read (:class:`LoadReadings`: the gateway's
+discovery and the sidecar's probe alike).
 
 Names are SGLang's own (``sglang:num_running_reqs`` ...); the underscore
 spelling (``sglang_num_running_reqs``, OpenMetrics / ``/v1/loads?format=prometheus``) is accepted too.
@@ -33,7 +34,14 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from router.model import EngineLoad
 
-__all__ = ["MetricsParseError", "apply_v1_loads", "load_from_v1_loads", "parse_engine_metrics", "scrape_values"]
+__all__ = [
+    "METRICS_EVERY",
+    "LoadReadings",
+    "MetricsParseError",
+    "load_from_v1_loads",
+    "parse_engine_metrics",
+    "scrape_values",
+]
 
 _PREFIX = "sglang_"
 _RANK_LABELS = frozenset({"tp_rank", "pp_rank", "moe_ep_rank", "attn_tp_rank", "attn_cp_rank", "pid"})
@@ -180,10 +188,41 @@ def load_from_v1_loads(doc: Any, *, now: float = 0.0, host: EngineLoad | None = 
     return EngineLoad(updated_at=now, **fields)
 
 
-def apply_v1_loads(load: EngineLoad, doc: Any) -> EngineLoad:
-    """``load`` with the figures of one ``GET /v1/loads`` answer (SGLang 0.5.x: ``{"loads": [one
-    object per DP rank]}``) that ``/metrics`` lacks: ``num_waiting_uncached_tokens``, summed over
-    ranks. Raises :class:`MetricsParseError` if ``doc`` is not that shape; a rank without the key
-    adds 0 (an engine too old to report it)."""
-    waiting = sum(max(0.0, _finite(r.get("num_waiting_uncached_tokens")) or 0.0) for r in _ranks(doc))
-    return replace(load, waiting_uncached_tokens=round(waiting))
+METRICS_EVERY = 10
+"""While ``/v1/loads`` answers, ``/metrics`` is read at every this many readings only: the host tier's
+figures are all it adds, and parsing SGLang's whole exposition (35.7 kB on the real CPU engine, idle)
+is most of a reading's cost."""
+
+
+class LoadReadings:
+    """One engine's load read over time: ``/v1/loads`` every time, ``/metrics`` when
+    :meth:`metrics_due` (the first time, every ``METRICS_EVERY``-th, and whenever ``/v1/loads`` gave
+    nothing: an older engine, another engine), its host tier's figures kept in between. Not thread-safe;
+    one per engine."""
+
+    __slots__ = ("_host", "_wait")
+
+    def __init__(self) -> None:
+        self._host: EngineLoad | None = None  # the last /metrics reading
+        self._wait = 0  # readings until /metrics is due again
+
+    @property
+    def host(self) -> EngineLoad | None:
+        """The last ``/metrics`` reading (its host-tier figures go into :func:`load_from_v1_loads`)."""
+        return self._host
+
+    def metrics_due(self, loads: EngineLoad | None) -> bool:
+        """Whether ``/metrics`` is read this time, given what ``/v1/loads`` gave (``None``: nothing)."""
+        if loads is not None and self._wait > 0:
+            self._wait -= 1
+            return False
+        return True
+
+    def combine(self, loads: EngineLoad | None, metrics: EngineLoad | None) -> EngineLoad | None:
+        """The load of a reading for which ``/metrics`` was due (``None`` where it gave nothing)."""
+        if metrics is None:
+            return loads
+        self._host, self._wait = metrics, METRICS_EVERY - 1
+        if loads is None:
+            return metrics
+        return replace(loads, host_used_tokens=metrics.host_used_tokens, host_capacity_tokens=metrics.host_capacity_tokens)

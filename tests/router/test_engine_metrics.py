@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from router.engine_metrics import (
+    METRICS_EVERY,
+    LoadReadings,
     MetricsParseError,
-    apply_v1_loads,
     load_from_v1_loads,
     parse_engine_metrics,
     scrape_values,
@@ -129,24 +131,6 @@ def test_unwanted_families_do_not_reach_the_parser_but_garbage_still_fails() -> 
 LOADS = json.loads((Path(__file__).parent / "fixtures" / "sglang_v1_loads_0.5.23.json").read_text())
 
 
-def test_v1_loads_adds_waiting_uncached_tokens() -> None:
-    """A real SGLang 0.5.23 ``/v1/loads`` (idle: 0), then the same with two DP ranks waiting."""
-    base = EngineLoad(running=2, capacity_tokens=40_000, updated_at=3.0)
-    assert apply_v1_loads(base, LOADS) == base
-    busy = {"loads": [dict(LOADS["loads"][0], num_waiting_uncached_tokens=1500, dp_rank=r) for r in (0, 1)]}
-    assert apply_v1_loads(base, busy) == EngineLoad(
-        running=2, capacity_tokens=40_000, waiting_uncached_tokens=3000, updated_at=3.0
-    )
-    # an engine too old to report it, or nonsense in the field: counts 0
-    assert apply_v1_loads(base, {"loads": [{"num_running_reqs": 1}, {"num_waiting_uncached_tokens": "x"}]}) == base
-
-
-@pytest.mark.parametrize("doc", [[], {"loads": {}}, {"loads": [1]}, {"nope": []}, None])
-def test_v1_loads_garbage_raises_our_error(doc: object) -> None:
-    with pytest.raises(MetricsParseError):
-        apply_v1_loads(EngineLoad(), doc)
-
-
 def test_a_load_from_v1_loads_alone() -> None:
     """A real SGLang 0.5.23 ``/v1/loads`` (idle) gives every figure ``/metrics`` does but the host
     tier's, taken from an earlier ``/metrics`` reading; DP ranks combine as ``/metrics``' do."""
@@ -168,9 +152,25 @@ def test_a_load_from_v1_loads_alone() -> None:
 
 @pytest.mark.parametrize(
     "doc",
-    [{"loads": []}, {"loads": [{"num_waiting_reqs": 1}]}, {"loads": [{"num_running_reqs": True}]},
+    [[], {"loads": {}}, {"loads": [1]}, {"nope": []}, {"loads": []}, {"loads": [{"num_waiting_reqs": 1}]}, {"loads": [{"num_running_reqs": True}]},
      {"loads": [{"num_running_reqs": 1}, {}]}, {"loads": [{"num_running_reqs": float("nan")}]}, None],
 )  # fmt: skip
 def test_a_v1_loads_answer_without_running_requests_is_no_load(doc: object) -> None:
     with pytest.raises(MetricsParseError):
         load_from_v1_loads(doc)
+
+
+def test_load_readings_read_metrics_first_then_every_tenth_time_and_whenever_v1_loads_fails() -> None:
+    r = LoadReadings()
+    loads = EngineLoad(running=3, waiting_uncached_tokens=7)
+    metrics = EngineLoad(running=2, host_used_tokens=5, host_capacity_tokens=50)
+    assert r.host is None and r.metrics_due(loads)  # the first reading
+    assert r.combine(loads, metrics) == replace(loads, host_used_tokens=5, host_capacity_tokens=50)
+    assert r.host == metrics
+    due = [r.metrics_due(loads) for _ in range(2 * METRICS_EVERY)]
+    # due at the tenth, and again each time until a /metrics reading is combined
+    assert due == [False] * (METRICS_EVERY - 1) + [True] * (METRICS_EVERY + 1)
+    r.combine(loads, metrics)
+    assert not r.metrics_due(loads) and r.metrics_due(None)  # /v1/loads gave nothing: /metrics at once
+    assert r.combine(None, metrics) == metrics and r.combine(loads, None) == loads  # each alone
+    assert r.combine(None, None) is None

@@ -229,10 +229,10 @@ async def _gateways_on_redis(
 
 async def test_the_load_is_read_from_v1_loads_and_metrics_only_for_the_host_tier(fake_replicas: Any) -> None:
     """Rule 4: an engine with ``/v1/loads`` gives its load there every round (core figures only);
-    ``/metrics`` is read in the first round and then every ``_METRICS_EVERY`` rounds, and its host-tier
+    ``/metrics`` is read in the first round and then every ``METRICS_EVERY`` rounds, and its host-tier
     figures stay in the load between. An engine without ``/v1/loads`` (an older one) is read from
     ``/metrics`` every round, as is one whose ``/v1/loads`` stops answering."""
-    from router.discovery import _METRICS_EVERY
+    from router.engine_metrics import METRICS_EVERY
 
     new, old = await fake_replicas(2)
     new.state.loads = True
@@ -247,7 +247,7 @@ async def test_the_load_is_read_from_v1_loads_and_metrics_only_for_the_host_tier
         return {r.id: r.engine for r in await store.replicas()}[rid]
 
     try:
-        rounds = 2 * _METRICS_EVERY + 1
+        rounds = 2 * METRICS_EVERY + 1
         for i in range(rounds):
             if i == 1:
                 new.state.host_used_tokens = 2000  # not seen until /metrics is read again
@@ -255,9 +255,9 @@ async def test_the_load_is_read_from_v1_loads_and_metrics_only_for_the_host_tier
             e = await engine(new.id)
             assert (e.queued, e.kv_util, e.waiting_uncached_tokens, e.cache_hit_rate) == (2, 0.25, 4096, 0.5)
             assert (e.capacity_tokens, e.host_capacity_tokens) == (850000, 1700000)
-            assert e.host_used_tokens == (1000 if i < _METRICS_EVERY else 2000), i
+            assert e.host_used_tokens == (1000 if i < METRICS_EVERY else 2000), i
         assert new.state.loads_at == ["include=core"] * rounds
-        assert len(new.state.scraped_at) == 3  # rounds 0, _METRICS_EVERY, 2 x _METRICS_EVERY
+        assert len(new.state.scraped_at) == 3  # rounds 0, METRICS_EVERY, 2 x METRICS_EVERY
         assert len(old.state.scraped_at) == rounds
         assert (await engine(old.id)).kv_util == 0.1 and d.scrapes_ok == 2 * rounds and d.scrapes_failed == 0
 
