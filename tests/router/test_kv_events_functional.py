@@ -437,7 +437,8 @@ async def test_a_replay_of_a_full_buffer_is_complete_though_the_publisher_drops_
     ROUTER socket, which drops what overflows its send queue, the end marker included. The
     subscriber takes all of it into its own queue and asks again from the first batch it lost, so
     the mirror is complete (rule 2). ``a_hole_then_the_end_marker``: the first answer loses 200
-    batches in the middle, the second (from the first lost) its end marker, the third brings it."""
+    batches in the middle, the second (from the first lost) its end marker, the third brings it (or
+    a later one, where a busy machine's queue overflowed on its own as well)."""
     n = 10_000
     encode = msgspec.msgpack.Encoder().encode
     batches = [(0, encode([0.0, [CLEARED], 0]))]
@@ -451,8 +452,11 @@ async def test_a_replay_of_a_full_buffer_is_complete_though_the_publisher_drops_
         await until(lambda: sub.stats.syncs >= 1 and not sink.stale, timeout_s=30.0)
         assert sub.stats.replay_failures == 0 and sub.stats.gaps_unrecovered == 0, sub.stats
         assert sink.complete and sink.resident_tokens("s") == 4 * (n - 1)
+        # each resume is one more request answered; a busy machine's own overflow (as_it_falls) may
+        # add one to the two the script forces
+        assert pub.replays == sub.stats.replay_resumes + 1, (pub.replays, sub.stats)
         if scripted:
-            assert sub.stats.replay_resumes == 2 and pub.replays == 3
+            assert sub.stats.replay_resumes >= 2, sub.stats
     finally:
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
