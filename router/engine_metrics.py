@@ -46,19 +46,37 @@ __all__ = [
 _PREFIX = "sglang_"
 _RANK_LABELS = frozenset({"tp_rank", "pp_rank", "moe_ep_rank", "attn_tp_rank", "attn_cp_rank", "pid"})
 
-# family (underscore spelling, no prefix) -> how label groups combine
 _SUM = "sum"
 _MAX = "max"
-_WANTED: dict[str, str] = {
-    "num_running_reqs": _SUM,
-    "num_queue_reqs": _SUM,
-    "token_usage": _MAX,
-    "max_total_num_tokens": _SUM,
-    "hicache_host_used_tokens": _SUM,
-    "hicache_host_total_tokens": _SUM,
-    "cache_hit_rate": _MAX,
-    "gen_throughput": _SUM,
+# EngineLoad field -> its /metrics family (underscore spelling, no prefix), its /v1/loads key (None:
+# that source lacks it), and how label groups and DP ranks combine (rule 3)
+_FIELDS: dict[str, tuple[str | None, str | None, str]] = {
+    "running": ("num_running_reqs", "num_running_reqs", _SUM),
+    "queued": ("num_queue_reqs", "num_waiting_reqs", _SUM),
+    "kv_util": ("token_usage", "token_usage", _MAX),
+    "capacity_tokens": ("max_total_num_tokens", "max_total_num_tokens", _SUM),
+    "host_used_tokens": ("hicache_host_used_tokens", None, _SUM),
+    "host_capacity_tokens": ("hicache_host_total_tokens", None, _SUM),
+    "cache_hit_rate": ("cache_hit_rate", "cache_hit_rate", _MAX),
+    "gen_throughput": ("gen_throughput", "gen_throughput", _SUM),
+    "waiting_uncached_tokens": (None, "num_waiting_uncached_tokens", _SUM),
 }
+_COUNTS = frozenset({"running", "queued", "capacity_tokens", "host_used_tokens", "host_capacity_tokens",
+                     "waiting_uncached_tokens"})  # fmt: skip
+_FRACTIONS = frozenset({"kv_util", "cache_hit_rate"})
+# family -> how label groups combine
+_WANTED: dict[str, str] = {fam: how for fam, _, how in _FIELDS.values() if fam is not None}
+_FIELD_OF_FAMILY = {fam: name for name, (fam, _, _) in _FIELDS.items() if fam is not None}
+
+
+def _engine_load(values: Mapping[str, float], now: float) -> EngineLoad:
+    """``values`` (by EngineLoad field; absent: 0) clamped to their ranges: counts are whole and not
+    negative, fractions within [0, 1]."""
+    fields: dict[str, Any] = {}
+    for name, v in values.items():
+        v = max(0.0, v)
+        fields[name] = round(v) if name in _COUNTS else min(1.0, v) if name in _FRACTIONS else v
+    return EngineLoad(updated_at=now, **fields)
 
 
 class MetricsParseError(ValueError):
@@ -125,33 +143,7 @@ def parse_engine_metrics(text: str, *, now: float = 0.0) -> EngineLoad:
 
     Raises :class:`MetricsParseError` if the text is not an exposition at all.
     """
-    v = scrape_values(text)
-    kv = v.get("token_usage", 0.0)
-    return EngineLoad(
-        running=max(0, round(v.get("num_running_reqs", 0.0))),
-        queued=max(0, round(v.get("num_queue_reqs", 0.0))),
-        kv_util=min(1.0, max(0.0, kv)),
-        capacity_tokens=max(0, round(v.get("max_total_num_tokens", 0.0))),
-        host_used_tokens=max(0, round(v.get("hicache_host_used_tokens", 0.0))),
-        host_capacity_tokens=max(0, round(v.get("hicache_host_total_tokens", 0.0))),
-        cache_hit_rate=min(1.0, max(0.0, v.get("cache_hit_rate", 0.0))),
-        gen_throughput=max(0.0, v.get("gen_throughput", 0.0)),
-        updated_at=now,
-    )
-
-
-# /v1/loads key -> how DP ranks combine (as /metrics' schedulers, rule 3) and the EngineLoad field
-_V1_LOADS: dict[str, tuple[str, str]] = {
-    "num_running_reqs": (_SUM, "running"),
-    "num_waiting_reqs": (_SUM, "queued"),
-    "token_usage": (_MAX, "kv_util"),
-    "max_total_num_tokens": (_SUM, "capacity_tokens"),
-    "cache_hit_rate": (_MAX, "cache_hit_rate"),
-    "gen_throughput": (_SUM, "gen_throughput"),
-    "num_waiting_uncached_tokens": (_SUM, "waiting_uncached_tokens"),
-}
-_V1_INT = frozenset({"running", "queued", "capacity_tokens", "waiting_uncached_tokens"})
-_V1_FRACTION = frozenset({"kv_util", "cache_hit_rate"})
+    return _engine_load({_FIELD_OF_FAMILY[fam]: v for fam, v in scrape_values(text).items()}, now)
 
 
 def _ranks(doc: Any) -> list[Mapping[str, Any]]:
@@ -176,16 +168,14 @@ def load_from_v1_loads(doc: Any, *, now: float = 0.0, host: EngineLoad | None = 
     ranks = _ranks(doc)
     if not ranks or any(_finite(r.get("num_running_reqs")) is None for r in ranks):
         raise MetricsParseError("a /v1/loads document without num_running_reqs for every rank")
-    fields: dict[str, Any] = {}
-    for key, (how, name) in _V1_LOADS.items():
-        values = [max(0.0, v) for r in ranks if (v := _finite(r.get(key))) is not None]
-        if not values:
-            continue
-        total = sum(values) if how == _SUM else max(values)
-        fields[name] = round(total) if name in _V1_INT else min(1.0, total) if name in _V1_FRACTION else total
+    values: dict[str, float] = {}
+    for name, (_, key, how) in _FIELDS.items():
+        found = [v for r in ranks if key is not None and (v := _finite(r.get(key))) is not None]
+        if found:
+            values[name] = sum(max(0.0, v) for v in found) if how == _SUM else max(found)
     if host is not None:
-        fields["host_used_tokens"], fields["host_capacity_tokens"] = host.host_used_tokens, host.host_capacity_tokens
-    return EngineLoad(updated_at=now, **fields)
+        values["host_used_tokens"], values["host_capacity_tokens"] = host.host_used_tokens, host.host_capacity_tokens
+    return _engine_load(values, now)
 
 
 METRICS_EVERY = 10
