@@ -6,7 +6,7 @@ Each server is ``kvroute launch --profile sglang-cpu-tiny`` (the runtime that
 serving a tiny random Qwen2, pinned to one CPU with ``OMP_NUM_THREADS=1`` and a small KV pool. It
 takes 17-25 s to answer ``/health`` and ~2.4 GiB of memory. Each runs in its own process group (the
 launcher execs SGLang, which starts its scheduler and detokenizer as children) and is stopped by that
-group's id, SIGKILL at once unless a grace period is asked for. Nothing is stopped by name.
+group's id, by SIGKILL. Nothing is stopped by name.
 """
 
 from __future__ import annotations
@@ -155,19 +155,11 @@ def wait_healthy(servers: Sequence[RealServer], timeout_s: float = 180.0) -> Non
             time.sleep(0.5)
 
 
-def stop_real_server(s: RealServer, grace_s: float = 0.0) -> None:
-    """SIGKILL the server's process group, after SIGTERM and up to ``grace_s`` for it to exit when
-    ``grace_s`` > 0. Nothing here needs SGLang's drain: on a group SIGTERM its launcher sees the
-    scheduler die first and spends 5 s on crash diagnostics (5.7 s to stop an idle server, 0.2 s by
-    SIGKILL; a test that drains sends its own SIGTERM)."""
-    if s.proc.poll() is None and grace_s > 0:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(s.proc.pid, signal.SIGTERM)
-        try:
-            s.proc.wait(grace_s)
-        except subprocess.TimeoutExpired:
-            pass
-    # the scheduler/detokenizer children may outlive the launcher: the group goes either way
+def stop_real_server(s: RealServer) -> None:
+    """SIGKILL the server's process group (the scheduler/detokenizer children may outlive the
+    launcher). Not SIGTERM: nothing here needs SGLang's drain, and on a group SIGTERM its launcher
+    sees the scheduler die first and spends 5 s on crash diagnostics (5.7 s to stop an idle server,
+    0.2 s by SIGKILL; a test that drains sends its own SIGTERM)."""
     with contextlib.suppress(ProcessLookupError):
         os.killpg(s.proc.pid, signal.SIGKILL)
     with contextlib.suppress(subprocess.TimeoutExpired):

@@ -24,6 +24,7 @@ from tests.replica.test_emulator_responses_functional import (
     post,
     prompt_tokens,
 )
+from tests.router.conftest import wait_for
 
 
 async def get(http: aiohttp.ClientSession, emu: Running, response_id: str, suffix: str = "") -> tuple[int, bytes]:
@@ -55,6 +56,10 @@ async def statuses_until_done(http: aiohttp.ClientSession, emu: Running, respons
 async def state(http: aiohttp.ClientSession, emu: Running) -> dict[str, Any]:
     async with http.get(f"{emu.url}/_emulator/state") as r:
         return dict(await r.json())
+
+
+async def _in_flight_is_zero(http: aiohttp.ClientSession, emu: Running) -> bool:
+    return bool((await state(http, emu))["in_flight"] == 0)
 
 
 async def test_previous_response_id_continues_the_conversation(
@@ -209,10 +214,8 @@ async def test_cancel_aborts_a_background_run(emulators: EmuFactory, http: aioht
         assert (st["requests_aborted"], st["requests_served"]) == (1, 0)
         assert not emu.replica.background  # the run is over
         # a decoding request leaves the batch at the next step boundary, as SGLang's abort does
-        deadline = time.monotonic() + 5.0
-        while st["in_flight"] and time.monotonic() < deadline:
-            await asyncio.sleep(0.01)
-            st = await state(http, emu)
+        await wait_for(lambda: _in_flight_is_zero(http, emu), timeout_s=5.0)
+        st = await state(http, emu)
         assert (st["in_flight"], st["requests_aborted"], st["requests_served"]) == (0, 1, 0)
         assert (await get(http, emu, rid)) == (200, raw) and (await get(http, emu, rid, "/cancel")) == (200, raw)
         # its conversation is its input alone
