@@ -204,7 +204,6 @@ class Discovery:
         self.health_ok = 0
         self.health_failures = 0
         self.health_busy = 0  # probe timeouts tolerated as "busy" (rule 3)
-        self.health_rounds = 0
         self.health_shared = 0  # skipped: someone else's good check was fresh (rule 7)
 
     # ---- passive signals from the forwarder ------------------------------------------------------
@@ -275,7 +274,6 @@ class Discovery:
         await _staggered(replicas, spread_s, check)
         if good:
             await self._store.report_health(good)
-        self.health_rounds += 1
 
     def _checked_by_another(self, r: ReplicaState, stamp: HealthStamp | None, probers: frozenset[str]) -> bool:
         """Rule 7: someone else's good check of ``r`` is fresh and nothing here speaks against it (and,

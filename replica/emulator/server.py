@@ -199,7 +199,7 @@ class _Parsed:
 class _Flight:
     __slots__ = (
         "cached_device", "cached_host", "done", "finished", "first", "first_t", "is_health", "n_out", "prompt",
-        "rid", "session", "stream", "submit_model", "submit_wall",
+        "rid", "session", "stream", "submit_model",
     )
 
     def __init__(self, rid: str, prompt: Prompt, n_out: int, stream: bool, submit_model: float) -> None:
@@ -208,7 +208,6 @@ class _Flight:
         self.n_out = n_out
         self.stream = stream
         self.submit_model = submit_model
-        self.submit_wall = time.monotonic()
         self.cached_device = 0
         self.cached_host = 0
         self.first_t: float | None = None

@@ -176,11 +176,10 @@ _WAITING, _PREFILL, _DECODE, _DONE = 0, 1, 2, 3
 
 
 class _Req:
-    __slots__ = ("abort_pending", "cached", "gen", "lease", "prefilled", "reload", "req", "state", "submitted")
+    __slots__ = ("abort_pending", "cached", "gen", "lease", "prefilled", "reload", "req", "state")
 
-    def __init__(self, req: EngineRequest, now: float) -> None:
+    def __init__(self, req: EngineRequest) -> None:
         self.req = req
-        self.submitted = now
         self.state = _WAITING
         self.lease: Lease | None = None
         self.cached = 0
@@ -263,7 +262,6 @@ class ReplicaEngine:
         self._hit_rate = 0.0
         self._gen_throughput = 0.0
         self.finished_count = 0
-        self.aborted_count = 0
 
     # ---- public API ----------------------------------------------------------------------
     def submit(self, req: EngineRequest, now: float) -> None:
@@ -278,7 +276,7 @@ class ReplicaEngine:
                 f"request needs {total} KV tokens but the pool holds {self.cache.capacity_tokens}"
             )
         self._catch_up(now)
-        r = _Req(req, now)
+        r = _Req(req)
         self._reqs[req.rid] = r
         self._waiting.append(r)
         op = self._op
@@ -304,7 +302,6 @@ class ReplicaEngine:
                 self._schedule(now)
         else:  # decoding: leaves at the next step boundary
             r.abort_pending = True
-            self.aborted_count += 1
             self._events.append(Finished(rid, now, self._visible(r), "abort"))
             if isinstance(self._op, _Decode):
                 self._op.cut(now)
@@ -420,9 +417,7 @@ class ReplicaEngine:
         r.state = _DONE
         if r.lease is not None:
             self.cache.release(r.lease, r.req.extra_hashes if reason == "length" else ())
-        if reason == "abort":
-            self.aborted_count += 1
-        else:
+        if reason != "abort":
             self.finished_count += 1
         self._events.append(Finished(r.req.rid, t, self._visible(r), reason))
 

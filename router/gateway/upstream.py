@@ -123,7 +123,6 @@ class _Connection(asyncio.Protocol):
         "_chunks",
         "_cl",
         "_error",
-        "_got_bytes",
         "_head_bytes",
         "_head_waiter",
         "_header_bytes",
@@ -136,7 +135,6 @@ class _Connection(asyncio.Protocol):
         "idle_since",
         "keep_alive",
         "key",
-        "reused",
         "status",
         "transport",
     )
@@ -159,12 +157,10 @@ class _Connection(asyncio.Protocol):
         self._error: UpstreamError | None = None
         self._cl: int | None = None
         self._chunked = False
-        self._got_bytes = False
         self._head_bytes = 0  # bytes received while the head is incomplete
         self._header_bytes = 0  # header lines parsed
         self.status = 0
         self.keep_alive = False
-        self.reused = False
         self.idle_since = 0.0
 
     @property
@@ -185,7 +181,6 @@ class _Connection(asyncio.Protocol):
             if self._state == _IDLE:
                 self.close()
             return
-        self._got_bytes = True
         head = self._state == _HEAD
         try:
             self._parser.feed_data(data)
@@ -307,7 +302,6 @@ class _Connection(asyncio.Protocol):
         self._error = None
         self._cl = None
         self._chunked = False
-        self._got_bytes = False
         self._head_bytes = self._header_bytes = 0
         self.status = 0
         self._head_waiter = self._loop.create_future()
@@ -498,7 +492,6 @@ class ReplicaHttpClient:
             conn.close()
             return
         conn.idle_since = self._loop.time()
-        conn.reused = True
         self._idle.setdefault(conn.key, []).append(conn)
         if self._waiters:
             self._wake_all()
