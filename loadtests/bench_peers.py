@@ -12,10 +12,11 @@ import json
 import sys
 import tempfile
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from loadtests.live import API_PATHS
+from loadtests.live import API_PATHS, Outcome
 from loadtests.peers import PEERS, find_binary
 
 __all__ = ["BENCH_TARGETS", "bench_peers_main", "run_peers_bench", "seeds_table", "summarise_seeds"]
@@ -50,6 +51,7 @@ async def run_peers_bench(
     skipped: dict[str, str] = {}
     loads: dict[str, list[tuple[float, tuple[int, ...]]]] = {}
     ttfts: dict[str, list[float]] = {}
+    requests: dict[str, Sequence[Outcome]] = {}
     warm = scenario.duration_s * scenario.warmup_frac / scenario.time_scale
     with tempfile.TemporaryDirectory(prefix="kvroute-peers-") as tmp:
         for t in targets:
@@ -77,6 +79,7 @@ async def run_peers_bench(
             m["note"] = spec.note
             results[spec.name] = m
             loads[spec.name] = [s for s in res.load_samples if s[0] >= warm]
+            requests[spec.name] = res.outcomes
             ttfts[spec.name] = [o.ttft_s for o in res.outcomes if o.ok and o.ttft_s is not None and o.t_start >= warm]
     if fleet_urls is None:  # the emulated fleet's time model is known: the no-contention ceiling
         from loadtests.scenario import ceiling
@@ -86,6 +89,9 @@ async def run_peers_bench(
         results = {name: with_ceiling(m, ceil) for name, m in results.items()}
     out_dir.mkdir(parents=True, exist_ok=True)
     kind = "real SGLang servers" if fleet_urls is not None else "emulated replicas"
+    for name, outcomes in requests.items():  # every request as the client saw it, to find where a tail came from
+        with (out_dir / f"requests-{name.replace(' ', '_')}.jsonl").open("w") as f:
+            f.writelines(json.dumps(asdict(o)) + "\n" for o in outcomes)
     plots = {
         "load": str(plot_load(loads, out_dir / "peers_load.png", title=f"{scenario.replicas} {kind}")),
         "ttft_cdf": str(plot_ttft_cdf(ttfts, out_dir / "peers_ttft_cdf.png")),
@@ -168,7 +174,6 @@ def seeds_table(summary: Mapping[str, Any]) -> Any:
 
 def bench_peers_main(argv: list[str]) -> int:
     import argparse
-    from dataclasses import asdict
 
     from rich.console import Console
 
@@ -342,7 +347,6 @@ def _bench_peers_seeds(
     ns: Any, targets: Sequence[str], seeds: Sequence[int], fleet_urls: Sequence[str] | None = None
 ) -> int:
     """``bench peers --seeds``: the single-seed bench once per seed, then the summary."""
-    from dataclasses import asdict
 
     from rich.console import Console
 

@@ -145,6 +145,11 @@ def test_tiny_peers_run(tmp_path: Path) -> None:
     for m in doc["results"].values():
         assert m["requests"] > 5 and m["errors"] == 0 and m["chr"] > 0
     assert (tmp_path / "peers_load.png").exists() and (tmp_path / "peers_ttft_cdf.png").exists()
+    # every request as the client saw it, one JSON line each (the measured ones come after warm-up)
+    for name, m in doc["results"].items():
+        lines = (tmp_path / f"requests-{name.replace(' ', '_')}.jsonl").read_text().splitlines()
+        rows = [json.loads(x) for x in lines]
+        assert len(rows) >= m["requests"] and all(r["ok"] and r["replica"] and r["session_id"] for r in rows)
 
 
 def test_summarise_seeds_pairs_by_seed() -> None:
