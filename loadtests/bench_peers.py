@@ -19,7 +19,7 @@ from typing import Any
 from loadtests.live import API_PATHS, Outcome
 from loadtests.peers import PEERS, find_binary
 
-__all__ = ["BENCH_TARGETS", "bench_peers_main", "run_peers_bench", "seeds_table", "summarise_seeds"]
+__all__ = ["BENCH_TARGETS", "bench_peers_main", "requests_path", "run_peers_bench", "seeds_table", "summarise_seeds"]
 
 
 BENCH_TARGETS: tuple[str, ...] = (
@@ -29,6 +29,11 @@ BENCH_TARGETS: tuple[str, ...] = (
     "vllm-consistent_hash",
     "vllm-sticky_least_loaded",
 )
+
+
+def requests_path(out_dir: Path, router: str) -> Path:
+    """Where ``run_peers_bench`` writes ``router``'s requests, one JSON line each."""
+    return out_dir / f"requests-{router.replace(' ', '_')}.jsonl"
 
 
 async def run_peers_bench(
@@ -90,7 +95,7 @@ async def run_peers_bench(
     out_dir.mkdir(parents=True, exist_ok=True)
     kind = "real SGLang servers" if fleet_urls is not None else "emulated replicas"
     for name, outcomes in requests.items():  # every request as the client saw it, to find where a tail came from
-        with (out_dir / f"requests-{name.replace(' ', '_')}.jsonl").open("w") as f:
+        with requests_path(out_dir, name).open("w") as f:
             f.writelines(json.dumps(asdict(o)) + "\n" for o in outcomes)
     plots = {
         "load": str(plot_load(loads, out_dir / "peers_load.png", title=f"{scenario.replicas} {kind}")),
@@ -347,7 +352,6 @@ def _bench_peers_seeds(
     ns: Any, targets: Sequence[str], seeds: Sequence[int], fleet_urls: Sequence[str] | None = None
 ) -> int:
     """``bench peers --seeds``: the single-seed bench once per seed, then the summary."""
-
     from rich.console import Console
 
     from loadtests.report import comparison_table

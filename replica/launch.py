@@ -55,6 +55,7 @@ __all__ = [
     "check_with_sglang",
     "cli_main",
     "cpu_dtype",
+    "cpu_flags",
     "launch_environ",
     "load_profile",
     "render_flags",
@@ -437,7 +438,7 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _cpu_flags() -> frozenset[str]:
+def cpu_flags() -> frozenset[str]:
     """This CPU's feature flags (Linux ``/proc/cpuinfo``; none known elsewhere)."""
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
@@ -456,7 +457,7 @@ def cli_main(argv: list[str]) -> int:
     else:
         own, extra = argv, []
     args = _parser().parse_args(own)
-    environ = launch_environ(os.environ, _cpu_flags())
+    environ = launch_environ(os.environ, cpu_flags())
     try:
         if args.list:
             for name in available_profiles(args.profiles_dir):

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from loadtests.bench_peers import requests_path
 from loadtests.peers import find_binary
 from tests.ci import missing
 from tests.proctree import children, sigterm_when
@@ -147,7 +148,7 @@ def test_tiny_peers_run(tmp_path: Path) -> None:
     assert (tmp_path / "peers_load.png").exists() and (tmp_path / "peers_ttft_cdf.png").exists()
     # every request as the client saw it, one JSON line each (the measured ones come after warm-up)
     for name, m in doc["results"].items():
-        lines = (tmp_path / f"requests-{name.replace(' ', '_')}.jsonl").read_text().splitlines()
+        lines = requests_path(tmp_path, name).read_text().splitlines()
         rows = [json.loads(x) for x in lines]
         assert len(rows) >= m["requests"] and all(r["ok"] and r["replica"] and r["session_id"] for r in rows)
 

@@ -18,6 +18,7 @@ from replica.launch import (
     build_command,
     check_with_sglang,
     cpu_dtype,
+    cpu_flags,
     launch_environ,
     load_profile,
     parse_profile,
@@ -360,8 +361,6 @@ def test_the_cpu_profile_runs_bf16_only_where_the_cpu_has_bf16_instructions() ->
 def test_cpu_tiny_profile_uses_the_runtime_and_the_cpu_flags(tmp_path: Path) -> None:
     env = {**os.environ, "KVROUTE_SGLANG_HOME": str(tmp_path / "home")}
     env.pop("KVROUTE_SGLANG_CPU_DTYPE", None)
-    flags = next((frozenset(line.partition(":")[2].split()) for line in Path("/proc/cpuinfo").read_text().splitlines()
-                  if line.startswith("flags")), frozenset())
     out = subprocess.run(
         [*KVROUTE, "launch", "--profile", "sglang-cpu-tiny", "--dry-run", "--json", "--port", "31011",
          "--set", 'kv-events-config={"publisher": "zmq", "endpoint": "tcp://*:5557"}'],
@@ -372,7 +371,7 @@ def test_cpu_tiny_profile_uses_the_runtime_and_the_cpu_flags(tmp_path: Path) -> 
     assert argv[0] == str(tmp_path / "home" / "venv" / "bin" / "python")
     assert _flag_value(argv, "--model-path") == str(tmp_path / "home" / "model" / "tiny-qwen2")
     for flag, value in {"--device": "cpu", "--load-format": "dummy", "--attention-backend": "torch_native",
-                        "--port": "31011", "--max-total-tokens": "40000", "--dtype": cpu_dtype(flags)}.items():
+                        "--port": "31011", "--max-total-tokens": "40000", "--dtype": cpu_dtype(cpu_flags())}.items():
         assert _flag_value(argv, flag) == value, flag
     for flag in ("--sleep-on-idle", "--enable-metrics", "--enable-cache-report", "--skip-server-warmup"):
         assert flag in argv
