@@ -4,11 +4,13 @@ id (so the engine names the session on the blocks it stores), and its snapshot's
 ``resident_tokens`` for a session must agree with the ``cached_tokens`` the engine reports on that
 session's next turn: never less than what the next prompt shares with the last one while the session
 is resident, and exactly equal once another session's prompt has evicted part of it (a 3,000-token
-pool). Then the engine is restarted on the same ports: the subscriber rebuilds from its sequence 0.
+pool). Both with pages of one token and of 16 (a GPU deployment pages its KV; only whole pages are
+cached). Then the engine is restarted on the same ports: the subscriber rebuilds from its sequence 0.
 
 Needs the CPU SGLang runtime (``replica/build_sglang_cpu_env.sh``: ``$KVROUTE_SGLANG_HOME``, default
 ``~/.cache/kvroute/sglang-cpu``, or ``$KVROUTE_SGLANG_PYTHON``); a failure under CI when missing, a
-skip elsewhere. One server, pinned to one CPU, ~20-40 s per start.
+skip elsewhere. Three servers (one per page size, one with a short replay buffer), started together
+and spread over the CPUs, ~30-60 s.
 """
 
 from __future__ import annotations
@@ -45,14 +47,23 @@ from tests.router.conftest import fast_config, wait_for
 pytestmark = pytest.mark.slow
 
 POOL = 3000
+PAGES = (1, 16)
+ROLLED = 4
+
+
+def aligned(n: int, page: int) -> int:
+    """What the engine caches of ``n`` tokens: whole pages."""
+    return n // page * page
 
 
 class _Server:
     """One real SGLang (``kvroute launch --profile sglang-cpu-tiny``) publishing KV events on fixed
     ports, so that a restart comes back on the same endpoints."""
 
-    def __init__(self, port: int, kv_port: int, replay_port: int, log_dir: Path, buffer_steps: int | None = None) -> None:
-        self.port, self.kv_port, self.replay_port, self.log_dir = port, kv_port, replay_port, log_dir
+    def __init__(self, ports: tuple[int, int, int], cpu: int, log_dir: Path, page: int = 1,
+                 buffer_steps: int | None = None) -> None:  # fmt: skip
+        self.port, self.kv_port, self.replay_port = ports
+        self.cpu, self.log_dir, self.page = cpu, log_dir, page
         self.buffer_steps = buffer_steps  # SGLang's replay buffer (None: its default, 10,000 batches)
         self.real: RealServer | None = None
 
@@ -60,15 +71,22 @@ class _Server:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def start(self) -> None:
+    def launch(self) -> None:
         kv: dict[str, Any] = {"publisher": "zmq", "endpoint": f"tcp://127.0.0.1:{self.kv_port}", "bind": True,
                               "replay_endpoint": f"tcp://127.0.0.1:{self.replay_port}"}  # fmt: skip
         if self.buffer_steps is not None:
             kv["buffer_steps"] = self.buffer_steps
-        self.real = start_real_server(self.port, max(os.sched_getaffinity(0)), log_dir=self.log_dir,
-                                      max_total_tokens=POOL, context_length=4096,
-                                      sets=[f"kv-events-config={json.dumps(kv)}"])
+        self.real = start_real_server(self.port, self.cpu, log_dir=self.log_dir, max_total_tokens=POOL,
+                                      context_length=4096,
+                                      sets=[f"kv-events-config={json.dumps(kv)}", f"page-size={self.page}"])  # fmt: skip
+
+    def wait(self) -> None:
+        assert self.real is not None
         wait_healthy([self.real], timeout_s=240)
+
+    def start(self) -> None:
+        self.launch()
+        self.wait()
 
     def stop(self) -> None:
         real, self.real = self.real, None
@@ -77,34 +95,62 @@ class _Server:
 
 
 @pytest.fixture(scope="module")
-def server() -> Iterator[_Server]:
-    yield from _serve()
+def started() -> Iterator[list[_Server]]:
+    """Every server of this module, started together: one per page size of ``PAGES``, then one that
+    replays only its last ``ROLLED`` batches of KV events (its test needs it fresh)."""
+    yield from _serve(*({"page": p} for p in PAGES), {"buffer_steps": ROLLED})
 
 
-def _serve(buffer_steps: int | None = None) -> Iterator[_Server]:
+@pytest.fixture
+def servers(started: list[_Server]) -> dict[int, _Server]:
+    return dict(zip(PAGES, started, strict=False))
+
+
+@pytest.fixture
+def server(started: list[_Server]) -> _Server:
+    return started[0]
+
+
+@pytest.fixture
+def rolled_server(started: list[_Server]) -> _Server:
+    return started[len(PAGES)]
+
+
+def _serve(*configs: dict[str, Any]) -> Iterator[list[_Server]]:
+    """Servers of ``configs`` (``_Server``'s keyword arguments), started together (start-up is most of
+    their cost) on CPUs of their own where there are enough."""
     why = runtime_missing()
     if why is not None:
         missing(why)
+    cpus = sorted(os.sched_getaffinity(0), reverse=True)
     with tempfile.TemporaryDirectory(prefix="kvroute-kv-events-") as tmp:
-        # The engine's start can fail once on a loaded machine (2 full runs in ~6 here: it exited
-        # right after "ready", the cause cut from the log's tail; a port taken between free_port()
-        # and the engine's bind is one way). One more start on fresh ports; a second failure fails
-        # the test with both logs.
-        failures: list[str] = []
-        for attempt in range(2):
-            s = _Server(free_port(), free_port(), free_port(), Path(tmp) / str(attempt), buffer_steps)
-            try:
-                s.start()
-                break
-            except RuntimeError as exc:
-                s.stop()
-                failures.append(str(exc))
-        else:
-            missing("real SGLang did not start: " + "\n---\n".join(failures))
+
+        def launched(i: int, attempt: int) -> _Server:
+            s = _Server((free_port(), free_port(), free_port()), cpus[i % len(cpus)],
+                        Path(tmp) / f"{i}-{attempt}", **configs[i])  # fmt: skip
+            s.launch()
+            return s
+
+        started = [launched(i, 0) for i in range(len(configs))]
         try:
-            yield s
+            for i in range(len(started)):
+                # The engine's start can fail once on a loaded machine (2 full runs in ~6 here: it
+                # exited right after "ready", the cause cut from the log's tail; a port taken between
+                # free_port() and the engine's bind is one way). One more start on fresh ports; a
+                # second failure fails the test with both logs.
+                try:
+                    started[i].wait()
+                except RuntimeError as first:
+                    started[i].stop()
+                    started[i] = launched(i, 1)
+                    try:
+                        started[i].wait()
+                    except RuntimeError as second:
+                        missing(f"real SGLang did not start: {first}\n---\n{second}")
+            yield started
         finally:
-            s.stop()
+            for s in started:
+                s.stop()
 
 
 @contextlib.asynccontextmanager
@@ -161,7 +207,9 @@ async def _sleep() -> None:
     await asyncio.sleep(0.05)
 
 
-async def test_resident_prefix_matches_the_engines_cached_tokens(server: _Server) -> None:
+@pytest.mark.parametrize("page", PAGES)
+async def test_resident_prefix_matches_the_engines_cached_tokens(servers: dict[int, _Server], page: int) -> None:
+    server = servers[page]
     async with gateway(server.url) as gw, aiohttp.ClientSession() as http:
         rid = f"127.0.0.1:{server.port}"
         svc = gw.runtime.residency
@@ -176,7 +224,7 @@ async def test_resident_prefix_matches_the_engines_cached_tokens(server: _Server
         for turn in range(3):
             u = d["usage"]
             # the engine caches the prompt at prefill, then prompt + output (but its last token) at the end
-            resident = base + await _settled(gw, "real-A", u["prompt_tokens"] + u["completion_tokens"] - 1 - base)
+            resident = base + await _settled(gw, "real-A", aligned(u["prompt_tokens"] + u["completion_tokens"] - 1, page) - base)
             msgs = [*msgs, {"role": "assistant", "content": d["choices"][0]["message"]["content"]},
                     {"role": "user", "content": f"and then what happens at step {turn}?"}]
             d = await _chat(http, gw, "real-A", msgs)
@@ -184,11 +232,11 @@ async def test_resident_prefix_matches_the_engines_cached_tokens(server: _Server
             # the next prompt repeats the last one (all of it resident) and then re-renders the answer
             # (its re-tokenised text may part from what the engine cached after the prompt, and its
             # first characters may merge with the prompt's last token, "assistant\n": seen once)
-            assert u["prompt_tokens"] - 1 <= cached <= resident, (turn, u, cached, resident)
+            assert aligned(u["prompt_tokens"] - 1, page) <= cached <= resident, (turn, u, cached, resident)
             print(f"turn {turn}: prompt {u['prompt_tokens']} + {u['completion_tokens']}, resident {resident}, "
                   f"next turn cached {cached}")
             checked += 1
-        before = await _settled(gw, "real-A", d["usage"]["prompt_tokens"] + d["usage"]["completion_tokens"] - 1 - base)
+        before = await _settled(gw, "real-A", aligned(d["usage"]["prompt_tokens"] + d["usage"]["completion_tokens"] - 1, page) - base)
         # another session's long prompt fills most of the 3,000-token pool: A loses its tail
         await _chat(http, gw, "real-B", [{"role": "user", "content": "Filler text that evicts the other session. " * 170}], 4)
         deadline = time.monotonic() + 20
@@ -207,11 +255,15 @@ async def test_resident_prefix_matches_the_engines_cached_tokens(server: _Server
         assert subs["gaps"] == 0 and subs["decode_errors"] == 0 and subs["rebuilds"] == 1
 
 
-async def test_a_restarted_gateway_finds_each_sessions_cache_in_the_engines_replay(server: _Server) -> None:
+@pytest.mark.parametrize("page", PAGES)
+async def test_a_restarted_gateway_finds_each_sessions_cache_in_the_engines_replay(
+    servers: dict[int, _Server], page: int
+) -> None:
     """A gateway on embedded state forgets every session when it restarts; the engine does not. The
     new gateway asks the real engine to replay its KV events from sequence 0 (a fresh engine's buffer
     still holds them all), finds the session's blocks under its id, and sends its next turn back to
     that cache (``placed_resident``, not ``placed_new``)."""
+    server = servers[page]
     rid = f"127.0.0.1:{server.port}"
     msgs = [{"role": "user", "content": "a session that outlives its gateway " * 15}]
     async with gateway(server.url) as first, aiohttp.ClientSession() as http:
@@ -220,7 +272,7 @@ async def test_a_restarted_gateway_finds_each_sessions_cache_in_the_engines_repl
         await wait_for(lambda: svc.view.source(rid) == EVENTS, 30)
         d = await _chat(http, first, "real-R", msgs)
         u = d["usage"]
-        await _settled(first, "real-R", u["prompt_tokens"] + u["completion_tokens"] - 1 - u["prompt_tokens_details"]["cached_tokens"])
+        await _settled(first, "real-R", aligned(u["prompt_tokens"] + u["completion_tokens"] - 1, page) - u["prompt_tokens_details"]["cached_tokens"])
     msgs = [*msgs, {"role": "assistant", "content": d["choices"][0]["message"]["content"]},
             {"role": "user", "content": "and after the restart?"}]  # fmt: skip
     async with gateway(server.url) as second, aiohttp.ClientSession() as http:
@@ -231,7 +283,7 @@ async def test_a_restarted_gateway_finds_each_sessions_cache_in_the_engines_repl
         snap = await second.store.snapshot("real-R")
         assert snap.session is not None and [r for r, _ in snap.session.resident_on] == [rid]
         cached = await _cached_placed_resident(http, second, "real-R", msgs, 4)
-        assert cached >= u["prompt_tokens"] - 1, (cached, u)
+        assert cached >= aligned(u["prompt_tokens"] - 1, page), (cached, u)
 
 
 async def test_an_engine_restart_is_rebuilt_from_sequence_zero(server: _Server) -> None:
@@ -251,15 +303,6 @@ async def test_an_engine_restart_is_rebuilt_from_sequence_zero(server: _Server) 
         assert await _resident(gw, "real-C") == 0
         st = svc.manager.stats()[rid]["ranks"][0]
         assert st["rebuilds"] >= 2 and st["disconnects"] >= 1
-
-
-ROLLED = 4
-
-
-@pytest.fixture
-def rolled_server() -> Iterator[_Server]:
-    """A real SGLang that replays only its last ``ROLLED`` batches of KV events."""
-    yield from _serve(ROLLED)
 
 
 async def test_a_restarted_gateway_finds_a_session_after_the_engines_replay_buffer_rolled(

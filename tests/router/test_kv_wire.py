@@ -117,65 +117,90 @@ def test_descriptor_from_server_info() -> None:
 
 
 # ---- bytes captured from a real SGLang 0.5.23 (CPU, page_size 1) ---------------------------------------
-# tests/router/fixtures/kv_events/: the whole replay buffer of a server that served sessions sess-A
-# (4 turns), sess-B (3 turns), sess-D (3 turns, then evicted by sess-E's 2,652-token prompt in a
-# 3,000-token pool, then one more turn: 7 tokens cached) and was flushed; and its /server_info
-# (kv_events part). Every request carried its ``session_id`` in the body.
+# tests/router/fixtures/kv_events/: the whole replay buffer of a server and its /server_info
+# (kv_events part), at two page sizes; every request carried its ``session_id`` in the body.
+# - page 1 (``sglang-0.5.23-cpu``): sessions sess-A (4 turns), sess-B (3 turns), sess-D (3 turns,
+#   then evicted by sess-E's 2,652-token prompt in a 3,000-token pool, then one more turn: 7 tokens
+#   cached), then a flush.
+# - page 16 (``sglang-0.5.23-cpu-page16``, ``--page-size 16``, as a GPU deployment pages its KV):
+#   sess-A (4 turns), sess-B (3), sess-D (3), sess-E's 2,764-token prompt in a 2,992-token pool
+#   evicting the others and part of sess-D, sess-D once more (192 cached), then a flush.
 
 FIXTURES = Path(__file__).parent / "fixtures" / "kv_events"
+CAPTURES = {1: "sglang-0.5.23-cpu", 16: "sglang-0.5.23-cpu-page16"}
 
 
-def real_frames() -> list[tuple[int, bytes]]:
+def real_frames(page: int = 1) -> list[tuple[int, bytes]]:
     out = []
-    for line in (FIXTURES / "sglang-0.5.23-cpu-frames.jsonl").read_text().splitlines():
+    for line in (FIXTURES / f"{CAPTURES[page]}-frames.jsonl").read_text().splitlines():
         d = json.loads(line)
         out.append((d["seq"], base64.b64decode(d["payload"])))
     return out
 
 
-def test_real_engine_frames_decode_and_replay() -> None:
-    frames = real_frames()
+def real_server_info(page: int) -> dict[str, object]:
+    return json.loads((FIXTURES / f"{CAPTURES[page]}-server_info.json").read_text())  # type: ignore[no-any-return]
+
+
+def _replayed(page: int, session: str) -> tuple[ReplicaResidency, list[int]]:
+    """The mirror after the whole capture, and each value ``session``'s resident tokens took."""
+    frames = real_frames(page)
     assert [s for s, _ in frames] == list(range(len(frames)))
     r = ReplicaResidency()
-    seen_d = []
+    seen: list[int] = []
     for seq, payload in frames:
-        batch = decode_batch(payload)
-        feed_batch(batch, r)
+        feed_batch(decode_batch(payload), r)
         if seq == 0:
             assert r.complete  # the engine's cache creation is sequence 0
-        v = r.resident_tokens("sess-D")
-        if v is not None and (not seen_d or seen_d[-1] != v):
-            seen_d.append(v)
+        v = r.resident_tokens(session)
+        if v is not None and (not seen or seen[-1] != v):
+            seen.append(v)
     assert r.unknown_parents == 0 and r.unknown_removals == 0 and r.removals >= 1
+    assert r.resident_blocks == 0 and r.complete  # the flush
+    return r, seen
+
+
+def test_real_engine_frames_decode_and_replay() -> None:
     # sess-D: untracked (0 on a complete mirror), then each turn stores its prompt and then its output
     # (372 / 383 ... tokens from the root: the engine reported 7, 376, 408 cached tokens), counted
     # beyond the 7 template tokens it found cached, which it shares with everyone (rule 2b); sess-E's
     # prompt cut it to those 7 (its next turn: 7 cached), so none of its own; it grew again; the flush
-    assert seen_d == [0, 365, 376, 397, 408, 425, 436, 0, 455, 466, 0]
-    assert r.resident_blocks == 0 and r.complete
+    assert _replayed(1, "sess-D")[1] == [0, 365, 376, 397, 408, 425, 436, 0, 455, 466, 0]
 
 
-def test_real_engine_block_hashes_are_the_emulators_sha256_chain() -> None:
+def test_real_engine_frames_with_pages_of_16_replay_in_whole_pages() -> None:
+    # Only whole pages are stored, so every value is a multiple of 16: sess-D's turns left 192, 224,
+    # 240, then 256 and 272 as its third turn ended (its third prompt of 262 tokens found 224 cached:
+    # the re-rendered answer parts from the cached one). sess-E's 2,764-token prompt evicted its last
+    # five pages, and its next turn found exactly the 192 left cached. The 7-token template fills no
+    # page, so there is nothing shared to subtract. It grew again; the flush
+    assert _replayed(16, "sess-D")[1] == [0, 192, 224, 240, 256, 272, 192, 288, 304, 0]
+
+
+@pytest.mark.parametrize("page", sorted(CAPTURES))
+def test_real_engine_block_hashes_are_the_emulators_sha256_chain(page: int) -> None:
     from replica.emulator.kv_events import event_hash, sglang_digests
 
     digests: dict[int, bytes] = {}
     checked = 0
-    for _, payload in real_frames():
+    for _, payload in real_frames(page):
         for ev in msgspec.msgpack.decode(payload)[1]:
             if ev["type"] != "BlockStored":
                 continue
-            assert ev["block_size"] == 1 and ev["medium"] == "GPU" and ev["lora_id"] is None
+            assert ev["block_size"] == page and ev["medium"] == "GPU" and ev["lora_id"] is None
+            assert len(ev["token_ids"]) == page * len(ev["block_hashes"])  # whole pages only
             prior = None if ev["parent_block_hash"] is None else digests[ev["parent_block_hash"]]
-            ds = sglang_digests(array("I", ev["token_ids"]).tobytes(), 1, prior)
+            ds = sglang_digests(array("I", ev["token_ids"]).tobytes(), page, prior)
             assert [event_hash(d) for d in ds] == ev["block_hashes"]
             digests.update(zip(ev["block_hashes"], ds, strict=True))
             checked += len(ds)
-    assert checked > 4000
+    assert checked > {1: 4000, 16: 200}[page]
 
 
-def test_real_engine_sessions_ride_on_their_stores() -> None:
+@pytest.mark.parametrize("page", sorted(CAPTURES))
+def test_real_engine_sessions_ride_on_their_stores(page: int) -> None:
     sids = set()
-    for _, payload in real_frames():
+    for _, payload in real_frames(page):
         for ev in msgspec.msgpack.decode(payload)[1]:
             if ev["type"] == "BlockStored" and "session_id" in ev:
                 sids.add(ev["session_id"])
@@ -183,8 +208,11 @@ def test_real_engine_sessions_ride_on_their_stores() -> None:
 
 
 def test_real_server_info_descriptor() -> None:
-    info = json.loads((FIXTURES / "sglang-0.5.23-cpu-server_info.json").read_text())
+    info = real_server_info(1)
     d = parse_descriptor(info, "http://127.0.0.1:31555")
     assert d is not None
     assert d.endpoint() == "tcp://127.0.0.1:31556" and d.replay_endpoint() == "tcp://127.0.0.1:31557"
     assert d.block_size == info["page_size"] == 1
+    paged = real_server_info(16)
+    d = parse_descriptor(paged, "http://127.0.0.1:31555")
+    assert d is not None and d.block_size == paged["page_size"] == 16
