@@ -86,10 +86,11 @@ def _layout(text: str, n_samples: int) -> list[tuple[str, bool]]:
 class ReplicaMetrics(Collector):
     """Counters the HTTP shell bumps, plus gauges pulled from ``load_fn`` at scrape time."""
 
-    def __init__(self, model_name: str, load_fn: Callable[[], EngineLoad], hicache: bool) -> None:
+    def __init__(self, model_name: str, load_fn: Callable[[], EngineLoad], hicache: bool, tp_size: int = 1) -> None:
         self.model_name = model_name
         self._load_fn = load_fn
         self._hicache = hicache
+        self._tp_size = tp_size
         self.prompt_tokens = {"true": 0, "false": 0}
         self.generation_tokens = {"true": 0, "false": 0}
         self.num_requests = {"true": 0, "false": 0}
@@ -158,6 +159,9 @@ class ReplicaMetrics(Collector):
         for name, doc, value in gauges:
             g = GaugeMetricFamily(f"sglang:{name}", doc, labels=sched_labels)
             g.add_metric(sched_vals, float(value))
+            if name == "max_total_num_tokens":  # every TP rank reports the pool they share (a real --tp-size 2)
+                for rank in range(1, self._tp_size):
+                    g.add_metric([*sched_vals[:-1], str(rank)], float(value))
             yield g
         h = HistogramMetricFamily("sglang:queue_time_seconds", "Histogram of queueing time in seconds.",
                                   labels=sched_labels)

@@ -242,7 +242,7 @@ class Replica:
             listener=self.kv_recorder,
         )
         self.engine = ReplicaEngine(prof, self.cache)
-        self.metrics = ReplicaMetrics(config.model_name, self.engine.load, prof.host_tokens > 0)
+        self.metrics = ReplicaMetrics(config.model_name, self.engine.load, prof.host_tokens > 0, prof.tp_size)
         self.faults = Faults()
         self.chains = ChainMemo()
         self.flights: dict[str, _Flight] = {}

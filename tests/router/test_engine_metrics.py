@@ -88,6 +88,22 @@ def test_rank_copies_and_pid_labels_are_not_double_counted() -> None:
     assert load.queued == 3
 
 
+FIXTURES = Path(__file__).parent / "fixtures"
+
+
+def test_a_real_tp2_engine_counts_its_pool_once() -> None:
+    """``/metrics`` and ``/v1/loads`` of a real SGLang 0.5.23 with ``--tp-size 2`` (CPU, the tiny
+    model, a 3,000-token pool), taken while it ran two requests and queued a third: every TP rank
+    reports ``max_total_num_tokens`` of the one pool they share, rank 0 the rest. Summed, the copies
+    would double the capacity the policy divides working sets by."""
+    text = (FIXTURES / "sglang_metrics_0.5.23_tp2.txt").read_text()
+    assert text.count('sglang:max_total_num_tokens{') == 2 and 'tp_rank="1"' in text
+    metrics = parse_engine_metrics(text, now=1.0)
+    assert (metrics.capacity_tokens, metrics.running, metrics.queued, metrics.kv_util) == (3000, 2, 1, 0.41)
+    loads = load_from_v1_loads(json.loads((FIXTURES / "sglang_v1_loads_0.5.23_tp2.json").read_text()), now=1.0)
+    assert (loads.capacity_tokens, loads.running, loads.queued, loads.waiting_uncached_tokens) == (3000, 2, 1, 409)
+
+
 def test_priority_total_series_only() -> None:
     text = (
         f'sglang:num_queue_reqs{{{LABELS},priority="",tp_rank="0"}} 5.0\n'
