@@ -86,10 +86,18 @@ def start_real_server(
     context_length: int | None = None,
     sets: Sequence[str] = (),
     extra_flags: Sequence[str] = (),
+    dp_size: int = 1,
 ) -> RealServer:
-    """Start one server (returns at once; :func:`wait_healthy` waits for it)."""
+    """Start one server (returns at once; :func:`wait_healthy` waits for it). With ``dp_size`` > 1 it
+    runs that many data-parallel schedulers (each its own KV pool of ``max_total_tokens``), all on
+    ``cpu``."""
     argv = [sys.executable, "-m", "router.cli", "launch", "--profile", PROFILE, "--port", str(port),
             "--cpus", str(cpu), "--set", f"max-total-tokens={max_total_tokens}"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    if dp_size > 1:
+        argv += ["--set", f"dp-size={dp_size}"]
+        # SGLang's CPU backend binds each rank's threads: without a list it wants a NUMA node per rank
+        env["SGLANG_CPU_OMP_THREADS_BIND"] = "|".join([str(cpu)] * dp_size)
     if context_length is not None:
         argv += ["--set", f"context-length={context_length}"]
     for s in sets:
@@ -104,7 +112,7 @@ def start_real_server(
             stdout=log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
-            env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"},
+            env=env,
             start_new_session=True,  # its own process group: stopped by that id, never by name
         )
     return RealServer(port=port, cpu=cpu, proc=proc, log_path=log_path, args=tuple(argv))

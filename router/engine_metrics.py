@@ -62,7 +62,7 @@ _FIELDS: dict[str, tuple[str | None, str | None, str]] = {
     "waiting_uncached_tokens": (None, "num_waiting_uncached_tokens", _SUM),
 }
 _COUNTS = frozenset({"running", "queued", "capacity_tokens", "host_used_tokens", "host_capacity_tokens",
-                     "waiting_uncached_tokens"})  # fmt: skip
+                     "waiting_uncached_tokens", "dp_ranks"})  # fmt: skip
 _FRACTIONS = frozenset({"kv_util", "cache_hit_rate"})
 # family -> how label groups combine
 _WANTED: dict[str, str] = {fam: how for fam, _, how in _FIELDS.values() if fam is not None}
@@ -175,6 +175,7 @@ def load_from_v1_loads(doc: Any, *, now: float = 0.0, host: EngineLoad | None = 
             values[name] = sum(max(0.0, v) for v in found) if how == _SUM else max(found)
     if host is not None:
         values["host_used_tokens"], values["host_capacity_tokens"] = host.host_used_tokens, host.host_capacity_tokens
+    values["dp_ranks"] = len(ranks)
     return _engine_load(values, now)
 
 

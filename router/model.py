@@ -134,6 +134,8 @@ class EngineLoad:
     # /v1/loads num_waiting_uncached_tokens: prefill work queued behind the running batch (tokens not
     # in its cache), what a new request waits for before its own prefill starts
     waiting_uncached_tokens: int = 0
+    # /v1/loads entries: the engine's data-parallel schedulers, each with a cache of its own
+    dp_ranks: int = 1
     updated_at: float = 0.0  # store clock; 0 = never scraped
     reported_by: str = ""  # the gateway discovery that scraped them ("" = a sidecar's heartbeat): rules 6 and 8
 

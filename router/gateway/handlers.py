@@ -98,6 +98,7 @@ from router.model import (
     RouteRequest,
 )
 from router.policy.breaks import classify_break, home_found
+from router.policy.hashing import hrw_slot
 from router.policy.params import PolicyParams
 from router.policy.prefix_key import chain_key, prefix_key
 from router.residency import with_residency
@@ -127,14 +128,18 @@ INFERENCE_ROUTES = ("/v1/chat/completions", "/v1/completions", "/generate", MESS
 COUNT_TOKENS_ROUTE = "/v1/messages/count_tokens"
 # proxied like inference, but nothing is generated and nothing learnt from the answer
 _CONTROL_ROUTES = (*SESSION_ROUTES, COUNT_TOKENS_ROUTE)
+# where SGLang reads DP_RANK_HEADER (native /generate takes routed_dp_rank in its body only)
+_DP_ROUTES = frozenset({"/v1/chat/completions", "/v1/completions", MESSAGES_ROUTE, RESPONSES_ROUTE})
 REPLICA_HEADER = "X-Kvroute-Replica"
 REASON_HEADER = "X-Kvroute-Reason"
+DP_RANK_HEADER = "X-Data-Parallel-Rank"  # SGLang's routed_dp_rank on its OpenAI and Anthropic routes
 # set by the gateway itself: a client's own values are dropped (X-Forwarded-For is extended)
 _FORWARD_DROP = request_drop_set({REQUEST_ID_HEADER.lower(), "x-forwarded-for"})
 # a replica's own decision headers (a kvroute behind kvroute) give way to ours
 _RELAY_DROP = response_drop_set()
 _RELAY_DROP_DECIDED = response_drop_set({REPLICA_HEADER.lower(), REASON_HEADER.lower()})
 _REQUEST_ID_LOWER = REQUEST_ID_HEADER.lower()
+_DP_RANK_LOWER = DP_RANK_HEADER.lower()
 _ERROR_BODY_LIMIT = 64 * 1024
 _FINISHED = frozenset({"completed", "incomplete"})  # a Responses API run that produced its answer
 _MAX_STALE_REROUTES = 3  # a session moved by other gateways between our snapshot and acquire
@@ -545,7 +550,7 @@ class _Proxy:
             url = await self.rt.replica_url(lease.replica_id, state)
             if url is None:
                 raise UpstreamConnectError(f"replica {lease.replica_id} is no longer registered")
-            upstream = await self._send(lease, url + self.req.route, can_retry)
+            upstream = await self._send(lease, url + self.req.route, can_retry, self._dp_rank(state))
             answer = await self._open(upstream)
             # ---- commit: from here on the client has our status line -----------------------------
             keeps, ask_stores = self._keeps_response(lease, url, upstream.status)
@@ -570,7 +575,19 @@ class _Proxy:
             if completion.ok and ask_stores is not None and self.rt.client is not None:
                 await self.rt.response_stores.learn(self.rt.client, lease.replica_id, ask_stores, self.rt.clock.now())
 
-    async def _send(self, lease: Lease, target: str, can_retry: bool) -> UpstreamResponse:
+    def _dp_rank(self, state: ReplicaState | None) -> int | None:
+        """The data-parallel rank for a session's request to an engine with several (each its own
+        cache): the session's own, so that its turns meet their cache rather than the engine's round
+        robin, which scatters a session over every rank. ``None``: one rank, no session, or the
+        client named a rank itself."""
+        key = self.req.session_key
+        if state is None or state.engine.dp_ranks <= 1 or key is None or self.req.route not in _DP_ROUTES:
+            return None
+        if any(name.lower() == _DP_RANK_LOWER for name, _ in self.fwd_headers):
+            return None
+        return hrw_slot(key, state.engine.dp_ranks)
+
+    async def _send(self, lease: Lease, target: str, can_retry: bool, dp_rank: int | None = None) -> UpstreamResponse:
         """The request sent, its status line and headers in. A 5xx that may be retried elsewhere is
         raised (with its body, relayed if no retry is left)."""
         clock = self.rt.clock
@@ -579,6 +596,8 @@ class _Proxy:
         tracer = self.rt.tracer
         span = tracer.start("POST", target) if tracer is not None else None
         headers = self.fwd_headers if span is None else [*self.fwd_headers, *span.headers]
+        if dp_rank is not None:
+            headers = [*headers, (DP_RANK_HEADER, str(dp_rank))]
         t = clock.now()
         try:
             upstream = await client.send(lease.replica_id, "POST", target, headers, self._body_for(lease))

@@ -11,7 +11,7 @@ from collections.abc import Iterable, Mapping
 
 import mmh3
 
-__all__ = ["HrwTopCache", "hrw_rank", "hrw_top", "hrw_weight", "utf8"]
+__all__ = ["HrwTopCache", "hrw_rank", "hrw_slot", "hrw_top", "hrw_weight", "utf8"]
 
 _SEED = 0x6B76  # "kv": fixed forever, changing it remaps every stateless key
 
@@ -44,6 +44,12 @@ def hrw_top(key: str, replica_ids: Iterable[str]) -> str | None:
         if w > best_w or (w == best_w and best is not None and rid < best):
             best, best_w = rid, w
     return best
+
+
+def hrw_slot(key: str, n: int) -> int:
+    """The rendezvous winner for ``key`` among the slots ``0 .. n-1`` (an engine's data-parallel ranks):
+    the same slot for the same key and ``n`` on every gateway."""
+    return max(range(n), key=lambda i: (hrw_weight(key, str(i)), -i))
 
 
 class HrwTopCache:

@@ -56,6 +56,7 @@ class FakeReplicaState:
     host_used_tokens: int = 0  # /metrics' HiCache host tier (only /metrics has it)
     loads: bool = False  # serve /v1/loads (SGLang 0.5.x); without it 404, as an older engine
     loads_at: list[str] = field(default_factory=list)  # the query string of each /v1/loads request
+    dp_ranks: int = 1  # /v1/loads entries: data-parallel schedulers
 
 
 class FakeReplica:
@@ -326,7 +327,8 @@ class FakeReplica:
         rank = {"dp_rank": 0, "num_running_reqs": self.state.active, "num_waiting_reqs": 2,
                 "num_waiting_uncached_tokens": 4096, "max_total_num_tokens": 850000, "token_usage": 0.25,
                 "gen_throughput": 100.0, "cache_hit_rate": 0.5}  # fmt: skip
-        return web.json_response({"version": "0.5.23", "loads": [rank]})
+        ranks = [dict(rank, dp_rank=i, num_running_reqs=self.state.active if i == 0 else 0) for i in range(self.state.dp_ranks)]
+        return web.json_response({"version": "0.5.23", "loads": ranks})
 
     async def _models(self, request: web.Request) -> web.Response:
         return web.json_response(

@@ -159,7 +159,7 @@ def test_a_load_from_v1_loads_alone() -> None:
     two = {"loads": [rank, dict(rank, token_usage=0.75, cache_hit_rate=0.5)]}
     assert load_from_v1_loads(two, now=1.0, host=host) == EngineLoad(
         running=4, queued=2, kv_util=0.75, capacity_tokens=2000, host_used_tokens=5, host_capacity_tokens=80_000,
-        cache_hit_rate=0.5, gen_throughput=21.0, waiting_uncached_tokens=600, updated_at=1.0,
+        cache_hit_rate=0.5, gen_throughput=21.0, waiting_uncached_tokens=600, dp_ranks=2, updated_at=1.0,
     )  # fmt: skip
     # nonsense in a figure counts as absent; negative and over-one values are clamped
     odd = {"loads": [{"num_running_reqs": 1, "num_waiting_reqs": "x", "token_usage": 3.0, "gen_throughput": -1}]}

@@ -39,6 +39,7 @@ from loadtests.real_sglang import (
 )
 from router.clock import SystemClock
 from router.gateway.serve import RunningGateway, start_gateway
+from router.policy.hashing import hrw_slot
 from router.residency import EVENTS
 from router.store.memory import MemoryStore
 from tests.ci import missing
@@ -61,9 +62,9 @@ class _Server:
     ports, so that a restart comes back on the same endpoints."""
 
     def __init__(self, ports: tuple[int, int, int], cpu: int, log_dir: Path, page: int = 1,
-                 buffer_steps: int | None = None) -> None:  # fmt: skip
+                 buffer_steps: int | None = None, dp: int = 1) -> None:  # fmt: skip
         self.port, self.kv_port, self.replay_port = ports
-        self.cpu, self.log_dir, self.page = cpu, log_dir, page
+        self.cpu, self.log_dir, self.page, self.dp = cpu, log_dir, page, dp
         self.buffer_steps = buffer_steps  # SGLang's replay buffer (None: its default, 10,000 batches)
         self.real: RealServer | None = None
 
@@ -78,7 +79,8 @@ class _Server:
             kv["buffer_steps"] = self.buffer_steps
         self.real = start_real_server(self.port, self.cpu, log_dir=self.log_dir, max_total_tokens=POOL,
                                       context_length=4096,
-                                      sets=[f"kv-events-config={json.dumps(kv)}", f"page-size={self.page}"])  # fmt: skip
+                                      sets=[f"kv-events-config={json.dumps(kv)}", f"page-size={self.page}"],
+                                      dp_size=self.dp)  # fmt: skip
 
     def wait(self) -> None:
         assert self.real is not None
@@ -96,9 +98,10 @@ class _Server:
 
 @pytest.fixture(scope="module")
 def started() -> Iterator[list[_Server]]:
-    """Every server of this module, started together: one per page size of ``PAGES``, then one that
-    replays only its last ``ROLLED`` batches of KV events (its test needs it fresh)."""
-    yield from _serve(*({"page": p} for p in PAGES), {"buffer_steps": ROLLED})
+    """Every server of this module, started together: one per page size of ``PAGES``, one that replays
+    only its last ``ROLLED`` batches of KV events (its test needs it fresh), and one with two
+    data-parallel ranks."""
+    yield from _serve(*({"page": p} for p in PAGES), {"buffer_steps": ROLLED}, {"dp": 2})
 
 
 @pytest.fixture
@@ -114,6 +117,11 @@ def server(started: list[_Server]) -> _Server:
 @pytest.fixture
 def rolled_server(started: list[_Server]) -> _Server:
     return started[len(PAGES)]
+
+
+@pytest.fixture
+def dp_server(started: list[_Server]) -> _Server:
+    return started[len(PAGES) + 1]
 
 
 def _serve(*configs: dict[str, Any]) -> Iterator[list[_Server]]:
@@ -334,3 +342,52 @@ async def test_a_restarted_gateway_finds_a_session_after_the_engines_replay_buff
         assert snap.session.resident_on == () and snap.session.tip_on == (rid,), snap.session
         cached = await _cached_placed_resident(http, second, "real-O", msgs, 2)
         assert cached >= last["prompt_tokens"] - 1, (cached, last)
+
+
+async def test_a_data_parallel_engine_keeps_each_session_on_its_own_rank(dp_server: _Server) -> None:
+    """``--dp-size 2``: two schedulers, each with a cache and a publisher of its own (port base + rank),
+    and the engine's own round robin between them. Sent straight to the engine, a conversation's
+    second turn lands on the other rank and finds none of the first cached. Through the gateway
+    (``X-Data-Parallel-Rank``: the session's own rank) every turn finds the one before it cached, and
+    the session's blocks are on its own rank only."""
+    server = dp_server
+    rid = f"127.0.0.1:{server.port}"
+    async with aiohttp.ClientSession() as http:  # before any gateway probes the engine (its /health is a generation)
+        msgs = [{"role": "user", "content": "straight to a data-parallel engine " * 12}]
+        firsts = []
+        for _ in range(2):
+            body = {"model": "tiny", "messages": msgs, "max_tokens": 8}
+            async with http.post(server.url + "/v1/chat/completions", json=body) as r:
+                d = await r.json()
+            firsts.append(d["usage"])
+            msgs = [*msgs, {"role": "assistant", "content": d["choices"][0]["message"]["content"]},
+                    {"role": "user", "content": "and then?"}]  # fmt: skip
+        assert firsts[1]["prompt_tokens_details"]["cached_tokens"] < firsts[0]["prompt_tokens"] // 2, firsts
+    sid = "real-P"
+    async with gateway(server.url) as gw, aiohttp.ClientSession() as http:
+        svc = gw.runtime.residency
+        assert svc is not None
+        await wait_for(lambda: svc.view.source(rid) == EVENTS, 30)
+
+        async def two_ranks() -> bool:
+            return [r.engine.dp_ranks for r in (await gw.store.snapshot(None)).replicas] == [2]
+
+        await wait_for(two_ranks, 30)
+        msgs = [{"role": "user", "content": "a session on a data-parallel engine " * 12}]
+        last: dict[str, Any] | None = None
+        for turn in range(4):
+            d = await _chat(http, gw, sid, msgs, max_tokens=8)
+            u = d["usage"]
+            if last is not None:  # the previous prompt and its answer, but for the answer's last token
+                assert u["prompt_tokens_details"]["cached_tokens"] >= last["prompt_tokens"], (turn, last, u)
+            last = u
+            msgs = [*msgs, {"role": "assistant", "content": d["choices"][0]["message"]["content"]},
+                    {"role": "user", "content": f"and at step {turn}?"}]  # fmt: skip
+        assert svc.manager is not None
+        ranks = svc.manager.index.ranks(rid)
+        own = hrw_slot(sid, 2)
+        assert len(ranks) == 2
+        await wait_for(lambda: (ranks[own].resident_tokens(sid) or 0) > 0, 20)
+        assert not ranks[1 - own].resident_tokens(sid)
+        stats = svc.manager.stats()[rid]
+        assert stats["dp_size"] == 2 and [s["connected"] for s in stats["ranks"]] == [True, True]

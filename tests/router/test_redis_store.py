@@ -4,6 +4,7 @@ URLs, round trips per request (from Redis's own command stats), degraded mode an
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -102,6 +103,21 @@ async def test_every_key_written_lives_in_one_slot(redis_url: str, stores: list[
     assert len(keys) >= 35  # 20 sessions + per-replica keys + fleet keys
     assert all(k.startswith(b"{t1}:") for k in keys)
     assert {key_slot(k) for k in keys} == {key_slot(b"{t1}:seq")}
+
+
+async def test_a_figure_a_newer_version_writes_is_left_out_not_an_error(redis_url, stores, clock) -> None:  # type: ignore[no-untyped-def]
+    """Gateways and sidecars of two versions share one Redis during a rolling upgrade: an engine load
+    with a field this version does not know reads as the figures it knows."""
+
+    @dataclasses.dataclass(frozen=True, slots=True)
+    class NewerLoad(EngineLoad):
+        figure_of_a_later_version: int = 7
+
+    writer, reader = new_store(stores, redis_url, clock, "g1"), new_store(stores, redis_url, clock, "g2")
+    await writer.upsert_replica(spec("r0"), A)
+    await writer.report_engine_load("r0", NewerLoad(running=3, dp_ranks=2, updated_at=clock.now()))
+    (r0,) = await reader.replicas()
+    assert type(r0.engine) is EngineLoad and (r0.engine.running, r0.engine.dp_ranks) == (3, 2)
 
 
 # ---- registry TTL --------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ import contextlib
 import json
 import time
 from collections.abc import AsyncIterator
-from dataclasses import asdict
+from dataclasses import asdict, fields
 from importlib import resources
 from typing import Any
 
@@ -35,6 +35,7 @@ __all__ = ["RedisWire", "map_redis_errors", "spec_json"]
 
 _SCRIPTS = ("acquire", "release", "snapshot", "sessions", "registry", "lease", "republish", "config")
 _PARSE_CACHE_MAX = 10_000
+_ENGINE_FIELDS = frozenset(f.name for f in fields(EngineLoad))
 
 
 def _load_scripts() -> dict[str, str]:
@@ -135,7 +136,8 @@ class RedisWire:
         if eng is None:
             d = json.loads(raw)
             d["updated_at"] = self.local(d.get("updated_at", 0.0))
-            eng = EngineLoad(**d)
+            # a figure this version does not know (a newer gateway or sidecar wrote it) is left out
+            eng = EngineLoad(**{k: v for k, v in d.items() if k in _ENGINE_FIELDS})
             if len(self._engines) > _PARSE_CACHE_MAX:
                 self._engines.clear()
             self._engines[raw] = eng

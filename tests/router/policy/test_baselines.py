@@ -10,7 +10,7 @@ import pytest
 from router.errors import NoReplicaError
 from router.model import Reason, ReplicaStatus
 from router.policy.baselines import HashPolicy, LeastLoadedPolicy, RandomPolicy, RoundRobinPolicy
-from router.policy.hashing import hrw_rank, hrw_top
+from router.policy.hashing import hrw_rank, hrw_slot, hrw_top
 from tests.builders import fleet, replica, request, snapshot
 
 S = ReplicaStatus
@@ -135,3 +135,14 @@ def test_sticky_least_loaded_binds_new_sessions_to_the_least_loaded_and_keeps_th
     # no key: least loaded, nothing bound
     d = pol.route(request(None), fresh, random.Random(0))
     assert (d.replica_id, d.reason, d.effects) == ("b", Reason.LEAST_LOADED, ())
+
+
+def test_hrw_slot_is_the_rendezvous_winner_among_numbered_slots() -> None:
+    slots = ["0", "1", "2", "3"]
+    assert [hrw_slot(f"s{i}", 4) for i in range(50)] == [int(str(hrw_top(f"s{i}", slots))) for i in range(50)]
+    assert {hrw_slot(f"s{i}", 1) for i in range(20)} == {0}
+    counts = Counter(hrw_slot(f"s{i}", 4) for i in range(4000))
+    assert all(900 < counts[k] < 1100 for k in range(4)), counts
+    # a fifth slot takes only the keys it now wins
+    moved = [i for i in range(1000) if hrw_slot(f"s{i}", 4) != hrw_slot(f"s{i}", 5)]
+    assert moved and all(hrw_slot(f"s{i}", 5) == 4 for i in moved)

@@ -1,0 +1,67 @@
+"""An engine with several data-parallel ranks (each its own radix cache; SGLang ``--dp-size``): the
+gateway names the session's rank in SGLang's ``X-Data-Parallel-Rank`` header, so a session's turns
+meet their cache instead of the engine's round robin (against a real ``--dp-size 2`` engine:
+docs/REAL_SGLANG.md §4)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import aiohttp
+
+from router.gateway.handlers import DP_RANK_HEADER
+from router.policy.hashing import hrw_slot
+from tests.router.conftest import FakeReplica, wait_for
+
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hello"}]}
+ROUTES = {"/v1/chat/completions": CHAT, "/v1/completions": {"model": "m", "prompt": "hi"}, "/generate": {"text": "hi"}}
+
+
+async def _post(s: aiohttp.ClientSession, url: str, body: dict[str, Any], **headers: str) -> None:
+    async with s.post(url, data=json.dumps(body), headers={"Content-Type": "application/json", **headers}) as r:
+        await r.read()
+        assert r.status == 200
+
+
+async def _serve(gateway_factory: Any, replica: FakeReplica, ranks: int) -> str:
+    replica.state.loads, replica.state.dp_ranks = True, ranks
+    gw = await gateway_factory([replica.url])
+
+    async def known() -> bool:
+        return [r.engine.dp_ranks for r in (await gw.store.snapshot(None)).replicas] == [ranks]
+
+    await wait_for(known, 10)
+    return str(gw.url)
+
+
+def _ranks(replica: FakeReplica) -> list[tuple[str | None, str, list[str]]]:
+    """(session, route, ranks named) of every request the replica saw."""
+    return [(r["headers"].get("Modal-Session-Id"), r["path"], r["headers"].getall(DP_RANK_HEADER, []))
+            for r in replica.state.requests]  # fmt: skip
+
+
+async def test_each_session_keeps_one_rank_and_sessions_spread_over_the_ranks(
+    fake_replicas: Any, gateway_factory: Any
+) -> None:
+    dp, single = await fake_replicas(2)
+    via_dp, via_single = await _serve(gateway_factory, dp, 4), await _serve(gateway_factory, single, 1)
+    sessions = [f"sess-{i}" for i in range(16)]
+    async with aiohttp.ClientSession() as s:
+        for _turn in range(2):
+            for sid in sessions:
+                for route, body in ROUTES.items():
+                    await _post(s, via_dp + route, body, **{"Modal-Session-Id": sid})
+                    await _post(s, via_single + route, body, **{"Modal-Session-Id": sid})
+        await _post(s, via_dp + "/v1/chat/completions", CHAT, **{"Modal-Session-Id": "mine", DP_RANK_HEADER: "3"})
+    seen = _ranks(dp)
+    for sid, route, ranks in seen:
+        if sid == "mine":
+            assert ranks == ["3"]  # a client that names a rank keeps it, alone
+        elif route == "/generate":
+            assert ranks == []  # native /generate reads its rank from the body only: left to the client
+        else:  # every turn of a session on every OpenAI route: the session's own rank
+            assert ranks == [str(hrw_slot(str(sid), 4))], (sid, route, ranks)
+    assert len({ranks[0] for sid, _, ranks in seen if ranks and sid != "mine"}) == 4  # 16 sessions use all 4
+    assert all(ranks == [] for _, _, ranks in _ranks(single))  # one rank: nothing to name
+    assert len(seen) == len(_ranks(single)) + 1 == 2 * len(sessions) * len(ROUTES) + 1
