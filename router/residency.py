@@ -66,6 +66,7 @@ from itertools import chain, repeat
 from typing import Protocol
 
 from router.model import ClusterSnapshot, SessionState
+from router.policy.hashing import hrw_weight
 
 __all__ = [
     "ESTIMATE",
@@ -470,6 +471,26 @@ class ResidencyIndex:
             if v:
                 out.append((rid, v))
         return tuple(out)
+
+    def rank_for(self, replica_id: str, session_id: str) -> int | None:
+        """The data-parallel rank for a session's next request to a replica of several: the rank
+        holding most of the session's own cache, else (cached on none) the rank holding the fewest
+        blocks, where its new cache has the most room (equal ranks: the session's rendezvous order,
+        so sessions placed at once spread). ``None``: one rank, or not every rank is known (the
+        caller then hashes)."""
+        ranks = self._reps.get(replica_id)
+        if ranks is None or len(ranks) < 2:
+            return None
+        best, most = None, 0
+        for i, r in enumerate(ranks):
+            v = r.resident_tokens(session_id)
+            if v is None:
+                return None
+            if v > most:
+                best, most = i, v
+        if best is not None:
+            return best
+        return min(range(len(ranks)), key=lambda i: (ranks[i].resident_blocks, -hrw_weight(session_id, str(i))))
 
     def tip_on(self, session_id: str) -> tuple[str, ...]:
         out: list[str] = []

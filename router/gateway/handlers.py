@@ -101,7 +101,7 @@ from router.policy.breaks import classify_break, home_found
 from router.policy.hashing import hrw_slot
 from router.policy.params import PolicyParams
 from router.policy.prefix_key import chain_key, prefix_key
-from router.residency import with_residency
+from router.residency import ResidencyIndex, with_residency
 from router.route_input import route_request
 
 __all__ = [
@@ -578,13 +578,20 @@ class _Proxy:
     def _dp_rank(self, state: ReplicaState | None) -> int | None:
         """The data-parallel rank for a session's request to an engine with several (each its own
         cache): the session's own, so that its turns meet their cache rather than the engine's round
-        robin, which scatters a session over every rank. ``None``: one rank, no session, or the
-        client named a rank itself."""
+        robin, which scatters a session over every rank. Where the engine's KV events are followed,
+        the rank holding the session's cache, or for a session cached on none the rank holding
+        least; else the session's rendezvous rank. ``None``: one rank, no session, or the client
+        named a rank itself."""
         key = self.req.session_key
         if state is None or state.engine.dp_ranks <= 1 or key is None or self.req.route not in _DP_ROUTES:
             return None
         if any(name.lower() == _DP_RANK_LOWER for name, _ in self.fwd_headers):
             return None
+        svc = self.rt.residency
+        if svc is not None and isinstance(svc.view, ResidencyIndex):
+            rank = svc.view.rank_for(state.id, key)
+            if rank is not None:
+                return rank
         return hrw_slot(key, state.engine.dp_ranks)
 
     async def _send(self, lease: Lease, target: str, can_retry: bool, dp_rank: int | None = None) -> UpstreamResponse:

@@ -39,7 +39,7 @@ from loadtests.real_sglang import (
 )
 from router.clock import SystemClock
 from router.gateway.serve import RunningGateway, start_gateway
-from router.policy.hashing import hrw_slot
+from router.policy.hashing import hrw_weight
 from router.residency import EVENTS
 from router.store.memory import MemoryStore
 from tests.ci import missing
@@ -348,8 +348,8 @@ async def test_a_data_parallel_engine_keeps_each_session_on_its_own_rank(dp_serv
     """``--dp-size 2``: two schedulers, each with a cache and a publisher of its own (port base + rank),
     and the engine's own round robin between them. Sent straight to the engine, a conversation's
     second turn lands on the other rank and finds none of the first cached. Through the gateway
-    (``X-Data-Parallel-Rank``: the session's own rank) every turn finds the one before it cached, and
-    the session's blocks are on its own rank only."""
+    (``X-Data-Parallel-Rank``) every turn finds the one before it cached, the session's blocks are
+    on one rank only, and each new session goes to the rank holding fewer blocks."""
     server = dp_server
     rid = f"127.0.0.1:{server.port}"
     async with aiohttp.ClientSession() as http:  # before any gateway probes the engine (its /health is a generation)
@@ -363,31 +363,39 @@ async def test_a_data_parallel_engine_keeps_each_session_on_its_own_rank(dp_serv
             msgs = [*msgs, {"role": "assistant", "content": d["choices"][0]["message"]["content"]},
                     {"role": "user", "content": "and then?"}]  # fmt: skip
         assert firsts[1]["prompt_tokens_details"]["cached_tokens"] < firsts[0]["prompt_tokens"] // 2, firsts
-    sid = "real-P"
     async with gateway(server.url) as gw, aiohttp.ClientSession() as http:
         svc = gw.runtime.residency
-        assert svc is not None
+        assert svc is not None and svc.manager is not None
         await wait_for(lambda: svc.view.source(rid) == EVENTS, 30)
 
         async def two_ranks() -> bool:
             return [r.engine.dp_ranks for r in (await gw.store.snapshot(None)).replicas] == [2]
 
         await wait_for(two_ranks, 30)
-        msgs = [{"role": "user", "content": "a session on a data-parallel engine " * 12}]
-        last: dict[str, Any] | None = None
-        for turn in range(4):
-            d = await _chat(http, gw, sid, msgs, max_tokens=8)
-            u = d["usage"]
-            if last is not None:  # the previous prompt and its answer, but for the answer's last token
-                assert u["prompt_tokens_details"]["cached_tokens"] >= last["prompt_tokens"], (turn, last, u)
-            last = u
-            msgs = [*msgs, {"role": "assistant", "content": d["choices"][0]["message"]["content"]},
-                    {"role": "user", "content": f"and at step {turn}?"}]  # fmt: skip
-        assert svc.manager is not None
         ranks = svc.manager.index.ranks(rid)
-        own = hrw_slot(sid, 2)
         assert len(ranks) == 2
-        await wait_for(lambda: (ranks[own].resident_tokens(sid) or 0) > 0, 20)
-        assert not ranks[1 - own].resident_tokens(sid)
+
+        def holding(sid: str) -> list[int]:
+            return [i for i, r in enumerate(ranks) if r.resident_tokens(sid)]
+
+        async def converse(sid: str, turns: int, text: str) -> None:
+            msgs = [{"role": "user", "content": text}]
+            last: dict[str, Any] | None = None
+            for turn in range(turns):
+                d = await _chat(http, gw, sid, msgs, max_tokens=8)
+                u = d["usage"]
+                if last is not None:  # the previous prompt and its answer, but for the answer's last token
+                    assert u["prompt_tokens_details"]["cached_tokens"] >= last["prompt_tokens"], (sid, turn, last, u)
+                last = u
+                msgs = [*msgs, {"role": "assistant", "content": d["choices"][0]["message"]["content"]},
+                        {"role": "user", "content": f"and at step {turn}?"}]  # fmt: skip
+                await wait_for(lambda: holding(sid) != [], 20)  # its blocks are in before the next turn
+                assert len(holding(sid)) == 1, (sid, turn)
+
+        await converse("real-P", 4, "a session on a data-parallel engine " * 12)
+        for i in range(4):  # new sessions, one after another: each where there is most room
+            fewer = min((0, 1), key=lambda k: (ranks[k].resident_blocks, -hrw_weight(f"real-N{i}", str(k))))
+            await converse(f"real-N{i}", 1, f"new session number {i} on the engine " * 10)
+            assert holding(f"real-N{i}") == [fewer], i
         stats = svc.manager.stats()[rid]
         assert stats["dp_size"] == 2 and [s["connected"] for s in stats["ranks"]] == [True, True]

@@ -269,3 +269,28 @@ def test_index_merges_ranks_and_reports_sources() -> None:
 )
 def test_merged_source(sources: tuple[str, ...], want: str) -> None:
     assert merged_source(sources) == want
+
+
+def test_a_data_parallel_replica_sends_a_session_to_the_rank_holding_its_cache() -> None:
+    from router.policy.hashing import hrw_slot
+
+    idx = ResidencyIndex()
+    assert idx.rank_for("r", "s") is None  # not mirrored: the caller hashes
+    one = idx.replica("solo")
+    one.cleared()
+    assert idx.rank_for("solo", "s") is None  # one rank: nothing to choose
+    r0, r1 = idx.replica("r", 0, 2), idx.replica("r", 1, 2)
+    assert idx.rank_for("r", "s") is None  # neither rank is complete yet: unknown
+    r0.cleared()
+    r1.cleared()
+    # an idle engine: the session's rendezvous rank, as a gateway without events would pick
+    assert [idx.rank_for("r", f"s{i}") for i in range(20)] == [hrw_slot(f"s{i}", 2) for i in range(20)]
+    r0.stored(None, chain(1, 4), 16, 64, GPU, "a")
+    assert idx.rank_for("r", "a") == 0  # its cache
+    assert idx.rank_for("r", "new") == 1  # the rank holding less
+    r1.stored(None, chain(10, 6), 16, 96, GPU, "b")
+    assert (idx.rank_for("r", "a"), idx.rank_for("r", "b"), idx.rank_for("r", "new")) == (0, 1, 0)
+    r0.removed(chain(1, 4), GPU)  # a's cache is gone: placed where there is room
+    assert idx.rank_for("r", "a") == 0 and r0.resident_tokens("a") == 0
+    r1.stale = True  # a rank whose subscriber is disconnected: unknown, hashed by the caller
+    assert idx.rank_for("r", "a") is None
