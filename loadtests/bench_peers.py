@@ -203,6 +203,11 @@ def bench_peers_main(argv: list[str]) -> int:
     p.add_argument(
         "--pool-tokens", type=int, default=REAL_POOL_TOKENS, help="real-sglang: each server's KV pool (tokens)"
     )
+    p.add_argument(
+        "--engine-dp", type=int, default=1, metavar="N",
+        help="real-sglang: each server runs N data-parallel schedulers (--dp-size N, each a KV pool of "
+        "--pool-tokens and its own cache; the engine spreads requests over them round robin)",
+    )
     p.add_argument("--replicas", type=int, help=f"default {d.replicas}; real-sglang: {REAL_DEFAULTS['replicas']}")
     p.add_argument(
         "--duration", type=float, help=f"wall seconds of load per router (default {d.duration_s:g}; "
@@ -257,6 +262,10 @@ def bench_peers_main(argv: list[str]) -> int:
     unknown = [t for t in targets if t not in routers]
     if unknown:
         p.error(f"unknown targets {unknown}; choose from {routers}")
+    if ns.engine_dp < 1:
+        p.error("--engine-dp must be at least 1")
+    if ns.engine_dp > 1 and ns.fleet != "real-sglang":
+        p.error("--engine-dp needs --fleet real-sglang (the emulator runs one scheduler per replica)")
     if ns.fleet == "real-sglang":
         if ns.engine_set:
             p.error("--engine-set sets the emulated engines' profile; real SGLang servers take their own flags")
@@ -319,7 +328,7 @@ def _fleet(ns: Any) -> Any:
     log_dir = Path(ns.out) / "sglang-logs"
     print(f"starting {ns.replicas} real SGLang servers (logs in {log_dir})", file=sys.stderr, flush=True)
     with real_sglang_fleet(
-        ns.replicas, log_dir=log_dir, max_total_tokens=ns.pool_tokens, kv_events=ns.kv_events
+        ns.replicas, log_dir=log_dir, max_total_tokens=ns.pool_tokens, kv_events=ns.kv_events, dp_size=ns.engine_dp
     ) as servers:
         yield [s.url for s in servers]
 
@@ -329,7 +338,7 @@ def _fleet_doc(ns: Any) -> dict[str, Any]:
         return {"kind": "emulated", "profile": ns.profile}
     return {
         "kind": "real-sglang", "sglang": "0.5.23", "profile": "sglang-cpu-tiny", "servers": ns.replicas,
-        "pool_tokens_each": ns.pool_tokens, "cpu_per_server": 1,
+        "pool_tokens_each": ns.pool_tokens, "cpu_per_server": 1, "dp_size": ns.engine_dp,
         "model": "tiny random Qwen2 (2 layers, hidden 256), --load-format dummy",
     }
 

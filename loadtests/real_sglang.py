@@ -174,11 +174,16 @@ def stop_real_server(s: RealServer) -> None:
         s.proc.wait(10)
 
 
-def kv_events_config() -> str:
-    """SGLang's ``--kv-events-config`` publishing on two free local ports (events and replay); it
-    must ``bind``, or SGLang 0.5.23's publisher connects and nobody receives a thing."""
-    doc = {"publisher": "zmq", "endpoint": f"tcp://127.0.0.1:{free_port()}", "bind": True,
-           "replay_endpoint": f"tcp://127.0.0.1:{free_port()}"}  # fmt: skip
+def kv_events_config(dp_size: int = 1) -> str:
+    """SGLang's ``--kv-events-config`` publishing on free local ports (events and replay); it must
+    ``bind``, or SGLang 0.5.23's publisher connects and nobody receives a thing. With ``dp_size`` > 1
+    each rank binds both ports + its rank, so the two bases are picked ``dp_size`` apart."""
+    events = free_port()
+    replay = free_port()
+    while abs(replay - events) < dp_size:
+        replay = free_port()
+    doc = {"publisher": "zmq", "endpoint": f"tcp://127.0.0.1:{events}", "bind": True,
+           "replay_endpoint": f"tcp://127.0.0.1:{replay}"}  # fmt: skip
     return json.dumps(doc)
 
 
@@ -193,6 +198,7 @@ def real_sglang_fleet(
     extra_flags: Sequence[str] = (),
     kv_events: bool = False,
     timeout_s: float = 240.0,
+    dp_size: int = 1,
 ) -> Iterator[list[RealServer]]:
     """``n`` real servers, server i pinned to the i-th CPU this process may use (round robin),
     started together; stopped (and their whole process groups) when the block exits. ``kv_events``:
@@ -203,8 +209,8 @@ def real_sglang_fleet(
     def start(i: int) -> RealServer:
         return start_real_server(
             free_port(), cpus[i % len(cpus)], log_dir=log_dir, max_total_tokens=max_total_tokens,
-            context_length=context_length, extra_flags=extra_flags,
-            sets=[*sets, f"kv-events-config={kv_events_config()}"] if kv_events else sets,
+            context_length=context_length, extra_flags=extra_flags, dp_size=dp_size,
+            sets=[*sets, f"kv-events-config={kv_events_config(dp_size)}"] if kv_events else sets,
         )  # fmt: skip
 
     try:
