@@ -36,6 +36,11 @@ def test_peers_real_fleet_runs_in_real_time_and_needs_the_runtime(
     with pytest.raises(SystemExit) as exc:
         bench_peers_main(["--fleet", "real-sglang", "--time-scale", "0.1"])
     assert exc.value.code == 2 and "real time" in capsys.readouterr().err
+    for args, says in ((["--engine-dp", "2"], "needs --fleet real-sglang"),
+                       (["--fleet", "real-sglang", "--engine-dp", "0"], "at least 1")):  # fmt: skip
+        with pytest.raises(SystemExit) as exc:
+            bench_peers_main(args)
+        assert exc.value.code == 2 and says in capsys.readouterr().err
     monkeypatch.setenv("KVROUTE_SGLANG_HOME", str(tmp_path))  # nothing built there
     monkeypatch.delenv("KVROUTE_SGLANG_PYTHON", raising=False)
     with pytest.raises(SystemExit) as exc:
