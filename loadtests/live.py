@@ -348,8 +348,9 @@ class FleetKv:
 
 async def _fleet_kv(session: aiohttp.ClientSession, replica_urls: Sequence[str]) -> FleetKv:
     """Page size of the first replica and the fleet's summed KV capacity (SGLang's ``/server_info``:
-    ``page_size``, ``max_total_num_tokens``, ``enable_hierarchical_cache`` + ``hicache_ratio``). A
-    replica that does not answer adds nothing; page size 1 if none does."""
+    ``page_size``, ``max_total_num_tokens`` per data-parallel rank times ``dp_size``,
+    ``enable_hierarchical_cache`` + ``hicache_ratio``). A replica that does not answer adds nothing;
+    page size 1 if none does."""
     page = 0
     cap = host = 0
     for url in replica_urls:
@@ -365,10 +366,13 @@ async def _fleet_kv(session: aiohttp.ClientSession, replica_urls: Sequence[str])
             page = size
         hbm = info.get("max_total_num_tokens")
         if isinstance(hbm, int) and hbm > 0:
-            cap += hbm
+            # one data-parallel rank's pool: a --dp-size N engine has N of them
+            dp = info.get("dp_size")
+            ranks = dp if isinstance(dp, int) and not isinstance(dp, bool) and dp >= 1 else 1
+            cap += hbm * ranks
             ratio = info.get("hicache_ratio")
             if info.get("enable_hierarchical_cache") and isinstance(ratio, int | float) and ratio > 0:
-                host += int(hbm * ratio)
+                host += int(hbm * ratio) * ranks
     return FleetKv(page_size=page or 1, capacity_tokens=cap, host_capacity_tokens=host)
 
 

@@ -134,3 +134,34 @@ def test_the_pool_is_sized_in_the_drivers_tokens() -> None:
     assert first_kept() == 0  # the pool is now a third of what /server_info said, in driver tokens
     run._learn_token_ratio(3_030, 1_000)  # the running ratio moves by 0.5 %: no second resize
     assert run.token_ratio() == 3.015 and run.pool_ratio == 3.0
+
+
+async def test_the_fleet_kv_counts_every_data_parallel_rank() -> None:
+    """SGLang's ``/server_info`` gives one data-parallel rank's pool (a real ``--dp-size 2`` engine
+    started with a 3,000-token pool reports 3,000): the pooled bound is sized on all of them."""
+    import aiohttp
+    from aiohttp import web
+
+    from loadtests.live import _fleet_kv
+    from loadtests.procs import free_port
+
+    infos = {"/a": {"page_size": 16, "max_total_num_tokens": 3000, "dp_size": 2, "enable_hierarchical_cache": True,
+                    "hicache_ratio": 2},
+             "/b": {"page_size": 16, "max_total_num_tokens": 1000, "dp_size": 1},
+             "/c": {"page_size": 16, "max_total_num_tokens": 500}}  # fmt: skip
+
+    async def server_info(request: web.Request) -> web.Response:
+        return web.json_response(infos["/" + request.match_info["name"]])
+
+    app = web.Application()
+    app.router.add_get("/{name}/server_info", server_info)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        async with aiohttp.ClientSession() as http:
+            kv = await _fleet_kv(http, [f"http://127.0.0.1:{port}/{n}" for n in "abc"])
+    finally:
+        await runner.cleanup()
+    assert kv == FleetKv(page_size=16, capacity_tokens=2 * 3000 + 1000 + 500, host_capacity_tokens=2 * 6000)
