@@ -589,7 +589,8 @@ class _Proxy:
             return None
         svc = self.rt.residency
         if svc is not None and isinstance(svc.view, ResidencyIndex):
-            rank = svc.view.rank_for(state.id, key)
+            # the name the engine stores this request's blocks under (a body's own session_id wins)
+            rank = svc.view.rank_for(state.id, self._engine_id or key)
             if rank is not None:
                 return rank
         return hrw_slot(key, state.engine.dp_ranks)

@@ -397,5 +397,22 @@ async def test_a_data_parallel_engine_keeps_each_session_on_its_own_rank(dp_serv
             fewer = min((0, 1), key=lambda k: (ranks[k].resident_blocks, -hrw_weight(f"real-N{i}", str(k))))
             await converse(f"real-N{i}", 1, f"new session number {i} on the engine " * 10)
             assert holding(f"real-N{i}") == [fewer], i
+        # a client whose body names its own session_id (one per conversation): the engine stores the
+        # blocks under that name, so its rank is found by it; by the header's id (stored under no
+        # name) each turn would go wherever fewer blocks are, away from the one before it
+        msgs = [{"role": "user", "content": "a conversation named in the body " * 20}]
+        turns = []
+        for turn in range(3):
+            body = {"model": "tiny", "messages": msgs, "max_tokens": 8, "session_id": "body-conv"}
+            async with http.post(gw.url + "/v1/chat/completions", json=body, headers={"Modal-Session-Id": "real-H"}) as r:
+                assert r.status == 200
+                d = await r.json()
+            turns.append(d["usage"])
+            if turn:
+                assert d["usage"]["prompt_tokens_details"]["cached_tokens"] >= turns[-2]["prompt_tokens"], turns
+            msgs = [*msgs, {"role": "assistant", "content": d["choices"][0]["message"]["content"]},
+                    {"role": "user", "content": f"and at step {turn}?"}]  # fmt: skip
+            await wait_for(lambda: holding("body-conv") != [], 20)
+        assert len(holding("body-conv")) == 1 and holding("real-H") == []
         stats = svc.manager.stats()[rid]
         assert stats["dp_size"] == 2 and [s["connected"] for s in stats["ranks"]] == [True, True]
