@@ -48,7 +48,8 @@ def test_a_handover_on_a_shared_port_refuses_no_connection_and_keeps_the_caches(
     """``--handover reuse-port``: the new gateway listens beside the old one, which then drains and
     closes each keep-alive connection with its answer. The clients never meet a closed port (the
     stop-and-start arms above count every refused connection of the gap) and the sessions stay on
-    their caches."""
+    their caches: each first turn after the handover is one the new gateway routes knowing the
+    session, and finds as much cached as the turns before the restart did."""
     out = tmp_path / "handover.json"
     p = subprocess.run(
         [sys.executable, "-m", "router.cli", "bench", "restart", "--arms", "events", "--handover", "reuse-port",
@@ -62,7 +63,12 @@ def test_a_handover_on_a_shared_port_refuses_no_connection_and_keeps_the_caches(
     assert arm["clean_errors"] <= 2, arm
     assert "ClientConnectorError" not in arm["error_kinds"], arm
     first = arm["first_turn_after_restart"]
-    assert first["sessions"] >= 6 and first["back_home"] == first["sessions"], first
+    # every session's first turn went where a gateway knew its cache. While both gateways listen each
+    # places with its own embedded state: a session one of them placed and the other then served
+    # elsewhere has a cache on both replicas, and may go back to the first (1 of 12 once in CI)
+    assert first["sessions"] >= 6 and set(first["reasons"]) <= {"affinity", "placed_resident"}, first
+    assert first["back_home"] >= first["sessions"] - 2, first
+    assert first["chr"] >= arm["chr_before"] - 0.05, arm
     assert arm["completed"] > 100, arm
 
 
