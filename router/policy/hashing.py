@@ -49,7 +49,7 @@ def hrw_top(key: str, replica_ids: Iterable[str]) -> str | None:
 def hrw_slot(key: str, n: int) -> int:
     """The rendezvous winner for ``key`` among the slots ``0 .. n-1`` (an engine's data-parallel ranks):
     the same slot for the same key and ``n`` on every gateway."""
-    return max(range(n), key=lambda i: (hrw_weight(key, str(i)), -i))
+    return int(hrw_top(key, map(str, range(n))) or 0)
 
 
 class HrwTopCache:
