@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from loadtests.live import API_PATHS, Outcome
-from loadtests.peers import PEERS, find_binary
+from loadtests.peers import PEERS, find_binary, with_engine_dp
 
 __all__ = ["BENCH_TARGETS", "bench_peers_main", "requests_path", "run_peers_bench", "seeds_table", "summarise_seeds"]
 
@@ -43,10 +43,12 @@ async def run_peers_bench(
     out_dir: Path,
     say: Callable[[str], None],
     fleet_urls: Sequence[str] | None = None,
+    engine_dp: int = 1,
 ) -> dict[str, object]:
     """Each target on a fresh emulated fleet, the identical workload; returns the JSON document.
     ``fleet_urls``: real engines already running instead (``--fleet real-sglang``): every target
-    meets the same engines one after another, their caches flushed before each."""
+    meets the same engines one after another, their caches flushed before each. ``engine_dp``: the
+    engines' data-parallel ranks; every peer then runs in its own data-parallel mode."""
     from loadtests.demo import DemoScenario, run_policy
     from loadtests.report import plot_load, plot_ttft_cdf
 
@@ -60,7 +62,7 @@ async def run_peers_bench(
     warm = scenario.duration_s * scenario.warmup_frac / scenario.time_scale
     with tempfile.TemporaryDirectory(prefix="kvroute-peers-") as tmp:
         for t in targets:
-            spec = PEERS[t]
+            spec = with_engine_dp(PEERS[t], engine_dp)
             if find_binary(spec.binary) is None:
                 skipped[spec.name] = f"{spec.binary} not installed (pip install 'kvroute[peers]')"
                 say(f"skip {spec.name}: {skipped[spec.name]}")
@@ -206,7 +208,9 @@ def bench_peers_main(argv: list[str]) -> int:
     p.add_argument(
         "--engine-dp", type=int, default=1, metavar="N",
         help="real-sglang: each server runs N data-parallel schedulers (--dp-size N, each a KV pool of "
-        "--pool-tokens and its own cache; the engine spreads requests over them round robin)",
+        "--pool-tokens and its own cache; the engine spreads requests over them round robin unless told a rank); "
+        "the peers then run in their own data-parallel modes (sglang-router --dp-aware, vllm-router "
+        "--intra-node-data-parallel-size N)",
     )
     p.add_argument("--replicas", type=int, help=f"default {d.replicas}; real-sglang: {REAL_DEFAULTS['replicas']}")
     p.add_argument(
@@ -293,7 +297,9 @@ def bench_peers_main(argv: list[str]) -> int:
     console = Console(stderr=True, width=160)
     with _fleet(ns) as urls:
         doc = asyncio.run(
-            run_peers_bench(targets, scenario, out_dir=ns.out, say=console.print, fleet_urls=urls)
+            run_peers_bench(
+                targets, scenario, out_dir=ns.out, say=console.print, fleet_urls=urls, engine_dp=ns.engine_dp
+            )
         )
     doc["scenario"] = asdict(scenario)
     doc["fleet"] = _fleet_doc(ns)
@@ -374,7 +380,9 @@ def _bench_peers_seeds(
         console.print(f"seed {seed} ({i + 1}/{len(seeds)}): {', '.join(order)}")
         out = ns.out / f"seed-{seed}"
         doc = asyncio.run(
-            run_peers_bench(order, scenario, out_dir=out, say=console.print, fleet_urls=fleet_urls)
+            run_peers_bench(
+                order, scenario, out_dir=out, say=console.print, fleet_urls=fleet_urls, engine_dp=ns.engine_dp
+            )
         )
         doc["scenario"] = asdict(scenario)
         doc["fleet"] = _fleet_doc(ns)

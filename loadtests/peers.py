@@ -21,7 +21,7 @@ import sys
 import tempfile
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import aiohttp
@@ -37,6 +37,7 @@ __all__ = [
     "peer_argv",
     "running_redis",
     "running_router",
+    "with_engine_dp",
 ]
 
 
@@ -86,6 +87,23 @@ PEERS: dict[str, PeerSpec] = {
 }
 
 
+def with_engine_dp(spec: PeerSpec, dp: int) -> PeerSpec:
+    """``spec`` in front of engines of ``dp`` data-parallel ranks, in that router's own data-parallel
+    mode. kvroute needs none (it reads the ranks from the engine's ``/v1/loads``). sglang-router's
+    ``--dp-aware`` makes each rank a worker of its own and names it in the body (``data_parallel_rank``);
+    with ``--api-key`` it would also demand that key of clients (401), so none is given.
+    vllm-router's ``--intra-node-data-parallel-size`` names the rank in a header and wants an API key
+    for the workers, which SGLang without ``--api-key`` ignores."""
+    if dp == 1 or spec.kind not in ("sglang", "vllm"):
+        return spec
+    if spec.kind == "sglang":
+        args: tuple[str, ...] = ("--dp-aware",)
+    else:
+        args = ("--intra-node-data-parallel-size", str(dp), "--api-key", "unused-by-sglang")
+    note = f"{spec.note}; " if spec.note else ""
+    return replace(spec, args=spec.args + args, note=f"{note}its own data-parallel mode ({' '.join(args[:2])})")
+
+
 def find_binary(name: str) -> str | None:
     """The console script next to this interpreter (the venv) first, then PATH."""
     local = Path(sys.executable).parent / name
@@ -111,7 +129,7 @@ def peer_argv(
             binary, "launch", "--host", "127.0.0.1", "--port", str(port),
             "--prometheus-host", "127.0.0.1", "--prometheus-port", prom, "--log-level", "warn",
             "--policy", spec.policy, "--shutdown-grace-period-secs", "2",
-            "--worker-urls", *worker_urls, *extra,
+            "--worker-urls", *worker_urls, *spec.args, *extra,
         ]
         return argv
     if spec.kind == "vllm":
@@ -119,7 +137,7 @@ def peer_argv(
             binary, "--host", "127.0.0.1", "--port", str(port),
             "--prometheus-host", "127.0.0.1", "--prometheus-port", prom, "--log-level", "warning",
             "--policy", spec.policy, "--worker-startup-check-interval", "1",
-            "--worker-urls", *worker_urls, *extra,
+            "--worker-urls", *worker_urls, *spec.args, *extra,
         ]
     raise ValueError(f"unknown router kind {spec.kind!r}")
 

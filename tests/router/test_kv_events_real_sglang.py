@@ -29,6 +29,7 @@ from typing import Any
 import aiohttp
 import pytest
 
+from loadtests.peers import PEERS, find_binary, running_router, with_engine_dp
 from loadtests.procs import free_port
 from loadtests.real_sglang import (
     RealServer,
@@ -416,3 +417,33 @@ async def test_a_data_parallel_engine_keeps_each_session_on_its_own_rank(dp_serv
         assert len(holding("body-conv")) == 1 and holding("real-H") == []
         stats = svc.manager.stats()[rid]
         assert stats["dp_size"] == 2 and [s["connected"] for s in stats["ranks"]] == [True, True]
+
+
+@pytest.mark.peers
+@pytest.mark.parametrize("target", ["sglang-cache_aware", "vllm-consistent_hash"])
+async def test_each_peer_in_its_own_data_parallel_mode_keeps_a_conversation_on_one_rank(
+    dp_server: _Server, target: str, tmp_path: Path
+) -> None:
+    """What ``kvroute bench peers --engine-dp 2`` runs the peers as (``with_engine_dp``): sglang-router
+    with ``--dp-aware`` (each rank a worker, the rank named in the body) and vllm-router with
+    ``--intra-node-data-parallel-size 2`` (the rank in a header). Left to the engine's round robin a
+    second turn finds less than half of the first cached (the first test above); in these modes every
+    turn finds the one before it, so the peers are compared at their best on data-parallel engines."""
+    spec = with_engine_dp(PEERS[target], 2)
+    assert spec.args and spec.args != PEERS[target].args
+    if find_binary(spec.binary) is None:
+        missing(f"{spec.binary} is not installed (pip install 'kvroute[peers]')")
+    async with running_router(spec, [dp_server.url], log_dir=tmp_path) as peer, aiohttp.ClientSession() as http:
+        msgs = [{"role": "user", "content": f"a conversation through {target} " * 12}]
+        usages: list[dict[str, Any]] = []
+        for turn in range(4):
+            body = {"model": "tiny", "messages": msgs, "max_tokens": 8}
+            sticky = {"X-SMG-Routing-Key": "peer-conv", "x-session-id": "peer-conv"}
+            async with http.post(peer.url + "/v1/chat/completions", json=body, headers=sticky) as r:
+                assert r.status == 200, await r.text()
+                d = await r.json()
+            usages.append(d["usage"])
+            if turn:
+                assert d["usage"]["prompt_tokens_details"]["cached_tokens"] >= usages[-2]["prompt_tokens"], usages
+            msgs = [*msgs, {"role": "assistant", "content": d["choices"][0]["message"]["content"]},
+                    {"role": "user", "content": f"and at step {turn}?"}]  # fmt: skip
