@@ -61,7 +61,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from itertools import chain, repeat
 from typing import Protocol
 
@@ -472,12 +472,13 @@ class ResidencyIndex:
                 out.append((rid, v))
         return tuple(out)
 
-    def rank_for(self, replica_id: str, session_id: str) -> int | None:
+    def rank_for(self, replica_id: str, session_id: str, busy: Sequence[int] = ()) -> int | None:
         """The data-parallel rank for a session's next request to a replica of several: the rank
-        holding most of the session's own cache, else (cached on none) the rank holding the fewest
-        blocks, where its new cache has the most room (equal ranks: the session's rendezvous order,
-        so sessions placed at once spread). ``None``: one rank, or not every rank is known (the
-        caller then hashes)."""
+        holding most of the session's own cache, else (cached on none) the least busy rank (``busy``:
+        requests in flight on each, as the caller counts them), then the one holding the fewest
+        blocks, where a new cache has the most room; equal ranks: the session's rendezvous order, so
+        sessions placed at once spread. ``None``: one rank, or not every rank is known (the caller
+        then hashes)."""
         ranks = self._reps.get(replica_id)
         if ranks is None or len(ranks) < 2:
             return None
@@ -490,7 +491,11 @@ class ResidencyIndex:
                 best, most = i, v
         if best is not None:
             return best
-        return min(range(len(ranks)), key=lambda i: (ranks[i].resident_blocks, -hrw_weight(session_id, str(i))))
+
+        def room(i: int) -> tuple[int, int, float]:
+            return (busy[i] if i < len(busy) else 0, ranks[i].resident_blocks, -hrw_weight(session_id, str(i)))
+
+        return min(range(len(ranks)), key=room)
 
     def tip_on(self, session_id: str) -> tuple[str, ...]:
         out: list[str] = []

@@ -545,12 +545,16 @@ class _Proxy:
         ask_stores: str | None = None  # the replica's URL, when whether it keeps responses is unknown
         running: str | None = None  # a background response's id: its engine runs it after the answer
         completion = Completion(ok=False)
+        dp_rank = self._dp_rank(state)
+        flights = self.rt.rank_flights
+        if dp_rank is not None:
+            flights[lease.replica_id, dp_rank] += 1
         try:
             # inside the try: whatever happens from here on, the finally releases the lease
             url = await self.rt.replica_url(lease.replica_id, state)
             if url is None:
                 raise UpstreamConnectError(f"replica {lease.replica_id} is no longer registered")
-            upstream = await self._send(lease, url + self.req.route, can_retry, self._dp_rank(state))
+            upstream = await self._send(lease, url + self.req.route, can_retry, dp_rank)
             answer = await self._open(upstream)
             # ---- commit: from here on the client has our status line -----------------------------
             keeps, ask_stores = self._keeps_response(lease, url, upstream.status)
@@ -564,6 +568,10 @@ class _Proxy:
                 completion = self._completion(answer.sniffer, ok=False)
             raise
         finally:
+            if dp_rank is not None:
+                flights[lease.replica_id, dp_rank] -= 1
+                if not flights[lease.replica_id, dp_rank]:
+                    del flights[lease.replica_id, dp_rank]
             if upstream is not None:
                 upstream.abort()  # unless read to its end: closes the connection, the engine aborts the request
             completion = dataclasses.replace(completion, started_output=self.p.sent)
@@ -579,8 +587,9 @@ class _Proxy:
         """The data-parallel rank for a session's request to an engine with several (each its own
         cache): the session's own, so that its turns meet their cache rather than the engine's round
         robin, which scatters a session over every rank. Where the engine's KV events are followed,
-        the rank holding the session's cache, or for a session cached on none the rank holding
-        least; else the session's rendezvous rank. ``None``: one rank, no session, or the client
+        the rank holding the session's cache, or for a session cached on none the rank with the
+        fewest of this gateway's requests in flight (then the one holding least); else the
+        session's rendezvous rank. ``None``: one rank, no session, or the client
         named a rank itself."""
         key = self.req.session_key
         if state is None or state.engine.dp_ranks <= 1 or key is None or self.req.route not in _DP_ROUTES:
@@ -590,7 +599,9 @@ class _Proxy:
         svc = self.rt.residency
         if svc is not None and isinstance(svc.view, ResidencyIndex):
             # the name the engine stores this request's blocks under (a body's own session_id wins)
-            rank = svc.view.rank_for(state.id, self._engine_id or key)
+            n = state.engine.dp_ranks
+            busy = [self.rt.rank_flights[state.id, i] for i in range(n)]
+            rank = svc.view.rank_for(state.id, self._engine_id or key, busy)
             if rank is not None:
                 return rank
         return hrw_slot(key, state.engine.dp_ranks)

@@ -9,6 +9,7 @@ starts.
 from __future__ import annotations
 
 import random
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -53,6 +54,9 @@ class GatewayRuntime:
     models_body: dict[str, Any] | None = None
     models_at: float = float("-inf")
     in_flight: int = 0  # requests inside this gateway's handlers (graceful shutdown waits on it)
+    # this gateway's requests in flight on each (replica, data-parallel rank) it named: a session
+    # cached on no rank goes to the least busy one (handlers._dp_rank)
+    rank_flights: Counter[tuple[str, int]] = field(default_factory=Counter)
 
     async def replica_url(self, replica_id: str, state: ReplicaState | None = None) -> str | None:
         """The registered URL of ``replica_id`` (from ``state`` when the caller has it), ``None`` if

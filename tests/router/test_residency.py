@@ -290,7 +290,14 @@ def test_a_data_parallel_replica_sends_a_session_to_the_rank_holding_its_cache()
     assert idx.rank_for("r", "new") == 1  # the rank holding less
     r1.stored(None, chain(10, 6), 16, 96, GPU, "b")
     assert (idx.rank_for("r", "a"), idx.rank_for("r", "b"), idx.rank_for("r", "new")) == (0, 1, 0)
+    # a session cached on neither rank goes to the one with fewer requests in flight first, whatever
+    # each holds (a full cache is mostly idle sessions' prefixes, evicted as needed); the session's
+    # own cache still wins over a busy rank
+    assert idx.rank_for("r", "new", busy=[2, 1]) == 1 and idx.rank_for("r", "new", busy=[1, 2]) == 0
+    assert idx.rank_for("r", "new", busy=[1, 1]) == 0  # equally busy: the rank holding less
+    assert idx.rank_for("r", "a", busy=[5, 0]) == 0 and idx.rank_for("r", "b", busy=[0, 5]) == 1
     r0.removed(chain(1, 4), GPU)  # a's cache is gone: placed where there is room
     assert idx.rank_for("r", "a") == 0 and r0.resident_tokens("a") == 0
+    assert idx.rank_for("r", "a", busy=[1, 0]) == 1
     r1.stale = True  # a rank whose subscriber is disconnected: unknown, hashed by the caller
     assert idx.rank_for("r", "a") is None
