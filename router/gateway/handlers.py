@@ -545,12 +545,13 @@ class _Proxy:
         ask_stores: str | None = None  # the replica's URL, when whether it keeps responses is unknown
         running: str | None = None  # a background response's id: its engine runs it after the answer
         completion = Completion(ok=False)
-        dp_rank = self._dp_rank(state)
         flights = self.rt.rank_flights
-        if dp_rank is not None:
-            flights[lease.replica_id, dp_rank] += 1
+        dp_rank: int | None = None  # named to the engine: counted in flights until the finally
         try:
             # inside the try: whatever happens from here on, the finally releases the lease
+            dp_rank = self._dp_rank(state)
+            if dp_rank is not None:
+                flights[lease.replica_id, dp_rank] += 1
             url = await self.rt.replica_url(lease.replica_id, state)
             if url is None:
                 raise UpstreamConnectError(f"replica {lease.replica_id} is no longer registered")

@@ -24,7 +24,7 @@ async def _post(s: aiohttp.ClientSession, url: str, body: dict[str, Any], **head
         assert r.status == 200
 
 
-async def _serve(gateway_factory: Any, replica: FakeReplica, ranks: int) -> str:
+async def _serve(gateway_factory: Any, replica: FakeReplica, ranks: int) -> Any:
     replica.state.loads, replica.state.dp_ranks = True, ranks
     gw = await gateway_factory([replica.url])
 
@@ -32,7 +32,7 @@ async def _serve(gateway_factory: Any, replica: FakeReplica, ranks: int) -> str:
         return [r.engine.dp_ranks for r in (await gw.store.snapshot(None)).replicas] == [ranks]
 
     await wait_for(known, 10)
-    return str(gw.url)
+    return gw
 
 
 def _ranks(replica: FakeReplica) -> list[tuple[str | None, str, list[str]]]:
@@ -45,7 +45,8 @@ async def test_each_session_keeps_one_rank_and_sessions_spread_over_the_ranks(
     fake_replicas: Any, gateway_factory: Any
 ) -> None:
     dp, single = await fake_replicas(2)
-    via_dp, via_single = await _serve(gateway_factory, dp, 4), await _serve(gateway_factory, single, 1)
+    gw_dp, gw_single = await _serve(gateway_factory, dp, 4), await _serve(gateway_factory, single, 1)
+    via_dp, via_single = str(gw_dp.url), str(gw_single.url)
     sessions = [f"sess-{i}" for i in range(16)]
     async with aiohttp.ClientSession() as s:
         for _turn in range(2):
@@ -65,3 +66,4 @@ async def test_each_session_keeps_one_rank_and_sessions_spread_over_the_ranks(
     assert len({ranks[0] for sid, _, ranks in seen if ranks and sid != "mine"}) == 4  # 16 sessions use all 4
     assert all(ranks == [] for _, _, ranks in _ranks(single))  # one rank: nothing to name
     assert len(seen) == len(_ranks(single)) + 1 == 2 * len(sessions) * len(ROUTES) + 1
+    assert not gw_dp.runtime.rank_flights  # every request named to a rank was counted back

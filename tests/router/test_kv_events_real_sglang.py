@@ -398,6 +398,12 @@ async def test_a_data_parallel_engine_keeps_each_session_on_its_own_rank(dp_serv
             fewer = min((0, 1), key=lambda k: (ranks[k].resident_blocks, -hrw_weight(f"real-N{i}", str(k))))
             await converse(f"real-N{i}", 1, f"new session number {i} on the engine " * 10)
             assert holding(f"real-N{i}") == [fewer], i
+        # two new sessions at once: the second goes to the rank the first is not in flight on, whatever
+        # the ranks hold; every request's count is given back
+        await asyncio.gather(*(converse(f"real-T{i}", 1, f"sessions started together, number {i} " * 10)
+                               for i in range(2)))  # fmt: skip
+        assert sorted(holding("real-T0") + holding("real-T1")) == [0, 1]
+        assert not gw.runtime.rank_flights
         # a client whose body names its own session_id (one per conversation): the engine stores the
         # blocks under that name, so its rank is found by it; by the header's id (stored under no
         # name) each turn would go wherever fewer blocks are, away from the one before it
