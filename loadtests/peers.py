@@ -57,6 +57,12 @@ class PeerSpec:
 PEERS: dict[str, PeerSpec] = {
     "kvroute": PeerSpec("kvroute kv_aware", "kvroute", "kv_aware", "kvroute"),
     "kvroute-hash": PeerSpec("kvroute hash", "kvroute", "hash", "kvroute"),
+    # on data-parallel engines (bench peers --engine-dp N): each engine one replica, its rank picked
+    # at forwarding (the session's own, else the least busy), instead of every rank a replica
+    "kvroute-engines": PeerSpec(
+        "kvroute kv_aware (engines as replicas)", "kvroute", "kv_aware", "kvroute", args=("--replica-dp-ranks", "1"),
+        note="each engine one replica; the rank picked at forwarding",
+    ),
     # with --kv-events: the same policy with the engines' events ignored (residency by estimate)
     "kvroute-estimate": PeerSpec(
         "kvroute kv_aware (estimate)", "kvroute", "kv_aware", "kvroute", args=("--set", "kv_events.mode=off"),
@@ -89,15 +95,19 @@ PEERS: dict[str, PeerSpec] = {
 
 def with_engine_dp(spec: PeerSpec, dp: int) -> PeerSpec:
     """``spec`` in front of engines of ``dp`` data-parallel ranks, in that router's own data-parallel
-    mode. kvroute needs none (it reads the ranks from the engine's ``/v1/loads``). sglang-router's
+    mode. kvroute's is ``--replica-dp-ranks``: every rank a replica of its own. sglang-router's
     ``--dp-aware`` makes each rank a worker of its own and names it in the body (``data_parallel_rank``);
     with ``--api-key`` it would also demand that key of clients (401), so none is given.
     vllm-router's ``--intra-node-data-parallel-size`` names the rank in a header and wants an API key
     for the workers, which SGLang without ``--api-key`` ignores."""
-    if dp == 1 or spec.kind not in ("sglang", "vllm"):
+    if dp == 1 or spec.kind not in ("kvroute", "sglang", "vllm"):
         return spec
-    if spec.kind == "sglang":
-        args: tuple[str, ...] = ("--dp-aware",)
+    if spec.kind == "kvroute":
+        if "--replica-dp-ranks" in spec.args:
+            return spec
+        args: tuple[str, ...] = ("--replica-dp-ranks", str(dp))
+    elif spec.kind == "sglang":
+        args = ("--dp-aware",)
     else:
         args = ("--intra-node-data-parallel-size", str(dp), "--api-key", "unused-by-sglang")
     note = f"{spec.note}; " if spec.note else ""

@@ -63,6 +63,7 @@ __all__ = [
     "TimeoutsConfig",
     "build_arg_parser",
     "load_config",
+    "rank_replica_id",
     "replica_id_from_url",
     "replica_specs",
 ]
@@ -236,6 +237,9 @@ class GatewayConfig(BaseSettings):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)  # 0 = any free port (tests)
     replicas: Annotated[tuple[str, ...], NoDecode] = ()
+    # each of ``replicas`` is an engine of this many data-parallel ranks (SGLang --dp-size), each
+    # rank placed as a replica of its own, ``host:port-dpR`` (docs/REAL_SGLANG.md section 4)
+    replica_dp_ranks: int = Field(1, ge=1, le=64)
     policy: str = "kv_aware"
     policy_params: dict[str, Any] = Field(default_factory=dict)
     session_headers: Annotated[tuple[str, ...], NoDecode] = DEFAULT_SESSION_HEADERS
@@ -428,7 +432,7 @@ class GatewayConfig(BaseSettings):
     # ---- derived ----------------------------------------------------------------------------------
 
     def replica_specs(self) -> tuple[ReplicaSpec, ...]:
-        return replica_specs(self.replicas)
+        return replica_specs(self.replicas, self.replica_dp_ranks)
 
     def policy_params_obj(self) -> Any:
         """The validated ``PolicyParams``."""
@@ -437,8 +441,21 @@ class GatewayConfig(BaseSettings):
         return PolicyParams.from_dict(self.policy_params)
 
 
-def replica_specs(urls: Sequence[str]) -> tuple[ReplicaSpec, ...]:
-    return tuple(ReplicaSpec(id=replica_id_from_url(u), url=u.rstrip("/"), source="static") for u in urls)
+def replica_specs(urls: Sequence[str], dp_ranks: int = 1) -> tuple[ReplicaSpec, ...]:
+    """The static replicas: one per URL, or with ``dp_ranks`` > 1 one per data-parallel rank of each
+    URL's engine (``rank_replica_id``)."""
+    if dp_ranks == 1:
+        return tuple(ReplicaSpec(id=replica_id_from_url(u), url=u.rstrip("/"), source="static") for u in urls)
+    return tuple(
+        ReplicaSpec(id=rank_replica_id(replica_id_from_url(u), r), url=u.rstrip("/"), source="static", dp_rank=r)
+        for u in urls
+        for r in range(dp_ranks)
+    )
+
+
+def rank_replica_id(engine_id: str, rank: int) -> str:
+    """The replica id of data-parallel rank ``rank`` of the engine ``engine_id`` (``host:port-dpR``)."""
+    return f"{engine_id}-dp{rank}"
 
 
 def _policy_names() -> frozenset[str] | None:
@@ -542,6 +559,12 @@ def build_arg_parser(prog: str = "kvroute serve") -> argparse.ArgumentParser:
         action="append",
         metavar="URL",
         help="replica base URL, e.g. http://10.0.0.5:30000 (repeatable)",
+    )
+    p.add_argument(
+        "--replica-dp-ranks",
+        type=int,
+        metavar="N",
+        help="each --replica is an engine of N data-parallel ranks (SGLang --dp-size N), each placed as a replica",
     )
     p.add_argument("--policy", help=_policy_help())
     p.add_argument(

@@ -104,6 +104,11 @@ _METRICS_OFF_BACKOFF = 30  # rounds to skip after a 404 on /metrics (engine with
 _CORE_ONLY = "?include=core"  # /v1/loads' flat figures, without its memory, queue and spec sections
 
 
+def _rank_query(r: ReplicaState) -> str:
+    """``/v1/loads``' own filter for a replica that is one data-parallel rank of its engine."""
+    return "" if r.dp_rank is None else f"&dp_rank={r.dp_rank}"
+
+
 class ProbeOutcome(enum.Enum):
     OK = "ok"
     FAILED = "failed"  # answered other than 200, or the connection was refused/reset
@@ -423,7 +428,7 @@ class Discovery:
             return None
         try:
             status, body = await self._client.fetch(
-                r.id, r.url + path + _CORE_ONLY, accept="application/json", timeout_s=self._probe_s
+                r.id, r.url + path + _CORE_ONLY + _rank_query(r), accept="application/json", timeout_s=self._probe_s
             )
         except UpstreamError as exc:
             log.debug("%s of %s failed: %s", path, r.id, exc)
@@ -434,7 +439,7 @@ class Discovery:
         if status != 200:
             return None
         try:
-            return load_from_v1_loads(json.loads(body), now=now, host=host)
+            return load_from_v1_loads(json.loads(body), now=now, host=host, dp_rank=r.dp_rank)
         except (MetricsParseError, ValueError) as exc:
             log.debug("bad %s from %s: %s", path, r.id, exc)
             return None
@@ -463,7 +468,7 @@ class Discovery:
             self.scrapes_failed += 1
             return None
         try:
-            return parse_engine_metrics(body.decode("utf-8", "replace"), now=now)
+            return parse_engine_metrics(body.decode("utf-8", "replace"), now=now, dp_rank=r.dp_rank)
         except MetricsParseError as exc:
             self.scrapes_failed += 1
             log.debug("bad /metrics from %s: %s", r.id, exc)

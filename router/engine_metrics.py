@@ -19,6 +19,8 @@ Robustness rules (a scrape must never crash the poller or invent load):
      loop, per replica per interval, and SGLang's full exposition (histograms, counters, HELP text)
      is mostly lines we do not need. A line that is neither a comment nor a sample still fails the
      scrape.
+  6. Given a ``dp_rank`` (a replica that is one rank of its engine), only that rank's samples and
+     those of no rank count: the other ranks are other replicas.
 """
 
 from __future__ import annotations
@@ -107,8 +109,9 @@ def _norm(name: str) -> str | None:
     return n[len(_PREFIX) :] if n.startswith(_PREFIX) else None
 
 
-def scrape_values(text: str, wanted: Iterable[str] = _WANTED) -> dict[str, float]:
-    """Combined value of each wanted gauge family present in ``text`` (rules 2–4)."""
+def scrape_values(text: str, wanted: Iterable[str] = _WANTED, dp_rank: int | None = None) -> dict[str, float]:
+    """Combined value of each wanted gauge family present in ``text`` (rules 2–4, 6)."""
+    rank = None if dp_rank is None else str(dp_rank)
     want = {w: _WANTED.get(w, _SUM) for w in wanted}
     # family -> group labels -> values of that group's rank-copies
     groups: dict[str, dict[tuple[tuple[str, str], ...], list[float]]] = defaultdict(lambda: defaultdict(list))
@@ -127,6 +130,8 @@ def scrape_values(text: str, wanted: Iterable[str] = _WANTED) -> dict[str, float
             labels = sample.labels
             if "priority" in labels and labels["priority"] != "":
                 continue
+            if rank is not None and labels.get("dp_rank", rank) != rank:
+                continue
             group = tuple(sorted((k, v) for k, v in labels.items() if k not in _RANK_LABELS))
             groups[key][group].append(value)
     out: dict[str, float] = {}
@@ -138,12 +143,14 @@ def scrape_values(text: str, wanted: Iterable[str] = _WANTED) -> dict[str, float
     return out
 
 
-def parse_engine_metrics(text: str, *, now: float = 0.0) -> EngineLoad:
-    """Parse one scrape into an ``EngineLoad`` stamped ``updated_at=now`` (the caller's clock).
+def parse_engine_metrics(text: str, *, now: float = 0.0, dp_rank: int | None = None) -> EngineLoad:
+    """Parse one scrape into an ``EngineLoad`` stamped ``updated_at=now`` (the caller's clock);
+    ``dp_rank``: of that data-parallel rank alone (rule 6).
 
     Raises :class:`MetricsParseError` if the text is not an exposition at all.
     """
-    return _engine_load({_FIELD_OF_FAMILY[fam]: v for fam, v in scrape_values(text).items()}, now)
+    values = scrape_values(text, dp_rank=dp_rank)
+    return _engine_load({_FIELD_OF_FAMILY[fam]: v for fam, v in values.items()}, now)
 
 
 def _ranks(doc: Any) -> list[Mapping[str, Any]]:
@@ -159,13 +166,20 @@ def _finite(v: Any) -> float | None:
     return None
 
 
-def load_from_v1_loads(doc: Any, *, now: float = 0.0, host: EngineLoad | None = None) -> EngineLoad:
+def load_from_v1_loads(
+    doc: Any, *, now: float = 0.0, host: EngineLoad | None = None, dp_rank: int | None = None
+) -> EngineLoad:
     """An ``EngineLoad`` from one ``GET /v1/loads`` answer alone, stamped ``updated_at=now``: every
     figure ``/metrics`` gives but the HiCache host tier, which is taken from ``host`` (an earlier
-    ``/metrics`` reading; 0 without one). DP ranks combine as ``/metrics``' schedulers do (rule 3).
+    ``/metrics`` reading; 0 without one). DP ranks combine as ``/metrics``' schedulers do (rule 3);
+    with ``dp_rank``, that rank's entry alone (rule 6).
     Raises :class:`MetricsParseError` unless every rank reports its running requests: an answer
     that does not is no load report to go by (``/metrics`` then is)."""
     ranks = _ranks(doc)
+    if dp_rank is not None:
+        ranks = [r for r in ranks if r.get("dp_rank") == dp_rank]
+        if not ranks:
+            raise MetricsParseError(f"a /v1/loads document without data-parallel rank {dp_rank}")
     if not ranks or any(_finite(r.get("num_running_reqs")) is None for r in ranks):
         raise MetricsParseError("a /v1/loads document without num_running_reqs for every rank")
     values: dict[str, float] = {}

@@ -397,9 +397,11 @@ class _Sub:
 class KvEventsManager:
     """Starts and stops one subscriber per DP rank of every replica that publishes KV events.
 
-    ``refresh(replicas)`` is called with ``(replica_id, url)`` pairs (from the store's registry):
-    replicas new to it have their ``/server_info`` read through ``fetch_json`` and are subscribed to
-    if it advertises a ZMQ publisher (``kv_events``); replicas no longer listed are dropped.
+    ``refresh(replicas)`` is called with ``(replica_id, url)`` pairs, or ``(replica_id, url,
+    dp_rank)`` triples (from the store's registry): replicas new to it have their ``/server_info``
+    read through ``fetch_json`` and are subscribed to if it advertises a ZMQ publisher
+    (``kv_events``); replicas no longer listed are dropped. A replica that is one data-parallel rank
+    of its engine (``dp_rank`` not ``None``) follows that rank's publisher alone.
     """
 
     def __init__(
@@ -477,10 +479,10 @@ class KvEventsManager:
             self._cancel(cur)
         self.index.drop(replica_id)
 
-    async def refresh(self, replicas: Iterable[tuple[str, str]]) -> None:
+    async def refresh(self, replicas: Iterable[tuple[str, str] | tuple[str, str, int | None]]) -> None:
         self._round += 1
         seen: set[str] = set()
-        for rid, url in replicas:
+        for rid, url, *rank in replicas:
             seen.add(rid)
             cur = self._subs.get(rid)
             if cur is not None and self._round % self._recheck != 0:
@@ -494,6 +496,8 @@ class KvEventsManager:
                     continue
             info = await self._fetch(rid, url + "/server_info")
             desc = None if info is None else parse_descriptor(info, url)
+            if desc is not None and rank and rank[0] is not None:
+                desc = desc.of_rank(rank[0])
             if desc is None:
                 if info is not None:
                     self._none[rid] = self._recheck  # no publisher: look again later (a restart may add one)

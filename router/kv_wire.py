@@ -24,7 +24,7 @@ Rule 2: a ``medium`` of ``None`` means ``GPU`` (the engine's default). Tiers bec
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 from urllib.parse import urlsplit
 
@@ -188,6 +188,14 @@ class KvEventsDescriptor:
         if self.replay_port_base is None:
             return None
         return f"tcp://{self.host}:{self.replay_port_base + rank}"
+
+    def of_rank(self, rank: int) -> KvEventsDescriptor | None:
+        """The publisher of data-parallel rank ``rank`` alone (a replica that is that rank), or
+        ``None`` if the engine has no such rank."""
+        if not 0 <= rank < self.dp_size:
+            return None
+        replay = None if self.replay_port_base is None else self.replay_port_base + rank
+        return replace(self, port_base=self.port_base + rank, dp_size=1, replay_port_base=replay)
 
 
 def _port(v: Any) -> int | None:

@@ -117,6 +117,9 @@ class ReplicaSpec:
     host_capacity_tokens: int = 0  # HiCache host tier; 0 = none
     tp_size: int = 0
     source: str = "static"  # static | admin | registry
+    # one data-parallel rank of an engine (``--dp-size``), placed as a replica of its own: requests
+    # name it to the engine (X-Data-Parallel-Rank), its loads and KV events are that rank's alone
+    dp_rank: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,6 +174,7 @@ class ReplicaState:
     tokens_written: int = 0  # cumulative tokens our requests wrote into its cache (residency clock)
     placed_recent: int = 0  # new sessions placed here within the ramp window
     model: str = ""
+    dp_rank: int | None = None  # ``ReplicaSpec.dp_rank``: this replica is that rank of its engine
 
 
 MAX_CHAINS = 8

@@ -239,6 +239,7 @@ def replica_view(
         "url": r.url,
         "status": r.status.value,
         "model": r.model,
+        "dp_rank": r.dp_rank,
         "in_flight": r.in_flight,
         "sessions_bound": sessions_bound,
         "sessions_active": r.sessions_active,
@@ -503,7 +504,7 @@ def make_admin_app(
         raise NotFoundError(f"replica {rid!r} not found")
 
     async def upsert_replica(request: web.Request) -> web.Response:
-        from router.config import replica_id_from_url
+        from router.config import rank_replica_id, replica_id_from_url
 
         data = await _json_body(request)
         unknown = set(data) - {
@@ -513,6 +514,7 @@ def make_admin_app(
             "capacity_tokens",
             "host_capacity_tokens",
             "tp_size",
+            "dp_rank",
             "status",
         }
         if unknown:
@@ -520,7 +522,14 @@ def make_admin_app(
         if "url" not in data:
             raise BadRequestError("url: required")
         url = await validate_replica_url(data["url"], networks, settings.resolve_timeout_s)
+        dp_rank: int | None = None
+        if data.get("dp_rank") is not None:
+            dp_rank = _int_field(data, "dp_rank")
+            if dp_rank > 1023:
+                raise BadRequestError("dp_rank: expected an integer from 0 to 1023")
         rid = data["id"] if "id" in data else replica_id_from_url(url)
+        if "id" not in data and dp_rank is not None:
+            rid = rank_replica_id(rid, dp_rank)
         if not isinstance(rid, str) or not rid or len(rid) > 256 or not set(rid) <= _ID_CHARS:
             raise BadRequestError("id: 1-256 characters of [A-Za-z0-9-_.:[]]")
         model = data.get("model", "")
@@ -540,6 +549,7 @@ def make_admin_app(
             host_capacity_tokens=_int_field(data, "host_capacity_tokens"),
             tp_size=_int_field(data, "tp_size"),
             source="admin",
+            dp_rank=dp_rank,
         )
         existed = any(r.id == rid for r in await store.replicas())
         await store.upsert_replica(spec, status)

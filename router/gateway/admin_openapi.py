@@ -61,6 +61,9 @@ def openapi_spec() -> dict[str, Any]:
             "url": {"type": "string"},
             "status": {"type": "string", "enum": [s.value for s in ReplicaStatus]},
             "model": {"type": "string"},
+            "dp_rank": _nullable(
+                {"type": "integer", "minimum": 0, "description": "the data-parallel rank of its engine this replica is (null: the whole engine)"}
+            ),
             "in_flight": {"type": "integer", "minimum": 0},
             "sessions_bound": _nullable(
                 {"type": "integer", "minimum": 0, "description": "sessions homed here (counted up to 10000)"}
@@ -225,6 +228,13 @@ def openapi_spec() -> dict[str, Any]:
             "capacity_tokens": {"type": "integer", "minimum": 0, "maximum": 10**12},
             "host_capacity_tokens": {"type": "integer", "minimum": 0, "maximum": 10**12},
             "tp_size": {"type": "integer", "minimum": 0, "maximum": 10**12},
+            "dp_rank": _nullable(
+                {
+                    "type": "integer", "minimum": 0, "maximum": 1023,
+                    "description": "register one data-parallel rank of the engine at url as a replica of its own "
+                    "(requests name it in X-Data-Parallel-Rank; default id host:port-dpN)",
+                }
+            ),
             "status": {"type": "string", "enum": [s.value for s in ReplicaStatus]},
         },
     }

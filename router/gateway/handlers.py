@@ -590,8 +590,13 @@ class _Proxy:
         robin, which scatters a session over every rank. Where the engine's KV events are followed,
         the rank holding the session's cache, or for a session cached on none the rank with the
         fewest of this gateway's requests in flight (then the one holding least); else the
-        session's rendezvous rank. ``None``: one rank, no session, or the client
+        session's rendezvous rank. A replica that is one rank of its engine (``dp_rank``) is placed
+        by the policy like any other: its rank. ``None``: one rank, no session, or the client
         named a rank itself."""
+        if state is not None and state.dp_rank is not None:
+            if self.req.route not in _DP_ROUTES or any(name.lower() == _DP_RANK_LOWER for name, _ in self.fwd_headers):
+                return None
+            return state.dp_rank
         key = self.req.session_key
         if state is None or state.engine.dp_ranks <= 1 or key is None or self.req.route not in _DP_ROUTES:
             return None

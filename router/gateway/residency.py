@@ -118,7 +118,7 @@ def make_residency(
         while True:
             # only replicas whose URL the egress rules allow (the ZMQ endpoints are on their hosts)
             replicas = [r for r in await store.replicas() if egress is None or await egress.allowed(r.url)]
-            await manager.refresh([(r.id, r.url) for r in replicas])
+            await manager.refresh([(r.id, r.url, r.dp_rank) for r in replicas])
             svc.first_refresh.set()
             await clock_sleep(kv.refresh_s)
 

@@ -368,6 +368,7 @@ class MemoryCore:
             placed_recent=len(rep.placements),
             model=rep.spec.model,
             residency_horizon_tokens=rep.horizon,
+            dp_rank=rep.spec.dp_rank,
         )
 
     def _session_state(self, sid: str, s: _Session) -> SessionState:

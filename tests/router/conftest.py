@@ -328,6 +328,8 @@ class FakeReplica:
                 "num_waiting_uncached_tokens": 4096, "max_total_num_tokens": 850000, "token_usage": 0.25,
                 "gen_throughput": 100.0, "cache_hit_rate": 0.5}  # fmt: skip
         ranks = [dict(rank, dp_rank=i, num_running_reqs=self.state.active if i == 0 else 0) for i in range(self.state.dp_ranks)]
+        if "dp_rank" in request.query:  # SGLang's own filter
+            ranks = [r for r in ranks if str(r["dp_rank"]) == request.query["dp_rank"]]
         return web.json_response({"version": "0.5.23", "loads": ranks})
 
     async def _models(self, request: web.Request) -> web.Response:

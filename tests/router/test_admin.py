@@ -234,9 +234,28 @@ async def test_replicas_register_update_drain_delete(admin: tuple[TestClient, Me
         _assert_error(await resp.json(), "not_found")
 
 
+async def test_a_data_parallel_rank_registers_as_a_replica_of_its_own(admin: tuple[TestClient, MemoryStore, Any]) -> None:
+    client, store, _ = admin
+    for rank in (0, 1):
+        resp = await client.post("/admin/replicas", headers=AUTH, json={"url": "http://127.0.0.1:32000", "dp_rank": rank})
+        assert resp.status == 201, await resp.text()
+        rep = await resp.json()
+        assert (rep["id"], rep["url"], rep["dp_rank"]) == (f"127.0.0.1:32000-dp{rank}", "http://127.0.0.1:32000", rank)
+    named = await client.post("/admin/replicas", headers=AUTH, json={"url": "http://127.0.0.1:32001", "id": "e1", "dp_rank": 3})
+    assert named.status == 201 and (await named.json())["dp_rank"] == 3
+    ranks = {r.id: r.dp_rank for r in await store.replicas()}
+    assert {k: v for k, v in ranks.items() if v is not None} == {"127.0.0.1:32000-dp0": 0, "127.0.0.1:32000-dp1": 1, "e1": 3}
+    whole = await client.post("/admin/replicas", headers=AUTH, json={"url": "http://127.0.0.1:32002", "dp_rank": None})
+    assert whole.status == 201 and (await whole.json())["dp_rank"] is None
+
+
 @pytest.mark.parametrize(
     ("body", "needle"),
     [
+        ({"url": "http://127.0.0.1:1", "dp_rank": -1}, "dp_rank"),
+        ({"url": "http://127.0.0.1:1", "dp_rank": 1024}, "dp_rank"),
+        ({"url": "http://127.0.0.1:1", "dp_rank": "0"}, "dp_rank"),
+        ({"url": "http://127.0.0.1:1", "dp_rank": True}, "dp_rank"),
         ({"url": "ftp://127.0.0.1:1"}, "url: scheme"),
         ({"url": "http://8.8.8.8:80"}, "allowed networks"),
         ({"url": "http://[2001:4860::8888]:80"}, "allowed networks"),

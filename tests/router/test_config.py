@@ -68,6 +68,7 @@ def test_serve_flags() -> None:
     assert (c.host, c.port, c.policy, c.decision_headers) == ("0.0.0.0", 9000, "hash", False)
     assert c.replicas == ("http://10.0.0.5:30000", "http://10.0.0.6:30000")
     assert [s.id for s in c.replica_specs()] == ["10.0.0.5:30000", "10.0.0.6:30000"]
+    assert all(s.dp_rank is None for s in c.replica_specs())
     assert c.policy_params == {"thicc_threshold": 4}
     assert c.policy_params_obj().thicc_threshold == 4
     assert c.limits.max_body_bytes == 2048
@@ -250,3 +251,16 @@ def test_kv_events_off_reads_as_off_though_yaml_says_false(tmp_path: Path) -> No
     assert load_config([], {"KVROUTE_KV_EVENTS__MODE": "off"}).kv_events.mode == "off"
     with pytest.raises(ConfigError, match="kv_events.mode"):
         load_config(["--set", "kv_events.mode=true"], {})
+
+
+def test_replica_dp_ranks_makes_each_rank_of_each_engine_a_replica() -> None:
+    c = load_config(["--replica", "http://10.0.0.5:30000", "--replica", "http://10.0.0.6:30000", "--replica-dp-ranks", "2"], {})
+    assert [(s.id, s.url, s.dp_rank) for s in c.replica_specs()] == [
+        ("10.0.0.5:30000-dp0", "http://10.0.0.5:30000", 0), ("10.0.0.5:30000-dp1", "http://10.0.0.5:30000", 1),
+        ("10.0.0.6:30000-dp0", "http://10.0.0.6:30000", 0), ("10.0.0.6:30000-dp1", "http://10.0.0.6:30000", 1),
+    ]  # fmt: skip
+    env = load_config([], {"KVROUTE_REPLICAS": "http://10.0.0.5:30000", "KVROUTE_REPLICA_DP_RANKS": "3"})
+    assert [s.id for s in env.replica_specs()] == [f"10.0.0.5:30000-dp{r}" for r in range(3)]
+    for bad in ("0", "65"):
+        with pytest.raises(ConfigError, match="replica_dp_ranks"):
+            load_config(["--replica", "http://10.0.0.5:30000", "--replica-dp-ranks", bad], {})

@@ -76,6 +76,10 @@ def test_dp_ranks_sum_running_and_max_usage() -> None:
     )
     load = parse_engine_metrics(text)
     assert (load.running, load.queued, load.kv_util, load.capacity_tokens) == (13, 3, 0.9, 3000)
+    # a replica that is one rank of the engine (rule 6): that rank's figures, and those of no rank
+    one = parse_engine_metrics(text + f"sglang:gen_throughput{{{LABELS}}} 4.0\n", dp_rank=1)
+    assert (one.running, one.queued, one.kv_util, one.capacity_tokens, one.gen_throughput) == (7, 2, 0.9, 1000, 4.0)
+    assert parse_engine_metrics(text, dp_rank=5) == EngineLoad()  # a rank the engine lacks: nothing
 
 
 def test_rank_copies_and_pid_labels_are_not_double_counted() -> None:
@@ -161,6 +165,14 @@ def test_a_load_from_v1_loads_alone() -> None:
         running=4, queued=2, kv_util=0.75, capacity_tokens=2000, host_used_tokens=5, host_capacity_tokens=80_000,
         cache_hit_rate=0.5, gen_throughput=21.0, waiting_uncached_tokens=600, dp_ranks=2, updated_at=1.0,
     )  # fmt: skip
+    # a replica that is one rank: that rank's entry alone, whether or not the engine filtered
+    ranked = {"loads": [dict(rank, dp_rank=0), dict(rank, dp_rank=1, num_running_reqs=5, token_usage=0.75)]}
+    assert load_from_v1_loads(ranked, now=1.0, dp_rank=1) == EngineLoad(
+        running=5, queued=1, kv_util=0.75, capacity_tokens=1000, cache_hit_rate=0.25, gen_throughput=10.5,
+        waiting_uncached_tokens=300, dp_ranks=1, updated_at=1.0,
+    )  # fmt: skip
+    with pytest.raises(MetricsParseError, match="rank 2"):
+        load_from_v1_loads(ranked, dp_rank=2)
     # nonsense in a figure counts as absent; negative and over-one values are clamped
     odd = {"loads": [{"num_running_reqs": 1, "num_waiting_reqs": "x", "token_usage": 3.0, "gen_throughput": -1}]}
     assert load_from_v1_loads(odd) == EngineLoad(running=1, kv_util=1.0)

@@ -67,3 +67,40 @@ async def test_each_session_keeps_one_rank_and_sessions_spread_over_the_ranks(
     assert all(ranks == [] for _, _, ranks in _ranks(single))  # one rank: nothing to name
     assert len(seen) == len(_ranks(single)) + 1 == 2 * len(sessions) * len(ROUTES) + 1
     assert not gw_dp.runtime.rank_flights  # every request named to a rank was counted back
+
+
+async def test_with_replica_dp_ranks_each_rank_is_a_replica_placed_by_the_policy(
+    fake_replicas: Any, gateway_factory: Any
+) -> None:
+    """``replica_dp_ranks`` 4: the engine is four replicas, ``host:port-dp0`` .. ``-dp3``, each reading
+    its own rank's load (``/v1/loads?dp_rank=R``); the policy places sessions over them and every
+    request of a session names its replica's rank."""
+    (replica,) = await fake_replicas(1)
+    replica.state.loads, replica.state.dp_ranks, replica.state.active = True, 4, 3
+    gw = await gateway_factory([replica.url], replica_dp_ranks=4)
+    engine = replica.url.removeprefix("http://")
+    units = [f"{engine}-dp{r}" for r in range(4)]
+
+    async def read() -> bool:
+        reps = (await gw.store.snapshot(None)).replicas
+        return [(r.id, r.dp_rank, r.engine.dp_ranks, r.engine.running) for r in reps] == [
+            (units[0], 0, 1, 3), (units[1], 1, 1, 0), (units[2], 2, 1, 0), (units[3], 3, 1, 0)]  # fmt: skip
+
+    await wait_for(read, 10)  # rank 0's running requests are rank 0's alone
+    assert {q for q in replica.state.loads_at if "dp_rank" in q} == {f"include=core&dp_rank={r}" for r in range(4)}
+    sessions = [f"unit-{i}" for i in range(12)]
+    placed: dict[str, set[str]] = {}
+    async with aiohttp.ClientSession() as s:
+        for _turn in range(2):
+            for sid in sessions:
+                for route, body in ROUTES.items():
+                    async with s.post(str(gw.url) + route, json=body, headers={"Modal-Session-Id": sid}) as r:
+                        await r.read()
+                        assert r.status == 200
+                        placed.setdefault(sid, set()).add(r.headers["X-Kvroute-Replica"])
+    assert all(len(v) == 1 for v in placed.values()), placed  # one replica (rank) per session
+    home = {sid: units.index(next(iter(v))) for sid, v in placed.items()}
+    for sid, route, ranks in _ranks(replica):
+        assert ranks == ([] if route == "/generate" else [str(home[str(sid)])]), (sid, route, ranks)
+    assert len(set(home.values())) > 1, home  # the policy spreads them, by each rank's own load
+    assert not gw.runtime.rank_flights

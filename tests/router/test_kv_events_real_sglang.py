@@ -163,9 +163,9 @@ def _serve(*configs: dict[str, Any]) -> Iterator[list[_Server]]:
 
 
 @contextlib.asynccontextmanager
-async def gateway(url: str) -> AsyncIterator[RunningGateway]:
+async def gateway(url: str, **overrides: Any) -> AsyncIterator[RunningGateway]:
     cfg = fast_config([url], kv_events={"mode": "subscribe", "refresh_s": 0.5},
-                      timeouts={"first_byte_s": 60.0, "idle_read_s": 60.0, "probe_s": 5.0})
+                      timeouts={"first_byte_s": 60.0, "idle_read_s": 60.0, "probe_s": 5.0}, **overrides)
     clock = SystemClock()
     gw = await start_gateway(cfg, MemoryStore(clock, cfg.store.to_store_config()), clock=clock,
                              rng=random.Random(1))
@@ -423,6 +423,62 @@ async def test_a_data_parallel_engine_keeps_each_session_on_its_own_rank(dp_serv
         assert len(holding("body-conv")) == 1 and holding("real-H") == []
         stats = svc.manager.stats()[rid]
         assert stats["dp_size"] == 2 and [s["connected"] for s in stats["ranks"]] == [True, True]
+
+
+async def test_each_rank_of_a_data_parallel_engine_is_a_replica_of_its_own(dp_server: _Server) -> None:
+    """``--replica-dp-ranks 2`` (what ``kvroute bench peers --engine-dp 2`` runs kvroute as): the policy
+    places sessions over the engine's two ranks as over two replicas. Each reads its own rank's load
+    and KV capacity (``/v1/loads?dp_rank=``) and follows its own rank's publisher; every request of a
+    session names its replica's rank, so each turn finds the one before it cached on that rank alone."""
+    server = dp_server
+    engine = f"127.0.0.1:{server.port}"
+    units = [f"{engine}-dp0", f"{engine}-dp1"]
+    async with aiohttp.ClientSession() as http, http.get(server.url + "/server_info") as r:
+        info = await r.json()
+    per_rank = info["max_total_num_tokens"]  # one rank's pool
+    async with gateway(server.url, replica_dp_ranks=2) as gw, aiohttp.ClientSession() as http:
+        svc = gw.runtime.residency
+        assert svc is not None and svc.manager is not None
+
+        async def read() -> bool:
+            reps = (await gw.store.snapshot(None)).replicas
+            return [(r.id, r.dp_rank, r.engine.dp_ranks, r.capacity_tokens) for r in reps] == [
+                (units[0], 0, 1, per_rank), (units[1], 1, 1, per_rank)]  # fmt: skip
+
+        await wait_for(read, 30)
+        await wait_for(lambda: all(svc.view.source(u) == EVENTS for u in units), 30)
+        stats = svc.manager.stats()
+        base = info["kv_events"]["endpoint_port_base"]
+        assert [(stats[u]["dp_size"], stats[u]["endpoint"]) for u in units] == [
+            (1, f"tcp://127.0.0.1:{base}"), (1, f"tcp://127.0.0.1:{base + 1}")]  # fmt: skip
+        assert all(s["connected"] for u in units for s in stats[u]["ranks"])
+
+        def holding(sid: str) -> list[str]:
+            return [u for u in units if svc.manager.index.ranks(u)[0].resident_tokens(sid)]
+
+        placed: dict[str, str] = {}
+        for i in range(6):  # new sessions one after another, then a second and third turn of each
+            sid = f"rank-unit-{i}"
+            msgs = [{"role": "user", "content": f"session {i} on one rank of a data-parallel engine " * 10}]
+            last: dict[str, Any] | None = None
+            for turn in range(3):
+                body = {"model": "tiny", "messages": msgs, "max_tokens": 8}
+                async with http.post(gw.url + "/v1/chat/completions", json=body, headers={"Modal-Session-Id": sid}) as r:
+                    assert r.status == 200, await r.text()
+                    where = r.headers["X-Kvroute-Replica"]
+                    d = await r.json()
+                assert placed.setdefault(sid, where) == where, (sid, turn)
+                u = d["usage"]
+                if last is not None:
+                    assert u["prompt_tokens_details"]["cached_tokens"] >= last["prompt_tokens"], (sid, turn, last, u)
+                last = u
+                msgs = [*msgs, {"role": "assistant", "content": d["choices"][0]["message"]["content"]},
+                        {"role": "user", "content": f"and at step {turn}?"}]  # fmt: skip
+                await wait_for(lambda sid=sid: holding(sid) != [], 20)  # type: ignore[misc]
+                assert holding(sid) == [where], (sid, turn)
+        # the working set of what a rank holds weighs in placing the next: both ranks get sessions
+        assert set(placed.values()) == set(units), placed
+        assert not gw.runtime.rank_flights
 
 
 @pytest.mark.peers

@@ -111,6 +111,11 @@ def test_descriptor_from_server_info() -> None:
     assert named is not None and named.endpoint() == "tcp://1.2.3.4:5557"
     no_replay = parse_descriptor({"kv_events": {k: v for k, v in kv.items() if "replay" not in k}}, "http://h:1")
     assert no_replay is not None and no_replay.replay_endpoint() is None
+    # a replica that is one data-parallel rank follows that rank's publisher alone
+    r1 = d.of_rank(1)
+    assert r1 is not None and (r1.endpoint(), r1.replay_endpoint(), r1.dp_size) == ("tcp://10.0.0.7:5558", "tcp://10.0.0.7:5559", 1)
+    assert d.of_rank(2) is None and d.of_rank(-1) is None
+    assert no_replay.of_rank(1) is not None and no_replay.of_rank(1).replay_endpoint() is None  # type: ignore[union-attr]
     for bad in (None, {"publisher": "null"}, {**kv, "endpoint_port_base": 0}, {**kv, "endpoint_port_base": "x"}):
         assert parse_descriptor({"kv_events": bad}, "http://h:1") is None
     assert parse_descriptor({}, "http://h:1") is None

@@ -120,6 +120,22 @@ async def test_a_figure_a_newer_version_writes_is_left_out_not_an_error(redis_ur
     assert type(r0.engine) is EngineLoad and (r0.engine.running, r0.engine.dp_ranks) == (3, 2)
 
 
+async def test_a_replica_that_is_one_data_parallel_rank_reads_back_as_that_rank(redis_url, stores, clock) -> None:  # type: ignore[no-untyped-def]
+    """A rank registered by one gateway is that rank to every other (the spec's ``dp_rank``); a spec
+    field a newer version writes is left out, as an engine figure is."""
+    writer, reader = new_store(stores, redis_url, clock, "g1"), new_store(stores, redis_url, clock, "g2")
+    await writer.upsert_replica(dataclasses.replace(spec("e-dp1"), dp_rank=1), A)
+    await writer.upsert_replica(spec("whole"), A)
+    assert {r.id: r.dp_rank for r in await reader.replicas()} == {"e-dp1": 1, "whole": None}
+
+    @dataclasses.dataclass(frozen=True, slots=True)
+    class NewerSpec(ReplicaSpec):
+        field_of_a_later_version: int = 7
+
+    await writer.upsert_replica(NewerSpec(id="newer", url="http://newer", dp_rank=2), A)
+    assert {r.id: (r.url, r.dp_rank) for r in await reader.replicas()}["newer"] == ("http://newer", 2)
+
+
 # ---- registry TTL --------------------------------------------------------------------------------
 
 

@@ -36,6 +36,7 @@ __all__ = ["RedisWire", "map_redis_errors", "spec_json"]
 _SCRIPTS = ("acquire", "release", "snapshot", "sessions", "registry", "lease", "republish", "config")
 _PARSE_CACHE_MAX = 10_000
 _ENGINE_FIELDS = frozenset(f.name for f in fields(EngineLoad))
+_SPEC_FIELDS = frozenset(f.name for f in fields(ReplicaSpec))
 
 
 def _load_scripts() -> dict[str, str]:
@@ -122,7 +123,8 @@ class RedisWire:
     def _spec(self, rid: str, raw: str) -> ReplicaSpec:
         spec = self.specs.get(raw)
         if spec is None:
-            spec = ReplicaSpec(**json.loads(raw))
+            # a field this version does not know (a newer gateway or sidecar wrote it) is left out
+            spec = ReplicaSpec(**{k: v for k, v in json.loads(raw).items() if k in _SPEC_FIELDS})
             if len(self.specs) > _PARSE_CACHE_MAX:
                 self.specs.clear()
             self.specs[raw] = spec
@@ -168,6 +170,7 @@ class RedisWire:
             placed_recent=int(nplc),
             model=spec.model,
             residency_horizon_tokens=int(horizon),
+            dp_rank=spec.dp_rank,
         )
 
     def session_state(self, row: list[Any]) -> SessionState:
