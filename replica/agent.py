@@ -258,6 +258,8 @@ class AdminRegistrar:
             "host_capacity_tokens": spec.host_capacity_tokens,
             "tp_size": spec.tp_size,
         }
+        if spec.dp_rank is not None:
+            body["dp_rank"] = spec.dp_rank
         if status is not None:
             body["status"] = status.value
         return body
@@ -449,6 +451,7 @@ class Agent:
                     capacity_override=cfg.capacity_tokens,
                     host_capacity_override=cfg.host_capacity_tokens,
                     source=self._source,
+                    dp_rank=cfg.dp_rank,
                 )
                 await self.registrar.register(spec)
                 await self.registrar.heartbeat(spec, load, None)
@@ -744,7 +747,7 @@ async def run_sidecar(
             registrar = AdminRegistrar(session, cfg.gateways, cfg.admin_token, timeout_s=cfg.probe_timeout_s)
             source = "admin"
         probe = EngineProbe(
-            session, cfg.engine_url, timeout_s=cfg.probe_timeout_s, health_path=cfg.health_path
+            session, cfg.engine_url, timeout_s=cfg.probe_timeout_s, health_path=cfg.health_path, dp_rank=cfg.dp_rank
         )
         agent = Agent(cfg, registrar, probe, clock, source=source)
         kv_task = None
@@ -803,7 +806,7 @@ async def _share_residency(cfg: AgentConfig, session: aiohttp.ClientSession, sto
     try:
         while True:
             # the engine as this sidecar reaches it, under the replica id the gateways know
-            await manager.refresh([(cfg.id, cfg.engine_url)])
+            await manager.refresh([(cfg.id, cfg.engine_url, cfg.dp_rank)])
             await asyncio.sleep(5.0)
     finally:
         await stop_tasks(flush)

@@ -16,6 +16,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from router.errors import ConfigError
+from router.model import rank_replica_id
 from router.observability.logging import redact_url
 from router.store.url import check_redis_url
 
@@ -48,6 +49,9 @@ class AgentConfig:
     capacity_tokens: int = 0  # override /server_info max_total_num_tokens (0 = from the engine)
     host_capacity_tokens: int = 0  # override the HiCache host tier size (0 = from the engine)
     kv_events: bool = False  # follow the engine's KV events, share its residency through Redis
+    # register one data-parallel rank of the engine (--dp-size) as a replica of its own: one sidecar
+    # per rank, each reading its rank's load and KV events (the gateway's --replica-dp-ranks)
+    dp_rank: int | None = None
 
     @property
     def advertised(self) -> str:
@@ -55,7 +59,10 @@ class AgentConfig:
 
     @property
     def id(self) -> str:
-        return self.replica_id or replica_id_for(self.advertised)
+        if self.replica_id:
+            return self.replica_id
+        rid = replica_id_for(self.advertised)
+        return rid if self.dp_rank is None else rank_replica_id(rid, self.dp_rank)
 
 
 def replica_id_for(url: str) -> str:
@@ -122,6 +129,9 @@ def build_arg_parser() -> argparse.ArgumentParser:
     a("--kv-events", action="store_true", default=None,
       help="subscribe to the engine's KV events (its /server_info kv_events) and share its exact residency "
       "through Redis (needs --redis and the kvevents extra; docs/KV_EVENTS.md)")
+    a("--dp-rank", type=int,
+      help="register this data-parallel rank of the engine (SGLang --dp-size) as a replica of its own, "
+      "id host:port-dpN: run one sidecar per rank (docs/DEPLOY.md)")
     return p
 
 
@@ -151,7 +161,7 @@ def _cast(name: str, raw: str, origin: str) -> Any:
     try:
         if name == "gateways":
             return tuple(u.strip() for u in raw.split(",") if u.strip())
-        if kind == "int":
+        if kind in ("int", "int | None"):
             return int(raw)
         if kind == "float":
             return float(raw)
@@ -194,6 +204,8 @@ def validate(cfg: AgentConfig) -> AgentConfig:
         raise ConfigError("--kv-events shares residency through Redis: needs --redis")
     if cfg.unhealthy_after < 1:
         raise ConfigError("--unhealthy-after must be >= 1")
+    if cfg.dp_rank is not None and not 0 <= cfg.dp_rank < 1024:
+        raise ConfigError(f"--dp-rank must be 0..1023, got {cfg.dp_rank}")
     if cfg.capacity_tokens < 0 or cfg.host_capacity_tokens < 0:
         raise ConfigError("--capacity-tokens/--host-capacity-tokens must be >= 0")
     if not cfg.health_path.startswith("/"):

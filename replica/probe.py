@@ -46,7 +46,9 @@ class EngineProbe:
         *,
         timeout_s: float = 5.0,
         health_path: str = "/health",
+        dp_rank: int | None = None,
     ) -> None:
+        self._dp_rank = dp_rank  # the engine's rank this replica is: its load alone
         self._session = session
         self._base = base_url.rstrip("/")
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
@@ -111,16 +113,18 @@ class EngineProbe:
                 if r.status != 200:
                     raise EngineProbeError(f"/metrics: HTTP {r.status} (is --enable-metrics on?)")
                 text = (await r.read()).decode("utf-8")
-            return parse_engine_metrics(text, now=now)
+            return parse_engine_metrics(text, now=now, dp_rank=self._dp_rank)
 
     async def _loads(self, now: float) -> EngineLoad | None:
         """The load from ``/v1/loads``; ``None`` when the engine lacks the route or does not answer it
         sensibly."""
         try:
-            async with self._session.get(self._base + "/v1/loads?include=core", timeout=self._timeout) as r:
+            rank = "" if self._dp_rank is None else f"&dp_rank={self._dp_rank}"
+            async with self._session.get(self._base + "/v1/loads?include=core" + rank, timeout=self._timeout) as r:
                 if r.status != 200:
                     return None
-                return load_from_v1_loads(json.loads(await r.read()), now=now, host=self._readings.host)
+                doc = json.loads(await r.read())
+                return load_from_v1_loads(doc, now=now, host=self._readings.host, dp_rank=self._dp_rank)
         except (TimeoutError, aiohttp.ClientError, OSError, ValueError, MetricsParseError):
             return None
 
@@ -191,6 +195,7 @@ def build_spec(
     capacity_override: int = 0,
     host_capacity_override: int = 0,
     source: str = "registry",
+    dp_rank: int | None = None,
 ) -> ReplicaSpec:
     """The registry entry. Capacity: override > engine metrics > /server_info.
 
@@ -211,4 +216,5 @@ def build_spec(
         host_capacity_tokens=host,
         tp_size=info.tp_size,
         source=source,
+        dp_rank=dp_rank,
     )

@@ -46,7 +46,7 @@ from pydantic_settings import (
 from pydantic_settings.sources.utils import parse_env_vars
 
 from router.errors import ConfigError
-from router.model import ReplicaSpec
+from router.model import ReplicaSpec, rank_replica_id
 from router.observability.logging import redact_url
 from router.store.base import StoreConfig
 from router.store.url import check_redis_url
@@ -451,11 +451,6 @@ def replica_specs(urls: Sequence[str], dp_ranks: int = 1) -> tuple[ReplicaSpec, 
         for u in urls
         for r in range(dp_ranks)
     )
-
-
-def rank_replica_id(engine_id: str, rank: int) -> str:
-    """The replica id of data-parallel rank ``rank`` of the engine ``engine_id`` (``host:port-dpR``)."""
-    return f"{engine_id}-dp{rank}"
 
 
 def _policy_names() -> frozenset[str] | None:

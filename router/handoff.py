@@ -42,7 +42,7 @@ from aiohttp import web
 from router.errors import KvrouteError
 from router.eventloop import stop_tasks
 from router.events import Event, RequestFinished
-from router.gateway.forward import usage_from_json
+from router.gateway.forward import DP_RANK_HEADER, usage_from_json
 from router.model import Completion, KeySource, ReplicaStatus, SessionState
 from router.route_input import route_request
 
@@ -302,6 +302,8 @@ class HandoffManager:
         headers = [("Content-Type", "application/json"), ("Accept", "application/json")]
         if rt.config.routing_key_header:
             headers.append((rt.config.routing_key_header, sid))
+        if rep.dp_rank is not None:  # a replica that is one rank of its engine: warm that rank
+            headers.append((DP_RANK_HEADER, str(rep.dp_rank)))
         client = rt.client.inner if isinstance(rt.client, CapturingClient) else rt.client
         async with asyncio.timeout(self.config.timeout_s):
             resp = await client.send(replica_id, "POST", rep.url + route, headers, body)

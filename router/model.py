@@ -38,6 +38,7 @@ __all__ = [
     "SetOverflow",
     "capacities",
     "fleet_totals",
+    "rank_replica_id",
     "remember_chain",
 ]
 
@@ -190,6 +191,12 @@ def remember_chain(
     kept = [(k, r) for k, r in chains if k != chain_key]
     kept.append((chain_key, replica_id))
     return tuple(kept[-MAX_CHAINS:])
+
+
+def rank_replica_id(engine_id: str, rank: int) -> str:
+    """The replica id of data-parallel rank ``rank`` of the engine ``engine_id`` (``host:port-dpR``),
+    where each rank is registered as a replica of its own (``ReplicaSpec.dp_rank``)."""
+    return f"{engine_id}-dp{rank}"
 
 
 def capacities(spec: ReplicaSpec, engine: EngineLoad) -> tuple[int, int]:

@@ -26,6 +26,7 @@ import orjson
 from router.errors import UpstreamConnectError, UpstreamError
 
 __all__ = [
+    "DP_RANK_HEADER",
     "HOP_BY_HOP",
     "ConnectFailure",
     "ReplicaClient",
@@ -44,6 +45,7 @@ __all__ = [
     "usage_from_json",
 ]
 
+DP_RANK_HEADER = "X-Data-Parallel-Rank"  # SGLang's routed_dp_rank on its OpenAI and Anthropic routes
 HOP_BY_HOP = frozenset(
     {
         "connection",

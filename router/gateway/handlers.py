@@ -64,6 +64,7 @@ from router.gateway.background import running_response
 from router.gateway.bodies import body_string, checked_session_id, parse_body
 from router.gateway.engine_sessions import SESSION_ROUTES, EngineSessionCall, engine_session_call
 from router.gateway.forward import (
+    DP_RANK_HEADER,
     UpstreamResponse,
     Usage,
     UsageSniffer,
@@ -132,7 +133,6 @@ _CONTROL_ROUTES = (*SESSION_ROUTES, COUNT_TOKENS_ROUTE)
 _DP_ROUTES = frozenset({"/v1/chat/completions", "/v1/completions", MESSAGES_ROUTE, RESPONSES_ROUTE})
 REPLICA_HEADER = "X-Kvroute-Replica"
 REASON_HEADER = "X-Kvroute-Reason"
-DP_RANK_HEADER = "X-Data-Parallel-Rank"  # SGLang's routed_dp_rank on its OpenAI and Anthropic routes
 # set by the gateway itself: a client's own values are dropped (X-Forwarded-For is extended)
 _FORWARD_DROP = request_drop_set({REQUEST_ID_HEADER.lower(), "x-forwarded-for"})
 # a replica's own decision headers (a kvroute behind kvroute) give way to ours

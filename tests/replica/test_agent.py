@@ -96,6 +96,7 @@ class FakeEngine:
     health_calls: int = 0
     health_delay_s: float = 0.0  # a busy SGLang answers /health late
     url: str = ""
+    loads: list[dict[str, Any]] | None = None  # /v1/loads entries, one per data-parallel rank (None: 404)
 
     def app(self) -> web.Application:
         async def health(_: web.Request) -> web.Response:
@@ -116,7 +117,14 @@ class FakeEngine:
             text = metrics_text(self.running, self.queued, 0.25, self.capacity, 1000, self.host_total, 0.9)
             return web.Response(text=text, content_type="text/plain")
 
+        async def v1_loads(request: web.Request) -> web.Response:
+            if self.loads is None:
+                return web.Response(status=404)
+            ranks = [r for r in self.loads if str(r["dp_rank"]) == request.query.get("dp_rank", str(r["dp_rank"]))]
+            return web.json_response({"version": "0.5.23", "loads": ranks})
+
         app = web.Application()
+        app.router.add_get("/v1/loads", v1_loads)
         app.router.add_get("/health", health)
         app.router.add_get("/server_info", server_info)
         app.router.add_get("/model_info", model_info)
@@ -242,6 +250,10 @@ def test_config_precedence_and_validation() -> None:
     assert cfg.gateways == ("http://a:1", "http://b:2")
     assert cfg.id == "pod-1.svc:30000" == replica_id_for(cfg.advertised)
     assert cfg.redis_url == "redis://127.0.0.1:6390/0"
+    ranked = load_config(["--dp-rank", "1"], {**env, "KVROUTE_SIDECAR_ADVERTISE_URL": "http://pod-1.svc:30000"})
+    assert (ranked.dp_rank, ranked.id) == (1, "pod-1.svc:30000-dp1")
+    assert load_config([], {**env, "KVROUTE_SIDECAR_DP_RANK": "3"}).dp_rank == 3
+    assert load_config(["--dp-rank", "2", "--replica-id", "mine"], env).id == "mine"
 
 
 @pytest.mark.parametrize(
@@ -256,6 +268,8 @@ def test_config_precedence_and_validation() -> None:
         (["--redis", "redis://x", "--unhealthy-after", "0"], {}, "--unhealthy-after"),
         (["--redis", "redis://x", "--replica-id", "a b"], {}, "--replica-id"),
         (["--redis", "redis://x"], {"KVROUTE_SIDECAR_BOGUS": "1"}, "KVROUTE_SIDECAR_BOGUS"),
+        (["--redis", "redis://x", "--dp-rank", "-1"], {}, "--dp-rank"),
+        (["--redis", "redis://x"], {"KVROUTE_SIDECAR_DP_RANK": "one"}, "KVROUTE_SIDECAR_DP_RANK"),
         (
             ["--redis", "redis://x"],
             {"KVROUTE_SIDECAR_DRAIN_TIMEOUT": "soon"},
@@ -543,6 +557,33 @@ async def _admin_gateway(store: MemoryStore, token: str) -> tuple[web.AppRunner,
         ),
     )
     return await _serve(app)
+
+
+async def test_one_sidecar_per_data_parallel_rank_registers_each_rank_as_a_replica(
+    engine: FakeEngine, session: aiohttp.ClientSession
+) -> None:
+    """``--dp-rank R``: the rank is a replica of its own (``host:port-dpR``, the gateway's
+    ``--replica-dp-ranks`` ids), with its own rank's load and capacity; draining one leaves the other."""
+    engine.loads = [{"dp_rank": r, "num_running_reqs": 3 + r, "num_waiting_reqs": r, "max_total_num_tokens": 200_000,
+                     "token_usage": 0.5, "cache_hit_rate": 0.9} for r in range(2)]  # fmt: skip
+    store = MemoryStore(SystemClock())
+    agents, tasks = [], []
+    for rank in (0, 1):
+        cfg = _cfg(engine.url, dp_rank=rank)
+        assert cfg.id == f"{engine.url.removeprefix('http://')}-dp{rank}"
+        agent = Agent(cfg, StoreRegistrar(store), EngineProbe(session, cfg.engine_url, dp_rank=rank))
+        agents.append(agent)
+        tasks.append(asyncio.create_task(agent.run()))
+    for agent in agents:
+        await _until(agent.ready, what="registered")
+    reps = {r.id: r for r in await store.replicas()}
+    got = {rid: (r.dp_rank, r.url, r.engine.running, r.engine.queued, r.capacity_tokens) for rid, r in reps.items()}
+    assert got == {agents[r].cfg.id: (r, engine.url, 3 + r, r, 200_000) for r in (0, 1)}
+    agents[1].request_drain()
+    assert await asyncio.wait_for(tasks[1], 10) == 0
+    assert [r.id for r in await store.replicas()] == [agents[0].cfg.id]
+    agents[0].request_drain()
+    assert await asyncio.wait_for(tasks[0], 10) == 0
 
 
 async def test_admin_registrar_against_the_admin_api(

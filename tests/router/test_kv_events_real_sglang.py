@@ -40,6 +40,8 @@ from loadtests.real_sglang import (
 )
 from router.clock import SystemClock
 from router.gateway.serve import RunningGateway, start_gateway
+from router.handoff import HANDOFF_KEY, HandoffConfig, handoff_setup
+from router.model import ReplicaStatus
 from router.policy.hashing import hrw_weight
 from router.residency import EVENTS
 from router.store.memory import MemoryStore
@@ -163,12 +165,12 @@ def _serve(*configs: dict[str, Any]) -> Iterator[list[_Server]]:
 
 
 @contextlib.asynccontextmanager
-async def gateway(url: str, **overrides: Any) -> AsyncIterator[RunningGateway]:
+async def gateway(url: str, extra_setup: tuple[Any, ...] = (), **overrides: Any) -> AsyncIterator[RunningGateway]:
     cfg = fast_config([url], kv_events={"mode": "subscribe", "refresh_s": 0.5},
                       timeouts={"first_byte_s": 60.0, "idle_read_s": 60.0, "probe_s": 5.0}, **overrides)
     clock = SystemClock()
     gw = await start_gateway(cfg, MemoryStore(clock, cfg.store.to_store_config()), clock=clock,
-                             rng=random.Random(1))
+                             rng=random.Random(1), extra_setup=extra_setup)
     try:
         yield gw
     finally:
@@ -479,6 +481,45 @@ async def test_each_rank_of_a_data_parallel_engine_is_a_replica_of_its_own(dp_se
         # the working set of what a rank holds weighs in placing the next: both ranks get sessions
         assert set(placed.values()) == set(units), placed
         assert not gw.runtime.rank_flights
+
+
+async def test_a_draining_rank_hands_its_sessions_warm_to_another_rank(dp_server: _Server) -> None:
+    """Warm hand-off (``--warm-handoff``) between two ranks of one engine: while a rank drains, its
+    idle sessions' last prompts are prefilled on the other rank (named in the header), so each
+    session's next turn, placed there, finds its whole previous prompt cached."""
+    server = dp_server
+    engine = f"127.0.0.1:{server.port}"
+    setup = (handoff_setup(HandoffConfig(interval_s=0.1)),)
+    async with gateway(server.url, extra_setup=setup, replica_dp_ranks=2) as gw, aiohttp.ClientSession() as http:
+        async def both() -> bool:
+            return len([r for r in (await gw.store.snapshot(None)).replicas if r.status is ReplicaStatus.ACTIVE]) == 2
+
+        await wait_for(both, 30)
+        convs: dict[str, list[dict[str, str]]] = {}
+        first: dict[str, tuple[str, int]] = {}
+        for i in range(4):
+            sid = f"handoff-{i}"
+            convs[sid] = [{"role": "user", "content": f"a session handed from rank to rank, number {i} " * 10}]
+            body = {"model": "tiny", "messages": convs[sid], "max_tokens": 8}
+            async with http.post(gw.url + "/v1/chat/completions", json=body, headers={"Modal-Session-Id": sid}) as r:
+                assert r.status == 200, await r.text()
+                d = await r.json()
+                first[sid] = (r.headers["X-Kvroute-Replica"], d["usage"]["prompt_tokens"])
+            convs[sid] += [{"role": "assistant", "content": d["choices"][0]["message"]["content"]},
+                           {"role": "user", "content": "and now?"}]  # fmt: skip
+        victim = f"{engine}-dp0" if any(w == f"{engine}-dp0" for w, _ in first.values()) else f"{engine}-dp1"
+        moved = [sid for sid, (w, _) in first.items() if w == victim]
+        await gw.store.set_status(victim, ReplicaStatus.DRAINING)
+        manager = gw.app[HANDOFF_KEY]
+        await wait_for(lambda: manager.stats.sent + manager.stats.failed >= len(moved), 60)
+        assert manager.stats.failed == 0, manager.stats
+        for sid in moved:
+            body = {"model": "tiny", "messages": convs[sid], "max_tokens": 8}
+            async with http.post(gw.url + "/v1/chat/completions", json=body, headers={"Modal-Session-Id": sid}) as r:
+                assert r.status == 200
+                assert r.headers["X-Kvroute-Replica"] != victim
+                u = (await r.json())["usage"]
+            assert u["prompt_tokens_details"]["cached_tokens"] >= first[sid][1], (sid, first[sid], u)
 
 
 @pytest.mark.peers
