@@ -177,7 +177,7 @@ def load_from_v1_loads(
     that does not is no load report to go by (``/metrics`` then is)."""
     ranks = _ranks(doc)
     if dp_rank is not None:
-        ranks = [r for r in ranks if r.get("dp_rank") == dp_rank]
+        ranks = [r for r in ranks if type(r.get("dp_rank")) is int and r["dp_rank"] == dp_rank]
         if not ranks:
             raise MetricsParseError(f"a /v1/loads document without data-parallel rank {dp_rank}")
     if not ranks or any(_finite(r.get("num_running_reqs")) is None for r in ranks):

@@ -173,6 +173,8 @@ def test_a_load_from_v1_loads_alone() -> None:
     )  # fmt: skip
     with pytest.raises(MetricsParseError, match="rank 2"):
         load_from_v1_loads(ranked, dp_rank=2)
+    with pytest.raises(MetricsParseError, match="rank 1"):  # true is no rank number
+        load_from_v1_loads({"loads": [dict(rank, dp_rank=True)]}, dp_rank=1)
     # nonsense in a figure counts as absent; negative and over-one values are clamped
     odd = {"loads": [{"num_running_reqs": 1, "num_waiting_reqs": "x", "token_usage": 3.0, "gen_throughput": -1}]}
     assert load_from_v1_loads(odd) == EngineLoad(running=1, kv_util=1.0)
