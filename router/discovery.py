@@ -69,6 +69,12 @@ Rules:
      probe (its discovery off, or dead before its lease expires) leaves its replicas to the others
      whenever their figures and checks have aged out: probed every two or three intervals instead
      of every one, until its lease expires and the picks change.
+  9. A replica that is one data-parallel rank of its engine (``dp_rank``) is kept out of service
+     while its engine's ``/v1/loads`` lists its ranks without that one (a wrong
+     ``--replica-dp-ranks`` or sidecar ``--dp-rank``: the engine would refuse every request named to
+     it): its health checks fail, with a warning, and it has no figures; scraped even while DOWN, it
+     comes back when the rank does. A JOINING rank becomes ACTIVE only once its rank's figures have
+     been read (by anyone), so no request reaches it before the rank is known to exist.
 """
 
 from __future__ import annotations
@@ -102,6 +108,15 @@ log = logging.getLogger("kvroute.discovery")
 
 _METRICS_OFF_BACKOFF = 30  # rounds to skip after a 404 on /metrics (engine without --enable-metrics)
 _CORE_ONLY = "?include=core"  # /v1/loads' flat figures, without its memory, queue and spec sections
+
+
+def _ranks_listed(doc: object) -> list[int] | None:
+    """The data-parallel ranks a ``/v1/loads`` answer lists (``None``: not such an answer)."""
+    loads = doc.get("loads") if isinstance(doc, dict) else None
+    if not isinstance(loads, list) or not all(isinstance(e, dict) for e in loads):
+        return None
+    ranks = [e.get("dp_rank") for e in loads]
+    return sorted(r for r in ranks if type(r) is int) if all(type(r) is int for r in ranks) else None
 
 
 def _rank_query(r: ReplicaState) -> str:
@@ -196,6 +211,8 @@ class Discovery:
         self._connect_errors: dict[ReplicaId, int] = {}
         self._metrics_off: dict[ReplicaId, int] = {}
         self._loads_off: dict[ReplicaId, int] = {}
+        # rule 9: rank replicas whose engine's /v1/loads lists its ranks without theirs -> why
+        self._rankless: dict[ReplicaId, str] = {}
         self._readings: dict[ReplicaId, LoadReadings] = {}  # when /metrics is due, the host tier (rule 4)
         self._request_failures: dict[ReplicaId, int] = {}  # since the replica's last success
         self._alive_at: dict[ReplicaId, float] = {}  # last sign of life: good probe or answered request
@@ -307,7 +324,10 @@ class Discovery:
         async def scrape(r: ReplicaState) -> None:
             await self._scrape_one(r, probers)
 
-        await _staggered([r for r in allowed if r.status is not ReplicaStatus.DOWN], spread_s, scrape)
+        # a DOWN replica is not scraped, but for one that lacked its rank (rule 9) the scrape is how
+        # the rank is seen again
+        wanted = [r for r in allowed if r.status is not ReplicaStatus.DOWN or r.id in self._rankless]
+        await _staggered(wanted, spread_s, scrape)
 
     async def _probers(self, replicas: Sequence[ReplicaState]) -> frozenset[str]:
         """Rule 8: the live gateways among which probing is divided; refreshes ``_mine``, the replicas
@@ -343,6 +363,11 @@ class Discovery:
                 status, _ = await self._client.fetch(r.id, r.url + self._cfg.health_path, timeout_s=self._probe_s)
                 outcome = ProbeOutcome.OK if status == 200 else ProbeOutcome.FAILED
                 detail = f"{self._cfg.health_path} returned {status}"
+                if outcome is ProbeOutcome.OK and r.dp_rank is not None:  # rule 9
+                    if r.id in self._rankless:
+                        outcome, detail = ProbeOutcome.FAILED, self._rankless[r.id]
+                    elif r.status is ReplicaStatus.JOINING and r.engine.updated_at <= 0:
+                        return False  # its rank's figures not read yet: no verdict
         except UpstreamTimeoutError as exc:
             outcome = ProbeOutcome.TIMEOUT
             detail = str(exc)
@@ -410,6 +435,8 @@ class Discovery:
         now = self._clock.now()
         readings = self._readings.setdefault(r.id, LoadReadings())
         load = await self._loads(r, now, readings.host)
+        if r.id in self._rankless:  # rule 9: no figures of a rank the engine lacks
+            return
         if readings.metrics_due(load):
             load = readings.combine(load, await self._metrics(r, now))
         if load is None:
@@ -438,11 +465,36 @@ class Discovery:
             return None
         if status != 200:
             return None
+        doc: object = None
         try:
-            return load_from_v1_loads(json.loads(body), now=now, host=host, dp_rank=r.dp_rank)
+            doc = json.loads(body)
+            load = load_from_v1_loads(doc, now=now, host=host, dp_rank=r.dp_rank)
         except (MetricsParseError, ValueError) as exc:
             log.debug("bad %s from %s: %s", path, r.id, exc)
+            if r.dp_rank is not None and _ranks_listed(doc) is not None:
+                await self._check_rank(r, path)
             return None
+        self._rankless.pop(r.id, None)
+        return load
+
+    async def _check_rank(self, r: ReplicaState, path: str) -> None:
+        """Rule 9: a rank replica's filtered ``/v1/loads`` answer did not have its rank (SGLang answers
+        an empty list for a rank it lacks, and for one whose first figures are not published yet):
+        the whole answer says which."""
+        assert r.dp_rank is not None
+        try:
+            status, body = await self._client.fetch(
+                r.id, r.url + path + _CORE_ONLY, accept="application/json", timeout_s=self._probe_s
+            )
+            ranks = _ranks_listed(json.loads(body)) if status == 200 else None
+        except (UpstreamError, ValueError):
+            return
+        if not ranks or r.dp_rank in ranks:
+            return
+        if r.id not in self._rankless:
+            log.warning("replica %s: its engine has data-parallel ranks %s, not %d: kept out of service "
+                        "(--replica-dp-ranks or the sidecar's --dp-rank?)", r.id, ranks, r.dp_rank)
+        self._rankless[r.id] = f"its engine has no data-parallel rank {r.dp_rank} (ranks {ranks})"
 
     async def _metrics(self, r: ReplicaState, now: float) -> EngineLoad | None:
         """Rule 4: the load from ``/metrics``; ``None`` (a failed scrape, counted) when the engine does
@@ -510,6 +562,7 @@ class Discovery:
             self._connect_errors,
             self._metrics_off,
             self._loads_off,
+            self._rankless,
             self._readings,
             self._request_failures,
             self._alive_at,

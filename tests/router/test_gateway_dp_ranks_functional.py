@@ -5,6 +5,7 @@ docs/REAL_SGLANG.md §4)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
@@ -83,8 +84,9 @@ async def test_with_replica_dp_ranks_each_rank_is_a_replica_placed_by_the_policy
 
     async def read() -> bool:
         reps = (await gw.store.snapshot(None)).replicas
-        return [(r.id, r.dp_rank, r.engine.dp_ranks, r.engine.running) for r in reps] == [
-            (units[0], 0, 1, 3), (units[1], 1, 1, 0), (units[2], 2, 1, 0), (units[3], 3, 1, 0)]  # fmt: skip
+        return [(r.id, r.dp_rank, r.engine.dp_ranks, r.engine.running, r.status.value) for r in reps] == [
+            (units[0], 0, 1, 3, "active"), (units[1], 1, 1, 0, "active"), (units[2], 2, 1, 0, "active"),
+            (units[3], 3, 1, 0, "active")]  # fmt: skip
 
     await wait_for(read, 10)  # rank 0's running requests are rank 0's alone
     assert {q for q in replica.state.loads_at if "dp_rank" in q} == {f"include=core&dp_rank={r}" for r in range(4)}
@@ -104,3 +106,35 @@ async def test_with_replica_dp_ranks_each_rank_is_a_replica_placed_by_the_policy
         assert ranks == ([] if route == "/generate" else [str(home[str(sid)])]), (sid, route, ranks)
     assert len(set(home.values())) > 1, home  # the policy spreads them, by each rank's own load
     assert not gw.runtime.rank_flights
+
+
+async def test_a_rank_the_engine_does_not_have_is_kept_out_of_service_until_it_has_it(
+    fake_replicas: Any, gateway_factory: Any
+) -> None:
+    """``replica_dp_ranks`` 3 in front of an engine of 2 ranks (discovery rule 9): SGLang would refuse
+    every request named to rank 2, so that replica never becomes ACTIVE and takes no request; when the
+    engine has the rank it comes in, when it loses it again it goes DOWN, and it comes back."""
+    (replica,) = await fake_replicas(1)
+    replica.state.loads, replica.state.dp_ranks = True, 2
+    gw = await gateway_factory([replica.url], replica_dp_ranks=3)
+    engine = replica.url.removeprefix("http://")
+
+    async def statuses() -> dict[str, str]:
+        return {r.id.removeprefix(engine + "-"): r.status.value for r in (await gw.store.snapshot(None)).replicas}
+
+    async def are(want: dict[str, str]) -> bool:
+        return await statuses() == want
+
+    await wait_for(lambda: are({"dp0": "active", "dp1": "active", "dp2": "joining"}), 10)
+    await asyncio.sleep(0.5)  # many health and scrape rounds (50 ms each)
+    assert await statuses() == {"dp0": "active", "dp1": "active", "dp2": "joining"}
+    async with aiohttp.ClientSession() as s:
+        for i in range(12):
+            await _post(s, str(gw.url) + "/v1/chat/completions", CHAT, **{"Modal-Session-Id": f"r{i}"})
+    assert {tuple(ranks) for _, _, ranks in _ranks(replica)} <= {("0",), ("1",)}
+    replica.state.dp_ranks = 3
+    await wait_for(lambda: are({"dp0": "active", "dp1": "active", "dp2": "active"}), 10)
+    replica.state.dp_ranks = 2
+    await wait_for(lambda: are({"dp0": "active", "dp1": "active", "dp2": "down"}), 10)
+    replica.state.dp_ranks = 3
+    await wait_for(lambda: are({"dp0": "active", "dp1": "active", "dp2": "active"}), 10)
