@@ -434,6 +434,10 @@ class Agent:
                 return None
             try:
                 server_info = await self.probe.server_info()
+                dp = server_info.get("dp_size")
+                if cfg.dp_rank is not None and type(dp) is int and not 0 <= cfg.dp_rank < dp:
+                    # the engine would refuse every request named to that rank: register nothing
+                    raise EngineProbeError(f"the engine has {dp} data-parallel rank(s), not rank {cfg.dp_rank} (--dp-rank)")
                 try:
                     model_info: dict[str, Any] | None = await self.probe.model_info()
                 except EngineProbeError:

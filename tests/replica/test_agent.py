@@ -585,6 +585,20 @@ async def test_one_sidecar_per_data_parallel_rank_registers_each_rank_as_a_repli
     agents[0].request_drain()
     assert await asyncio.wait_for(tasks[0], 10) == 0
 
+    # a rank the engine does not have (its /server_info dp_size): nothing registered until it has it
+    engine.server_info = {**engine.server_info, "dp_size": 2}
+    cfg = _cfg(engine.url, dp_rank=2)
+    agent = Agent(cfg, StoreRegistrar(store), EngineProbe(session, cfg.engine_url, dp_rank=2))
+    task = asyncio.create_task(agent.run())
+    await asyncio.sleep(0.5)  # ten heartbeat intervals
+    assert not agent.ready() and await store.replicas() == ()
+    engine.server_info = {**engine.server_info, "dp_size": 3}
+    engine.loads.append({**engine.loads[0], "dp_rank": 2})
+    await _until(agent.ready, what="registered once the engine has the rank")
+    assert [(r.id, r.dp_rank) for r in await store.replicas()] == [(cfg.id, 2)]
+    agent.request_drain()
+    assert await asyncio.wait_for(task, 10) == 0
+
 
 async def test_admin_registrar_against_the_admin_api(
     engine: FakeEngine, session: aiohttp.ClientSession
