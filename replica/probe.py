@@ -17,7 +17,13 @@ from typing import Any
 
 import aiohttp
 
-from router.engine_metrics import LoadReadings, MetricsParseError, load_from_v1_loads, parse_engine_metrics
+from router.engine_metrics import (
+    LoadReadings,
+    MetricsParseError,
+    load_from_v1_loads,
+    parse_engine_metrics,
+    v1_loads_query,
+)
 from router.errors import KvrouteError
 from router.model import EngineLoad, ReplicaSpec
 
@@ -119,8 +125,7 @@ class EngineProbe:
         """The load from ``/v1/loads``; ``None`` when the engine lacks the route or does not answer it
         sensibly."""
         try:
-            rank = "" if self._dp_rank is None else f"&dp_rank={self._dp_rank}"
-            async with self._session.get(self._base + "/v1/loads?include=core" + rank, timeout=self._timeout) as r:
+            async with self._session.get(self._base + "/v1/loads" + v1_loads_query(self._dp_rank), timeout=self._timeout) as r:
                 if r.status != 200:
                     return None
                 doc = json.loads(await r.read())

@@ -91,7 +91,14 @@ from typing import TYPE_CHECKING
 
 from router.clock import Clock
 from router.config import HealthConfig
-from router.engine_metrics import LoadReadings, MetricsParseError, load_from_v1_loads, parse_engine_metrics
+from router.engine_metrics import (
+    LoadReadings,
+    MetricsParseError,
+    listed_dp_ranks,
+    load_from_v1_loads,
+    parse_engine_metrics,
+    v1_loads_query,
+)
 from router.errors import ReplicaNotFoundError, UpstreamError, UpstreamTimeoutError
 from router.events import Event, ReplicaActivated, ReplicaEjected, ReplicaReadmitted
 from router.model import EngineLoad, HealthStamp, ReplicaId, ReplicaState, ReplicaStatus
@@ -107,21 +114,6 @@ __all__ = ["Discovery", "HealthTrack", "ProbeOutcome", "health_transition"]
 log = logging.getLogger("kvroute.discovery")
 
 _METRICS_OFF_BACKOFF = 30  # rounds to skip after a 404 on /metrics (engine without --enable-metrics)
-_CORE_ONLY = "?include=core"  # /v1/loads' flat figures, without its memory, queue and spec sections
-
-
-def _ranks_listed(doc: object) -> list[int] | None:
-    """The data-parallel ranks a ``/v1/loads`` answer lists (``None``: not such an answer)."""
-    loads = doc.get("loads") if isinstance(doc, dict) else None
-    if not isinstance(loads, list) or not all(isinstance(e, dict) for e in loads):
-        return None
-    ranks = [e.get("dp_rank") for e in loads]
-    return sorted(r for r in ranks if type(r) is int) if all(type(r) is int for r in ranks) else None
-
-
-def _rank_query(r: ReplicaState) -> str:
-    """``/v1/loads``' own filter for a replica that is one data-parallel rank of its engine."""
-    return "" if r.dp_rank is None else f"&dp_rank={r.dp_rank}"
 
 
 class ProbeOutcome(enum.Enum):
@@ -455,7 +447,7 @@ class Discovery:
             return None
         try:
             status, body = await self._client.fetch(
-                r.id, r.url + path + _CORE_ONLY + _rank_query(r), accept="application/json", timeout_s=self._probe_s
+                r.id, r.url + path + v1_loads_query(r.dp_rank), accept="application/json", timeout_s=self._probe_s
             )
         except UpstreamError as exc:
             log.debug("%s of %s failed: %s", path, r.id, exc)
@@ -471,7 +463,7 @@ class Discovery:
             load = load_from_v1_loads(doc, now=now, host=host, dp_rank=r.dp_rank)
         except (MetricsParseError, ValueError) as exc:
             log.debug("bad %s from %s: %s", path, r.id, exc)
-            if r.dp_rank is not None and _ranks_listed(doc) is not None:
+            if r.dp_rank is not None and listed_dp_ranks(doc) is not None:
                 await self._check_rank(r, path)
             return None
         self._rankless.pop(r.id, None)
@@ -484,9 +476,9 @@ class Discovery:
         assert r.dp_rank is not None
         try:
             status, body = await self._client.fetch(
-                r.id, r.url + path + _CORE_ONLY, accept="application/json", timeout_s=self._probe_s
+                r.id, r.url + path + v1_loads_query(), accept="application/json", timeout_s=self._probe_s
             )
-            ranks = _ranks_listed(json.loads(body)) if status == 200 else None
+            ranks = listed_dp_ranks(json.loads(body)) if status == 200 else None
         except (UpstreamError, ValueError):
             return
         if not ranks or r.dp_rank in ranks:

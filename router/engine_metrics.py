@@ -40,9 +40,11 @@ __all__ = [
     "METRICS_EVERY",
     "LoadReadings",
     "MetricsParseError",
+    "listed_dp_ranks",
     "load_from_v1_loads",
     "parse_engine_metrics",
     "scrape_values",
+    "v1_loads_query",
 ]
 
 _PREFIX = "sglang_"
@@ -158,6 +160,22 @@ def _ranks(doc: Any) -> list[Mapping[str, Any]]:
     if not isinstance(ranks, list) or not all(isinstance(r, Mapping) for r in ranks):
         raise MetricsParseError("not a /v1/loads document (no 'loads' list of objects)")
     return ranks
+
+
+def v1_loads_query(dp_rank: int | None = None) -> str:
+    """The query of a ``GET /v1/loads`` for routing: its flat figures only (without the memory,
+    queue and spec sections), and with ``dp_rank`` SGLang's own filter to that rank."""
+    return "?include=core" if dp_rank is None else f"?include=core&dp_rank={dp_rank}"
+
+
+def listed_dp_ranks(doc: Any) -> list[int] | None:
+    """The data-parallel ranks a ``/v1/loads`` answer lists, sorted (``None``: not such an answer)."""
+    try:
+        listed = [r.get("dp_rank") for r in _ranks(doc)]
+    except MetricsParseError:
+        return None
+    ranks = [r for r in listed if type(r) is int]
+    return sorted(ranks) if len(ranks) == len(listed) else None
 
 
 def _finite(v: Any) -> float | None:
