@@ -3,8 +3,9 @@ seam, and the response "sniffer" that learns token counts without touching the b
 itself is ``upstream.py``.
 
 Rules:
-  1. Bodies are forwarded byte for byte: the request body is never re-serialised, the response is
-     relayed chunk by chunk as it arrives, never decompressed and never buffered whole.
+  1. Bodies are forwarded byte for byte: the request body is never re-serialised (a field the engine
+     needs may be spliced in first, :func:`with_first_field`), the response is relayed chunk by chunk
+     as it arrives, never decompressed and never buffered whole.
   2. Hop-by-hop headers (RFC 9110 §7.6.1: Connection, Keep-Alive, Proxy-*, TE, Trailer,
      Transfer-Encoding, Upgrade, and every header named in Connection) are dropped both ways;
      Content-Length and Host are recomputed by the HTTP stack that sends them.
@@ -26,6 +27,8 @@ import orjson
 from router.errors import UpstreamConnectError, UpstreamError
 
 __all__ = [
+    "DP_RANK_FIELD",
+    "DP_RANK_FIELDS",
     "DP_RANK_HEADER",
     "HOP_BY_HOP",
     "ConnectFailure",
@@ -43,9 +46,12 @@ __all__ = [
     "request_drop_set",
     "response_drop_set",
     "usage_from_json",
+    "with_first_field",
 ]
 
 DP_RANK_HEADER = "X-Data-Parallel-Rank"  # SGLang's routed_dp_rank on its OpenAI and Anthropic routes
+DP_RANK_FIELD = "routed_dp_rank"  # and in the body, which native /generate reads alone
+DP_RANK_FIELDS = (b'"routed_dp_rank"', b'"data_parallel_rank"')  # a body naming its rank (or the old alias)
 HOP_BY_HOP = frozenset(
     {
         "connection",
@@ -449,3 +455,23 @@ def _loads(raw: bytes | bytearray) -> Any:
             return json.loads(raw)
         except (ValueError, UnicodeDecodeError):
             return None
+
+
+def with_first_field(body: bytes, name: str, value: object, unless: Sequence[bytes]) -> bytes:
+    """``body`` (a JSON object) with ``"name": value`` added as its first member. Unchanged when the
+    body holds any of ``unless`` (quoted keys: the client's own wins, or the engine refuses the
+    pair; a match inside a string only costs the addition) or is not an object. One copy of the
+    body, no parse."""
+    if any(u in body for u in unless):
+        return body
+    i = 0
+    n = len(body)
+    while i < n and body[i] in b" \t\r\n":
+        i += 1
+    if i >= n or body[i] != 0x7B:  # "{"
+        return body
+    j = i + 1
+    while j < n and body[j] in b" \t\r\n":
+        j += 1
+    sep = b"" if j < n and body[j] == 0x7D else b","  # "{}"
+    return body[: i + 1] + orjson.dumps(name) + b":" + orjson.dumps(value) + sep + body[i + 1 :]

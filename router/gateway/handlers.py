@@ -64,6 +64,8 @@ from router.gateway.background import running_response
 from router.gateway.bodies import body_string, checked_session_id, parse_body
 from router.gateway.engine_sessions import SESSION_ROUTES, EngineSessionCall, engine_session_call
 from router.gateway.forward import (
+    DP_RANK_FIELD,
+    DP_RANK_FIELDS,
     DP_RANK_HEADER,
     UpstreamResponse,
     Usage,
@@ -73,6 +75,7 @@ from router.gateway.forward import (
     request_drop_set,
     response_drop_set,
     usage_from_json,
+    with_first_field,
 )
 from router.gateway.middleware import REQUEST_ID_HEADER, REQUEST_ID_KEY, read_body_limited
 from router.gateway.residency import with_session_id
@@ -129,8 +132,9 @@ INFERENCE_ROUTES = ("/v1/chat/completions", "/v1/completions", "/generate", MESS
 COUNT_TOKENS_ROUTE = "/v1/messages/count_tokens"
 # proxied like inference, but nothing is generated and nothing learnt from the answer
 _CONTROL_ROUTES = (*SESSION_ROUTES, COUNT_TOKENS_ROUTE)
-# where SGLang reads DP_RANK_HEADER (native /generate takes routed_dp_rank in its body only)
+# where SGLang reads DP_RANK_HEADER; native /generate takes its rank in its body only (DP_RANK_FIELD)
 _DP_ROUTES = frozenset({"/v1/chat/completions", "/v1/completions", MESSAGES_ROUTE, RESPONSES_ROUTE})
+_GENERATE_ROUTE = "/generate"
 REPLICA_HEADER = "X-Kvroute-Replica"
 REASON_HEADER = "X-Kvroute-Reason"
 # set by the gateway itself: a client's own values are dropped (X-Forwarded-For is extended)
@@ -593,14 +597,12 @@ class _Proxy:
         session's rendezvous rank. A replica that is one rank of its engine (``dp_rank``) is placed
         by the policy like any other: its rank. ``None``: one rank, no session, or the client
         named a rank itself."""
-        if state is not None and state.dp_rank is not None:
-            if self.req.route not in _DP_ROUTES or any(name.lower() == _DP_RANK_LOWER for name, _ in self.fwd_headers):
-                return None
+        if state is None or self._names_rank():
+            return None
+        if state.dp_rank is not None:
             return state.dp_rank
         key = self.req.session_key
-        if state is None or state.engine.dp_ranks <= 1 or key is None or self.req.route not in _DP_ROUTES:
-            return None
-        if any(name.lower() == _DP_RANK_LOWER for name, _ in self.fwd_headers):
+        if state.engine.dp_ranks <= 1 or key is None:
             return None
         svc = self.rt.residency
         if svc is not None and isinstance(svc.view, ResidencyIndex):
@@ -612,6 +614,14 @@ class _Proxy:
                 return rank
         return hrw_slot(key, state.engine.dp_ranks)
 
+    def _names_rank(self) -> bool:
+        """Whether the rank is not ours to name: a route the engine takes no rank on, or a client
+        that named one (the header, or on ``/generate`` the body)."""
+        route = self.req.route
+        if route == _GENERATE_ROUTE:
+            return any(f in self.body for f in DP_RANK_FIELDS)
+        return route not in _DP_ROUTES or any(name.lower() == _DP_RANK_LOWER for name, _ in self.fwd_headers)
+
     async def _send(self, lease: Lease, target: str, can_retry: bool, dp_rank: int | None = None) -> UpstreamResponse:
         """The request sent, its status line and headers in. A 5xx that may be retried elsewhere is
         raised (with its body, relayed if no retry is left)."""
@@ -621,11 +631,14 @@ class _Proxy:
         tracer = self.rt.tracer
         span = tracer.start("POST", target) if tracer is not None else None
         headers = self.fwd_headers if span is None else [*self.fwd_headers, *span.headers]
-        if dp_rank is not None:
+        body = self._body_for(lease)
+        if dp_rank is not None and self.req.route == _GENERATE_ROUTE:
+            body = with_first_field(body, DP_RANK_FIELD, dp_rank, DP_RANK_FIELDS)
+        elif dp_rank is not None:
             headers = [*headers, (DP_RANK_HEADER, str(dp_rank))]
         t = clock.now()
         try:
-            upstream = await client.send(lease.replica_id, "POST", target, headers, self._body_for(lease))
+            upstream = await client.send(lease.replica_id, "POST", target, headers, body)
         except BaseException as exc:
             if span is not None:
                 span.fail(exc)

@@ -19,11 +19,10 @@ import contextlib
 import logging
 from typing import TYPE_CHECKING, Any
 
-import orjson
-
 from router.config import GatewayConfig
 from router.errors import ConfigError
 from router.eventloop import stop_tasks
+from router.gateway.forward import with_first_field
 from router.residency import OFF, ResidencyIndex, ResidencyView
 from router.store.base import StateStore
 
@@ -179,16 +178,4 @@ def with_session_id(body: bytes, session_id: str) -> bytes:
     the request stores to the session (``BlockStored.session_id``). Unchanged when the body already
     names a ``session_id`` (the client's wins) or uses ``session_params`` (SGLang refuses both), or
     is not an object. Costs one copy of the body, no parse."""
-    if b'"session_id"' in body or b'"session_params"' in body:
-        return body
-    i = 0
-    n = len(body)
-    while i < n and body[i] in b" \t\r\n":
-        i += 1
-    if i >= n or body[i] != 0x7B:  # "{"
-        return body
-    j = i + 1
-    while j < n and body[j] in b" \t\r\n":
-        j += 1
-    sep = b"" if j < n and body[j] == 0x7D else b","  # "{}"
-    return body[: i + 1] + b'"session_id":' + orjson.dumps(session_id) + sep + body[i + 1 :]
+    return with_first_field(body, "session_id", session_id, (b'"session_id"', b'"session_params"'))

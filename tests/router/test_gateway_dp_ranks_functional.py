@@ -10,7 +10,9 @@ import json
 from typing import Any
 
 import aiohttp
+import pytest
 
+from router.gateway.forward import DP_RANK_FIELD, DP_RANK_FIELDS, with_first_field
 from router.gateway.handlers import DP_RANK_HEADER
 from router.policy.hashing import hrw_slot
 from tests.router.conftest import FakeReplica, wait_for
@@ -37,9 +39,17 @@ async def _serve(gateway_factory: Any, replica: FakeReplica, ranks: int) -> Any:
 
 
 def _ranks(replica: FakeReplica) -> list[tuple[str | None, str, list[str]]]:
-    """(session, route, ranks named) of every request the replica saw."""
-    return [(r["headers"].get("Modal-Session-Id"), r["path"], r["headers"].getall(DP_RANK_HEADER, []))
-            for r in replica.state.requests]  # fmt: skip
+    """(session, route, ranks named) of every request the replica saw: in the header, or on native
+    ``/generate`` (which reads no header) in the body's ``routed_dp_rank``."""
+    out = []
+    for r in replica.state.requests:
+        named = r["headers"].getall(DP_RANK_HEADER, [])
+        if r["path"] == "/generate":
+            assert named == []
+            rank = json.loads(r["body"]).get("routed_dp_rank")
+            named = [] if rank is None else [str(rank)]
+        out.append((r["headers"].get("Modal-Session-Id"), r["path"], named))
+    return out
 
 
 async def test_each_session_keeps_one_rank_and_sessions_spread_over_the_ranks(
@@ -56,17 +66,16 @@ async def test_each_session_keeps_one_rank_and_sessions_spread_over_the_ranks(
                     await _post(s, via_dp + route, body, **{"Modal-Session-Id": sid})
                     await _post(s, via_single + route, body, **{"Modal-Session-Id": sid})
         await _post(s, via_dp + "/v1/chat/completions", CHAT, **{"Modal-Session-Id": "mine", DP_RANK_HEADER: "3"})
+        await _post(s, via_dp + "/generate", {"text": "hi", "routed_dp_rank": 3}, **{"Modal-Session-Id": "mine-native"})
     seen = _ranks(dp)
     for sid, route, ranks in seen:
-        if sid == "mine":
+        if sid in ("mine", "mine-native"):
             assert ranks == ["3"]  # a client that names a rank keeps it, alone
-        elif route == "/generate":
-            assert ranks == []  # native /generate reads its rank from the body only: left to the client
-        else:  # every turn of a session on every OpenAI route: the session's own rank
+        else:  # every turn of a session on every route (native /generate in its body): its own rank
             assert ranks == [str(hrw_slot(str(sid), 4))], (sid, route, ranks)
     assert len({ranks[0] for sid, _, ranks in seen if ranks and sid != "mine"}) == 4  # 16 sessions use all 4
     assert all(ranks == [] for _, _, ranks in _ranks(single))  # one rank: nothing to name
-    assert len(seen) == len(_ranks(single)) + 1 == 2 * len(sessions) * len(ROUTES) + 1
+    assert len(seen) == len(_ranks(single)) + 2 == 2 * len(sessions) * len(ROUTES) + 2
     assert not gw_dp.runtime.rank_flights  # every request named to a rank was counted back
 
 
@@ -103,7 +112,7 @@ async def test_with_replica_dp_ranks_each_rank_is_a_replica_placed_by_the_policy
     assert all(len(v) == 1 for v in placed.values()), placed  # one replica (rank) per session
     home = {sid: units.index(next(iter(v))) for sid, v in placed.items()}
     for sid, route, ranks in _ranks(replica):
-        assert ranks == ([] if route == "/generate" else [str(home[str(sid)])]), (sid, route, ranks)
+        assert ranks == [str(home[str(sid)])], (sid, route, ranks)  # /generate: in its body
     assert len(set(home.values())) > 1, home  # the policy spreads them, by each rank's own load
     assert not gw.runtime.rank_flights
 
@@ -138,3 +147,28 @@ async def test_a_rank_the_engine_does_not_have_is_kept_out_of_service_until_it_h
     await wait_for(lambda: are({"dp0": "active", "dp1": "active", "dp2": "down"}), 10)
     replica.state.dp_ranks = 3
     await wait_for(lambda: are({"dp0": "active", "dp1": "active", "dp2": "active"}), 10)
+
+
+@pytest.mark.parametrize(
+    ("body", "want"),
+    [
+        (b'{"text":"hi"}', b'{"routed_dp_rank":2,"text":"hi"}'),
+        (b'\r\n {\t"text":"hi"}', b'\r\n {"routed_dp_rank":2,\t"text":"hi"}'),
+        (b"{}", b'{"routed_dp_rank":2}'),
+        (b"{\n}", b'{"routed_dp_rank":2\n}'),
+        (b'{"text":"hi","routed_dp_rank":0}', b'{"text":"hi","routed_dp_rank":0}'),  # the client's own
+        (b'{"data_parallel_rank":1}', b'{"data_parallel_rank":1}'),  # or its deprecated alias
+        (b'{"text":"say \\"routed_dp_rank\\""}', b'{"routed_dp_rank":2,"text":"say \\"routed_dp_rank\\""}'),
+        (b'{"x":{"routed_dp_rank":1}}', b'{"x":{"routed_dp_rank":1}}'),  # nested: only costs the pin
+        (b'["routed_dp_rank"]', b'["routed_dp_rank"]'),
+        (b"[1]", b"[1]"),
+        (b"\xef\xbb\xbf{}", b"\xef\xbb\xbf{}"),  # not an object to SGLang either
+        (b"", b""),
+        (b"   ", b"   "),
+    ],
+)
+def test_with_first_field_splices_the_rank_into_a_json_object_only(body: bytes, want: bytes) -> None:
+    out = with_first_field(body, DP_RANK_FIELD, 2, DP_RANK_FIELDS)
+    assert out == want
+    if body.strip().startswith(b"{"):
+        assert json.loads(out) == {**json.loads(body), **({} if out == body else {"routed_dp_rank": 2})}

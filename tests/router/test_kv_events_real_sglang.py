@@ -480,6 +480,17 @@ async def test_each_rank_of_a_data_parallel_engine_is_a_replica_of_its_own(dp_se
                 assert holding(sid) == [where], (sid, turn)
         # the working set of what a rank holds weighs in placing the next: both ranks get sessions
         assert set(placed.values()) == set(units), placed
+        # native /generate takes its rank from the body: the gateway puts its replica's rank there
+        text = "a native session on one rank " * 12
+        for turn in range(2):
+            body = {"text": text, "sampling_params": {"max_new_tokens": 4}}
+            async with http.post(gw.url + "/generate", json=body, headers={"Modal-Session-Id": "native-rank"}) as r:
+                assert r.status == 200, await r.text()
+                where = r.headers["X-Kvroute-Replica"]
+                meta = (await r.json())["meta_info"]
+            assert meta["dp_rank"] == units.index(where), (where, meta)
+            if turn:
+                assert meta["cached_tokens"] >= meta["prompt_tokens"] - 1, meta
         assert not gw.runtime.rank_flights
 
 
