@@ -66,7 +66,7 @@ async def _serve_static(n: int) -> None:
         evictable_tokens=300_000, host_used_tokens=0, host_total_tokens=0, cache_hit_rate=0.9,
         gen_throughput=500.0, spec_accept_length=2.0, waiting_tokens=0, decode_sum_seq_lens=200_000,
     )  # fmt: skip
-    exposition = ReplicaMetrics("default", lambda: load, hicache=False).render()
+    exposition = ReplicaMetrics("default", [lambda: load], hicache=False).render()
     rank = {"dp_rank": 0, "num_running_reqs": load.running, "num_waiting_reqs": load.queued,
             "num_waiting_uncached_tokens": 0, "num_used_tokens": load.used_tokens,
             "max_total_num_tokens": load.capacity_tokens, "max_running_requests": 64,

@@ -73,7 +73,12 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--kv-events-config", default=None, metavar="JSON",
                    help="SGLang's KV-event publisher config, e.g. '{\"publisher\":\"zmq\",\"endpoint\":"
                         "\"tcp://*:5557\",\"replay_endpoint\":\"tcp://*:5558\"}'; replica i adds 2i to both "
-                        "ports; a '*' port binds a free one (docs/EMULATOR.md)")
+                        "ports (2i x --dp-size with ranks, rank r publishes on port + r); a '*' port binds a "
+                        "free one (docs/EMULATOR.md)")
+    g.add_argument("--dp-size", type=int, default=1,
+                   help="SGLang's --dp-size: data-parallel schedulers per replica, each with the profile's "
+                        "engine and KV pool; requests go round robin unless they name a rank "
+                        "(X-Data-Parallel-Rank, routed_dp_rank)")
     pf = p.add_argument_group("profile fields (override the chosen profile)")
     for f in _PROFILE_FLAGS:
         t = str(f.type)
@@ -103,15 +108,16 @@ def build_config(ns: argparse.Namespace) -> EmulatorConfig:
         get_load_format=ns.get_load_format,
         startup_delay_s=ns.startup_delay,
         api_key=ns.api_key,
-        kv_events_config=_kv_events(ns.kv_events_config),
+        kv_events_config=_kv_events(ns.kv_events_config, ns.dp_size),
         enable_response_store=ns.enable_response_store,
+        dp_size=ns.dp_size,
     )
 
 
-def _kv_events(raw: str | None) -> str | None:
+def _kv_events(raw: str | None, dp_size: int) -> str | None:
     if raw is None:
         return None
-    KvEventsConfig.from_cli(raw)  # a bad config is a usage error, before anything starts
+    KvEventsConfig.from_cli(raw).check_ranks(dp_size)  # a bad config is a usage error, before anything starts
     return raw
 
 

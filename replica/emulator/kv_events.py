@@ -285,8 +285,21 @@ class KvEventsConfig:
     def enabled(self) -> bool:
         return self.publisher == "zmq"
 
+    def check_ranks(self, dp_size: int) -> None:
+        """Rank r publishes on the endpoint's port + r and replays on the replay port + r (SGLang's
+        layout): with several ranks the ports must be numbers and the two ranges must not meet."""
+        ports = [e.rpartition(":")[2] for e in (self.endpoint, self.replay_endpoint) if e and e.startswith("tcp://")]
+        if dp_size <= 1 or not self.enabled:
+            return
+        if "*" in ports:
+            raise ValueError("--kv-events-config: with more than one data-parallel rank the ports must be numbers "
+                             "(rank r publishes on port + r)")
+        if len(ports) == 2 and ports[0].isdigit() and ports[1].isdigit() and abs(int(ports[0]) - int(ports[1])) < dp_size:
+            raise ValueError(f"--kv-events-config: endpoint and replay_endpoint ports must be at least {dp_size} "
+                             "apart (one port per data-parallel rank each)")
+
     def describe(
-        self, page_size: int, bound: str | None = None, bound_replay: str | None = None
+        self, page_size: int, bound: str | None = None, bound_replay: str | None = None, dp_size: int = 1
     ) -> dict[str, Any] | None:
         """``/server_info.kv_events`` (``describe_kv_events_publisher``): ``None`` unless a tcp
         endpoint is published. ``bound``/``bound_replay``: the endpoints actually bound, whose
@@ -300,7 +313,7 @@ class KvEventsConfig:
             "endpoint_port_base": hp[1],
             "topic": self.topic,
             "block_size": page_size,
-            "dp_size": 1,
+            "dp_size": dp_size,
         }
         rp = _tcp(self.replay_endpoint, bound_replay)
         if rp is not None:

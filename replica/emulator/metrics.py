@@ -83,12 +83,41 @@ def _layout(text: str, n_samples: int) -> list[tuple[str, bool]]:
     return pieces
 
 
+_SCHEDULER_GAUGES: tuple[tuple[str, str, Callable[[EngineLoad], float]], ...] = (
+    ("num_running_reqs", "The number of running requests.", lambda x: x.running),
+    ("num_queue_reqs", "The number of requests in the waiting queue.", lambda x: x.queued),
+    ("gen_throughput", "The generation throughput (token/s).", lambda x: x.gen_throughput),
+    ("cache_hit_rate", "The prefix cache hit rate.", lambda x: x.cache_hit_rate),
+    ("token_usage", "The token usage.", lambda x: x.token_usage),
+    ("num_used_tokens", "The number of used tokens.", lambda x: x.used_tokens),
+    ("kv_used_tokens", "Number of locked (in-use) token slots in the KV cache pool.",
+     lambda x: x.used_tokens - x.evictable_tokens),
+    ("kv_evictable_tokens", "Number of evictable (radix-cached) token slots in the KV cache pool.",
+     lambda x: x.evictable_tokens),
+    ("kv_available_tokens", "Number of free token slots in the KV cache pool.",
+     lambda x: x.capacity_tokens - x.used_tokens),
+    ("max_total_num_tokens", "Maximum total number of tokens in the KV cache pool.", lambda x: x.capacity_tokens),
+    ("decode_sum_seq_lens", "The sum of all sequence lengths in the decode batch.", lambda x: x.decode_sum_seq_lens),
+    ("spec_accept_length",
+     "Mean acceptance length of speculative decoding (accepted drafts + bonus token per forward).",
+     lambda x: x.spec_accept_length),
+    ("hicache_host_used_tokens", "Number of tokens currently used in the host KV cache.",
+     lambda x: x.host_used_tokens),
+    ("hicache_host_total_tokens", "Total capacity of the host KV cache in tokens.", lambda x: x.host_total_tokens),
+)
+"""The scheduler's gauges: (name, help, the figure of the rank's load); ``hicache_*`` with a host tier only."""
+
+
 class ReplicaMetrics(Collector):
     """Counters the HTTP shell bumps, plus gauges pulled from ``load_fn`` at scrape time."""
 
-    def __init__(self, model_name: str, load_fn: Callable[[], EngineLoad], hicache: bool, tp_size: int = 1) -> None:
+    def __init__(
+        self, model_name: str, load_fns: Sequence[Callable[[], EngineLoad]], hicache: bool, tp_size: int = 1
+    ) -> None:
+        """``load_fns``: each data-parallel rank's load; with more than one, the scheduler's series
+        carry a ``dp_rank`` label, as SGLang's (the tokenizer's request series do not)."""
         self.model_name = model_name
-        self._load_fn = load_fn
+        self._load_fns = list(load_fns)
         self._hicache = hicache
         self._tp_size = tp_size
         self.prompt_tokens = {"true": 0, "false": 0}
@@ -99,8 +128,8 @@ class ReplicaMetrics(Collector):
         self.ttft = {"true": Histogram(TTFT_BUCKETS), "false": Histogram(TTFT_BUCKETS)}
         self.e2e = {"true": Histogram(E2E_BUCKETS), "false": Histogram(E2E_BUCKETS)}
         # each request's wait from entering the queue to its first prefill forward (admission), as
-        # SGLang's scheduler observes it once per request; labelled like the scheduler's gauges
-        self.queue_time = Histogram(QUEUE_BUCKETS)
+        # SGLang's scheduler observes it once per request; per rank, labelled like its gauges
+        self.queue_time = [Histogram(QUEUE_BUCKETS) for _ in self._load_fns]
         self.http_active: dict[tuple[str, str], int] = {}
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(self)
@@ -128,44 +157,27 @@ class ReplicaMetrics(Collector):
 
     def collect(self) -> Iterator[Metric]:
         m = self.model_name
+        dp = len(self._load_fns) > 1
         sched_labels = ["engine_type", "model_name", "moe_ep_rank", "pp_rank", "tp_rank"]
-        sched_vals = ["unified", m, "0", "0", "0"]
-        load = self._load_fn()
-        gauges: list[tuple[str, str, float]] = [
-            ("num_running_reqs", "The number of running requests.", load.running),
-            ("num_queue_reqs", "The number of requests in the waiting queue.", load.queued),
-            ("gen_throughput", "The generation throughput (token/s).", load.gen_throughput),
-            ("cache_hit_rate", "The prefix cache hit rate.", load.cache_hit_rate),
-            ("token_usage", "The token usage.", load.token_usage),
-            ("num_used_tokens", "The number of used tokens.", load.used_tokens),
-            ("kv_used_tokens", "Number of locked (in-use) token slots in the KV cache pool.",
-             load.used_tokens - load.evictable_tokens),
-            ("kv_evictable_tokens", "Number of evictable (radix-cached) token slots in the KV cache pool.",
-             load.evictable_tokens),
-            ("kv_available_tokens", "Number of free token slots in the KV cache pool.",
-             load.capacity_tokens - load.used_tokens),
-            ("max_total_num_tokens", "Maximum total number of tokens in the KV cache pool.", load.capacity_tokens),
-            ("decode_sum_seq_lens", "The sum of all sequence lengths in the decode batch.", load.decode_sum_seq_lens),
-            ("spec_accept_length",
-             "Mean acceptance length of speculative decoding (accepted drafts + bonus token per forward).",
-             load.spec_accept_length),
+        if dp:
+            sched_labels.insert(0, "dp_rank")
+        ranks = [
+            ([str(i)] if dp else [], ["unified", m, "0", "0", "0"], fn()) for i, fn in enumerate(self._load_fns)
         ]
-        if self._hicache:
-            gauges += [
-                ("hicache_host_used_tokens", "Number of tokens currently used in the host KV cache.",
-                 load.host_used_tokens),
-                ("hicache_host_total_tokens", "Total capacity of the host KV cache in tokens.", load.host_total_tokens),
-            ]
-        for name, doc, value in gauges:
+        for name, doc, value_of in _SCHEDULER_GAUGES:
+            if name.startswith("hicache_") and not self._hicache:
+                continue
             g = GaugeMetricFamily(f"sglang:{name}", doc, labels=sched_labels)
-            g.add_metric(sched_vals, float(value))
-            if name == "max_total_num_tokens":  # every TP rank reports the pool they share (a real --tp-size 2)
-                for rank in range(1, self._tp_size):
-                    g.add_metric([*sched_vals[:-1], str(rank)], float(value))
+            for rank_label, sched_vals, load in ranks:
+                g.add_metric([*rank_label, *sched_vals], float(value_of(load)))
+                if name == "max_total_num_tokens":  # every TP rank reports the pool they share (a real --tp-size 2)
+                    for tp in range(1, self._tp_size):
+                        g.add_metric([*rank_label, *sched_vals[:-1], str(tp)], float(value_of(load)))
             yield g
         h = HistogramMetricFamily("sglang:queue_time_seconds", "Histogram of queueing time in seconds.",
                                   labels=sched_labels)
-        h.add_metric(sched_vals, self.queue_time.buckets(), self.queue_time.total)
+        for (rank_label, sched_vals, _), hist in zip(ranks, self.queue_time, strict=True):
+            h.add_metric([*rank_label, *sched_vals], hist.buckets(), hist.total)
         yield h
 
         req_labels = ["engine_type", "is_streaming", "model_name"]

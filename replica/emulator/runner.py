@@ -65,8 +65,8 @@ async def start_emulators(
             port = 0 if base_port == 0 else base_port + i
             name = f"replica-{first_index + i}"
             kv = base.kv_events_config
-            if kv is not None:  # each replica publishes on its own ports
-                kv = kv_events_for_replica(kv, first_index + i)
+            if kv is not None:  # each replica publishes on its own ports, one per rank
+                kv = kv_events_for_replica(kv, first_index + i, stride=2 * base.dp_size)
             cfg = dataclasses.replace(base, name=name, host=host, port=port, kv_events_config=kv)
             app = make_emulator_app(cfg)
             runner = web.AppRunner(app, access_log=None, handle_signals=False)

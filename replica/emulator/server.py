@@ -45,7 +45,7 @@ from replica.emulator.kv_events import Source as KvSource
 from replica.emulator.metrics import CONTENT_TYPE, ReplicaMetrics
 from replica.emulator.profiles import Profile
 from replica.emulator.sessions import Continuation, SessionError, SessionParams, SessionTable
-from replica.emulator.timemodel import EngineRequest, Finished, FirstToken, ReplicaEngine, Started
+from replica.emulator.timemodel import EngineLoad, EngineRequest, Finished, FirstToken, ReplicaEngine, Started
 from replica.emulator.tokenizer import (
     BYTES_PER_TOKEN,
     ChainMemo,
@@ -63,6 +63,7 @@ from replica.emulator.tokenizer import (
 __all__ = ["REPLICA_KEY", "EmulatorConfig", "Faults", "Replica", "make_emulator_app"]
 
 SGLANG_VERSION = "0.5.23"
+DP_RANK_HEADER = "X-Data-Parallel-Rank"
 EOS_TOKEN_ID = 163586
 SAMPLING_PARAMS = (
     "max_new_tokens", "stop", "stop_token_ids", "stop_regex", "temperature", "top_p", "top_k", "min_p",
@@ -85,6 +86,9 @@ class EmulatorConfig:
         the default), ``sglang`` (older 0.5.x array, what sglang-router's power_of_two polls) or
         ``vllm`` (``{"load": N}``).
     startup_delay_s: ``/health`` answers 503 this long (wall) after start.
+    dp_size: SGLang's ``--dp-size``: that many schedulers behind the one port, each with the
+        profile's engine and KV pool (on GPUs each rank has devices of its own), its own KV-event
+        publisher (port + rank), its own ``/v1/loads`` entry and ``dp_rank`` metric labels.
     enable_response_store: SGLang's ``--enable-response-store``: ``/v1/responses`` keeps responses
         in memory (``previous_response_id``, ``background``, GET and cancel of a stored response;
         ``responses.py`` Rule 3); off, they are refused as SGLang refuses them by default.
@@ -108,10 +112,13 @@ class EmulatorConfig:
     max_body_bytes: int = 64 * 1024 * 1024
     kv_events_config: str | None = None  # SGLang's --kv-events-config JSON (replica/emulator/kv_events.py)
     enable_response_store: bool = False
+    dp_size: int = 1  # SGLang's --dp-size: schedulers behind one port, each a profile's engine and cache
 
     def __post_init__(self) -> None:
         if self.time_scale <= 0:
             raise ValueError("time_scale must be > 0")
+        if not 1 <= self.dp_size <= 64:
+            raise ValueError("dp_size must be 1-64")
         if self.get_load_format not in {"sglang", "vllm", "off"}:
             raise ValueError("get_load_format must be sglang, vllm or off")
         if self.stream_interval < 0 or self.default_max_tokens < 0 or self.min_chunk_interval_s < 0:
@@ -168,12 +175,14 @@ class _ClientError(Exception):
     """
 
     def __init__(
-        self, message: str, status: int = 400, plain: bool = False, stage: str | None = None
+        self, message: str, status: int = 400, plain: bool = False, stage: str | None = None,
+        type_: str = "BadRequestError",
     ) -> None:
         super().__init__(message)
         self.status = status
         self.plain = plain
         self.stage = stage
+        self.type_ = type_  # the OpenAI routes' error ``type``
 
 
 @dataclass(slots=True)
@@ -194,11 +203,13 @@ class _Parsed:
     top_logprobs: int = 0
     # an engine-session request (``session_params``): where it goes in its session
     continuation: Continuation | None = None
+    dp_rank: int | None = None  # the rank it named (``routed_dp_rank``, ``X-Data-Parallel-Rank``)
 
 
 class _Flight:
     __slots__ = (
-        "cached_device", "cached_host", "done", "finished", "first", "first_t", "is_health", "n_out", "prompt",
+        "cached_device", "cached_host", "done", "dp_rank", "finished", "first", "first_t", "is_health", "n_out",
+        "prompt",
         "rid", "session", "stream", "submit_model",
     )
 
@@ -216,23 +227,22 @@ class _Flight:
         self.done = asyncio.Event()
         self.is_health = False
         self.session: str | None = None  # the engine session it belongs to (``session_params``)
+        self.dp_rank = 0  # the scheduler running it
 
     @property
     def cached(self) -> int:
         return self.cached_device + self.cached_host
 
 
-class Replica:
-    """One emulated replica: engine + model clock + in-flight requests + metrics + faults."""
+class _Rank:
+    """One data-parallel scheduler of the replica: a radix cache, an engine over it, and with KV
+    events a recorder and a publisher (at ``endpoint`` port + ``dp_rank``, as SGLang's)."""
 
-    def __init__(self, config: EmulatorConfig) -> None:
-        self.config = config
-        prof = config.profile
-        # KV events (SGLang's --kv-events-config): the cache's listener queues them, poll() publishes
-        self.kv_config = None if config.kv_events_config is None else KvEventsConfig.from_cli(config.kv_events_config)
-        self.kv_recorder = (
-            KvEventRecorder(prof.page_size) if self.kv_config is not None and self.kv_config.enabled else None
-        )
+    __slots__ = ("cache", "dp_rank", "engine", "kv_publisher", "kv_recorder")
+
+    def __init__(self, prof: Profile, dp_rank: int, kv_config: KvEventsConfig | None) -> None:
+        self.dp_rank = dp_rank
+        self.kv_recorder = KvEventRecorder(prof.page_size) if kv_config is not None and kv_config.enabled else None
         self.kv_publisher: KvEventsPublisher | None = None
         self.cache = PrefixCache(
             prof.capacity_tokens,
@@ -242,7 +252,32 @@ class Replica:
             listener=self.kv_recorder,
         )
         self.engine = ReplicaEngine(prof, self.cache)
-        self.metrics = ReplicaMetrics(config.model_name, self.engine.load, prof.host_tokens > 0, prof.tp_size)
+
+    def publish_kv_events(self) -> None:
+        if self.kv_recorder is not None and self.kv_publisher is not None:
+            self.kv_publisher.publish(self.kv_recorder.take())
+
+
+class Replica:
+    """One emulated replica: ``dp_size`` schedulers (``_Rank``: engine + cache each) behind one
+    model clock, in-flight requests, metrics and faults.
+
+    Without a rank named (``routed_dp_rank``, ``X-Data-Parallel-Rank``) a request goes to the
+    next rank round robin, SGLang's default ``--load-balance-method``; health checks keep a round
+    robin of their own, as SGLang's DataParallelController does.
+    """
+
+    def __init__(self, config: EmulatorConfig) -> None:
+        self.config = config
+        prof = config.profile
+        # KV events (SGLang's --kv-events-config): each rank's cache queues them, poll() publishes
+        self.kv_config = None if config.kv_events_config is None else KvEventsConfig.from_cli(config.kv_events_config)
+        if self.kv_config is not None:
+            self.kv_config.check_ranks(config.dp_size)
+        self.ranks = [_Rank(prof, r, self.kv_config) for r in range(config.dp_size)]
+        self.metrics = ReplicaMetrics(
+            config.model_name, [r.engine.load for r in self.ranks], prof.host_tokens > 0, prof.tp_size
+        )
         self.faults = Faults()
         self.chains = ChainMemo()
         self.flights: dict[str, _Flight] = {}
@@ -259,6 +294,21 @@ class Replica:
         self._anchor_model = 0.0
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        self._round_robin = 0
+        self._health_round_robin = 0
+
+    # rank 0's parts (the only rank unless ``dp_size`` > 1), for callers that know one rank
+    @property
+    def engine(self) -> ReplicaEngine:
+        return self.ranks[0].engine
+
+    @property
+    def cache(self) -> PrefixCache:
+        return self.ranks[0].cache
+
+    @property
+    def kv_publisher(self) -> KvEventsPublisher | None:
+        return self.ranks[0].kv_publisher
 
     # ---- model clock ---------------------------------------------------------------------
     def model_now(self) -> float:
@@ -276,38 +326,39 @@ class Replica:
 
     # ---- engine driving ------------------------------------------------------------------
     def poll(self) -> None:
-        evs = self.engine.advance(self.model_now())
-        if self.kv_recorder is not None:
-            self.publish_kv_events()
-        for ev in evs:
-            fl = self.flights.get(ev.rid)
-            if fl is None:
-                continue
-            if isinstance(ev, Started):
-                fl.cached_device, fl.cached_host = ev.cached_device, ev.cached_host
-                if not fl.is_health:
-                    self.metrics.queue_time.observe(ev.t - fl.submit_model)
-            elif isinstance(ev, FirstToken):
-                fl.first_t = ev.t
-                fl.first.set()
-            elif isinstance(ev, Finished):
-                self._finish(fl, ev)
+        now = self.model_now()
+        for rank in self.ranks:
+            evs = rank.engine.advance(now)
+            rank.publish_kv_events()
+            for ev in evs:
+                fl = self.flights.get(ev.rid)
+                if fl is None:
+                    continue
+                if isinstance(ev, Started):
+                    fl.cached_device, fl.cached_host = ev.cached_device, ev.cached_host
+                    if not fl.is_health:
+                        self.metrics.queue_time[rank.dp_rank].observe(ev.t - fl.submit_model)
+                elif isinstance(ev, FirstToken):
+                    fl.first_t = ev.t
+                    fl.first.set()
+                elif isinstance(ev, Finished):
+                    self._finish(fl, ev)
 
     def _output_bytes(self, fl: _Flight, tokens: int) -> bytes:
         """The first ``tokens`` output tokens of ``fl`` as the client sees them (4 bytes a token)."""
         return output_text(fl.n_out, _text_seed(fl.rid)).encode()[: tokens * BYTES_PER_TOKEN]
 
     def publish_kv_events(self) -> None:
-        """One batch with what the cache reported since the last one (one per engine step run)."""
-        if self.kv_recorder is not None and self.kv_publisher is not None:
-            self.kv_publisher.publish(self.kv_recorder.take())
+        """One batch per rank with what its cache reported since the last one."""
+        for rank in self.ranks:
+            rank.publish_kv_events()
 
     def _finish(self, fl: _Flight, ev: Finished) -> None:
         fl.finished = ev
         fl.first.set()
         fl.done.set()
         del self.flights[fl.rid]
-        self.engine.forget(fl.rid)
+        self.ranks[fl.dp_rank].engine.forget(fl.rid)
         if fl.session is not None:  # its output is now history a later request can continue
             self.engine_sessions.finish(fl.session, fl.rid, self._output_bytes(fl, ev.completion_tokens))
         if fl.is_health:
@@ -331,9 +382,9 @@ class Replica:
         loop = asyncio.get_running_loop()
         while True:
             self.poll()
-            nt = self.engine.next_event_time()
+            times = [t for r in self.ranks if (t := r.engine.next_event_time()) is not None]
             self._wake.clear()
-            handle = None if nt is None else loop.call_later(self.wall_delay(nt), self._wake.set)
+            handle = loop.call_later(self.wall_delay(min(times)), self._wake.set) if times else None
             try:
                 await self._wake.wait()
             finally:
@@ -341,10 +392,11 @@ class Replica:
                     handle.cancel()
 
     def start(self) -> None:
-        if self.kv_recorder is not None and self.kv_config is not None:
-            self.kv_publisher = KvEventsPublisher(self.kv_config)
-            self.kv_publisher.start()
-            self.publish_kv_events()  # the cache's creation: AllBlocksCleared is sequence 0, as in SGLang
+        if self.kv_config is not None and self.kv_config.enabled:
+            for rank in self.ranks:
+                rank.kv_publisher = KvEventsPublisher(self.kv_config, rank.dp_rank)
+                rank.kv_publisher.start()
+                rank.publish_kv_events()  # the cache's creation: AllBlocksCleared is sequence 0, as in SGLang
         self._task = asyncio.get_running_loop().create_task(self.run(), name=f"emulator-{self.config.name}")
         self.status = "ready"
 
@@ -362,10 +414,22 @@ class Replica:
                 await self._task
             except asyncio.CancelledError:
                 pass
-        if self.kv_publisher is not None:
-            self.publish_kv_events()
-            await self.kv_publisher.close()
-            self.kv_publisher = None
+        for rank in self.ranks:
+            if rank.kv_publisher is not None:
+                rank.publish_kv_events()
+                await rank.kv_publisher.close()
+                rank.kv_publisher = None
+
+    def rank_for(self, dp_rank: int | None, is_health: bool = False) -> _Rank:
+        """The rank a request named, else the next one round robin (SGLang's DataParallelController)."""
+        n = len(self.ranks)
+        if dp_rank is not None:  # the parsers refused one out of range (_routed_dp_rank)
+            return self.ranks[dp_rank if n > 1 else 0]
+        if is_health:
+            i, self._health_round_robin = self._health_round_robin, (self._health_round_robin + 1) % n
+        else:
+            i, self._round_robin = self._round_robin, (self._round_robin + 1) % n
+        return self.ranks[i]
 
     def submit(self, parsed: _Parsed, stream: bool, is_health: bool = False) -> _Flight:
         prof = self.config.profile
@@ -389,11 +453,13 @@ class Replica:
         fl.is_health = is_health
         if parsed.rid in self.flights:
             raise _ClientError(f"Duplicate request ID {parsed.rid}")
+        rank = self.rank_for(parsed.dp_rank, is_health)
+        fl.dp_rank = rank.dp_rank
         owner = None
-        if self.kv_recorder is not None:  # the tokens of the blocks it may store, for the events
+        if rank.kv_recorder is not None:  # the tokens of the blocks it may store, for the events
             owner = KvSource(raw[: b0 * step] + tail if extra else prompt.data, parsed.session_id)
         try:
-            self.engine.submit(EngineRequest(parsed.rid, prompt.num_tokens, hashes, n_out, extra, owner), now)
+            rank.engine.submit(EngineRequest(parsed.rid, prompt.num_tokens, hashes, n_out, extra, owner), now)
         except ValueError as exc:
             raise _ClientError(str(exc)) from None
         self.flights[parsed.rid] = fl
@@ -408,7 +474,10 @@ class Replica:
         return fl
 
     def abort(self, rid: str) -> bool:
-        ok = self.engine.abort(rid, self.model_now())
+        fl = self.flights.get(rid)
+        ranks = self.ranks if fl is None else [self.ranks[fl.dp_rank]]
+        now = self.model_now()
+        ok = any(r.engine.abort(rid, now) for r in ranks)  # a request id is on one rank at most
         self.poll()
         self._wake.set()
         return ok
@@ -416,8 +485,19 @@ class Replica:
     def state(self) -> dict[str, Any]:
         self.poll()
         self.engine_sessions.reap(self.model_now())
-        load = self.engine.load()
-        st = self.cache.stats()
+        loads = [r.engine.load() for r in self.ranks]
+        ranks = []
+        for r, load in zip(self.ranks, loads, strict=True):
+            st = r.cache.stats()
+            ranks.append({
+                "dp_rank": r.dp_rank,
+                "load": dataclasses.asdict(load),
+                "cache": {**dataclasses.asdict(st), "hit_rate": st.hit_rate},
+                "kv_events": None if r.kv_publisher is None else {
+                    **r.kv_publisher.stats(), "recorder_blocks": r.kv_recorder.blocks if r.kv_recorder else 0,
+                },
+            })
+        running, queued = sum(x.running for x in loads), sum(x.queued for x in loads)
         return {
             "name": self.config.name,
             "status": self.status,
@@ -426,19 +506,18 @@ class Replica:
             "time_scale": self.config.time_scale,
             "token_unit": self.config.token_unit,
             "model_time": self.model_now(),
-            "running": load.running,
-            "queued": load.queued,
-            "in_flight": load.running + load.queued,
+            "dp_size": len(self.ranks),
+            "running": running,
+            "queued": queued,
+            "in_flight": running + queued,
             "requests_served": self.served,
             "requests_aborted": self.metrics.aborted,
             "sessions_seen": len(self.sessions),
             "engine_sessions_open": len(self.engine_sessions),
             "cpu_s": time.process_time(),  # this process's CPU (all replicas in it): for `kvroute bench emulator`
-            "load": dataclasses.asdict(load),
-            "cache": {**dataclasses.asdict(st), "hit_rate": st.hit_rate},
-            "kv_events": None if self.kv_publisher is None else {
-                **self.kv_publisher.stats(), "recorder_blocks": self.kv_recorder.blocks if self.kv_recorder else 0,
-            },
+            # one rank: its load, cache and events at the top level, as before ranks were modelled
+            **({k: v for k, v in ranks[0].items() if k != "dp_rank"} if len(ranks) == 1 else {}),
+            "ranks": ranks,
             "faults": self.faults.to_json(),
         }
 
@@ -630,6 +709,29 @@ def _int_field(body: dict[str, Any], key: str, minimum: int = 0) -> int | None:
     return v
 
 
+def _routed_dp_rank(body: dict[str, Any], request: web.Request, cfg: EmulatorConfig, header: bool) -> int | None:
+    """The rank a request names: ``routed_dp_rank`` (or its deprecated alias ``data_parallel_rank``)
+    in the body, overridden on the OpenAI-style routes (``header``) by ``X-Data-Parallel-Rank``.
+    The tokenizer manager refuses a rank the engine lacks; rank 0 of an engine without DP is
+    ignored."""
+    rank = _lax_int(body, "routed_dp_rank")
+    if rank is None:
+        rank = _lax_int(body, "data_parallel_rank")
+    value = request.headers.get(DP_RANK_HEADER) if header else None
+    if value is not None:
+        try:
+            rank = int(value)
+        except ValueError:
+            raise _ClientError(
+                f"Invalid X-Data-Parallel-Rank header: must be an integer, got '{value}'", type_="400"
+            ) from None
+    if rank is None or (cfg.dp_size <= 1 and rank == 0):
+        return None
+    if not 0 <= rank < cfg.dp_size:
+        raise _ClientError(f"routed_dp_rank={rank} out of range [0, {cfg.dp_size})", stage="tokenizer")
+    return rank
+
+
 # roles SGLang's ChatCompletionRequest takes (its message union refuses any other)
 _CHAT_ROLES = frozenset({"system", "user", "assistant", "tool", "function", "developer"})
 
@@ -776,6 +878,7 @@ def _parse_openai(
     """``serving_chat`` False: a chat body another API built (``/v1/responses``), which skips
     serving_chat's own ``max_completion_tokens`` bound and goes straight to the engine's checks."""
     n, logprobs, top_logprobs = _openai_sampling_extras(body, chat)
+    dp_rank = _routed_dp_rank(body, request, cfg, header=True)
     if chat:
         if body.get("input_ids") is not None:
             prompt = _ids_prompt(body["input_ids"])
@@ -845,6 +948,7 @@ def _parse_openai(
         n=n,
         logprobs=logprobs,
         top_logprobs=top_logprobs,
+        dp_rank=dp_rank,
     )
 
 
@@ -912,6 +1016,7 @@ def _parse_generate(
         raise _ClientError(f"invalid type: {kind}, expected i64", plain=True)
     if mnt is not None and mnt < 0:
         raise _max_new_tokens_error(mnt)
+    dp_rank = _routed_dp_rank(body, request, cfg, header=False)
     session = _session_params(body)
     if prompt.num_tokens == 0 and session is None:  # in a session the history may be the whole prompt
         raise _ClientError("The input is empty")
@@ -940,10 +1045,26 @@ def _parse_generate(
         logprobs=bool(body.get("return_logprob")),
         top_logprobs=max(0, t) if isinstance(t := body.get("top_logprobs_num"), int) else 0,
         continuation=cont,
+        dp_rank=dp_rank,
     )
 
 
 # ---- the app ---------------------------------------------------------------------------------
+
+
+def _loads_prometheus(docs: list[dict[str, Any]]) -> str:
+    """``/v1/loads?format=prometheus`` as SGLang renders it: a ``# TYPE`` line per figure, then one
+    gauge per rank labelled by ``dp_rank`` only (``memory`` and ``queues`` flattened by prefix)."""
+    series: dict[str, list[str]] = {}
+    for d in docs:
+        flat = {k: v for k, v in d.items() if k not in ("dp_rank", "memory", "queues", "speculative")}
+        for section in ("memory", "queues"):
+            if isinstance(d.get(section), dict):
+                flat.update({f"{section}_{k}": v for k, v in d[section].items()})
+        for k, v in flat.items():
+            if isinstance(v, int | float) and not isinstance(v, bool):
+                series.setdefault(k, []).append(f'sglang_{k}{{dp_rank="{d["dp_rank"]}"}} {v}')
+    return "".join(f"# TYPE sglang_{k} gauge\n" + "".join(f"{ln}\n" for ln in lines) for k, lines in series.items())
 
 
 class _Handlers:
@@ -1034,7 +1155,7 @@ class _Handlers:
         })
         if fl.cached:
             meta["cached_tokens_details"] = {"device": fl.cached_device, "host": fl.cached_host}
-        meta["dp_rank"] = None
+        meta["dp_rank"] = fl.dp_rank if self.cfg.dp_size > 1 else None
         if fin is not None:
             if fin.reason == "abort":
                 meta["finish_reason"] = {"type": "abort", "message": "Abort request", "status_code": None,
@@ -1155,7 +1276,7 @@ class _Handlers:
     ) -> AsyncGenerator[tuple[int, int, Finished | None]]:
         """Yields (tokens already sent, tokens now, Finished on the last item) at decode steps."""
         rep = self.rep
-        engine = rep.engine
+        engine = rep.ranks[fl.dp_rank].engine
         await fl.first.wait()
         interval = self.cfg.stream_interval
         min_gap = self.cfg.min_chunk_interval_s
@@ -1299,7 +1420,7 @@ class _Handlers:
                 return _validation_response(exc)
             if exc.stage == "scheduler" and body.get("stream"):
                 return await self._scheduler_refusal_stream(request, body, "chat.completion.chunk", exc)
-            return _openai_error(str(exc), exc.status)
+            return _openai_error(str(exc), exc.status, exc.type_)
         model = body.get("model") if isinstance(body.get("model"), str) else "default"
         want_details = bool(body.get("return_cached_tokens_details"))
         want_meta = bool(body.get("return_meta_info"))
@@ -1753,7 +1874,7 @@ class _Handlers:
                 return _validation_response(exc)
             if exc.stage == "scheduler" and body.get("stream"):
                 return await self._scheduler_refusal_stream(request, body, "text_completion", exc)
-            return _openai_error(str(exc), exc.status)
+            return _openai_error(str(exc), exc.status, exc.type_)
         model = body.get("model") if isinstance(body.get("model"), str) else "default"
 
         async def respond(p: _Parsed, fls: list[_Flight]) -> web.StreamResponse:
@@ -1964,12 +2085,14 @@ class _Handlers:
 
     async def server_info(self, request: web.Request) -> web.Response:
         cfg, prof, rep = self.cfg, self.cfg.profile, self.rep
-        load = rep.engine.load()
+        rep.poll()
+        loads = [r.engine.load() for r in rep.ranks]
+        load = loads[0]
         host = prof.host_tokens > 0
         spec = prof.spec_accept_length > 1.0
         args: dict[str, Any] = {
             "model_path": cfg.model_name, "served_model_name": cfg.model_name, "tokenizer_path": cfg.model_name,
-            "host": cfg.host, "port": cfg.port, "tp_size": prof.tp_size, "dp_size": 1, "pp_size": 1, "ep_size": 1,
+            "host": cfg.host, "port": cfg.port, "tp_size": prof.tp_size, "dp_size": cfg.dp_size, "pp_size": 1, "ep_size": 1,
             "context_length": prof.max_context_tokens, "max_running_requests": prof.max_running_requests,
             "max_total_tokens": None, "chunked_prefill_size": max(1, prof.chunked_prefill_size // prof.token_unit),
             "max_prefill_tokens": 16384, "page_size": prof.page_size, "schedule_policy": prof.schedule_policy,
@@ -1983,80 +2106,90 @@ class _Handlers:
             "incremental_streaming_output": cfg.incremental_streaming_output, "weight_version": "default",
             "enable_response_store": cfg.enable_response_store,
             "reasoning_parser": "kimi_k2", "tool_call_parser": "kimi_k2", "disable_radix_cache": False,
-            "api_key": None,
+            "api_key": None, "load_balance_method": "round_robin",
         }
-        internal = {**args, "world_size": prof.tp_size, "effective_max_running_requests_per_dp":
-                    prof.max_running_requests, "last_gen_throughput": load.gen_throughput,
-                    "memory_usage": {"weight": 125.0, "kvcache": 30.0, "graph": 1.2,
-                                     "token_capacity": load.capacity_tokens}}
-        if spec:
-            internal["avg_spec_accept_length"] = prof.spec_accept_length
+        internals = []  # one per rank (each rank's scheduler), as SGLang's
+        for x in loads:
+            internal = {**args, "world_size": prof.tp_size, "effective_max_running_requests_per_dp":
+                        prof.max_running_requests, "last_gen_throughput": x.gen_throughput,
+                        "memory_usage": {"weight": 125.0, "kvcache": 30.0, "graph": 1.2,
+                                         "token_capacity": x.capacity_tokens}}
+            if spec:
+                internal["avg_spec_accept_length"] = prof.spec_accept_length
+            internals.append(internal)
         return _json({
             **args,
             "launch_command": f"kvroute emulate --profile {prof.name} --time-scale {cfg.time_scale}",
-            "status": rep.status, "max_total_num_tokens": load.capacity_tokens,
+            "status": rep.status, "max_total_num_tokens": load.capacity_tokens,  # one rank's pool
             "max_req_input_len": max_req_input_len(prof), "startup_time": rep.startup_time,
             "kv_events_config": rep.kv_config.raw if rep.kv_config is not None else None,
             "kv_events": rep.kv_config.describe(
                 prof.page_size,
                 rep.kv_publisher.bound if rep.kv_publisher else None,
                 rep.kv_publisher.bound_replay if rep.kv_publisher else None,
+                dp_size=cfg.dp_size,
             ) if rep.kv_config is not None else None,
-            "internal_states": [internal], "version": SGLANG_VERSION, "frontend": "python",
+            "internal_states": internals, "version": SGLANG_VERSION, "frontend": "python",
             "emulator": {"name": cfg.name, "profile": dataclasses.asdict(prof), "time_scale": cfg.time_scale,
                          "token_unit": prof.token_unit},
         })
 
-    def _load_doc(self) -> dict[str, Any]:
+    def _load_docs(self) -> list[tuple[dict[str, Any], EngineLoad]]:
+        """Each rank's ``/v1/loads`` entry (``include=core``) and the load it was read from."""
         rep = self.rep
         rep.poll()
-        load = rep.engine.load()
         prof = self.cfg.profile
-        return {
-            "timestamp": time.time(), "dp_rank": 0, "num_running_reqs": load.running,
-            "num_waiting_reqs": load.queued, "num_waiting_uncached_tokens": load.pending_prefill_tokens,
-            "num_used_tokens": load.used_tokens, "num_total_tokens": load.used_tokens + load.waiting_tokens,
-            "num_active_tokens": load.used_tokens + load.waiting_tokens, "num_prealloc_ready_tokens": 0,
-            "max_total_num_tokens": load.capacity_tokens, "max_running_requests": prof.max_running_requests,
-            "token_usage": round(load.token_usage, 6), "gen_throughput": round(load.gen_throughput, 3),
-            "cache_hit_rate": round(load.cache_hit_rate, 6),
-            "utilization": round(min(1.0, load.running / prof.max_running_requests), 6),
-            "total_prefill_uncached_tokens": 0, "total_prefill_busy_us": 0, "decode_moments": None,
-        }
+        out = []
+        for r in rep.ranks:
+            load = r.engine.load()
+            out.append(({
+                "timestamp": time.time(), "dp_rank": r.dp_rank, "num_running_reqs": load.running,
+                "num_waiting_reqs": load.queued, "num_waiting_uncached_tokens": load.pending_prefill_tokens,
+                "num_used_tokens": load.used_tokens, "num_total_tokens": load.used_tokens + load.waiting_tokens,
+                "num_active_tokens": load.used_tokens + load.waiting_tokens, "num_prealloc_ready_tokens": 0,
+                "max_total_num_tokens": load.capacity_tokens, "max_running_requests": prof.max_running_requests,
+                "token_usage": round(load.token_usage, 6), "gen_throughput": round(load.gen_throughput, 3),
+                "cache_hit_rate": round(load.cache_hit_rate, 6),
+                "utilization": round(min(1.0, load.running / prof.max_running_requests), 6),
+                "total_prefill_uncached_tokens": 0, "total_prefill_busy_us": 0, "decode_moments": None,
+            }, load))
+        return out
 
     async def loads(self, request: web.Request) -> web.Response:
-        core = self._load_doc()
-        load = self.rep.engine.load()
         include = set(request.query.get("include", "all").split(","))
-        doc = dict(core)
-        if include & {"all", "memory"}:
-            doc["memory"] = {"weight_gb": 125.0, "kv_cache_gb": 30.0, "graph_gb": 1.2,
-                             "token_capacity": load.capacity_tokens}
-        if include & {"all", "spec"} and load.spec_accept_length > 1.0:
-            a = load.spec_accept_length
-            doc["speculative"] = {"accept_length": a, "accept_rate": round((a - 1) / a, 4)}
-        if include & {"all", "queues"}:
-            doc["queues"] = {"waiting": load.queued, "grammar": 0, "paused": 0, "retracted": 0, "prealloc_ready": 0}
+        want = request.query.get("dp_rank")
+        docs = []
+        for core, load in self._load_docs():
+            if want is not None and want != str(core["dp_rank"]):  # SGLang: a rank it lacks lists nothing
+                continue
+            doc = dict(core)
+            if include & {"all", "memory"}:
+                doc["memory"] = {"weight_gb": 125.0, "kv_cache_gb": 30.0, "graph_gb": 1.2,
+                                 "token_capacity": load.capacity_tokens}
+            if include & {"all", "spec"} and load.spec_accept_length > 1.0:
+                a = load.spec_accept_length
+                doc["speculative"] = {"accept_length": a, "accept_rate": round((a - 1) / a, 4)}
+            if include & {"all", "queues"}:
+                doc["queues"] = {"waiting": load.queued, "grammar": 0, "paused": 0, "retracted": 0,
+                                 "prealloc_ready": 0}
+            docs.append(doc)
         if request.query.get("format") == "prometheus":
-            lines = []
-            for k, v in core.items():
-                if isinstance(v, int | float) and not isinstance(v, bool) and k not in {"timestamp", "dp_rank"}:
-                    lines.append(f'sglang_{k}{{dp_rank="0"}} {float(v)}')
-            return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
+            return web.Response(text=_loads_prometheus(docs), content_type="text/plain")
         return _json({"timestamp": datetime.now(UTC).isoformat(), "version": SGLANG_VERSION,
                       "accelerator": "NVIDIA B200 (emulated)", "num_accelerators": self.cfg.profile.tp_size,
-                      "loads": [doc]})
+                      "loads": docs})
 
     async def get_load(self, request: web.Request) -> web.Response:
         fmt = self.cfg.get_load_format
         if fmt == "off":
             raise web.HTTPNotFound()
-        d = self._load_doc()
+        docs = [d for d, _ in self._load_docs()]
         if fmt == "vllm":
-            return _json({"load": d["num_running_reqs"] + d["num_waiting_reqs"]})
-        return _json([{"dp_rank": 0, "num_reqs": d["num_running_reqs"], "num_waiting_reqs": d["num_waiting_reqs"],
-                       "num_tokens": d["num_used_tokens"], "num_pending_tokens": d["num_waiting_uncached_tokens"],
-                       "ts_tic": d["timestamp"]}])
+            return _json({"load": sum(d["num_running_reqs"] + d["num_waiting_reqs"] for d in docs)})
+        return _json([{"dp_rank": d["dp_rank"], "num_reqs": d["num_running_reqs"],
+                       "num_waiting_reqs": d["num_waiting_reqs"], "num_tokens": d["num_used_tokens"],
+                       "num_pending_tokens": d["num_waiting_uncached_tokens"], "ts_tic": d["timestamp"]}
+                      for d in docs])
 
     async def metrics(self, request: web.Request) -> web.Response:
         self.rep.poll()
@@ -2065,7 +2198,8 @@ class _Handlers:
     async def flush_cache(self, request: web.Request) -> web.Response:
         rep = self.rep
         rep.poll()
-        if rep.engine.load().running or rep.engine.load().queued or not rep.cache.flush():
+        flushed = [r.cache.flush() for r in rep.ranks] if not rep.flights else [False]
+        if not all(flushed):
             return web.Response(status=400, text="Cache not flushed: there are running or waiting requests.\n")
         rep.publish_kv_events()
         return web.Response(text="Cache flushed.\nPlease check backend logs for more details. (When there are "

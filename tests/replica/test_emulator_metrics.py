@@ -21,7 +21,7 @@ _LOAD = EngineLoad(
 @pytest.mark.parametrize("hicache", [False, True])
 def test_render_matches_generate_latest_as_values_and_labels_change(hicache: bool) -> None:
     load = [_LOAD]
-    m = ReplicaMetrics("emulated/m", lambda: load[0], hicache)
+    m = ReplicaMetrics("emulated/m", [lambda: load[0]], hicache)
     steps = [
         lambda: None,
         lambda: m.ttft["true"].observe(0.35),
@@ -45,7 +45,7 @@ def test_render_matches_generate_latest_as_values_and_labels_change(hicache: boo
 def test_every_tp_rank_reports_the_pool_once_and_the_gateway_counts_it_once() -> None:
     """As a real SGLang 0.5.23 with ``--tp-size 2`` (tests/router/fixtures/sglang_metrics_0.5.23_tp2.txt):
     ``max_total_num_tokens`` once per TP rank, every other scheduler gauge from rank 0 only."""
-    text = ReplicaMetrics("emulated/m", lambda: _LOAD, False, tp_size=4).render().decode()
+    text = ReplicaMetrics("emulated/m", [lambda: _LOAD], False, tp_size=4).render().decode()
     pool = [ln for ln in text.splitlines() if ln.startswith("sglang:max_total_num_tokens{")]
     assert [ln.split('tp_rank="')[1][0] for ln in pool] == ["0", "1", "2", "3"]
     assert all(ln.endswith(" 8192.0") for ln in pool)

@@ -376,7 +376,7 @@ async def test_info_endpoints(emu: Running, http: aiohttp.ClientSession) -> None
     async with http.get(f"{emu.url}/v1/loads?include=core") as r:
         assert "memory" not in (await r.json())["loads"][0]
     async with http.get(f"{emu.url}/v1/loads?format=prometheus") as r:
-        assert 'sglang_num_running_reqs{dp_rank="0"} 0.0' in await r.text()
+        assert '# TYPE sglang_num_running_reqs gauge\nsglang_num_running_reqs{dp_rank="0"} 0\n' in await r.text()  # as SGLang: ints as ints
     async with http.get(f"{emu.url}/get_load") as r:
         assert r.status == 404  # as SGLang 0.5.23 (tests/real_sglang checks it against the real one)
     for path in ("/health", "/health_generate", "/ready"):
