@@ -207,8 +207,9 @@ def bench_peers_main(argv: list[str]) -> int:
     )
     p.add_argument(
         "--engine-dp", type=int, default=1, metavar="N",
-        help="real-sglang: each server runs N data-parallel schedulers (--dp-size N, each a KV pool of "
-        "--pool-tokens and its own cache; the engine spreads requests over them round robin unless told a rank); "
+        help="each replica runs N data-parallel schedulers (SGLang's --dp-size N, each its own cache: with "
+        "--fleet real-sglang a KV pool of --pool-tokens; emulated, the profile's engine and pool; the engine "
+        "spreads requests over them round robin unless told a rank); "
         "the peers then run in their own data-parallel modes (sglang-router --dp-aware, vllm-router "
         "--intra-node-data-parallel-size N)",
     )
@@ -268,8 +269,6 @@ def bench_peers_main(argv: list[str]) -> int:
         p.error(f"unknown targets {unknown}; choose from {routers}")
     if ns.engine_dp < 1:
         p.error("--engine-dp must be at least 1")
-    if ns.engine_dp > 1 and ns.fleet != "real-sglang":
-        p.error("--engine-dp needs --fleet real-sglang (the emulator runs one scheduler per replica)")
     if ns.fleet == "real-sglang":
         if ns.engine_set:
             p.error("--engine-set sets the emulated engines' profile; real SGLang servers take their own flags")
@@ -341,7 +340,7 @@ def _fleet(ns: Any) -> Any:
 
 def _fleet_doc(ns: Any) -> dict[str, Any]:
     if ns.fleet != "real-sglang":
-        return {"kind": "emulated", "profile": ns.profile}
+        return {"kind": "emulated", "profile": ns.profile, "dp_size": ns.engine_dp}
     return {
         "kind": "real-sglang", "sglang": "0.5.23", "profile": "sglang-cpu-tiny", "servers": ns.replicas,
         "pool_tokens_each": ns.pool_tokens, "cpu_per_server": 1, "dp_size": ns.engine_dp,
@@ -360,6 +359,7 @@ def _scenario(ns: Any, seed: int) -> Any:
         workload_kind=ns.workload, trace=ns.trace, policy_params=tuple(ns.policy_param), kv_events=ns.kv_events,
         page_size=1 if real else None,  # SGLang's page size on CPU (the ideal caches pages like it)
         engine_set=tuple(ns.engine_set), session_ids=not ns.no_session_id, api=ns.api,
+        dp_size=None if real else ns.engine_dp,  # real engines get theirs from _fleet
     )
 
 

@@ -52,6 +52,26 @@ def free_port(max_port: int = 65535) -> int:
     raise OSError(f"no free port <= {max_port}")
 
 
+def free_port_block(n: int, max_port: int = 65535) -> int:
+    """The first of ``n`` consecutive TCP ports on 127.0.0.1 that are free now (for a publisher per
+    data-parallel rank at port + rank)."""
+    for _ in range(200):
+        base = free_port(max_port - n + 1)
+        socks: list[socket.socket] = []
+        try:
+            for p in range(base, base + n):
+                s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                socks.append(s)
+                s.bind(("127.0.0.1", p))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise OSError(f"no {n} consecutive free ports")
+
+
 @dataclass(slots=True)
 class RunningProcess:
     name: str

@@ -80,6 +80,7 @@ class DemoScenario:
     # (kvroute: rule 7's prefix key, docs/POLICY.md). The measures still group by the driver's sessions.
     session_ids: bool = True
     api: str = "chat"  # the clients' API: chat completions, "messages" (Anthropic's, as Claude Code) or "responses"
+    dp_size: int = 1  # data-parallel ranks per emulated replica (SGLang's --dp-size), each a profile's engine
 
     def emulator_args(self) -> list[str]:
         return [
@@ -88,10 +89,24 @@ class DemoScenario:
             "--token-unit", str(self.token_unit),
             "--set", f"page_size={self.page_size}",
             *([] if self.host_tier else ["--host-capacity-tokens", "0"]),
-            *(["--kv-events-config", KV_EVENTS_CONFIG] if self.kv_events else []),
+            *(["--kv-events-config", self._kv_events_config()] if self.kv_events else []),
+            *(["--dp-size", str(self.dp_size)] if self.dp_size > 1 else []),
             *[arg for kv in self.engine_set for arg in ("--set", kv)],
             *self.extra_emulator_args,
         ]
+
+    def _kv_events_config(self) -> str:
+        """Free ports: ``*`` for one rank; with ranks, rank r of replica i publishes on base + 2·dp·i + r
+        and replays dp ports above (the emulator's layout), so a block of free ports is taken now."""
+        if self.dp_size <= 1:
+            return KV_EVENTS_CONFIG
+        import json
+
+        from loadtests.procs import free_port_block
+
+        base = free_port_block(2 * self.dp_size * self.replicas)
+        return json.dumps({"publisher": "zmq", "endpoint": f"tcp://127.0.0.1:{base}",
+                           "replay_endpoint": f"tcp://127.0.0.1:{base + self.dp_size}"})  # fmt: skip
 
     def engine_overrides(self) -> dict[str, str]:
         """``engine_set`` as profile overrides, parsed as the emulator parses ``--set``."""

@@ -153,6 +153,27 @@ def test_tiny_peers_run(tmp_path: Path) -> None:
         assert len(rows) >= m["requests"] and all(r["ok"] and r["replica"] and r["session_id"] for r in rows)
 
 
+@pytest.mark.slow
+def test_tiny_peers_run_on_emulated_data_parallel_engines(tmp_path: Path) -> None:
+    """``--engine-dp 2`` on the emulated fleet: each emulator runs two ranks, each publishing its own
+    KV events; kvroute places over the four ranks as replicas (``--replica-dp-ranks 2``), the old
+    mode over the two engines (what each is started as: test_kv_events_real_sglang.py)."""
+    proc = subprocess.run(
+        [KVROUTE, "bench", "peers", "--targets", "kvroute,kvroute-engines", "--engine-dp", "2", "--kv-events",
+         "--replicas", "2", "--duration", "3", "--sessions", "6", "--time-scale", "0.05", "--out", str(tmp_path)],
+        check=False, capture_output=True, text=True, timeout=150,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads((tmp_path / "peers.json").read_text())
+    assert doc["fleet"] == {"kind": "emulated", "profile": doc["scenario"]["profile"], "dp_size": 2}
+    assert doc["scenario"]["dp_size"] == 2
+    assert set(doc["results"]) == {"kvroute kv_aware", "kvroute kv_aware (engines as replicas)"}
+    for name, m in doc["results"].items():
+        assert m["requests"] > 5 and m["errors"] == 0 and m["chr"] > 0, name
+        rows = [json.loads(x) for x in requests_path(tmp_path, name).read_text().splitlines()]
+        assert {r["replica"] for r in rows} == {"replica-0", "replica-1"}  # the emulators that answered
+
+
 def test_summarise_seeds_pairs_by_seed() -> None:
     from loadtests.bench_peers import summarise_seeds
 
