@@ -597,12 +597,12 @@ class _Proxy:
         session's rendezvous rank. A replica that is one rank of its engine (``dp_rank``) is placed
         by the policy like any other: its rank. ``None``: one rank, no session, or the client
         named a rank itself."""
-        if state is None or self._names_rank():
-            return None
+        if state is None or (state.dp_rank is None and state.engine.dp_ranks <= 1) or self._names_rank():
+            return None  # (one rank: the body is not scanned)
         if state.dp_rank is not None:
             return state.dp_rank
         key = self.req.session_key
-        if state.engine.dp_ranks <= 1 or key is None:
+        if key is None:
             return None
         svc = self.rt.residency
         if svc is not None and isinstance(svc.view, ResidencyIndex):
