@@ -10,9 +10,7 @@ import json
 from typing import Any
 
 import aiohttp
-import pytest
 
-from router.gateway.forward import DP_RANK_FIELD, DP_RANK_FIELDS, with_first_field
 from router.gateway.handlers import DP_RANK_HEADER
 from router.policy.hashing import hrw_slot
 from tests.router.conftest import FakeReplica, wait_for
@@ -148,27 +146,3 @@ async def test_a_rank_the_engine_does_not_have_is_kept_out_of_service_until_it_h
     replica.state.dp_ranks = 3
     await wait_for(lambda: are({"dp0": "active", "dp1": "active", "dp2": "active"}), 10)
 
-
-@pytest.mark.parametrize(
-    ("body", "want"),
-    [
-        (b'{"text":"hi"}', b'{"routed_dp_rank":2,"text":"hi"}'),
-        (b'\r\n {\t"text":"hi"}', b'\r\n {"routed_dp_rank":2,\t"text":"hi"}'),
-        (b"{}", b'{"routed_dp_rank":2}'),
-        (b"{\n}", b'{"routed_dp_rank":2\n}'),
-        (b'{"text":"hi","routed_dp_rank":0}', b'{"text":"hi","routed_dp_rank":0}'),  # the client's own
-        (b'{"data_parallel_rank":1}', b'{"data_parallel_rank":1}'),  # or its deprecated alias
-        (b'{"text":"say \\"routed_dp_rank\\""}', b'{"routed_dp_rank":2,"text":"say \\"routed_dp_rank\\""}'),
-        (b'{"x":{"routed_dp_rank":1}}', b'{"x":{"routed_dp_rank":1}}'),  # nested: only costs the pin
-        (b'["routed_dp_rank"]', b'["routed_dp_rank"]'),
-        (b"[1]", b"[1]"),
-        (b"\xef\xbb\xbf{}", b"\xef\xbb\xbf{}"),  # not an object to SGLang either
-        (b"", b""),
-        (b"   ", b"   "),
-    ],
-)
-def test_with_first_field_splices_the_rank_into_a_json_object_only(body: bytes, want: bytes) -> None:
-    out = with_first_field(body, DP_RANK_FIELD, 2, DP_RANK_FIELDS)
-    assert out == want
-    if body.strip().startswith(b"{"):
-        assert json.loads(out) == {**json.loads(body), **({} if out == body else {"routed_dp_rank": 2})}

@@ -9,7 +9,7 @@ import asyncio
 import contextlib
 import json
 import random
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import aiohttp
@@ -20,6 +20,7 @@ from replica.emulator.runner import Running, start_emulators, stop_emulators
 from replica.emulator.server import EmulatorConfig
 from router.clock import SystemClock
 from router.config import GatewayConfig
+from router.gateway.forward import DP_RANK_FIELD, DP_RANK_FIELDS, with_first_field
 from router.gateway.residency import with_session_id
 from router.gateway.serve import RunningGateway, make_store, start_gateway
 from router.observability.surface import operator_surface_from_config
@@ -29,24 +30,46 @@ from tests.router.conftest import fast_config, wait_for
 KV = json.dumps({"publisher": "zmq", "endpoint": "tcp://127.0.0.1:*", "replay_endpoint": "tcp://127.0.0.1:*"})
 
 
+def _rank(body: bytes) -> bytes:
+    return with_first_field(body, DP_RANK_FIELD, 2, DP_RANK_FIELDS)
+
+
+def _sid(body: bytes) -> bytes:
+    return with_session_id(body, "s1")
+
+
 @pytest.mark.parametrize(
-    ("body", "want"),
+    ("splice", "body", "want"),
     [
-        (b'{"a":1}', b'{"session_id":"s1","a":1}'),
-        (b'  {\n "a":1}', b'  {"session_id":"s1",\n "a":1}'),
-        (b"{}", b'{"session_id":"s1"}'),
-        (b"{ }", b'{"session_id":"s1" }'),
-        (b'{"session_id":"mine","a":1}', b'{"session_id":"mine","a":1}'),  # the client's own wins
-        (b'{"session_params":{"id":"x"}}', b'{"session_params":{"id":"x"}}'),  # SGLang refuses both
-        (b"[1,2]", b"[1,2]"),
-        (b"", b""),
+        (_sid, b'{"a":1}', b'{"session_id":"s1","a":1}'),
+        (_sid, b'  {\n "a":1}', b'  {"session_id":"s1",\n "a":1}'),
+        (_sid, b"{}", b'{"session_id":"s1"}'),
+        (_sid, b"{ }", b'{"session_id":"s1" }'),
+        (_sid, b'{"session_id":"mine","a":1}', b'{"session_id":"mine","a":1}'),  # the client's own wins
+        (_sid, b'{"session_params":{"id":"x"}}', b'{"session_params":{"id":"x"}}'),  # SGLang refuses both
+        (_sid, b"[1,2]", b"[1,2]"),
+        (_sid, b"", b""),
+        # native /generate's data-parallel rank (router/gateway/handlers.py)
+        (_rank, b'{"text":"hi"}', b'{"routed_dp_rank":2,"text":"hi"}'),
+        (_rank, b'\r\n {\t"text":"hi"}', b'\r\n {"routed_dp_rank":2,\t"text":"hi"}'),
+        (_rank, b"{\n}", b'{"routed_dp_rank":2\n}'),
+        (_rank, b'{"text":"hi","routed_dp_rank":0}', b'{"text":"hi","routed_dp_rank":0}'),  # the client's own
+        (_rank, b'{"data_parallel_rank":1}', b'{"data_parallel_rank":1}'),  # or its deprecated alias
+        (_rank, b'{"text":"say \\"routed_dp_rank\\""}', b'{"routed_dp_rank":2,"text":"say \\"routed_dp_rank\\""}'),
+        (_rank, b'{"x":{"routed_dp_rank":1}}', b'{"x":{"routed_dp_rank":1}}'),  # nested: only costs the pin
+        (_rank, b'["routed_dp_rank"]', b'["routed_dp_rank"]'),
+        (_rank, b"\xef\xbb\xbf{}", b"\xef\xbb\xbf{}"),  # not an object to SGLang either
+        (_rank, b"   ", b"   "),
     ],
 )
-def test_with_session_id(body: bytes, want: bytes) -> None:
-    out = with_session_id(body, "s1")
+def test_a_field_is_spliced_first_into_a_json_object_only(
+    splice: Callable[[bytes], bytes], body: bytes, want: bytes
+) -> None:
+    out = splice(body)
     assert out == want
-    if out.strip().startswith(b"{"):
-        json.loads(out)
+    if out != body:  # what was added is the one field, first, and the rest is the client's
+        field = {"session_id": "s1"} if splice is _sid else {"routed_dp_rank": 2}
+        assert json.loads(out) == {**field, **json.loads(body)} and next(iter(json.loads(out))) == next(iter(field))
 
 
 def test_with_session_id_escapes() -> None:
