@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import json
 
 import pytest
 
@@ -36,8 +37,8 @@ def test_peers_real_fleet_runs_in_real_time_and_needs_the_runtime(
     with pytest.raises(SystemExit) as exc:
         bench_peers_main(["--fleet", "real-sglang", "--time-scale", "0.1"])
     assert exc.value.code == 2 and "real time" in capsys.readouterr().err
-    for args, says in ((["--engine-dp", "2"], "needs --fleet real-sglang"),
-                       (["--fleet", "real-sglang", "--engine-dp", "0"], "at least 1")):  # fmt: skip
+    for args in (["--engine-dp", "0"], ["--fleet", "real-sglang", "--engine-dp", "0"]):
+        says = "at least 1"  # emulated engines have ranks too (kvroute emulate --dp-size)
         with pytest.raises(SystemExit) as exc:
             bench_peers_main(args)
         assert exc.value.code == 2 and says in capsys.readouterr().err
@@ -54,6 +55,7 @@ def test_peers_real_fleet_runs_in_real_time_and_needs_the_runtime(
         api = "chat"
         replicas, sessions, token_unit, time_scale = 2, 40, 40, 1.0
         duration = REAL_DEFAULTS["duration_s"]
+        engine_dp = 1
 
     sc = _scenario(NS, 3)
     assert (sc.replicas, sc.time_scale, sc.token_unit, sc.page_size, sc.seed) == (2, 1.0, 40, 1, 3)
@@ -63,3 +65,10 @@ def test_peers_real_fleet_runs_in_real_time_and_needs_the_runtime(
     assert not sc.session_ids and sc.load_config("http://127.0.0.1:1", ()).session_headers == ()
     NS.api = "responses"  # Codex's clients: the driver speaks the Responses API to every router
     assert _scenario(NS, 3).load_config("http://127.0.0.1:1", ()).api == "responses"
+    assert _scenario(NS, 3).dp_size == 1  # a real fleet's ranks are the servers' own (_fleet)
+    NS.fleet, NS.engine_dp, NS.kv_events = "emulated", 2, True
+    args = _scenario(NS, 3).emulator_args()
+    assert args[args.index("--dp-size") + 1] == "2"
+    kv = json.loads(args[args.index("--kv-events-config") + 1])  # a port per rank: numbers, not "*"
+    ports = [int(kv[k].rpartition(":")[2]) for k in ("endpoint", "replay_endpoint")]
+    assert ports[1] - ports[0] == 2
