@@ -53,6 +53,10 @@ pytestmark = pytest.mark.slow
 POOL = 3000
 PAGES = (1, 16)
 ROLLED = 4
+# a turn finds its previous prompt cached but for the last few tokens: the real tokenizer may merge the
+# end of that prompt with the reply appended after it (seen: 199 of 200); a rank that never held the
+# session would have only the few template tokens every session starts with
+_BPE_SEAM = 3
 
 
 def aligned(n: int, page: int) -> int:
@@ -388,7 +392,7 @@ async def test_a_data_parallel_engine_keeps_each_session_on_its_own_rank(dp_serv
                 d = await _chat(http, gw, sid, msgs, max_tokens=8)
                 u = d["usage"]
                 if last is not None:  # the previous prompt and its answer, but for the answer's last token
-                    assert u["prompt_tokens_details"]["cached_tokens"] >= last["prompt_tokens"], (sid, turn, last, u)
+                    assert u["prompt_tokens_details"]["cached_tokens"] >= last["prompt_tokens"] - _BPE_SEAM, (sid, turn, last, u)
                 last = u
                 msgs = [*msgs, {"role": "assistant", "content": d["choices"][0]["message"]["content"]},
                         {"role": "user", "content": f"and at step {turn}?"}]  # fmt: skip
@@ -472,7 +476,7 @@ async def test_each_rank_of_a_data_parallel_engine_is_a_replica_of_its_own(dp_se
                 assert placed.setdefault(sid, where) == where, (sid, turn)
                 u = d["usage"]
                 if last is not None:
-                    assert u["prompt_tokens_details"]["cached_tokens"] >= last["prompt_tokens"], (sid, turn, last, u)
+                    assert u["prompt_tokens_details"]["cached_tokens"] >= last["prompt_tokens"] - _BPE_SEAM, (sid, turn, last, u)
                 last = u
                 msgs = [*msgs, {"role": "assistant", "content": d["choices"][0]["message"]["content"]},
                         {"role": "user", "content": f"and at step {turn}?"}]  # fmt: skip
