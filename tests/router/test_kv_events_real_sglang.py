@@ -348,7 +348,7 @@ async def test_a_restarted_gateway_finds_a_session_after_the_engines_replay_buff
         assert snap.session is not None and snap.session.resident_tokens is None, snap.session
         assert snap.session.resident_on == () and snap.session.tip_on == (rid,), snap.session
         cached = await _cached_placed_resident(http, second, "real-O", msgs, 2)
-        assert cached >= last["prompt_tokens"] - 1, (cached, last)
+        assert cached >= last["prompt_tokens"] - _BPE_SEAM, (cached, last)
 
 
 async def test_a_data_parallel_engine_keeps_each_session_on_its_own_rank(dp_server: _Server) -> None:
@@ -586,6 +586,6 @@ async def test_each_peer_in_its_own_data_parallel_mode_keeps_a_conversation_on_o
                 d = await r.json()
             usages.append(d["usage"])
             if turn:
-                assert d["usage"]["prompt_tokens_details"]["cached_tokens"] >= usages[-2]["prompt_tokens"], usages
+                assert d["usage"]["prompt_tokens_details"]["cached_tokens"] >= usages[-2]["prompt_tokens"] - _BPE_SEAM, usages
             msgs = [*msgs, {"role": "assistant", "content": d["choices"][0]["message"]["content"]},
                     {"role": "user", "content": f"and at step {turn}?"}]  # fmt: skip
