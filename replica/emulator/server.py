@@ -423,8 +423,8 @@ class Replica:
     def rank_for(self, dp_rank: int | None, is_health: bool = False) -> _Rank:
         """The rank a request named, else the next one round robin (SGLang's DataParallelController)."""
         n = len(self.ranks)
-        if dp_rank is not None:  # the parsers refused one out of range (_routed_dp_rank)
-            return self.ranks[dp_rank if n > 1 else 0]
+        if dp_rank is not None:  # the parsers refused one out of range and ignore 0 without DP (_routed_dp_rank)
+            return self.ranks[dp_rank]
         if is_health:
             i, self._health_round_robin = self._health_round_robin, (self._health_round_robin + 1) % n
         else:
@@ -474,10 +474,8 @@ class Replica:
         return fl
 
     def abort(self, rid: str) -> bool:
-        fl = self.flights.get(rid)
-        ranks = self.ranks if fl is None else [self.ranks[fl.dp_rank]]
-        now = self.model_now()
-        ok = any(r.engine.abort(rid, now) for r in ranks)  # a request id is on one rank at most
+        fl = self.flights.get(rid)  # an unknown id is in no rank's engine either
+        ok = fl is not None and self.ranks[fl.dp_rank].engine.abort(rid, self.model_now())
         self.poll()
         self._wake.set()
         return ok
@@ -2198,8 +2196,8 @@ class _Handlers:
     async def flush_cache(self, request: web.Request) -> web.Response:
         rep = self.rep
         rep.poll()
-        flushed = [r.cache.flush() for r in rep.ranks] if not rep.flights else [False]
-        if not all(flushed):
+        # every rank's cache or none: a running request anywhere refuses it, as in SGLang
+        if rep.flights or not all([r.cache.flush() for r in rep.ranks]):  # noqa: C419 (flush each)
             return web.Response(status=400, text="Cache not flushed: there are running or waiting requests.\n")
         rep.publish_kv_events()
         return web.Response(text="Cache flushed.\nPlease check backend logs for more details. (When there are "
