@@ -135,7 +135,10 @@ async def _serve_in_process(ns: argparse.Namespace, config: EmulatorConfig) -> i
         reps = await start_emulators(ns.replicas, ns.host, ns.base_port, config, first_index=ns.first_index)
     except OSError as exc:  # a port in use, a host not ours: one line, as ``kvroute serve`` says it
         ports = str(ns.base_port) if ns.replicas == 1 else f"{ns.base_port}-{ns.base_port + ns.replicas - 1}"
-        print(f"kvroute emulate: cannot listen on {ns.host}:{ports}: {exc}", file=sys.stderr)
+        # one write: with --processes sibling children share stderr, and print's separate newline
+        # write let two children's lines interleave
+        sys.stderr.write(f"kvroute emulate: cannot listen on {ns.host}:{ports}: {exc}\n")
+        sys.stderr.flush()
         return 1
     try:
         for r in reps:
