@@ -587,9 +587,11 @@ async def test_fault_break_after_chunks(emulators: EmuFactory, http: aiohttp.Cli
     async with emulators(1, time_scale=1.0, min_chunk_interval_s=0.0) as (emu,):
         await post(http, f"{emu.url}/_emulator/faults", {"break_after_chunks": 2})
         got = b""
+        # long enough (~9 s modelled) that a stalled event loop cannot let it finish before the break:
+        # 50 tokens took 0.23 s, and a CI stall of that much left nothing to abort
         with pytest.raises(aiohttp.ClientPayloadError):
             async with http.post(f"{emu.url}/v1/chat/completions",
-                                 json=chat_body([{"role": "user", "content": "a"}], max_tokens=50, stream=True)) as r:
+                                 json=chat_body([{"role": "user", "content": "a"}], max_tokens=2000, stream=True)) as r:
                 assert r.status == 200
                 async for chunk in r.content.iter_any():
                     got += chunk
@@ -599,6 +601,7 @@ async def test_fault_break_after_chunks(emulators: EmuFactory, http: aiohttp.Cli
             return bool((await state(http, emu))["requests_aborted"] == 1)
 
         await wait_for(aborted)
+        assert (await state(http, emu))["requests_served"] == 0
 
 
 async def test_fault_slow_factor(emulators: EmuFactory, http: aiohttp.ClientSession) -> None:
