@@ -17,7 +17,8 @@ Rule 2 (pinning): a running request pins every node on its path (root to its dee
 Rule 3 (LRU order = radix order): when a path is released its nodes are appended to the LRU
         deepest-first, so a parent is always more recent than its children. The LRU front is
         therefore always a leaf; eviction takes blocks from the *tail* of the front node (splitting
-        it if only part is needed), so the cached part of any chain stays a prefix.
+        it if only part is needed), so the cached part of any chain stays a prefix. :meth:`touch`
+        (a waiting request's prefix stamped as used) moves a matched path to the end the same way.
 Rule 4 (host tier): with ``host_capacity_tokens > 0`` evicted device blocks are demoted to the host
         tier (same ordering rule, own capacity; overflow is dropped, again tail first). A lookup
         matches device nodes, then continues on host nodes; host hits are promoted back to the
@@ -246,6 +247,17 @@ class PrefixCache:
     def match(self, hashes: Sequence[int]) -> Match:
         """Longest cached prefix of ``hashes``: device part, then host part. Changes nothing."""
         return self._count(self._walk(hashes if isinstance(hashes, list) else list(hashes)))
+
+    def touch(self, hashes: Sequence[int]) -> Match:
+        """``match``, and the matched path becomes the most recently used (SGLang's radix
+        ``match_prefix`` and ``touch_prefix`` stamp every node they walk): deepest first, so each
+        node stays older than its parent and leaves still go first."""
+        path = self._walk(hashes if isinstance(hashes, list) else list(hashes))
+        for node, _ in reversed(path):
+            lru = self._host_lru if node.host else self._lru
+            if node in lru:  # pinned device nodes are in no LRU
+                lru.move_to_end(node)
+        return self._count(path)
 
     def can_fit(self, match: Match, total_tokens: int) -> bool:
         """Whether a request occupying ``total_tokens`` slots could be admitted after ``match``."""

@@ -34,6 +34,15 @@ Rule 4 (tokens): the last prefill chunk yields the first token (one model token:
         ``spec_accept_length / token_unit`` emulated tokens per request (fractional carry).
 Rule 5 (token_unit): one emulated token stands for ``token_unit`` model tokens; costs are
         computed in model tokens, capacities are reported in emulated tokens.
+Rule 6 (a waiting request's prefix stays recent): a request holds no lock while it waits, so
+        its cached prefix could be evicted for the requests admitted before it. SGLang 0.5.23
+        stamps it as used instead (``SchedulePolicy._touch_waiting_prefixes``,
+        ``SGLANG_ENABLE_WAITING_PREFIX_REFRESH`` on by default): under ``fcfs`` every 32nd
+        admission round that has a queue touches the first 128 waiting prefixes, tail first, so the
+        head is the most recent; the cache-aware orders touch each waiting prefix as they match it,
+        every round. An admission round here is each time the engine forms its next operation with
+        a queue and a free slot (SGLang's rounds while a full KV pool blocks the queue do not
+        reach that code either).
 
 Events come out of :meth:`ReplicaEngine.advance` in time order; :meth:`ReplicaEngine.submit`
 and :meth:`ReplicaEngine.abort` first catch up to ``now`` and keep the events they produce
@@ -42,6 +51,7 @@ for the next ``advance``.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections import deque
 from collections.abc import Sequence
@@ -239,6 +249,7 @@ class _Decode:
 
 
 _PREFIX_MATCH_MAX = 128  # SGLang's WAITING_QUEUE_PREFIX_MATCH_MAX
+_REFRESH_INTERVAL = 32  # SGLang's WAITING_PREFIX_REFRESH_INTERVAL
 
 
 class ReplicaEngine:
@@ -254,6 +265,7 @@ class ReplicaEngine:
         self._budget = max(1, profile.chunked_prefill_size // profile.token_unit)
         self._reqs: dict[str, _Req] = {}
         self._waiting: deque[_Req] = deque()
+        self._refresh_calls = 0  # admission rounds with a queue, for the waiting prefixes' refresh
         self._prefilling: list[_Req] = []
         self._decoding: list[_Req] = []
         self._op: _Prefill | _Decode | None = None
@@ -442,20 +454,27 @@ class ReplicaEngine:
         return r
 
     def _order_waiting(self) -> None:
-        """Rule 2's cache-aware orders (a no-op for ``fcfs``)."""
+        """Rule 2's cache-aware orders, and Rule 6: what the queue will need is kept recent."""
         policy = self.profile.schedule_policy
-        if policy == "fcfs" or len(self._waiting) < 2 or (policy == "lpm" and len(self._waiting) > _PREFIX_MATCH_MAX):
-            return
         page = self.cache.page_size
 
-        def cached(r: _Req) -> int:
+        def prefix(r: _Req) -> Sequence[int]:
             hashes = r.req.block_hashes
-            return self.cache.match(hashes[: min(len(hashes), (r.req.prompt_tokens - 1) // page)]).tokens
+            return hashes[: min(len(hashes), (r.req.prompt_tokens - 1) // page)]
 
+        if policy == "fcfs" or (policy == "lpm" and len(self._waiting) > _PREFIX_MATCH_MAX):
+            # every 32nd round, the first 128 from the tail, so the head is the most recent
+            refresh = self._refresh_calls % _REFRESH_INTERVAL == 0
+            self._refresh_calls += 1
+            if refresh:
+                for r in reversed(list(itertools.islice(self._waiting, _PREFIX_MATCH_MAX))):
+                    self.cache.touch(prefix(r))
+            return
+        cached = {r.req.rid: self.cache.touch(prefix(r)).tokens for r in self._waiting}  # matching stamps
         if policy == "lpm":
-            order = sorted(self._waiting, key=lambda r: -cached(r))
+            order = sorted(self._waiting, key=lambda r: -cached[r.req.rid])
         else:
-            order = sorted(self._waiting, key=lambda r: r.req.prompt_tokens - cached(r))
+            order = sorted(self._waiting, key=lambda r: r.req.prompt_tokens - cached[r.req.rid])
         self._waiting = deque(order)
 
     def _schedule(self, t: float) -> None:

@@ -47,6 +47,21 @@ def test_lru_eviction_at_capacity_evicts_oldest_leaf_first() -> None:
     assert c.stats().device_evicted_tokens == 12
 
 
+def test_touch_makes_a_path_recent_and_still_evicts_leaves_first() -> None:
+    c = PrefixCache(capacity_tokens=40, page_size=PAGE)  # 10 blocks
+    a, b = chain(1, 5), chain(2, 5)
+    run(c, a, 20)
+    run(c, b, 20)
+    before = c.stats()
+    m = c.touch(a + chain(1, 2, tuple(a))[5:])  # a waiting continuation of a: a is now the more recent
+    assert m.device_blocks == 5 and c.stats() == before  # a stamp, no lookup counted, nothing moved
+    run(c, chain(3, 3), 12)  # needs 3 blocks: they come off b's end, as a was touched after b
+    assert c.match(a).device_blocks == 5 and c.match(b).device_blocks == 2
+    c.touch(chain(2, 2))  # b's surviving head, touched alone: now newer than a's whole path
+    run(c, chain(4, 3), 12)
+    assert c.match(a).device_blocks == 2 and c.match(b).device_blocks == 2  # a's deepest blocks went
+
+
 def test_pinned_blocks_not_evicted_and_admission_refused() -> None:
     c = PrefixCache(capacity_tokens=40, page_size=PAGE)
     a = chain(1, 6)
@@ -180,7 +195,9 @@ def test_randomized_invariants() -> None:
     sessions = {s: system + chain(s, rng.randint(1, 10), tuple(system))[8:] for s in range(12)}
     running: list[tuple[object, list[int]]] = []
     for _ in range(3000):
-        if running and (rng.random() < 0.5 or len(running) > 4):
+        if rng.random() < 0.1:  # a waiting request's prefix stamped as used
+            c.touch(sessions[rng.randrange(12)])
+        elif running and (rng.random() < 0.5 or len(running) > 4):
             lease, h = running.pop(rng.randrange(len(running)))
             extra = chain(1000 + len(h), 2, tuple(h))[len(h):] if rng.random() < 0.5 else []
             c.release(lease, extra)  # type: ignore[arg-type]

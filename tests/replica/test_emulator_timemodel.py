@@ -236,6 +236,32 @@ def test_kv_full_blocks_admission_until_space() -> None:
     assert s3 >= min(ev.t for ev in evs if isinstance(ev, Finished))
 
 
+def test_a_waiting_prefix_stays_cached_behind_a_cold_head_of_line() -> None:
+    """Rule 6: a warm turn queued behind a cold prompt keeps its context while the cold one is
+    admitted, as SGLang's waiting-prefix refresh keeps it: the admission evicts an older
+    session's cache instead (without the refresh, the warm turn's own context went first)."""
+    prof = get_profile("small-test").with_overrides(host_capacity_tokens=0, max_running_requests=8)
+    page = prof.page_size
+    e = ReplicaEngine(prof)
+    ctx_a = "a" * 4 * 2000
+    e.submit(req("prime-a", ctx_a, 1, page), 0.0)
+    drain(e)
+    e.submit(req("prime-b", "b" * 4 * 2000, 1, page), 10.0)  # cached after a: the newer of the two
+    drain(e)
+    e.submit(req("busy", "c" * 4 * 100, 3900, page), 20.0)  # holds 4,000 of 8,192 slots while it decodes
+    e.advance(20.5)
+    e.submit(req("cold", "d" * 4 * 4400, 100, page), 21.0)  # fits only once busy has finished
+    e.submit(req("warm-a", ctx_a + " and the next user message", 5, page), 21.0)
+    for i in range(40):  # admission rounds (each arrival is one): SGLang refreshes every 32nd
+        e.submit(req(f"small-{i}", f"{i:03d}" * 20, 1, page), 21.1 + i / 10)
+    assert e.advance(26.0) == [] and e.load().queued == 42
+    evs = drain(e)
+    cold, warm = (first(evs, Started, rid) for rid in ("cold", "warm-a"))
+    assert isinstance(cold, Started) and isinstance(warm, Started) and cold.t <= warm.t
+    assert warm.cached_device == 2000 // page * page  # all of a's context, still there
+    assert e.cache.match(block_hashes(encode_text("b" * 4 * 2000), page)).tokens < 2000  # b paid for it
+
+
 def test_refuses_request_bigger_than_pool() -> None:
     prof = get_profile("small-test")
     e = ReplicaEngine(prof)
