@@ -37,11 +37,10 @@ def test_peers_real_fleet_runs_in_real_time_and_needs_the_runtime(
     with pytest.raises(SystemExit) as exc:
         bench_peers_main(["--fleet", "real-sglang", "--time-scale", "0.1"])
     assert exc.value.code == 2 and "real time" in capsys.readouterr().err
-    for args in (["--engine-dp", "0"], ["--fleet", "real-sglang", "--engine-dp", "0"]):
-        says = "at least 1"  # emulated engines have ranks too (kvroute emulate --dp-size)
+    for args in (["--engine-dp", "0"], ["--fleet", "real-sglang", "--engine-dp", "0"]):  # emulated engines have ranks too
         with pytest.raises(SystemExit) as exc:
             bench_peers_main(args)
-        assert exc.value.code == 2 and says in capsys.readouterr().err
+        assert exc.value.code == 2 and "at least 1" in capsys.readouterr().err
     monkeypatch.setenv("KVROUTE_SGLANG_HOME", str(tmp_path))  # nothing built there
     monkeypatch.delenv("KVROUTE_SGLANG_PYTHON", raising=False)
     with pytest.raises(SystemExit) as exc:
