@@ -121,11 +121,23 @@ async def test_a_rank_the_engine_lacks_is_refused_as_sglang_refuses_it(dp2: Runn
         await stop_emulators(reps)
 
 
-async def test_each_rank_reports_its_own_load_as_sglang_does(dp2: Running) -> None:
+@pytest.fixture
+async def dp2_slow() -> AsyncIterator[Running]:
+    # a 2,000-token reply runs ~9 s here; at dp2's time scale a 3 s stall of a busy CI machine let it
+    # finish before the last check that needs it running (reproduced with a sleep before that check)
+    reps = await _serve(2, time_scale=0.5)
+    try:
+        yield reps[0]
+    finally:
+        await stop_emulators(reps)
+
+
+async def test_each_rank_reports_its_own_load_as_sglang_does(dp2_slow: Running) -> None:
     """``/v1/loads`` has an entry per rank (``?dp_rank=R`` filters; a rank the engine lacks lists
     nothing), ``/metrics`` labels the scheduler's series by ``dp_rank`` and not the request series,
     ``/server_info`` gives one rank's pool and a state per rank; what kvroute's discovery reads off
     them is each rank's own figures."""
+    dp2 = dp2_slow
     slow = {"model": "m", "messages": [{"role": "user", "content": "long " * 30}], "max_tokens": 2000}
     async with aiohttp.ClientSession() as http:
         task = asyncio.ensure_future(http.post(dp2.url + "/v1/chat/completions", json=slow, headers={DP_RANK_HEADER: "1"}))
