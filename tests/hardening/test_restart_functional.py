@@ -53,11 +53,12 @@ def test_a_handover_on_a_shared_port_refuses_no_connection_and_keeps_the_caches(
     out = tmp_path / "handover.json"
     p = subprocess.run(
         [sys.executable, "-m", "router.cli", "bench", "restart", "--arms", "events", "--handover", "reuse-port",
-         "--phase-s", "2", "--clients", "12", "--output", str(out)],
+         "--phase-s", "4", "--clients", "12", "--output", str(out)],
         capture_output=True, text=True, timeout=240, check=False,
     )  # fmt: skip
     assert p.returncode == 0, p.stderr[-3000:]
     (arm,) = json.loads(out.read_text())["arms"]
+    # 4 s phases: with 2 s a slow CI machine once saw only 4 of the 12 sessions turn after the handover
     assert arm["handover"] == "reuse-port" and arm["lost"] == 0, arm
     # a connection the kernel queued on the old listener as it closed is reset: rare, not a gap
     assert arm["clean_errors"] <= 2, arm

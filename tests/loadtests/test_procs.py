@@ -51,4 +51,3 @@ def test_kv_events_ports_are_free_for_every_rank() -> None:
         finally:
             for s in socks:
                 s.close()
-
