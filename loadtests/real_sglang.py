@@ -177,13 +177,11 @@ def stop_real_server(s: RealServer) -> None:
 def kv_events_config(dp_size: int = 1) -> str:
     """SGLang's ``--kv-events-config`` publishing on free local ports (events and replay); it must
     ``bind``, or SGLang 0.5.23's publisher connects and nobody receives a thing. With ``dp_size`` > 1
-    each rank binds both ports + its rank: each base starts ``dp_size`` ports that are all free now
-    (the port after a free one may be a client connection's, which once failed a CI run), and the two
-    blocks do not overlap."""
-    events = free_port_block(dp_size)
-    replay = free_port_block(dp_size)
-    while abs(replay - events) < dp_size:
-        replay = free_port_block(dp_size)
+    each rank binds both ports + its rank, so both come from one block of ``2 * dp_size`` ports that
+    are all free now (checking only the bases once failed a CI run: the port after a free one may be
+    a client connection's)."""
+    events = free_port_block(2 * dp_size)
+    replay = events + dp_size
     doc = {"publisher": "zmq", "endpoint": f"tcp://127.0.0.1:{events}", "bind": True,
            "replay_endpoint": f"tcp://127.0.0.1:{replay}"}  # fmt: skip
     return json.dumps(doc)
