@@ -236,8 +236,9 @@ def bench_peers_main(argv: list[str]) -> int:
         "--kv-events", action="store_true",
         help="the replicas (emulated or real) publish SGLang's KV events; kvroute routes on exact residency",
     )
-    p.add_argument("--workload", choices=["synthetic", "weka"], default="synthetic")
-    p.add_argument("--trace", help="WEKA requests .jsonl (default: the copy in the shared traces)")
+    p.add_argument("--workload", choices=["synthetic", "weka", "mooncake"], default="synthetic",
+                   help="synthetic coding-agent sessions, or a replay: WEKA's Claude Code sessions, Mooncake's Kimi chat")
+    p.add_argument("--trace", help="the trace file of --workload weka|mooncake (default: the copy in the shared traces)")
     p.add_argument(
         "--no-session-id", action="store_true",
         help="the clients send no session header; every router keys on the prompt (docs/BENCHMARKS.md)",

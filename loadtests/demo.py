@@ -284,8 +284,9 @@ def cli_main(argv: list[str]) -> int:
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--hicache", action="store_true", help="give the replicas their HiCache host tier (2x HBM)")
     p.add_argument("--gateways", type=int, default=1, help="kvroute gateway processes (> 1: shared state in Redis)")
-    p.add_argument("--workload", choices=["synthetic", "weka"], default="synthetic")
-    p.add_argument("--trace", help="WEKA requests .jsonl (default: the copy in the shared traces)")
+    p.add_argument("--workload", choices=["synthetic", "weka", "mooncake"], default="synthetic",
+                   help="synthetic coding-agent sessions, or a replay: WEKA's Claude Code sessions, Mooncake's Kimi chat")
+    p.add_argument("--trace", help="the trace file of --workload weka|mooncake (default: the copy in the shared traces)")
     p.add_argument("--policy-param", action="append", default=[], metavar="KEY=VALUE",
                    help="kvroute policy parameter for every kvroute run (repeatable)")
     p.add_argument("--drain", type=float, default=d.drain_s, help="wall seconds in-flight requests get at the end")

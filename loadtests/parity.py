@@ -78,6 +78,8 @@ TTFT_P99_REL = 0.30
 WORKLOADS: dict[str, dict[str, Any]] = {
     "synthetic": {"workload_kind": "synthetic", "sessions": 75, "host_tier": False},
     "weka": {"workload_kind": "weka", "sessions": 80, "host_tier": True},
+    # Mooncake's Kimi chat sessions with the host tier: short sessions, some with a giant first prompt
+    "mooncake": {"workload_kind": "mooncake", "sessions": 150, "host_tier": True},
     # the same replay on HBM alone: the sessions do not fit the fleet (KV-bound)
     "weka-kv": {"workload_kind": "weka", "sessions": 80, "host_tier": False},
     # clients that send no session id: every router keys on the prompt (kvroute: rule 7)

@@ -66,8 +66,9 @@ class DemoScenario:
     # sticky policy keeps its CHR; ``--hicache`` turns it on)
     host_tier: bool = False
     gateways: int = 1  # kvroute gateways; > 1 shares state in a fresh Redis
-    workload_kind: str = "synthetic"  # or "weka": the real Claude Code sessions (traces/)
-    trace: str | None = None  # WEKA requests file (default: loadtests.workloads.DEFAULT_WEKA_TRACE)
+    # or "weka": the real Claude Code sessions, "mooncake": Mooncake's Kimi chat sessions (traces/)
+    workload_kind: str = "synthetic"
+    trace: str | None = None  # the trace file (default: the shared traces' WEKA or Mooncake conversation file)
     extra_emulator_args: tuple[str, ...] = ()
     # FIELD=VALUE profile fields of the emulated engines (``kvroute emulate --set``), e.g.
     # schedule_policy=lpm; the simulator's model of the run takes the same (``sim_config``)
@@ -198,8 +199,16 @@ class DemoScenario:
             specs = w.drop_long_requests(specs, 250_000)
             rng.shuffle(specs)
             return w.with_arrivals(specs, rng, spread_s=modelled * self.start_spread_frac)
+        if self.workload_kind == "mooncake":
+            # real Kimi chat sessions (Mooncake's conversation trace, sessions inferred from their
+            # shared blocks), in random order: most are one or two turns, so a lane runs many and
+            # the whole trace is the pool; some open with a 50-126k-token prompt
+            path = Path(self.trace) if self.trace else w.DEFAULT_MOONCAKE_TRACE
+            specs = w.read_mooncake(path)
+            rng.shuffle(specs)
+            return w.with_arrivals(specs, rng, spread_s=modelled * self.start_spread_frac)
         if self.workload_kind != "synthetic":
-            raise ValueError(f"unknown workload {self.workload_kind!r} (synthetic | weka)")
+            raise ValueError(f"unknown workload {self.workload_kind!r} (synthetic | weka | mooncake)")
         params = w.SyntheticParams(
             sessions=self.sessions * self.session_pool_factor,
             start_spread_s=modelled * self.start_spread_frac,

@@ -94,6 +94,12 @@ def test_demo_scenario_workloads() -> None:
     window = DemoScenario().duration_s / DemoScenario().time_scale * DemoScenario().start_spread_frac
     assert all(0 <= s.start_s <= window for s in weka)
     assert all(x <= 250_000 for s in weka for chain in s.walk() for x in turn_inputs(chain))
+    # Mooncake's chat sessions: the whole trace in a seeded order (short sessions: a lane runs many)
+    mc = DemoScenario(workload_kind="mooncake", seed=3).workload()
+    assert len(mc) > 7_000 and all(s.source == "mooncake" for s in mc)
+    assert [s.session_id for s in mc] != [s.session_id for s in DemoScenario(workload_kind="mooncake", seed=4).workload()]
+    assert all(0 <= s.start_s <= window for s in mc)
+    assert max(s.turns[0].input_tokens for s in mc) > 100_000  # some open with a giant prompt
     with pytest.raises(ValueError, match="unknown workload"):
         DemoScenario(workload_kind="nope").workload()
     from router.policy.params import PolicyParams
