@@ -89,6 +89,9 @@ class Reason(StrEnum):
     REASSIGNED_DRAINING = "reassigned_draining"  # home draining
     REASSIGNED_GONE = "reassigned_gone"  # home down or removed
     RETRY = "retry"  # previous choice failed before the first byte
+    # home's prefill work ahead of this warm turn is far more than its cold start elsewhere: this
+    # request only goes there (no rebind; rule 8)
+    QUEUE_SPILL = "queue_spill"
     PINNED = "pinned"  # names what lives in one engine only (an engine session, a stored response)
     RANDOM = "random"
     ROUND_ROBIN = "round_robin"
@@ -299,6 +302,10 @@ class ClusterSnapshot:
     # Derived from ``replicas``, filled by stores that keep them (None: the reader scans):
     # (not part of the value: two snapshots of the same fleet are equal whether a store filled them)
     totals: FleetTotals | None = field(default=None, compare=False)
+    # the prefill work ahead of a new request on each replica as this gateway knows it: the expected
+    # uncached prompt tokens of its own requests there that have no first token yet
+    # (``router.policy.prefill.PrefillLedger``), sorted by id, replicas with none left out (rule 8)
+    prefill_ahead: tuple[tuple[ReplicaId, int], ...] = ()
     positions: Mapping[ReplicaId, int] | None = field(default=None, compare=False)  # id -> index in ``replicas``
 
     def replica(self, replica_id: ReplicaId | None) -> ReplicaState | None:

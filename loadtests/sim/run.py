@@ -60,7 +60,9 @@ from router.model import (
     ReplicaStatus,
 )
 from router.policy import Policy, classify_break, home_found, make_policy
+from router.policy.kv_aware import expected_uncached
 from router.policy.params import PolicyParams
+from router.policy.prefill import PrefillLedger
 from router.residency import ResidencyIndex
 from router.route_input import route_request
 from router.store.base import StoreConfig
@@ -261,7 +263,9 @@ class _Gateway:
     in-flight changes the gateway made since (``delta``) patched into its own copy (``reps``), one
     replica at a time as they happen, so a request costs O(1) rather than a pass over the fleet."""
 
-    __slots__ = ("active_in_flight", "delta", "index", "policy", "refreshed_at", "reps", "rng", "sent", "snap")
+    __slots__ = (
+        "active_in_flight", "delta", "index", "policy", "prefill", "refreshed_at", "reps", "rng", "sent", "snap",
+    )  # fmt: skip
 
     def __init__(self, index: int, policy: Policy, rng: random.Random) -> None:
         self.index = index
@@ -273,6 +277,7 @@ class _Gateway:
         self.sent = 0
         self.reps: list[ReplicaState] = []  # snap.replicas with delta applied
         self.active_in_flight = 0  # over ACTIVE replicas in ``reps`` (the snapshot's total, patched)
+        self.prefill = PrefillLedger()  # its own requests' prefill work ahead (rule 8), as the gateway's
 
     def refresh(self, snap: ClusterSnapshot, t: float) -> None:
         self.snap = snap
@@ -570,6 +575,9 @@ class _Sim:
             key, source = self._prefix_key(chain, req.turn, ck), KeySource.PREFIX
         req.key = key
         snap = self._view(gw, t, key)
+        ahead = gw.prefill.ahead()
+        if ahead:
+            snap = replace(snap, prefill_ahead=ahead)
         request = route_request(key, source, route=CHAT_ROUTE, body_bytes=req.body_bytes, session=snap.session,
                                 excluded=req.excluded, chain_key=ck if source is KeySource.HEADER else None)
         try:
@@ -595,6 +603,7 @@ class _Sim:
         if self.cfg.state_lag_s > 0:
             gw.count(lease.replica_id, +1)
         req.lease = lease
+        gw.prefill.sent(lease.lease_id, lease.replica_id, expected_uncached(request, snap, lease.replica_id))
         self._count_move(t, req, snap, lease)
         rep = self.reps.get(lease.replica_id)
         if rep is None or rep.dead or rep.removed:
@@ -651,6 +660,7 @@ class _Sim:
         if lease is None:
             return
         req.lease = None
+        self.gateways[req.gw].prefill.prefilled(lease.lease_id)
         self.core.release(lease, completion)
         if self.cfg.state_lag_s > 0:
             self.gateways[req.gw].count(lease.replica_id, -1)
@@ -680,6 +690,8 @@ class _Sim:
                 self.queue_hist.observe(ev.t - req.t_submit)
             elif isinstance(ev, FirstToken):
                 req.t_first = ev.t
+                if req.lease is not None:
+                    self.gateways[req.gw].prefill.prefilled(req.lease.lease_id)
             elif isinstance(ev, Finished):
                 rep.done(ev.rid)
                 if ev.reason == "length":

@@ -103,6 +103,7 @@ from router.model import (
 )
 from router.policy.breaks import classify_break, home_found
 from router.policy.hashing import hrw_slot
+from router.policy.kv_aware import expected_uncached
 from router.policy.params import PolicyParams
 from router.policy.prefix_key import chain_key, prefix_key
 from router.residency import ResidencyIndex, with_residency
@@ -423,6 +424,7 @@ class _Proxy:
                 excluded.add(decision.replica_id)
                 continue
             self._routed(snap, req, decision, lease, attempt, panicked)
+            self.rt.prefill.sent(lease.lease_id, lease.replica_id, expected_uncached(req, snap, lease.replica_id))
             can_retry = attempt < self.cfg.max_retries and self.pin is None
             try:
                 return await self._attempt(lease, snap.replica(lease.replica_id), can_retry)
@@ -452,6 +454,9 @@ class _Proxy:
         snap = await self.rt.store.snapshot(self.req.session_key)
         if self._engine_id is not None and snap.session is not None and self.rt.residency is not None:
             snap = replace(snap, session=with_residency(snap.session, self.rt.residency.view, self._engine_id))
+        ahead = self.rt.prefill.ahead()
+        if ahead:
+            snap = replace(snap, prefill_ahead=ahead)
         req = self.req = route_request(
             self.req.session_key,
             self.req.key_source,
@@ -573,6 +578,7 @@ class _Proxy:
                 completion = self._completion(answer.sniffer, ok=False)
             raise
         finally:
+            self.rt.prefill.prefilled(lease.lease_id)
             if dp_rank is not None:
                 flights[lease.replica_id, dp_rank] -= 1
                 if not flights[lease.replica_id, dp_rank]:
@@ -740,6 +746,7 @@ class _Proxy:
                 self.p.write_wait_s += clock.now() - t
                 if self.p.ttft_s is None and sniffer.events >= answer.first_token_event:
                     self.p.ttft_s = clock.now() - self.p.t0
+                    self.rt.prefill.prefilled(lease.lease_id)  # its prefill no longer waits ahead of others
                 t = clock.now()
                 try:
                     chunk = await anext(answer.chunks, None)

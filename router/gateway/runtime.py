@@ -24,6 +24,7 @@ from router.gateway.middleware import GatewayMiddleware
 from router.gateway.response_stores import StoreSupport
 from router.model import ReplicaState
 from router.policy.base import Policy
+from router.policy.prefill import PrefillLedger
 from router.store.base import StateStore
 
 if TYPE_CHECKING:
@@ -57,6 +58,9 @@ class GatewayRuntime:
     # this gateway's requests in flight on each (replica, data-parallel rank) it named: a session
     # cached on no rank goes to the least busy one (handlers._dp_rank)
     rank_flights: Counter[tuple[str, int]] = field(default_factory=Counter)
+    # the prefill work this gateway's requests without a first token put ahead on each replica
+    # (``ClusterSnapshot.prefill_ahead``, policy rule 8)
+    prefill: PrefillLedger = field(default_factory=PrefillLedger)
 
     async def replica_url(self, replica_id: str, state: ReplicaState | None = None) -> str | None:
         """The registered URL of ``replica_id`` (from ``state`` when the caller has it), ``None`` if

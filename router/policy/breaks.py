@@ -68,6 +68,7 @@ def home_found(
 _BY_REASON: dict[Reason, AffinityBreak] = {
     Reason.THICC_SPLIT: AffinityBreak.THICC_SPLIT,
     Reason.REASSIGNED_OVERLOAD: AffinityBreak.OVERLOAD_SPILL,
+    Reason.QUEUE_SPILL: AffinityBreak.OVERLOAD_SPILL,
     Reason.REASSIGNED_DRAINING: AffinityBreak.REPLICA_GONE,
     Reason.REASSIGNED_GONE: AffinityBreak.REPLICA_GONE,
     Reason.RETRY: AffinityBreak.REPLICA_GONE,

@@ -12,6 +12,9 @@ DESIGN.md §3 rules, applied in this order for a request of a known session (doc
             context), or home overloaded mid-turn     -> sticky overflow replica (THICC_SPLIT)
   overload  session idle and home overloaded           -> reassign to a replica under the bound
                                                           (REASSIGNED_OVERLOAD)
+  spill     home's prefill work ahead + this prompt's uncached part > queue_spill_factor x the
+            same on another replica whose host tier has room for the prompt
+                                                       -> there, this request only (QUEUE_SPILL)
   affinity  otherwise                                  -> home (AFFINITY); idle overflows collapse
 
 "Overloaded": over the hard bound (in-flight requests) and KV-bound (its sessions' working set
@@ -29,6 +32,7 @@ of the session id. Everything is a pure function of (request, snapshot, rng).
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import math
 import random
@@ -61,6 +65,7 @@ __all__ = [
     "cache_surely_gone",
     "estimate_gone",
     "exact_gone",
+    "expected_uncached",
     "kv_bound",
     "load_score",
     "load_scores",
@@ -135,6 +140,26 @@ def cache_surely_gone(session: SessionState, home: ReplicaState, params: PolicyP
     """Rule 6: exact residency when the engine publishes it, else the estimate."""
     exact = exact_gone(session)
     return estimate_gone(session, home, params) if exact is None else exact
+
+
+def expected_uncached(request: RouteRequest, snapshot: ClusterSnapshot, replica_id: ReplicaId) -> int:
+    """The prompt tokens a request is expected to compute on ``replica_id`` (its prefill work
+    there): its estimated prompt less what of its session is cached there. At the session's home:
+    its own resident tokens where the engine's KV events tell them, else its whole context (a
+    turn sent home finds its cache, or was placed afresh); elsewhere, what the events show
+    resident there. Rule 8 weighs replicas by it; the gateway enters it in its
+    ``router.policy.prefill.PrefillLedger``."""
+    prompt = max(0, request.prompt_tokens_estimate)
+    sess = snapshot.session
+    if sess is None or sess.session_id != request.session_key:
+        return prompt
+    if replica_id == sess.home:
+        # a turn goes home while its cache is there (``exact_gone`` counts only the session's own
+        # resident tokens; its context also holds the shared prefix, cached there as well)
+        cached = sess.context_tokens
+    else:
+        cached = next((t for r, t in sess.resident_on if r == replica_id), 0)
+    return prompt - min(prompt, max(0, cached))
 
 
 def load_score(replica: ReplicaState, context_tokens: int, params: PolicyParams) -> float:
@@ -377,7 +402,57 @@ class KvAwarePolicy:
             if decision is not None and self._relieves(decision, snapshot, view):
                 return decision
         kept = self._collapse(sess, keep_only=tuple(o for o in sess.overflow if sess.in_flight_at(o) > 0))
+        spilled = self._queue_spill(view, request, snapshot, home, kept)
+        if spilled is not None:
+            return spilled
         return RouteDecision(home.id, Reason.AFFINITY, kept, ((home.id, load_score(home, 0, p)),))
+
+    def _queue_spill(
+        self,
+        view: _View,
+        request: RouteRequest,
+        snapshot: ClusterSnapshot,
+        home: ReplicaState,
+        kept: tuple[Effect, ...],
+    ) -> RouteDecision | None:
+        """Rule 8: a warm turn whose home has far more prefill work ahead of it than its cold start
+        would cost elsewhere goes there, this request only (the session stays bound; where its
+        conversation ran is remembered, as for any request). Cost on a replica = the prefill work
+        ahead there (``ClusterSnapshot.prefill_ahead``) + this prompt's tokens not cached there.
+        Only onto a replica whose host tier has room for the whole prompt, so that what the prompt
+        displaces from HBM is demoted, not lost (on a KV-bound fleet a cold prompt evicts another
+        session's cache: docs/POLICY.md round 37), and that is under the hard bound."""
+        theta = self.params.queue_spill_factor
+        prompt = request.prompt_tokens_estimate
+        if theta <= 0 or prompt <= 0 or not snapshot.prefill_ahead:
+            return None
+        at_home = _ahead_at(snapshot.prefill_ahead, home.id)
+        if at_home <= 0:
+            return None
+        cost_home = at_home + expected_uncached(request, snapshot, home.id)
+        resident = dict(snapshot.session.resident_on) if snapshot.session is not None else {}
+        # no replica can cost less than the prompt less the most of it cached anywhere else
+        if cost_home <= theta * (prompt - max((t for r, t in resident.items() if r != home.id), default=0)):
+            return None
+        ahead = dict(snapshot.prefill_ahead)
+        best: tuple[int, ReplicaId, ReplicaState] | None = None
+        for r in view.pool:
+            if r.id == home.id or r.status is not ReplicaStatus.ACTIVE:
+                continue
+            if not view.panic and r.in_flight >= view.hard_bound:
+                continue
+            if r.host_capacity_tokens - r.engine.host_used_tokens < prompt:
+                continue
+            cost = ahead.get(r.id, 0) + max(0, prompt - min(prompt, resident.get(r.id, 0)))
+            if best is None or (cost, r.id) < best[:2]:
+                best = (cost, r.id, r)
+        if best is None or cost_home <= theta * best[0]:
+            return None
+        target = best[2]
+        score = load_score(target, 0, self.params)
+        return RouteDecision(
+            target.id, Reason.QUEUE_SPILL, kept, ((target.id, score),), AffinityBreak.OVERLOAD_SPILL
+        )
 
     def _back_to_cache(
         self, view: _View, snapshot: ClusterSnapshot, sess: SessionState, ctx: int
@@ -633,6 +708,12 @@ class KvAwarePolicy:
             session_cap=cap,
             ramp_share=share,
         )
+
+
+def _ahead_at(ahead: tuple[tuple[ReplicaId, int], ...], replica_id: ReplicaId) -> int:
+    """``replica_id``'s entry of a snapshot's ``prefill_ahead`` (sorted by id), 0 if none."""
+    i = bisect.bisect_left(ahead, (replica_id,))
+    return ahead[i][1] if i < len(ahead) and ahead[i][0] == replica_id else 0
 
 
 def _usable_overflows(

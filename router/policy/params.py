@@ -51,6 +51,12 @@ class PolicyParams:
     working_set_limit: float = 0.9
     """Fraction of HBM capacity the active working set may fill before the replica is penalised."""
 
+    # ---- rule 8: queue spill ---------------------------------------------------------------------
+    queue_spill_factor: float = 2.0
+    """A warm turn goes elsewhere for this request only when its home's prefill work ahead plus its
+    own uncached prompt exceeds this × the same on the best other replica whose host tier has room
+    for its prompt (uncached tokens: ``ClusterSnapshot.prefill_ahead``). 0 turns the rule off."""
+
     # ---- failures --------------------------------------------------------------------------------
     panic_threshold: float = 0.5
     """If fewer than this fraction of the non-excluded, once-active replicas are ACTIVE, route among
@@ -129,5 +135,7 @@ def _validate(key: str, value: Any) -> None:
         raise ValueError(f"{key}: must be within [0, 1], got {value!r}")
     if value < 0:
         raise ValueError(f"{key}: must be ≥ 0, got {value!r}")
+    if key == "queue_spill_factor" and 0.0 < value < 1.0:
+        raise ValueError(f"{key}: must be 0 (off) or ≥ 1, got {value!r}")
     if key == "hard_bound_factor" and value < 1.0:
         raise ValueError(f"{key}: must be ≥ 1, got {value!r}")

@@ -181,6 +181,11 @@ def _diff(path: str, live: Any, sim: Any) -> Iterator[str]:
             lr != sr or not KEYS.same(lk, sk) for (lk, lr), (sk, sr) in zip(live, sim, strict=False)
         ):
             yield f"{path}: {live!r} vs {sim!r}"
+    elif name == "prefill_ahead":  # (replica, uncached tokens) of the requests without a first token
+        if [r for r, _ in live] != [r for r, _ in sim] or any(
+            not _close(float(a), float(b)) for (_, a), (_, b) in zip(live, sim, strict=True)
+        ):
+            yield f"{path}: {live!r} vs {sim!r}"
     elif name == "url":
         return  # sim://... vs http://...
     elif name == "scores":
@@ -218,6 +223,8 @@ async def test_the_simulator_and_the_gateway_fill_the_policys_inputs_alike(sessi
     assert {"placed_new", "affinity"} <= reasons
     last = live.calls[-1][1].session
     assert last is not None and last.context_tokens > 0 and last.bytes_per_token > 0
+    # the parallel turn's requests overlap: each later one sees the earlier ones' prefill ahead
+    assert any(snap.prefill_ahead for _, snap, _ in live.calls)
     sources = {req.key_source for req, _, _ in live.calls}
     assert sources == {KeySource.HEADER if session_ids else KeySource.PREFIX}
     if session_ids:

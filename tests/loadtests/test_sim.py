@@ -311,3 +311,26 @@ def test_pooled_bound_follows_a_scale_up(small_specs: list[SessionSpec]) -> None
     small = run_sim(small_specs, _small_cfg("kv_aware")).measures
     assert up["routing_loss"] > 0, up["routing_loss"]
     assert up["pooled_chr"] > small["pooled_chr"] + 0.004
+
+
+@pytest.mark.parametrize(("host_tokens", "spills"), [(16_384, 1), (0, 0)], ids=["host-tier", "no-host-tier"])
+def test_a_warm_turn_behind_a_long_prefill_spills_in_the_simulator_as_in_the_gateway(
+    host_tokens: int, spills: int
+) -> None:
+    """The simulator's side of tests/router/test_queue_spill_functional.py: the session's sub-agent
+    opens with a 6k-token prompt at home, and the main conversation's next turn, sent while that
+    prefills, goes to the other replica (rule 8) where its host tier has room, for that turn only."""
+    spec = SessionSpec(
+        "q1",
+        0.0,
+        100,
+        (Turn(100, 2, 0.0), Turn(20, 2, 0.01), Turn(20, 2, 1.0)),
+        branches=(SessionSpec("q1/a00", 0.0, 100, (Turn(6_000, 2, 0.0),), parent="q1", spawn_after_turn=0),),
+    )
+    profile = default_profile().with_overrides(
+        kv_capacity_tokens=8_192, host_capacity_tokens=host_tokens, page_size=16, context_length=16_384
+    )
+    res = run_sim([spec], SimConfig(replicas=2, profile=profile, policy="kv_aware", scrape_interval_s=0.001, seed=1))
+    reasons = res.measures["route_reasons"]
+    assert reasons.get("queue_spill", 0) == spills
+    assert reasons.get("placed_new") == 1 and sum(reasons.values()) == 4

@@ -1,0 +1,58 @@
+"""The prefill work ahead on each replica, as one gateway knows it (rule 8, docs/POLICY.md).
+
+A request's prefill starts only after the uncached prompts queued ahead of it on its replica. The
+gateway knows the requests it sent itself: each is entered when sent, with the prompt tokens the
+policy expects it to compute there (``router.policy.kv_aware.expected_uncached``), and leaves at its
+first token, when its prefill is done (or when it ends without one). The sum per replica is the
+policy's ``ClusterSnapshot.prefill_ahead``.
+
+Pure bookkeeping (no I/O, no clock): the gateway and the simulator keep one per gateway and fill the
+snapshot the same way. Another gateway's requests are not seen: with several gateways each knows a
+part of the work ahead, which makes the rule fire less, never on work that is not there.
+"""
+
+from __future__ import annotations
+
+from router.model import ReplicaId
+
+__all__ = ["PrefillLedger"]
+
+
+class PrefillLedger:
+    __slots__ = ("_ahead", "_entries", "_view")
+
+    def __init__(self) -> None:
+        self._entries: dict[str, tuple[ReplicaId, int]] = {}  # lease id -> (replica, uncached tokens)
+        self._ahead: dict[ReplicaId, int] = {}
+        self._view: tuple[tuple[ReplicaId, int], ...] | None = ()
+
+    def sent(self, lease_id: str, replica_id: ReplicaId, uncached_tokens: int) -> None:
+        """A request was sent to ``replica_id`` expecting to compute ``uncached_tokens`` there."""
+        if uncached_tokens <= 0 or lease_id in self._entries:
+            return
+        self._entries[lease_id] = (replica_id, uncached_tokens)
+        self._ahead[replica_id] = self._ahead.get(replica_id, 0) + uncached_tokens
+        self._view = None
+
+    def prefilled(self, lease_id: str) -> None:
+        """The request's first token came, or it ended: its prefill is no longer ahead of anyone.
+        Idempotent."""
+        entry = self._entries.pop(lease_id, None)
+        if entry is None:
+            return
+        rid, tokens = entry
+        left = self._ahead[rid] - tokens
+        if left > 0:
+            self._ahead[rid] = left
+        else:
+            del self._ahead[rid]
+        self._view = None
+
+    def ahead(self) -> tuple[tuple[ReplicaId, int], ...]:
+        """``ClusterSnapshot.prefill_ahead``: (replica, tokens) for every replica with some, by id."""
+        if self._view is None:
+            self._view = tuple(sorted(self._ahead.items()))
+        return self._view
+
+    def __len__(self) -> int:
+        return len(self._entries)
