@@ -23,11 +23,11 @@ def test_paired_differences_standard_error_and_lower_count() -> None:
 def test_sweep_runs_the_simulated_bench_and_the_default_as_a_variant_changes_nothing(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    argv = ["sweep", "--workload", "weka", "--seeds", "1,2", "--duration", "10",
+    argv = ["sweep", "--workload", "synthetic", "--seeds", "1,2", "--duration", "10",
             "--variant", "thicc_threshold=3", "--variant", "hard_bound_min=1,thicc_threshold=1"]  # fmt: skip
     assert bench_main(argv) == 0
     doc = json.loads(capsys.readouterr().out)
-    assert doc["seeds"] == [1, 2] and doc["workload"] == "weka"
+    assert doc["seeds"] == [1, 2] and doc["workload"] == "synthetic"
     assert doc["default"]["requests"] > 0
     same = doc["variants"]["thicc_threshold=3"]  # the default value: identical runs
     assert all(same[k]["mean"] == 0 and same[k]["se"] == 0 for k in MEASURES)
