@@ -144,18 +144,17 @@ def cache_surely_gone(session: SessionState, home: ReplicaState, params: PolicyP
 
 def expected_uncached(request: RouteRequest, snapshot: ClusterSnapshot, replica_id: ReplicaId) -> int:
     """The prompt tokens a request is expected to compute on ``replica_id`` (its prefill work
-    there): its estimated prompt less what of its session is cached there. At the session's home:
-    its own resident tokens where the engine's KV events tell them, else its whole context (a
-    turn sent home finds its cache, or was placed afresh); elsewhere, what the events show
-    resident there. Rule 8 weighs replicas by it; the gateway enters it in its
-    ``router.policy.prefill.PrefillLedger``."""
+    there): its estimated prompt less what of its session is cached there. At the session's home,
+    its whole context (a turn goes home while its cache is there, else it is placed afresh);
+    elsewhere, what the engine's KV events show resident there. Rule 8 weighs replicas by it; the
+    gateway enters it in its ``router.policy.prefill.PrefillLedger``."""
     prompt = max(0, request.prompt_tokens_estimate)
     sess = snapshot.session
     if sess is None or sess.session_id != request.session_key:
         return prompt
     if replica_id == sess.home:
-        # a turn goes home while its cache is there (``exact_gone`` counts only the session's own
-        # resident tokens; its context also holds the shared prefix, cached there as well)
+        # not ``resident_tokens``: those leave out the prefix the session shares with others, which
+        # is cached there too (counting it as work ahead spilled warm turns: POLICY.md round 38)
         cached = sess.context_tokens
     else:
         cached = next((t for r, t in sess.resident_on if r == replica_id), 0)
