@@ -60,9 +60,8 @@ from router.model import (
     ReplicaStatus,
 )
 from router.policy import Policy, classify_break, home_found, make_policy
-from router.policy.kv_aware import expected_uncached
 from router.policy.params import PolicyParams
-from router.policy.prefill import PrefillLedger
+from router.policy.prefill import PrefillLedger, expected_uncached
 from router.residency import ResidencyIndex
 from router.route_input import route_request
 from router.store.base import StoreConfig
@@ -574,10 +573,7 @@ class _Sim:
         else:
             key, source = self._prefix_key(chain, req.turn, ck), KeySource.PREFIX
         req.key = key
-        snap = self._view(gw, t, key)
-        ahead = gw.prefill.ahead()
-        if ahead:
-            snap = replace(snap, prefill_ahead=ahead)
+        snap = gw.prefill.with_ahead(self._view(gw, t, key))
         request = route_request(key, source, route=CHAT_ROUTE, body_bytes=req.body_bytes, session=snap.session,
                                 excluded=req.excluded, chain_key=ck if source is KeySource.HEADER else None)
         try:

@@ -103,8 +103,8 @@ from router.model import (
 )
 from router.policy.breaks import classify_break, home_found
 from router.policy.hashing import hrw_slot
-from router.policy.kv_aware import expected_uncached
 from router.policy.params import PolicyParams
+from router.policy.prefill import expected_uncached
 from router.policy.prefix_key import chain_key, prefix_key
 from router.residency import ResidencyIndex, with_residency
 from router.route_input import route_request
@@ -454,9 +454,7 @@ class _Proxy:
         snap = await self.rt.store.snapshot(self.req.session_key)
         if self._engine_id is not None and snap.session is not None and self.rt.residency is not None:
             snap = replace(snap, session=with_residency(snap.session, self.rt.residency.view, self._engine_id))
-        ahead = self.rt.prefill.ahead()
-        if ahead:
-            snap = replace(snap, prefill_ahead=ahead)
+        snap = self.rt.prefill.with_ahead(snap)
         req = self.req = route_request(
             self.req.session_key,
             self.req.key_source,

@@ -56,6 +56,7 @@ from router.model import (
 from router.policy.breaks import continues_context
 from router.policy.hashing import hrw_weight
 from router.policy.params import PolicyParams
+from router.policy.prefill import expected_uncached
 
 __all__ = [
     "BOUNDED_LOAD_EPSILON",
@@ -65,7 +66,6 @@ __all__ = [
     "cache_surely_gone",
     "estimate_gone",
     "exact_gone",
-    "expected_uncached",
     "kv_bound",
     "load_score",
     "load_scores",
@@ -140,25 +140,6 @@ def cache_surely_gone(session: SessionState, home: ReplicaState, params: PolicyP
     """Rule 6: exact residency when the engine publishes it, else the estimate."""
     exact = exact_gone(session)
     return estimate_gone(session, home, params) if exact is None else exact
-
-
-def expected_uncached(request: RouteRequest, snapshot: ClusterSnapshot, replica_id: ReplicaId) -> int:
-    """The prompt tokens a request is expected to compute on ``replica_id`` (its prefill work
-    there): its estimated prompt less what of its session is cached there. At the session's home,
-    its whole context (a turn goes home while its cache is there, else it is placed afresh);
-    elsewhere, what the engine's KV events show resident there. Rule 8 weighs replicas by it; the
-    gateway enters it in its ``router.policy.prefill.PrefillLedger``."""
-    prompt = max(0, request.prompt_tokens_estimate)
-    sess = snapshot.session
-    if sess is None or sess.session_id != request.session_key:
-        return prompt
-    if replica_id == sess.home:
-        # not ``resident_tokens``: those leave out the prefix the session shares with others, which
-        # is cached there too (counting it as work ahead spilled warm turns: POLICY.md round 38)
-        cached = sess.context_tokens
-    else:
-        cached = next((t for r, t in sess.resident_on if r == replica_id), 0)
-    return prompt - min(prompt, max(0, cached))
 
 
 def load_score(replica: ReplicaState, context_tokens: int, params: PolicyParams) -> float:
@@ -442,7 +423,7 @@ class KvAwarePolicy:
                 continue
             if r.host_capacity_tokens - r.engine.host_used_tokens < prompt:
                 continue
-            cost = ahead.get(r.id, 0) + max(0, prompt - min(prompt, resident.get(r.id, 0)))
+            cost = ahead.get(r.id, 0) + prompt - min(prompt, resident.get(r.id, 0))
             if best is None or (cost, r.id) < best[:2]:
                 best = (cost, r.id, r)
         if best is None or cost_home <= theta * best[0]:

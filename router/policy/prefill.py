@@ -2,8 +2,8 @@
 
 A request's prefill starts only after the uncached prompts queued ahead of it on its replica. The
 gateway knows the requests it sent itself: each is entered when sent, with the prompt tokens the
-policy expects it to compute there (``router.policy.kv_aware.expected_uncached``), and leaves at its
-first token, when its prefill is done (or when it ends without one). The sum per replica is the
+policy expects it to compute there (``expected_uncached``), and leaves at its first token, when
+its prefill is done (or when it ends without one). The sum per replica is the
 policy's ``ClusterSnapshot.prefill_ahead``.
 
 Pure bookkeeping (no I/O, no clock): the gateway and the simulator keep one per gateway and fill the
@@ -13,9 +13,30 @@ part of the work ahead, which makes the rule fire less, never on work that is no
 
 from __future__ import annotations
 
-from router.model import ReplicaId
+import dataclasses
 
-__all__ = ["PrefillLedger"]
+from router.model import ClusterSnapshot, ReplicaId, RouteRequest
+
+__all__ = ["PrefillLedger", "expected_uncached"]
+
+
+def expected_uncached(request: RouteRequest, snapshot: ClusterSnapshot, replica_id: ReplicaId) -> int:
+    """The prompt tokens a request is expected to compute on ``replica_id`` (its prefill work
+    there): its estimated prompt less what of its session is cached there. At the session's home,
+    its whole context (a turn goes home while its cache is there, else it is placed afresh);
+    elsewhere, what the engine's KV events show resident there. Rule 8 weighs replicas by it; the
+    gateway enters it in its ``PrefillLedger``."""
+    prompt = max(0, request.prompt_tokens_estimate)
+    sess = snapshot.session
+    if sess is None or sess.session_id != request.session_key:
+        return prompt
+    if replica_id == sess.home:
+        # not ``resident_tokens``: those leave out the prefix the session shares with others, which
+        # is cached there too (counting it as work ahead spilled warm turns: POLICY.md round 38)
+        cached = sess.context_tokens
+    else:
+        cached = next((t for r, t in sess.resident_on if r == replica_id), 0)
+    return prompt - min(prompt, max(0, cached))
 
 
 class PrefillLedger:
@@ -47,6 +68,11 @@ class PrefillLedger:
         else:
             del self._ahead[rid]
         self._view = None
+
+    def with_ahead(self, snapshot: ClusterSnapshot) -> ClusterSnapshot:
+        """``snapshot`` with this ledger's ``prefill_ahead`` (the one way both drivers fill it)."""
+        ahead = self.ahead()
+        return dataclasses.replace(snapshot, prefill_ahead=ahead) if ahead else snapshot
 
     def ahead(self) -> tuple[tuple[ReplicaId, int], ...]:
         """``ClusterSnapshot.prefill_ahead``: (replica, tokens) for every replica with some, by id."""

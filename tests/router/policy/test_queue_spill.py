@@ -9,9 +9,9 @@ import random
 import pytest
 
 from router.model import AffinityBreak, BindSession, ClusterSnapshot, Reason, ReplicaState
-from router.policy.kv_aware import KvAwarePolicy, expected_uncached
+from router.policy.kv_aware import KvAwarePolicy
 from router.policy.params import PolicyParams
-from router.policy.prefill import PrefillLedger
+from router.policy.prefill import PrefillLedger, expected_uncached
 from tests.builders import replica, request, session, snapshot
 
 HOST = 1_700_000
