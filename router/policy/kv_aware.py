@@ -424,6 +424,9 @@ class KvAwarePolicy:
             if r.host_capacity_tokens - r.engine.host_used_tokens < prompt:
                 continue
             cost = ahead.get(r.id, 0) + prompt - min(prompt, resident.get(r.id, 0))
+            # equal costs go to the lowest id on purpose: spills then fill a few replicas first. The
+            # least loaded of them, or a spread by the session's hash, measured worse on the tail
+            # (docs/POLICY.md round 39)
             if best is None or (cost, r.id) < best[:2]:
                 best = (cost, r.id, r)
         if best is None or cost_home <= theta * best[0]:

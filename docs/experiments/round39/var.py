@@ -1,0 +1,83 @@
+"""Round 39: variants of rule 8's target choice, patched into the policy in-process (env SPILL_VAR):
+  lo     the shipped rule (the cheapest other replica, equal costs to the lowest id)
+  le     only onto a replica with no more requests in flight than home
+  lt     only onto a replica with fewer requests in flight than home
+Bench model (round 38's ab.py set-up):  PYTHONPATH=. python var.py ab WORKLOAD[+hc] SEEDS VAR...
+At scale (kvroute sim's arguments):     PYTHONPATH=. python var.py sim VAR <kvroute sim args>"""
+import json
+import sys
+from dataclasses import replace
+
+from router.model import AffinityBreak, Reason, ReplicaStatus, RouteDecision
+from router.policy import kv_aware
+from router.policy.params import PolicyParams
+from router.policy.prefill import expected_uncached
+
+VAR = "lo"
+
+
+def _queue_spill(self, view, request, snapshot, home, kept):
+    theta = self.params.queue_spill_factor
+    prompt = request.prompt_tokens_estimate
+    if theta <= 0 or prompt <= 0 or not snapshot.prefill_ahead:
+        return None
+    at_home = kv_aware._ahead_at(snapshot.prefill_ahead, home.id)
+    if at_home <= 0:
+        return None
+    cost_home = at_home + expected_uncached(request, snapshot, home.id)
+    resident = dict(snapshot.session.resident_on) if snapshot.session is not None else {}
+    if cost_home <= theta * (prompt - max((t for r, t in resident.items() if r != home.id), default=0)):
+        return None
+    ahead = dict(snapshot.prefill_ahead)
+    best = None
+    for r in view.pool:
+        if r.id == home.id or r.status is not ReplicaStatus.ACTIVE:
+            continue
+        if not view.panic and r.in_flight >= view.hard_bound:
+            continue
+        if r.host_capacity_tokens - r.engine.host_used_tokens < prompt:
+            continue
+        if VAR == "le" and r.in_flight > home.in_flight:
+            continue
+        if VAR == "lt" and r.in_flight >= home.in_flight:
+            continue
+        cost = ahead.get(r.id, 0) + prompt - min(prompt, resident.get(r.id, 0))
+        if best is None or (cost, r.id) < best[:2]:
+            best = (cost, r.id, r)
+    if best is None or cost_home <= theta * best[0]:
+        return None
+    t = best[2]
+    return RouteDecision(t.id, Reason.QUEUE_SPILL, kept, ((t.id, kv_aware.load_score(t, 0, self.params)),),
+                         AffinityBreak.OVERLOAD_SPILL)
+
+
+kv_aware.KvAwarePolicy._queue_spill = _queue_spill
+KEEP = ("chr", "pooled_chr", "ttft_p99_s", "e2e_p99_s", "requests", "dispersion", "dispersion_floor", "route_reasons")
+
+if sys.argv[1] == "ab":
+    from loadtests.parity import WORKLOADS, run_sim_for
+    from loadtests.scenario import DemoScenario
+
+    w, seeds = sys.argv[2], [int(x) for x in sys.argv[3].split(",")]
+    for seed in seeds:
+        for VAR in sys.argv[4:]:
+            base, _, hc = w.partition("+")
+            extra = {"host_tier": True} if hc == "hc" else {}
+            sc = replace(DemoScenario(), **{**WORKLOADS[base], **extra}, kv_events=True, seed=seed)
+            m = run_sim_for(sc)
+            print(json.dumps({"w": w, "seed": seed, "mode": VAR, **{k: m.get(k) for k in KEEP}}), flush=True)
+else:
+    from loadtests.sim import cli
+    from loadtests.sim.run import run_sim
+
+    VAR = sys.argv[2]
+    args = cli.build_parser().parse_args(sys.argv[3:])
+    d = cli._DEFAULTS[args.workload]
+    lanes = args.lanes if args.lanes is not None else int(d["lanes_per_replica"] * args.replicas)
+    profile = cli.get_profile(args.profile).with_overrides(page_size=args.page_size, **dict(args.set))
+    specs = cli.load_workload(args, lanes, profile.context_length)
+    cfg = cli._sim_config(args, profile, lanes, args.duration or d["duration_s"], args.warmup or d["warmup_s"])
+    params = PolicyParams().with_changes(**{k: float(v) for k, v in args.param})
+    m = run_sim(specs, cfg, policy=kv_aware.KvAwarePolicy(params)).measures
+    print(json.dumps({"w": f"{args.workload}-{args.replicas}", "seed": args.seed, "mode": VAR,
+                      **{k: m.get(k) for k in KEEP}}), flush=True)
