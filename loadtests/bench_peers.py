@@ -186,6 +186,7 @@ def bench_peers_main(argv: list[str]) -> int:
 
     from loadtests.demo import DemoScenario
     from loadtests.report import comparison_table
+    from loadtests.scenario import WORKLOAD_TOKEN_UNITS
 
     d = DemoScenario()
     p = argparse.ArgumentParser(
@@ -222,7 +223,8 @@ def bench_peers_main(argv: list[str]) -> int:
     p.add_argument("--time-scale", type=float, help=f"default {d.time_scale:g}; real-sglang: 1 (real time)")
     p.add_argument(
         "--token-unit", type=int, help=f"model tokens per workload token (default {d.token_unit}; "
-        f"real-sglang: {REAL_DEFAULTS['token_unit']}, so coding contexts fit the tiny servers)",
+        f"mooncake: {WORKLOAD_TOKEN_UNITS['mooncake']}; real-sglang: {REAL_DEFAULTS['token_unit']}, so coding contexts fit "
+        "the tiny servers)",
     )
     p.add_argument("--profile", default=d.profile)
     p.add_argument("--seed", type=int, default=d.seed)

@@ -39,7 +39,7 @@ from typing import Any
 
 from loadtests.live import API_PATHS, LiveStats, LoadConfig, LoadResult, run_load
 from loadtests.peers import PeerSpec, emulated_fleet, running_redis, running_router
-from loadtests.scenario import KV_EVENTS_CONFIG, DemoScenario, ceiling, demo_scenario
+from loadtests.scenario import KV_EVENTS_CONFIG, WORKLOAD_TOKEN_UNITS, DemoScenario, ceiling, demo_scenario
 from loadtests.sim.ceiling import with_ceiling
 from loadtests.workloads import SessionSpec
 
@@ -279,7 +279,8 @@ def cli_main(argv: list[str]) -> int:
     p.add_argument("--policies", default="kv_aware,hash", help="comma list of kvroute policies")
     p.add_argument("--sessions", type=int, default=d.sessions)
     p.add_argument("--time-scale", type=float, default=d.time_scale, help="wall = modelled x this")
-    p.add_argument("--token-unit", type=int, default=d.token_unit, help="model tokens per emulated token")
+    p.add_argument("--token-unit", type=int, help=f"model tokens per emulated token (default {d.token_unit}; "
+                   f"mooncake: {WORKLOAD_TOKEN_UNITS['mooncake']})")
     p.add_argument("--profile", default=d.profile, help="emulator profile")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--hicache", action="store_true", help="give the replicas their HiCache host tier (2x HBM)")
@@ -327,7 +328,7 @@ def cli_main(argv: list[str]) -> int:
     print(
         f"kvroute demo: {ns.replicas} emulated replicas ({ns.profile}), {ns.sessions} coding-agent sessions, "
         f"{ns.duration:.0f} s per policy, policies {', '.join(policies)}; time x{1 / ns.time_scale:g}, "
-        f"1 emulated token = {ns.token_unit} model tokens"
+        f"1 emulated token = {scenario.token_unit} model tokens"
         + (f"; {ns.gateways} gateways sharing state in Redis" if ns.gateways > 1 else "")
         + ("; no session ids (prefix keys)" if ns.no_session_id else "")
         + {"chat": "", "messages": "; Anthropic Messages API (/v1/messages)",

@@ -17,7 +17,7 @@ import sys
 from dataclasses import replace
 from typing import Any
 
-from loadtests.demo import DemoScenario
+from loadtests.demo import DemoScenario, demo_scenario
 from loadtests.parity import WORKLOADS, run_sim_for
 
 __all__ = ["MEASURES", "cli_main", "paired"]
@@ -62,8 +62,7 @@ def cli_main(argv: list[str]) -> int:
     if not seeds:
         p.error("--seeds: give at least one seed")
     w = WORKLOADS[ns.workload]
-    base_sc = replace(d, workload_kind=w["workload_kind"], sessions=w["sessions"], host_tier=w["host_tier"],
-                      kv_events=ns.kv_events, duration_s=ns.duration)  # fmt: skip
+    base_sc = demo_scenario(**w, kv_events=ns.kv_events, duration_s=ns.duration)
     try:
         base_sc.check()
     except (ValueError, OSError) as exc:
