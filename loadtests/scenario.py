@@ -222,7 +222,7 @@ class DemoScenario:
 # a workload's own model tokens per emulated token, where the default does not render it as its trace
 # says: Mooncake shares only its first 512-token block across sessions, and at 100 model tokens per
 # emulated token the chat template's markers every prompt opens with (~18 emulated tokens) stood for
-# ~1,800 shared model tokens, so the live driver's ideal hit rate was 0.04 above the trace's
+# ~1,800 shared model tokens, so the live driver's ideal hit rate was 0.04 above the simulator's
 # (docs/SIMULATOR.md, "Mooncake's token unit")
 WORKLOAD_TOKEN_UNITS: dict[str, int] = {"mooncake": 32}
 

@@ -135,6 +135,7 @@ class Conversation:
     _shared: str = ""
     _marker: str = ""
     _chunks: list[str] = field(default_factory=list)
+    _chunks_made: int = 1  # chunks ever appended (+ the first): a new one is never named as a cut one
     _history_model_tokens: int = 0
     _history_bytes: int = 0
 
@@ -166,7 +167,10 @@ class Conversation:
         target = max(self._bytes_for(self._history_model_tokens), self._history_bytes)
         n = target - self._history_bytes
         if n > 0:
-            self._chunks.append(filler(f"{self.key}/{len(self._chunks) + 1}", n))
+            # named by how many were ever made, not by how many are kept: after a truncation to a
+            # chunk's start, a name by position would repeat the cut text, which no trace shares
+            self._chunks_made += 1
+            self._chunks.append(filler(f"{self.key}/{self._chunks_made}", n))
             self._history_bytes = target
 
     def truncate(self, model_tokens: int) -> None:

@@ -183,8 +183,9 @@ def turn_overlaps(spec: SessionSpec) -> tuple[int, ...]:
     turn 0 and for a context that starts over): what a prefix cache holding the previous turn serves.
 
     With the trace's block hashes it is their common prefix (a trace rewrites the tail of its
-    context: reasoning stripped, tool results trimmed); without them, the previous prompt + output
-    unless the turn is a reset or does not extend it.
+    context: reasoning stripped, tool results trimmed), a reset's too (Mooncake's resets keep a few
+    blocks of the old context, which the simulator's block names share); without them, the previous
+    prompt + output unless the turn is a reset or does not extend it.
     """
     inputs = turn_inputs(spec)
     out: list[int] = []
@@ -192,7 +193,7 @@ def turn_overlaps(spec: SessionSpec) -> tuple[int, ...]:
     prev_ids: list[int] | None = None
     for k, t in enumerate(spec.turns):
         ids = expand_runs(t.hash_runs) if t.hash_runs and spec.block_size else None
-        if k == 0 or t.reset:
+        if k == 0 or (t.reset and ids is None):
             overlap = 0
         elif ids is not None and prev_ids is not None:
             m = 0

@@ -116,6 +116,20 @@ def test_truncate_keeps_a_prefix_and_the_next_turn_extends_it() -> None:
     assert c.history_model_tokens == 110
 
 
+def test_text_added_after_a_cut_is_new_text() -> None:
+    # a trace that rewrites its context back to a chunk's start: what follows is not the cut text
+    # (chunks named by their position repeated it, and the emulator served the rewrite as cached)
+    c = Conversation(key="s~0", shared_prefix_tokens=0, token_unit=1)
+    c.add(100)
+    before = c.messages[-1]["content"]
+    c.truncate(0)
+    kept = c.messages[-1]["content"]
+    c.add(100)
+    after = c.messages[-1]["content"]
+    assert after.startswith(kept) and len(after) == len(before)
+    assert after[len(kept) : len(kept) + 16] != before[len(kept) : len(kept) + 16]
+
+
 def test_a_short_growing_conversation_keeps_its_name() -> None:
     """The gateway names a conversation by its first user message's first block; at ``token_unit``
     100 a sub-agent's whole history is shorter than that block, so it must not be in that message."""

@@ -216,10 +216,8 @@ def _ideal_hits(unit: int, sessions: int) -> tuple[float, float]:
 
 def test_the_live_driver_renders_mooncake_as_the_simulator_names_it() -> None:
     # Mooncake's sessions share one 512-token block. At 100 model tokens per emulated token the chat
-    # template's common markers stood for ~1,800 shared tokens: the driver's ideal was 0.04 above. What
-    # is left (0.015 under) is the trace's resets: the driver starts them afresh, the trace keeps a
-    # part of the old context's blocks
+    # template's common markers stood for ~1,800 shared tokens: the driver's ideal was 0.04-0.05 above
     sim, live = _ideal_hits(32, 400)
-    assert abs(sim - live) <= 0.02, (sim, live)
+    assert abs(sim - live) <= 0.01, (sim, live)
     sim, live = _ideal_hits(100, 400)
     assert live - sim > 0.025, (sim, live)

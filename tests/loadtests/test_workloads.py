@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import dataclasses
 import random
 from dataclasses import replace
 from pathlib import Path
@@ -206,7 +207,7 @@ def test_traces_dir_prefers_env_then_the_shared_folder_beside_the_checkout(tmp_p
 
 
 def test_turn_overlaps_follow_the_trace_hashes_or_the_append_convention() -> None:
-    from loadtests.workloads import SessionSpec, Turn, turn_overlaps
+    from loadtests.workloads import SessionSpec, Turn, conversation_starts, turn_overlaps
 
     synthetic = SessionSpec("s", 0.0, 100, (Turn(50, 10, 0.0), Turn(20, 5, 1.0), Turn(30, 5, 1.0, reset=True)))
     assert turn_overlaps(synthetic) == (0, 160, 0)  # 100 + 50 + 10; a reset starts over
@@ -218,6 +219,19 @@ def test_turn_overlaps_follow_the_trace_hashes_or_the_append_convention() -> Non
         block_size=10,
     )  # fmt: skip
     assert turn_overlaps(trace) == (0, 30)
+    # a trace's reset keeps what its hashes share with the turn before (Mooncake's resets keep a few
+    # blocks): the conversation goes on from there, in both drivers
+    reset = SessionSpec(
+        "r", 0.0, 10,
+        (Turn(0, 5, 0.0, input_tokens=80, hash_runs=((1, 8),)),
+         Turn(0, 5, 1.0, input_tokens=60, reset=True, hash_runs=((1, 2), (20, 4)))),
+        block_size=10,
+    )  # fmt: skip
+    assert turn_overlaps(reset) == (0, 20)
+    assert conversation_starts(reset) == (0, 0)
+    # one sharing no more than the shared prefix starts a new conversation
+    fresh = dataclasses.replace(reset, shared_prefix_tokens=20)
+    assert conversation_starts(fresh) == (0, 1)
 
 
 @pytest.mark.parametrize(

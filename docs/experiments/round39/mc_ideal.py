@@ -2,7 +2,8 @@
 Both infinite caches see the same turns in the same order (each session's turns in turn, sessions
 in the scenario's order); the live side hashes the driver's rendered text as the emulator does, the
 simulator side names blocks as the simulator does. Prints hit tokens (model tokens) per kind of turn.
-    PYTHONPATH=. python docs/experiments/round39/mc_ideal.py [SEED] [SESSIONS]"""
+    PYTHONPATH=. python docs/experiments/round39/mc_ideal.py [SEED] [SESSIONS] [UNIT] [WORKLOAD]
+(WORKLOAD: a name of loadtests.parity.WORKLOADS, default mooncake)"""
 import json
 import sys
 from collections import defaultdict
@@ -18,7 +19,8 @@ from loadtests.workloads import turn_inputs
 seed = int(sys.argv[1]) if len(sys.argv) > 1 else 1
 limit = int(sys.argv[2]) if len(sys.argv) > 2 else 1500
 unit = int(sys.argv[3]) if len(sys.argv) > 3 else DemoScenario().token_unit
-sc = replace(DemoScenario(), **WORKLOADS["mooncake"], kv_events=True, seed=seed, token_unit=unit)
+work = sys.argv[4] if len(sys.argv) > 4 else "mooncake"
+sc = replace(DemoScenario(), **WORKLOADS[work], kv_events=True, seed=seed, token_unit=unit)
 cfg, specs = sim_config(sc)
 page = cfg.profile.page_size
 live = InfiniteCache(sc.page_size)  # the emulator's page, in emulated tokens
