@@ -16,7 +16,6 @@ At scale, `kvroute sim`'s arguments, one row:
 import json
 import os
 import sys
-from dataclasses import replace
 
 from loadtests.sim import run as sim_run
 from router.model import AffinityBreak, Reason, ReplicaStatus, RouteDecision
@@ -74,11 +73,12 @@ def _queue_spill(self, view, request, snapshot, home, kept):
     t = best[2]
     if LOG:
         sess = snapshot.session
+        costs = [ahead.get(r.id, 0) + prompt for r in snapshot.replicas if r.id != home.id]
         print(json.dumps({
             "t": round(snapshot.now, 2), "prompt": prompt, "ctx": sess.context_tokens if sess else None,
             "turns": sess.turns if sess else None, "ahead_home": at_home,
             "own_home": cost_home - at_home, "ahead_target": ahead.get(t.id, 0),
-            "ties": (lambda c: c.count(min(c)))([ahead.get(r.id, 0) + prompt for r in snapshot.replicas if r.id != home.id]),
+            "ties": costs.count(min(costs)),
             "home_in_flight": home.in_flight, "target_in_flight": t.in_flight, "home_sessions": home.sessions_active,
         }), flush=True)
     return RouteDecision(t.id, Reason.QUEUE_SPILL, kept, ((t.id, kv_aware.load_score(t, 0, self.params)),),
@@ -89,14 +89,15 @@ kv_aware.KvAwarePolicy._queue_spill = _queue_spill
 
 if sys.argv[1] == "ab":
     from loadtests.parity import WORKLOADS, run_sim_for
-    from loadtests.scenario import DemoScenario
+    from loadtests.scenario import demo_scenario
 
     w, seeds = sys.argv[2], [int(x) for x in sys.argv[3].split(",")]
     for seed in seeds:
         for VAR in sys.argv[4:]:
             base, _, hc = w.partition("+")
             extra = {"host_tier": True} if hc == "hc" else {}
-            sc = replace(DemoScenario(), **{**WORKLOADS[base], **extra}, kv_events=True, seed=seed)
+            # the workload's own token unit (Mooncake: 32 since f21e980; var_ab.jsonl's rows ran at 100)
+            sc = demo_scenario(**{**WORKLOADS[base], **extra}, kv_events=True, seed=seed)
             m = run_sim_for(sc)
             print(json.dumps({"w": w, "seed": seed, "mode": VAR, **{k: m.get(k) for k in KEEP}}), flush=True)
 else:
