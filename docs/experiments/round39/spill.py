@@ -1,5 +1,6 @@
 """Round 39: rule 8 (queue spill) patched in-process, in the simulator's model of the live bench or at
 scale. Variants (env SPILL_VAR, or the VAR arguments of `ab`):
+  off    no spill (as queue_spill_factor=0)
   lo     the shipped rule (the cheapest other replica, equal costs to the lowest id)
   le     only onto a replica with no more requests in flight than home
   lt     only onto a replica with fewer requests in flight than home
@@ -45,7 +46,7 @@ sim_run.expected_uncached = expected_uncached  # the ledger's entries
 def _queue_spill(self, view, request, snapshot, home, kept):
     theta = self.params.queue_spill_factor
     prompt = request.prompt_tokens_estimate
-    if theta <= 0 or prompt <= 0 or not snapshot.prefill_ahead:
+    if VAR == "off" or theta <= 0 or prompt <= 0 or not snapshot.prefill_ahead:
         return None
     at_home = kv_aware._ahead_at(snapshot.prefill_ahead, home.id)
     if at_home <= 0:
