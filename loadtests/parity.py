@@ -63,6 +63,7 @@ __all__ = [
     "ceiling",
     "cli_main",
     "compare",
+    "ideal_hits_by_kind",
     "median_measures",
     "rankings",
     "run_sim_for",
@@ -103,6 +104,42 @@ def run_sim_for(
     cfg, specs = sim_config(scenario)
     seed = cfg.seed + 1_000_003 * draw  # draw 0: the scenario's own seed
     return run_sim(specs, replace(cfg, policy=policy, replica_ids=tuple(replica_ids), seed=seed)).measures
+
+
+def ideal_hits_by_kind(scenario: DemoScenario, sessions: int) -> dict[str, tuple[int, int, float, float]]:
+    """The workload as each driver builds its prompts, held to one infinite cache each: per kind of
+    turn (``first``, ``continuation``, ``reset``), ``(turns, prompt model tokens, the simulator's hit
+    tokens, the live driver's hit tokens)`` over the scenario's first ``sessions`` sessions, each
+    session's turns in turn. The simulator names blocks as it does (``ChainNamer``); the live
+    driver's rendered text is hashed as the emulator does (``InfiniteCache``), its hits scaled to
+    model tokens. Equal ideals are what ``bench parity`` needs of a workload's rendering."""
+    from loadtests.ideal import InfiniteCache
+    from loadtests.live import rendered_turns
+    from loadtests.sim.prompts import ChainNamer, IdealCache
+    from loadtests.workloads import turn_inputs
+
+    cfg, specs = sim_config(scenario)
+    page = cfg.profile.page_size
+    live, sim = InfiniteCache(scenario.page_size), IdealCache(page)
+    acc: dict[str, list[float]] = {}
+    for uid, spec in enumerate(specs[:sessions]):
+        for chain in spec.walk():
+            namer = ChainNamer(chain, uid, uid, page, cfg.turn_framing_tokens)
+            inputs = turn_inputs(chain)
+            for k, (conv, _) in enumerate(rendered_turns(chain, scenario.token_unit)):
+                names = namer.names(k)
+                sim_hit = sim.hit_tokens(names, inputs[k])
+                sim.add(namer.full_names(k, names))
+                blocks, emulated = live.blocks(conv.messages, conv.key)
+                live_hit = live.hit(blocks, emulated) * inputs[k] / max(1, emulated)
+                live.insert(blocks)
+                kind = "first" if k == 0 else "reset" if chain.turns[k].reset else "continuation"
+                a = acc.setdefault(kind, [0, 0, 0.0, 0.0])
+                a[0] += 1
+                a[1] += inputs[k]
+                a[2] += sim_hit
+                a[3] += live_hit
+    return {kind: (int(a[0]), int(a[1]), a[2], a[3]) for kind, a in acc.items()}
 
 
 def _rel(sim: float | None, live: float | None) -> float | None:

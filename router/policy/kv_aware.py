@@ -410,9 +410,9 @@ class KvAwarePolicy:
         if at_home <= 0:
             return None
         cost_home = at_home + expected_uncached(request, snapshot, home.id)
-        resident = dict(snapshot.session.resident_on) if snapshot.session is not None else {}
+        resident = snapshot.session.resident_on if snapshot.session is not None else ()
         # no replica can cost less than the prompt less the most of it cached anywhere else
-        if cost_home <= theta * (prompt - max((t for r, t in resident.items() if r != home.id), default=0)):
+        if cost_home <= theta * (prompt - max((t for r, t in resident if r != home.id), default=0)):
             return None
         ahead = dict(snapshot.prefill_ahead)
         best: tuple[int, ReplicaId, ReplicaState] | None = None
@@ -423,7 +423,7 @@ class KvAwarePolicy:
                 continue
             if r.host_capacity_tokens - r.engine.host_used_tokens < prompt:
                 continue
-            cost = ahead.get(r.id, 0) + prompt - min(prompt, resident.get(r.id, 0))
+            cost = ahead.get(r.id, 0) + expected_uncached(request, snapshot, r.id)
             # equal costs go to the lowest id on purpose: spills then fill a few replicas first. The
             # least loaded of them, or a spread by the session's hash, measured worse on the tail
             # (docs/POLICY.md round 39)

@@ -184,34 +184,16 @@ def test_a_workload_gets_its_own_token_unit_unless_one_is_given() -> None:
 
 def _ideal_hits(unit: int, sessions: int) -> tuple[float, float]:
     """(the simulator's, the live driver's) hit rate of one infinite cache over the first Mooncake
-    sessions of the bench's scenario at ``unit`` model tokens per emulated token: the simulator names
-    blocks by the trace's hash ids, the driver's text is hashed as the emulator does."""
+    sessions of the bench's scenario at ``unit`` model tokens per emulated token."""
     from dataclasses import replace
 
-    from loadtests.ideal import InfiniteCache
-    from loadtests.live import rendered_turns
-    from loadtests.parity import WORKLOADS
-    from loadtests.scenario import demo_scenario, sim_config
-    from loadtests.sim.prompts import ChainNamer, IdealCache
-    from loadtests.workloads import turn_inputs
+    from loadtests.parity import WORKLOADS, ideal_hits_by_kind
+    from loadtests.scenario import demo_scenario
 
     sc = replace(demo_scenario(**WORKLOADS["mooncake"], seed=1), token_unit=unit)
-    cfg, specs = sim_config(sc)
-    live, sim = InfiniteCache(sc.page_size), IdealCache(cfg.profile.page_size)
-    total = sim_hit = live_hit = 0.0
-    for uid, spec in enumerate(specs[:sessions]):
-        for chain in spec.walk():
-            namer = ChainNamer(chain, uid, uid, cfg.profile.page_size, cfg.turn_framing_tokens)
-            inputs = turn_inputs(chain)
-            for k, (conv, _) in enumerate(rendered_turns(chain, sc.token_unit)):
-                names = namer.names(k)
-                sim_hit += sim.hit_tokens(names, inputs[k])
-                sim.add(namer.full_names(k, names))
-                blocks, emulated = live.blocks(conv.messages, conv.key)
-                live_hit += live.hit(blocks, emulated) * inputs[k] / emulated
-                live.insert(blocks)
-                total += inputs[k]
-    return sim_hit / total, live_hit / total
+    kinds = ideal_hits_by_kind(sc, sessions).values()
+    total = sum(k[1] for k in kinds)
+    return sum(k[2] for k in kinds) / total, sum(k[3] for k in kinds) / total
 
 
 def test_the_live_driver_renders_mooncake_as_the_simulator_names_it() -> None:
