@@ -36,9 +36,10 @@ Rule 2b (own part): each session also keeps its *base*, the end of the block its
 Rule 3 (completeness): a publisher is *complete* when every block in its cache is known to us: we
         have applied every batch since an empty cache (``AllBlocksCleared``, which SGLang emits when
         its cache is created or flushed, or a rebuild from sequence 0 through the replay socket).
-        After a gap the mirror is dropped and marked incomplete: sessions stored afterwards from
-        the root are still exact, anything hanging below an unknown block is ``None``, and the
-        replica's ``source`` reads ``estimate`` until the next complete point.
+        After a gap the mirror's blocks are dropped, its sessions made unknown, and it is marked
+        incomplete: sessions stored afterwards from the root are still exact, anything hanging
+        below an unknown block is ``None``, and the replica's ``source`` reads ``estimate`` until
+        the next complete point.
 Rule 4 (stale): while its subscriber is disconnected a mirror answers ``None`` (the engine may be
         gone with its cache, or changing it unseen).
 Rule 5 (untracked sessions): on a complete publisher a session with no entry has nothing of its
@@ -53,6 +54,10 @@ Rule 7 (a tip of unknown depth): on an incomplete mirror a session that stored b
         is too. ``tip_on`` names such replicas, for a session the store does not know: after an
         engine's replay buffer has rolled (SGLang keeps its last 10,000 batches) a restarted
         gateway still finds the sessions that stored in that window.
+Rule 8 (lag): the events of a turn's stores reach us after its response does. A session that
+        finished a turn on its home but has no entry there (rule 5's 0) is unknown to
+        ``with_residency``, not gone: its next turn, sent before those events arrive, must not
+        look evicted (the estimate decides it instead).
 
 Memory and cost per event are measured by ``kvroute bench kv-events`` (docs/KV_EVENTS.md).
 """
@@ -111,6 +116,12 @@ class ResidencyView(Protocol):
         unknown depth (rule 7)."""
         ...
 
+    def tracks(self, replica_id: str, session_id: str) -> bool:
+        """Have the replica's events named the session (an entry: its tip, or the exact 0 its tip
+        became when its blocks went)? Rule 5's 0 for a session with no entry is "never stored
+        here" only as far as the events have come (rule 8)."""
+        ...
+
     def source(self, replica_id: str) -> str:
         """``events`` (complete), ``estimate`` (subscribed, incomplete) or ``off``."""
         ...
@@ -165,6 +176,9 @@ class ReplicaResidency:
         if b is None or b[1] < 0:
             return None
         return max(0, b[1] - self.bases.get(session_id, 0))
+
+    def tracks(self, session_id: str) -> bool:
+        return not self.stale and session_id in self.tips
 
     def tip_resident(self, session_id: str) -> bool:
         """Rule 7: the session's tip is a resident block whose depth is unknown."""
@@ -298,10 +312,14 @@ class ReplicaResidency:
 
     # ---- resync ------------------------------------------------------------------------------
     def reset_incomplete(self) -> None:
-        """Events were lost (or the mirror overflowed): forget everything, rule 3."""
+        """Events were lost (or the mirror overflowed): forget every block, rule 3. The sessions
+        stay, unknown until the next complete point makes them an exact 0 or their stores come
+        again: a session this replica's events once named is never mistaken for one whose
+        events have not come yet (rule 8)."""
         self.blocks.clear()
         self.tipped.clear()
-        self.tips.clear()
+        for sid in self.tips:
+            self.tips[sid] = _UNKNOWN
         self.bases.clear()
         self.complete = False
         if self._changed is not None:
@@ -377,6 +395,8 @@ def with_residency(session: SessionState, view: ResidencyView | None, engine_id:
         return session
     sid = session.session_id if engine_id is None else engine_id
     home = None if session.home is None else view.resident_tokens(session.home, sid)
+    if home == 0 and session.residency_mark > 0 and not view.tracks(session.home or "", sid):
+        home = None  # rule 8: a turn finished there whose stores have not reached us yet
     on = view.resident_on(sid)
     if engine_id is None and home is None and not on:
         return session
@@ -463,6 +483,9 @@ class ResidencyIndex:
             elif v > best:
                 best = v
         return None if unknown and best == 0 else best
+
+    def tracks(self, replica_id: str, session_id: str) -> bool:
+        return any(r.tracks(session_id) for r in self._reps.get(replica_id, ()))
 
     def resident_on(self, session_id: str) -> tuple[tuple[str, int], ...]:
         out: list[tuple[str, int]] = []

@@ -372,12 +372,13 @@ class KvEventsPublisher:
         self._ctx = zmq.asyncio.Context()
         self._topic = config.topic.encode()
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_steps or None)
-        self._queue: asyncio.Queue[tuple[int, bytes, bool] | None] = asyncio.Queue(maxsize=config.max_queue_size)
+        self._queue: asyncio.Queue[tuple[int, bytes, bool, float] | None] = asyncio.Queue(maxsize=config.max_queue_size)
         self._seq = 0
         self.published = 0
         self.dropped = 0
         self.replays = 0
         self.ignore_replays = 0  # fault injection for tests: leave the next N replay requests unanswered
+        self.lag_s = 0.0  # fault injection for tests: send each batch this long after it was published
         self._pub = self._ctx.socket(zmq.PUB)
         self._pub.setsockopt(zmq.LINGER, 0)
         self._pub.set_hwm(config.hwm)
@@ -416,7 +417,7 @@ class KvEventsPublisher:
         self._seq += 1
         payload = self._encode([time.time(), events, self.dp_rank])
         try:
-            self._queue.put_nowait((seq, payload, not drop_live))
+            self._queue.put_nowait((seq, payload, not drop_live, time.monotonic() + self.lag_s))
         except asyncio.QueueFull:
             self.dropped += 1
 
@@ -425,7 +426,9 @@ class KvEventsPublisher:
             item = await self._queue.get()
             if item is None:
                 return
-            seq, payload, live = item
+            seq, payload, live, due = item
+            if due > time.monotonic():
+                await asyncio.sleep(due - time.monotonic())
             if live:
                 await self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload))
                 self.published += 1

@@ -105,7 +105,9 @@ class RedisResidencyWriter:
             due = now - self._beat_at.get(rid, 0.0) >= self.ttl_s / 3
             if not changed and not reset and source == self._source.get(rid) and not due:
                 continue
-            pairs = [[sid, self.index.resident_tokens(rid, sid)] for sid in sorted(changed)]
+            # a session no rank tracks any more (dropped, rule 6) is forgotten by the mirrors too
+            pairs = [[sid, self.index.resident_tokens(rid, sid) if self.index.tracks(rid, sid) else None]
+                     for sid in sorted(changed)]  # fmt: skip
             try:
                 got = int(await self._call("write", rid, source, int(self.ttl_s * 1000), int(reset), self.maxlen,
                                            self.writer_id, json.dumps(pairs, separators=(",", ":"))))
@@ -207,6 +209,9 @@ class RedisResidencyMirror:
 
     def tip_on(self, session_id: str) -> tuple[str, ...]:
         return ()  # the writers publish token counts only
+
+    def tracks(self, replica_id: str, session_id: str) -> bool:
+        return self._live(replica_id) is not None and session_id in self._res.get(replica_id, {})
 
     def source(self, replica_id: str) -> str:
         if replica_id not in self._src:

@@ -234,6 +234,7 @@ async def test_each_rank_is_a_replica_of_the_gateway_with_its_own_events() -> No
                     where = r.headers["X-Kvroute-Replica"]
                     meta = (await r.json())["meta_info"]
                 assert meta["dp_rank"] == units.index(where)
+                assert placed.setdefault("native", where) == where, r.headers.get("X-Kvroute-Reason")
                 if turn:
                     assert meta["cached_tokens"] >= meta["prompt_tokens"] - PROFILE.page_size
             assert not gw.runtime.rank_flights

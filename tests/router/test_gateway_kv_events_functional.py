@@ -313,6 +313,29 @@ async def test_each_turn_sent_home_is_judged_by_the_residency_that_sent_it(
         assert shown["total"] == shown["window"] == want, shown
 
 
+async def test_a_turn_sent_before_the_last_ones_events_arrive_goes_home(kv_emulators: list[Running]) -> None:
+    """An engine publishes a turn's stores after it answers, and a coding agent can send the next
+    turn at once (a quick tool call). That turn must find its cache at home: before the events name
+    the session there, its home reads unknown (residency rule 8), not an exact 0 read as evicted,
+    which placed it afresh and threw the cache away."""
+    urls = [r.url for r in kv_emulators]
+    cfg = fast_config(urls, admin_insecure=True, kv_events={"refresh_s": 0.2})
+    async with gateway(cfg) as gw, aiohttp.ClientSession() as http:
+        await wait_for(lambda: all(gw.runtime.residency.view.source(u.removeprefix("http://")) == "events" for u in urls))
+        for rep in kv_emulators:
+            assert rep.replica.kv_publisher is not None
+            rep.replica.kv_publisher.lag_s = 2.0  # a whole test's turns come before their events
+        conv = Conversation(http, gw, None)
+        await conv.turns(3)
+        assert conv.reasons == ["placed_new", "affinity", "affinity"], conv.reasons
+        assert len(conv.replicas) == 1 and min(conv.cached[1:]) > 0, conv.cached
+        snap = await gw.store.snapshot("s-1")
+        assert snap.session is not None and snap.session.resident_tokens is None  # unknown, not 0
+        await wait_for(lambda: synced(gw, kv_emulators))  # once they are in, the answer is exact again
+        snap = await gw.store.snapshot("s-1")
+        assert snap.session is not None and (snap.session.resident_tokens or 0) > 0
+
+
 async def test_a_restarted_gateway_finds_sessions_whose_history_outran_the_replay_buffer() -> None:
     """An engine that has served a while no longer holds its events from sequence 0 (SGLang keeps
     its last ``buffer_steps`` batches), so a restarted gateway's mirror is incomplete and the

@@ -182,6 +182,10 @@ def test_reset_incomplete_forgets_everything() -> None:
     r.stored(None, chain(1, 2), 16, 32, GPU, "s")
     r.reset_incomplete()
     assert not r.complete and r.resident_tokens("s") is None and r.resident_blocks == 0
+    # the session stays known (rule 8): the next complete point makes it an exact 0, not untracked
+    assert r.tracks("s") and r.sessions == 1
+    r.cleared()
+    assert r.tracks("s") and r.resident_tokens("s") == 0
 
 
 def test_stale_mirror_answers_none() -> None:
@@ -301,3 +305,27 @@ def test_a_data_parallel_replica_sends_a_session_to_the_rank_holding_its_cache()
     assert idx.rank_for("r", "a", busy=[1, 0]) == 1
     r1.stale = True  # a rank whose subscriber is disconnected: unknown, hashed by the caller
     assert idx.rank_for("r", "a") is None
+
+
+def test_a_turn_whose_stores_have_not_arrived_is_unknown_not_gone() -> None:
+    """Rule 8: a session's next turn can come before the events of its last one. A session that
+    finished a turn on its home (``residency_mark`` > 0) with no entry there reads ``None`` (the
+    estimate decides), so it is not moved as evicted; an exact 0 after its blocks went stays 0."""
+    from router.model import SessionState
+    from router.residency import with_residency
+
+    idx = ResidencyIndex()
+    r = idx.replica("a")
+    r.cleared()
+    r.stored(None, [1], 16, 16, GPU, "other")
+    finished = SessionState("s1", home="a", context_tokens=48, residency_mark=100)
+    placed = SessionState("s1", home="a", context_tokens=48)  # bound, no turn finished there yet
+    assert idx.resident_tokens("a", "s1") == 0 and not idx.tracks("a", "s1")
+    assert with_residency(finished, idx).resident_tokens is None
+    assert with_residency(placed, idx).resident_tokens == 0
+    r.stored(None, [5, 6, 7], 16, 48, GPU, "s1")  # the events arrive
+    assert idx.tracks("a", "s1") and with_residency(finished, idx).resident_tokens == 48
+    r.removed([5, 6, 7], GPU)  # evicted: the tip became an exact 0, still tracked
+    assert idx.tracks("a", "s1") and with_residency(finished, idx).resident_tokens == 0
+    r.stale = True  # a disconnected subscriber tracks nobody
+    assert not idx.tracks("a", "s1") and with_residency(finished, idx).resident_tokens is None

@@ -70,6 +70,7 @@ async def test_writer_publishes_and_mirrors_follow(client: aioredis.Redis) -> No
     async with running(m):
         assert m.resident_tokens("a", "s1") == 48 and m.source("a") == EVENTS
         assert m.resident_tokens("a", "nobody") == 0  # complete: untracked is 0
+        assert m.tracks("a", "s1") and not m.tracks("a", "nobody") and not m.tracks("b", "s1")
         assert m.resident_on("s2") == (("a", 16),)
         assert m.source("b") == OFF and m.resident_tokens("b", "s1") is None
         # changes flow through the stream: an eviction, a new session
@@ -89,6 +90,26 @@ async def test_writer_publishes_and_mirrors_follow(client: aioredis.Redis) -> No
         await w.close()
         await until(lambda: m.source("a") == OFF)
         assert m.gaps == 0 and m.errors == 0
+
+
+async def test_a_session_the_bound_dropped_is_forgotten_by_the_mirrors(client: aioredis.Redis) -> None:
+    """Rule 6 drops the least recently changed session: mirrors then no longer track it (``None``
+    is published, not its rule-5 0), as the writer's own index does not."""
+    idx = ResidencyIndex(max_sessions=2, track_changes=True)
+    r = idx.replica("a")
+    r.cleared()
+    r.stored(None, [1], 16, 16, GPU, "s1")
+    r.stored(None, [2], 16, 16, GPU, "s2")
+    w = RedisResidencyWriter(client, idx, ttl_s=5.0)
+    await w.flush_once()
+    m = RedisResidencyMirror(client, block_ms=100)
+    async with running(m):
+        assert m.tracks("a", "s1") and m.tracks("a", "s2")
+        r.stored(None, [3], 16, 16, GPU, "s3")  # s1 is dropped
+        await w.flush_once()
+        await until(lambda: m.tracks("a", "s3"))
+        assert not idx.tracks("a", "s1") and not m.tracks("a", "s1") and m.resident_tokens("a", "s1") == 0
+        assert await client.hgetall("{kvroute}:res:a") == {"s2": "16", "s3": "16"}
 
 
 async def test_a_dead_writer_expires(client: aioredis.Redis) -> None:
