@@ -235,6 +235,11 @@ def bench_peers_main(argv: list[str]) -> int:
     )
     p.add_argument("--hicache", action="store_true", help="give the replicas their HiCache host tier (2x HBM)")
     p.add_argument(
+        "--gateways", type=int, default=1,
+        help="kvroute gateway processes sharing state in a fresh Redis (the peers run one router); the "
+        "clients spread their requests over them round robin",
+    )
+    p.add_argument(
         "--kv-events", action="store_true",
         help="the replicas (emulated or real) publish SGLang's KV events; kvroute routes on exact residency",
     )
@@ -272,6 +277,8 @@ def bench_peers_main(argv: list[str]) -> int:
         p.error(f"unknown targets {unknown}; choose from {routers}")
     if ns.engine_dp < 1:
         p.error("--engine-dp must be at least 1")
+    if ns.gateways < 1:
+        p.error("--gateways must be at least 1")
     if ns.fleet == "real-sglang":
         if ns.engine_set:
             p.error("--engine-set sets the emulated engines' profile; real SGLang servers take their own flags")
@@ -360,7 +367,7 @@ def _scenario(ns: Any, seed: int) -> Any:
         replicas=ns.replicas, duration_s=ns.duration, sessions=ns.sessions, time_scale=ns.time_scale,
         token_unit=ns.token_unit, profile=ns.profile, seed=seed, host_tier=ns.hicache,
         workload_kind=ns.workload, trace=ns.trace, policy_params=tuple(ns.policy_param), kv_events=ns.kv_events,
-        page_size=1 if real else None,  # SGLang's page size on CPU (the ideal caches pages like it)
+        gateways=ns.gateways, page_size=1 if real else None,  # SGLang's page size on CPU (the ideal caches pages like it)
         engine_set=tuple(ns.engine_set), session_ids=not ns.no_session_id, api=ns.api,
         dp_size=None if real else ns.engine_dp,  # real engines get theirs from _fleet
     )
