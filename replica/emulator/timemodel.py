@@ -43,6 +43,14 @@ Rule 6 (a waiting request's prefix stays recent): a request holds no lock while 
         every round. An admission round here is each time the engine forms its next operation with
         a queue and a free slot (SGLang's rounds while a full KV pool blocks the queue do not
         reach that code either).
+Rule 7 (the queued work it reports): ``pending_prefill_tokens`` is SGLang 0.5.23's
+        ``num_waiting_uncached_tokens`` (``LoadInquirer.get_num_waiting_uncached_tokens``): the
+        uncached rest of the prompt being prefilled (its chunked request) plus, for each waiting
+        request, its uncached part where the order matched prefixes (the cache-aware orders, up
+        to 128 waiting), else its whole prompt times the miss rate of the prefills of the last
+        15 s (``SGLANG_CACHE_HIT_RATE_WINDOW_SECONDS``; the window ages only when a prefill is
+        added, as SGLang's does). Under ``fcfs``, SGLang's default, a queued cold prompt thus
+        counts at the engine's recent miss rate, not whole.
 
 Events come out of :meth:`ReplicaEngine.advance` in time order; :meth:`ReplicaEngine.submit`
 and :meth:`ReplicaEngine.abort` first catch up to ``now`` and keep the events they produce
@@ -249,6 +257,7 @@ class _Decode:
 
 
 _PREFIX_MATCH_MAX = 128  # SGLang's WAITING_QUEUE_PREFIX_MATCH_MAX
+_HIT_WINDOW_S = 15.0  # SGLang's SGLANG_CACHE_HIT_RATE_WINDOW_SECONDS default (rule 7)
 _REFRESH_INTERVAL = 32  # SGLang's WAITING_PREFIX_REFRESH_INTERVAL
 
 
@@ -272,6 +281,9 @@ class ReplicaEngine:
         self._t = 0.0
         self._events: list[EngineEvent] = []
         self._hit_rate = 0.0
+        self._hit_window: deque[tuple[float, int, int]] = deque()  # (t, hit, prompt tokens): rule 7
+        self._window_hits = 0
+        self._window_inputs = 0
         self._gen_throughput = 0.0
         self.finished_count = 0
 
@@ -377,11 +389,19 @@ class ReplicaEngine:
     def pending_prefill_tokens(self) -> int:
         """Prefill work a new request would wait behind: the uncached rest of the prompts being
         prefilled plus the whole prompts still queued (their cache match is known only at admission).
-        What SGLang reports as ``num_waiting_uncached_tokens``; its scheduler keeps all of these
-        in the waiting queue or the chunked request, where this model admits them at once."""
-        return sum(r.req.prompt_tokens - r.prefilled for r in self._prefilling) + sum(
-            r.req.prompt_tokens for r in self._waiting
-        )
+        What SGLang reports as ``num_waiting_uncached_tokens`` (rule 7)."""
+        ahead = sum(r.req.prompt_tokens - r.prefilled for r in self._prefilling)
+        if not self._waiting:
+            return ahead
+        if self.profile.schedule_policy == "fcfs" or len(self._waiting) > _PREFIX_MATCH_MAX:
+            miss = 1.0 - (self._window_hits / self._window_inputs if self._window_inputs else 0.0)
+            return ahead + sum(int(r.req.prompt_tokens * miss) for r in self._waiting)
+        page = self.cache.page_size
+        for r in self._waiting:
+            hashes = r.req.block_hashes
+            matched = self.cache.match(hashes[: min(len(hashes), (r.req.prompt_tokens - 1) // page)]).tokens
+            ahead += max(0, r.req.prompt_tokens - matched)
+        return ahead
 
     @property
     def token_usage(self) -> float:
@@ -510,10 +530,22 @@ class ReplicaEngine:
         if items:
             if inputs:
                 self._hit_rate = hits / inputs
+                self._add_hits(t, hits, inputs)
             self._op = _Prefill(t + p.prefill_base_s + cost, items)
             return
         if self._decoding:
             self._start_decode(t)
+
+    def _add_hits(self, t: float, hits: int, inputs: int) -> None:
+        """Rule 7's window (SGLang's ``_CacheHitRateWindow``)."""
+        w = self._hit_window
+        w.append((t, hits, inputs))
+        self._window_hits += hits
+        self._window_inputs += inputs
+        while w and w[0][0] <= t - _HIT_WINDOW_S:
+            _, h, n = w.popleft()
+            self._window_hits -= h
+            self._window_inputs -= n
 
     def _complete_prefill(self, op: _Prefill) -> None:
         t = op.end

@@ -168,6 +168,40 @@ def test_pending_prefill_is_the_uncached_work_not_yet_done() -> None:
     assert 0 < e.pending_prefill_tokens < again.prompt_tokens - cold.prompt_tokens + prof.page_size
 
 
+@pytest.mark.parametrize("policy", ["fcfs", "lpm"])
+def test_queued_prompts_count_as_sglang_estimates_them(policy: str) -> None:
+    """Rule 7: with requests waiting, ``fcfs`` (SGLang's default) counts each waiting prompt whole
+    times the miss rate of the last 15 s of prefills; the cache-aware orders count each one's
+    uncached part. The prompt being prefilled counts its uncached rest either way."""
+    prof = get_profile("small-test").with_overrides(max_running_requests=1, schedule_policy=policy)
+    e = ReplicaEngine(prof)
+    base = "shared prefix of the session " * 40
+    first_turn = req("warm-up", base, 1, prof.page_size)
+    e.submit(first_turn, 0.0)
+    evs = drain(e)
+    t = max(ev.t for ev in evs)
+    running = req("running", base + "a first question " * 4, 200, prof.page_size)  # holds the one slot
+    e.submit(running, t)
+    while e.running and not any(isinstance(ev, FirstToken) and ev.rid == "running" for ev in evs):
+        evs += e.advance(e.next_event_time() or t)  # its prefill done: it decodes, the slot stays taken
+    started = [ev for ev in evs if isinstance(ev, Started)]
+    assert [ev.rid for ev in started] == ["warm-up", "running"] and e.running == 1
+    hits = sum(ev.cached_device + ev.cached_host for ev in started)
+    assert hits > 0  # "running" found the base cached
+    miss = 1 - hits / (first_turn.prompt_tokens + running.prompt_tokens)
+    warm = req("warm", base + "and a new question", 4, prof.page_size)
+    cold = req("cold", "y" * 600, 4, prof.page_size)
+    e.submit(warm, t + 0.01)
+    e.submit(cold, t + 0.01)
+    assert e.queued == 2 and e.running == 1
+    if policy == "fcfs":
+        assert e.pending_prefill_tokens == int(warm.prompt_tokens * miss) + int(cold.prompt_tokens * miss)
+    else:
+        matched = e.cache.match(warm.block_hashes[: (warm.prompt_tokens - 1) // prof.page_size]).tokens
+        assert matched > 0
+        assert e.pending_prefill_tokens == warm.prompt_tokens - matched + cold.prompt_tokens
+
+
 def test_more_batch_slower_per_request() -> None:
     prof = KIMI
     e1 = ReplicaEngine(prof)
