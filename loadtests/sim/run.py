@@ -573,7 +573,7 @@ class _Sim:
         else:
             key, source = self._prefix_key(chain, req.turn, ck), KeySource.PREFIX
         req.key = key
-        snap = gw.prefill.with_ahead(self._view(gw, t, key))
+        snap = gw.prefill.with_ahead(self._view(gw, t, key), others=self.cfg.gateways > 1)
         request = route_request(key, source, route=CHAT_ROUTE, body_bytes=req.body_bytes, session=snap.session,
                                 excluded=req.excluded, chain_key=ck if source is KeySource.HEADER else None)
         try:

@@ -454,7 +454,7 @@ class _Proxy:
         snap = await self.rt.store.snapshot(self.req.session_key)
         if self._engine_id is not None and snap.session is not None and self.rt.residency is not None:
             snap = replace(snap, session=with_residency(snap.session, self.rt.residency.view, self._engine_id))
-        snap = self.rt.prefill.with_ahead(snap)
+        snap = self.rt.prefill.with_ahead(snap, others=self.rt.discovery is not None and self.rt.discovery.others_live)
         req = self.req = route_request(
             self.req.session_key,
             self.req.key_source,

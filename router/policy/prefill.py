@@ -7,8 +7,9 @@ its prefill is done (or when it ends without one). The sum per replica is the
 policy's ``ClusterSnapshot.prefill_ahead``.
 
 Pure bookkeeping (no I/O, no clock): the gateway and the simulator keep one per gateway and fill the
-snapshot the same way. Another gateway's requests are not seen: with several gateways each knows a
-part of the work ahead, which makes the rule fire less, never on work that is not there.
+snapshot the same way. Another gateway's requests are not in it: with several gateways the snapshot
+takes, per replica, the larger of the ledger and the engine's own report of its queue
+(``with_ahead(others=True)``; measured in docs/POLICY.md round 40).
 """
 
 from __future__ import annotations
@@ -69,9 +70,19 @@ class PrefillLedger:
             del self._ahead[rid]
         self._view = None
 
-    def with_ahead(self, snapshot: ClusterSnapshot) -> ClusterSnapshot:
-        """``snapshot`` with this ledger's ``prefill_ahead`` (the one way both drivers fill it)."""
+    def with_ahead(self, snapshot: ClusterSnapshot, *, others: bool = False) -> ClusterSnapshot:
+        """``snapshot`` with ``prefill_ahead`` (the one way both drivers fill it). ``others``: other
+        gateways send to this fleet too. Their requests are not in this ledger; each engine's own
+        report of its queued uncached prefill (``EngineLoad.waiting_uncached_tokens``, a scrape
+        old, SGLang's estimate) holds them, so a replica's work ahead is the larger of the two.
+        Alone, the ledger is exact and fresher, and the engine's figure would only add its noise."""
         ahead = self.ahead()
+        if others:
+            mine = dict(ahead)
+            for r in snapshot.replicas:
+                if r.engine.waiting_uncached_tokens > mine.get(r.id, 0):
+                    mine[r.id] = r.engine.waiting_uncached_tokens
+            ahead = tuple(sorted(mine.items()))
         return dataclasses.replace(snapshot, prefill_ahead=ahead) if ahead else snapshot
 
     def ahead(self) -> tuple[tuple[ReplicaId, int], ...]:

@@ -260,6 +260,7 @@ async def test_the_load_is_read_from_v1_loads_and_metrics_only_for_the_host_tier
         assert len(new.state.scraped_at) == 3  # rounds 0, METRICS_EVERY, 2 x METRICS_EVERY
         assert len(old.state.scraped_at) == rounds
         assert (await engine(old.id)).kv_util == 0.1 and d.scrapes_ok == 2 * rounds and d.scrapes_failed == 0
+        assert not d.others_live  # a store of one gateway
 
         new.state.active = 3  # the live figures come from /v1/loads every round
         await d.scrape_once()
@@ -483,6 +484,8 @@ async def test_gateways_on_one_redis_divide_the_probing_between_them(
         ]
         pick = {r.id: hrw_top(r.id, probers) for r in await store.replicas()}
         assert set(pick.values()) == set(probers)  # both get some (all 12 to one: p = 2 / 4096)
+        # each sees the other: rule 8 of the policy then reads the engines' queues too (prefill.py)
+        await wait_for(lambda: all(gw.runtime.discovery and gw.runtime.discovery.others_live for gw in gws), 5.0)
 
         async def picks_probe_them() -> bool:
             # a probe that timed out on this busy box makes the other gateway check for itself once

@@ -111,3 +111,21 @@ def test_the_ledger_sums_each_replicas_prefill_until_the_first_token() -> None:
     ledger.prefilled("l2")
     ledger.prefilled("l3")
     assert ledger.ahead() == () and len(ledger) == 0
+
+
+def test_with_other_gateways_work_ahead_is_the_larger_of_the_ledger_and_the_engines_queue() -> None:
+    """Another gateway's requests are not in this gateway's ledger, only in the engine's own report
+    of its queued uncached prefill: with others, each replica's work ahead is the larger of the two
+    (a replica this gateway sent nothing to included); alone, the ledger's alone."""
+    ledger = PrefillLedger()
+    ledger.sent("l1", "a", 30_000)
+    ledger.sent("l2", "b", 5_000)
+    reps = []
+    for rid, queued in (("a", 10_000), ("b", 40_000), ("c", 70_000), ("d", 0)):
+        r = replica(rid)
+        reps.append(dataclasses.replace(r, engine=dataclasses.replace(r.engine, waiting_uncached_tokens=queued)))
+    snap = snapshot(*reps)
+    assert ledger.with_ahead(snap).prefill_ahead == (("a", 30_000), ("b", 5_000))
+    assert ledger.with_ahead(snap, others=True).prefill_ahead == (("a", 30_000), ("b", 40_000), ("c", 70_000))
+    alone = snapshot(replica("d"))
+    assert PrefillLedger().with_ahead(alone, others=True) is alone
