@@ -37,7 +37,7 @@ def test_peers_real_fleet_runs_in_real_time_and_needs_the_runtime(
     with pytest.raises(SystemExit) as exc:
         bench_peers_main(["--fleet", "real-sglang", "--time-scale", "0.1"])
     assert exc.value.code == 2 and "real time" in capsys.readouterr().err
-    for args in (["--engine-dp", "0"], ["--fleet", "real-sglang", "--engine-dp", "0"]):  # emulated engines have ranks too
+    for args in (["--engine-dp", "0"], ["--fleet", "real-sglang", "--engine-dp", "0"], ["--gateways", "0"]):
         with pytest.raises(SystemExit) as exc:
             bench_peers_main(args)
         assert exc.value.code == 2 and "at least 1" in capsys.readouterr().err
@@ -54,7 +54,7 @@ def test_peers_real_fleet_runs_in_real_time_and_needs_the_runtime(
         api = "chat"
         replicas, sessions, token_unit, time_scale = 2, 40, 40, 1.0
         duration = REAL_DEFAULTS["duration_s"]
-        engine_dp = 1
+        engine_dp = gateways = 1
 
     sc = _scenario(NS, 3)
     assert (sc.replicas, sc.time_scale, sc.token_unit, sc.page_size, sc.seed) == (2, 1.0, 40, 1, 3)
@@ -65,6 +65,8 @@ def test_peers_real_fleet_runs_in_real_time_and_needs_the_runtime(
     NS.api = "responses"  # Codex's clients: the driver speaks the Responses API to every router
     assert _scenario(NS, 3).load_config("http://127.0.0.1:1", ()).api == "responses"
     assert _scenario(NS, 3).dp_size == 1  # a real fleet's ranks are the servers' own (_fleet)
+    NS.gateways = 4  # kvroute's gateways on one Redis (the peers run one router each)
+    assert _scenario(NS, 3).gateways == 4
     NS.fleet, NS.engine_dp, NS.kv_events = "emulated", 2, True
     args = _scenario(NS, 3).emulator_args()
     assert args[args.index("--dp-size") + 1] == "2"
