@@ -9,8 +9,7 @@ scrape interval). Variants (the VAR arguments):
 
 Bench model, one row per seed and variant (G gateways sharing state with LAG s of lag):
     PYTHONPATH=. python docs/experiments/round40/merge.py ab WORKLOAD[+hc] SEEDS G LAG VAR...
-At scale, `kvroute sim`'s arguments, one row:
-    PYTHONPATH=. python docs/experiments/round40/merge.py sim VAR <kvroute sim args>
+At scale main itself was run (`kvroute sim --gateways 10 ...`: `shipped`).
 """
 import dataclasses
 import json
@@ -32,11 +31,10 @@ def with_ahead(self, snapshot, *, others=False):
         return _own(self, snapshot)
     if VAR == "max":  # as merged (f. round 40): with_ahead(others=True)
         return _own(self, snapshot, others=True)
-    mine = dict(self.ahead())
+    mine = dict(self.ahead())  # sum
     out = {}
     for r in snapshot.replicas:
-        q = r.engine.waiting_uncached_tokens
-        v = max(mine.get(r.id, 0), q) if VAR == "max" else mine.get(r.id, 0) + q
+        v = mine.get(r.id, 0) + r.engine.waiting_uncached_tokens
         if v > 0:
             out[r.id] = v
     for rid, v in mine.items():  # a replica the snapshot does not list keeps what we know of it
@@ -46,7 +44,7 @@ def with_ahead(self, snapshot, *, others=False):
 
 PrefillLedger.with_ahead = with_ahead
 
-if sys.argv[1] == "ab":
+if sys.argv[1] == "ab":  # the only mode
     from loadtests.parity import WORKLOADS
     from loadtests.scenario import demo_scenario, sim_config
     from loadtests.sim.run import run_sim
@@ -63,18 +61,3 @@ if sys.argv[1] == "ab":
             params = PolicyParams().with_changes(**({"queue_spill_factor": float(theta)} if theta else {}))
             m = run_sim(specs, cfg, policy=kv_aware.KvAwarePolicy(params)).measures
             print(json.dumps({"w": w, "g": g, "lag": lag, "seed": seed, "mode": mode, **{k: m.get(k) for k in KEEP}}), flush=True)
-else:
-    from loadtests.sim import cli
-    from loadtests.sim import run as sim_run
-
-    VAR = sys.argv[2]
-    args = cli.build_parser().parse_args(sys.argv[3:])
-    d = cli._DEFAULTS[args.workload]
-    lanes = args.lanes if args.lanes is not None else int(d["lanes_per_replica"] * args.replicas)
-    profile = cli.get_profile(args.profile).with_overrides(page_size=args.page_size, **dict(args.set))
-    specs = cli.load_workload(args, lanes, profile.context_length)
-    cfg = cli._sim_config(args, profile, lanes, args.duration or d["duration_s"], args.warmup or d["warmup_s"])
-    params = PolicyParams().with_changes(**{k: float(v) for k, v in args.param})
-    m = sim_run.run_sim(specs, cfg, policy=kv_aware.KvAwarePolicy(params)).measures
-    print(json.dumps({"w": f"{args.workload}-{args.replicas}", "g": args.gateways, "lag": args.state_lag_s,
-                      "seed": args.seed, "mode": VAR, **{k: m.get(k) for k in KEEP}}), flush=True)
