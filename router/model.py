@@ -306,6 +306,9 @@ class ClusterSnapshot:
     # uncached prompt tokens of its own requests there that have no first token yet
     # (``router.policy.prefill.PrefillLedger``), sorted by id, replicas with none left out (rule 8)
     prefill_ahead: tuple[tuple[ReplicaId, int], ...] = ()
+    # other gateways send to this fleet too: a replica's work ahead is at least its engine's own
+    # report of its queue (``router.policy.prefill.work_ahead``; read per replica, where rule 8 looks)
+    engines_ahead: bool = False
     positions: Mapping[ReplicaId, int] | None = field(default=None, compare=False)  # id -> index in ``replicas``
 
     def replica(self, replica_id: ReplicaId | None) -> ReplicaState | None:

@@ -32,7 +32,6 @@ of the session id. Everything is a pure function of (request, snapshot, rng).
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
 import math
 import random
@@ -56,7 +55,7 @@ from router.model import (
 from router.policy.breaks import continues_context
 from router.policy.hashing import hrw_weight
 from router.policy.params import PolicyParams
-from router.policy.prefill import expected_uncached
+from router.policy.prefill import expected_uncached, work_ahead
 
 __all__ = [
     "BOUNDED_LOAD_EPSILON",
@@ -398,15 +397,16 @@ class KvAwarePolicy:
         """Rule 8: a warm turn whose home has far more prefill work ahead of it than its cold start
         would cost elsewhere goes there, this request only (the session stays bound; where its
         conversation ran is remembered, as for any request). Cost on a replica = the prefill work
-        ahead there (``ClusterSnapshot.prefill_ahead``) + this prompt's tokens not cached there.
+        ahead there (``work_ahead``: the ledger, with other gateways at least the engine's queue) + this
+        prompt's tokens not cached there.
         Only onto a replica whose host tier has room for the whole prompt, so that what the prompt
         displaces from HBM is demoted, not lost (on a KV-bound fleet a cold prompt evicts another
         session's cache: docs/POLICY.md round 37), and that is under the hard bound."""
         theta = self.params.queue_spill_factor
         prompt = request.prompt_tokens_estimate
-        if theta <= 0 or prompt <= 0 or not snapshot.prefill_ahead:
+        if theta <= 0 or prompt <= 0 or not (snapshot.prefill_ahead or snapshot.engines_ahead):
             return None
-        at_home = _ahead_at(snapshot.prefill_ahead, home.id)
+        at_home = work_ahead(snapshot, home)
         if at_home <= 0:
             return None
         cost_home = at_home + expected_uncached(request, snapshot, home.id)
@@ -414,7 +414,6 @@ class KvAwarePolicy:
         # no replica can cost less than the prompt less the most of it cached anywhere else
         if cost_home <= theta * (prompt - max((t for r, t in resident if r != home.id), default=0)):
             return None
-        ahead = dict(snapshot.prefill_ahead)
         best: tuple[int, ReplicaId, ReplicaState] | None = None
         for r in view.pool:
             if r.id == home.id or r.status is not ReplicaStatus.ACTIVE:
@@ -423,7 +422,7 @@ class KvAwarePolicy:
                 continue
             if r.host_capacity_tokens - r.engine.host_used_tokens < prompt:
                 continue
-            cost = ahead.get(r.id, 0) + expected_uncached(request, snapshot, r.id)
+            cost = work_ahead(snapshot, r) + expected_uncached(request, snapshot, r.id)
             # equal costs go to the lowest id on purpose: spills then fill a few replicas first. The
             # least loaded of them, or a spread by the session's hash, measured worse on the tail
             # (docs/POLICY.md round 39)
@@ -691,12 +690,6 @@ class KvAwarePolicy:
             session_cap=cap,
             ramp_share=share,
         )
-
-
-def _ahead_at(ahead: tuple[tuple[ReplicaId, int], ...], replica_id: ReplicaId) -> int:
-    """``replica_id``'s entry of a snapshot's ``prefill_ahead`` (sorted by id), 0 if none."""
-    i = bisect.bisect_left(ahead, (replica_id,))
-    return ahead[i][1] if i < len(ahead) and ahead[i][0] == replica_id else 0
 
 
 def _usable_overflows(

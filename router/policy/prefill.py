@@ -9,16 +9,17 @@ policy's ``ClusterSnapshot.prefill_ahead``.
 Pure bookkeeping (no I/O, no clock): the gateway and the simulator keep one per gateway and fill the
 snapshot the same way. Another gateway's requests are not in it: with several gateways the snapshot
 takes, per replica, the larger of the ledger and the engine's own report of its queue
-(``with_ahead(others=True)``; measured in docs/POLICY.md round 40).
+(``with_ahead(others=True)``, then :func:`work_ahead`; measured in docs/POLICY.md round 40).
 """
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 
-from router.model import ClusterSnapshot, ReplicaId, RouteRequest
+from router.model import ClusterSnapshot, ReplicaId, ReplicaState, RouteRequest
 
-__all__ = ["PrefillLedger", "expected_uncached"]
+__all__ = ["PrefillLedger", "expected_uncached", "work_ahead"]
 
 
 def expected_uncached(request: RouteRequest, snapshot: ClusterSnapshot, replica_id: ReplicaId) -> int:
@@ -38,6 +39,16 @@ def expected_uncached(request: RouteRequest, snapshot: ClusterSnapshot, replica_
     else:
         cached = next((t for r, t in sess.resident_on if r == replica_id), 0)
     return prompt - min(prompt, max(0, cached))
+
+
+def work_ahead(snapshot: ClusterSnapshot, replica: ReplicaState) -> int:
+    """The prefill work ahead of a new request on ``replica`` (a replica of ``snapshot``): this
+    gateway's ledger entry, and with other gateways (``engines_ahead``) at least the engine's own
+    report of its queue."""
+    ahead = snapshot.prefill_ahead
+    i = bisect.bisect_left(ahead, (replica.id,))
+    own = ahead[i][1] if i < len(ahead) and ahead[i][0] == replica.id else 0
+    return max(own, replica.engine.waiting_uncached_tokens) if snapshot.engines_ahead else own
 
 
 class PrefillLedger:
@@ -74,16 +85,14 @@ class PrefillLedger:
         """``snapshot`` with ``prefill_ahead`` (the one way both drivers fill it). ``others``: other
         gateways send to this fleet too. Their requests are not in this ledger; each engine's own
         report of its queued uncached prefill (``EngineLoad.waiting_uncached_tokens``, a scrape
-        old, SGLang's estimate) holds them, so a replica's work ahead is the larger of the two.
-        Alone, the ledger is exact and fresher, and the engine's figure would only add its noise."""
+        old, SGLang's estimate) holds them, so a replica's work ahead is the larger of the two
+        (``engines_ahead``, read by :func:`work_ahead` for the replicas rule 8 looks at: merging
+        here would walk the whole fleet on every request). Alone, the ledger is exact and fresher,
+        and the engine's figure would only add its noise."""
         ahead = self.ahead()
-        if others:
-            mine = dict(ahead)
-            for r in snapshot.replicas:
-                if r.engine.waiting_uncached_tokens > mine.get(r.id, 0):
-                    mine[r.id] = r.engine.waiting_uncached_tokens
-            ahead = tuple(sorted(mine.items()))
-        return dataclasses.replace(snapshot, prefill_ahead=ahead) if ahead else snapshot
+        if not ahead and not others:
+            return snapshot
+        return dataclasses.replace(snapshot, prefill_ahead=ahead, engines_ahead=others)
 
     def ahead(self) -> tuple[tuple[ReplicaId, int], ...]:
         """``ClusterSnapshot.prefill_ahead``: (replica, tokens) for every replica with some, by id."""

@@ -48,7 +48,7 @@ def _queue_spill(self, view, request, snapshot, home, kept):
     prompt = request.prompt_tokens_estimate
     if VAR == "off" or theta <= 0 or prompt <= 0 or not snapshot.prefill_ahead:
         return None
-    at_home = kv_aware._ahead_at(snapshot.prefill_ahead, home.id)
+    at_home = prefill.work_ahead(snapshot, home)
     if at_home <= 0:
         return None
     cost_home = at_home + expected_uncached(request, snapshot, home.id)

@@ -11,7 +11,7 @@ import pytest
 from router.model import AffinityBreak, BindSession, ClusterSnapshot, Reason, ReplicaState
 from router.policy.kv_aware import KvAwarePolicy
 from router.policy.params import PolicyParams
-from router.policy.prefill import PrefillLedger, expected_uncached
+from router.policy.prefill import PrefillLedger, expected_uncached, work_ahead
 from tests.builders import replica, request, session, snapshot
 
 HOST = 1_700_000
@@ -91,6 +91,18 @@ def test_expected_uncached_is_the_prompt_less_what_is_cached_there() -> None:
     assert expected_uncached(small, snap, "a") == 0
 
 
+def _queued(rid: str, tokens: int) -> ReplicaState:
+    r = replica(rid, host=HOST)
+    return dataclasses.replace(r, engine=dataclasses.replace(r.engine, waiting_uncached_tokens=tokens))
+
+
+def test_with_other_gateways_the_engines_queue_moves_a_turn_this_gateways_ledger_does_not_see() -> None:
+    # another gateway queued 250k at home (the engine reports it) and 50k on b; this one sent nothing
+    snap = _fleet(ahead={}, a=_queued("a", 250_000), b=_queued("b", 50_000))
+    assert _route(PrefillLedger().with_ahead(snap)) == ("a", Reason.AFFINITY)  # alone: its ledger only
+    assert _route(PrefillLedger().with_ahead(snap, others=True)) == ("c", Reason.QUEUE_SPILL)
+
+
 def test_a_factor_below_one_is_refused() -> None:
     with pytest.raises(ValueError, match="queue_spill_factor"):
         PolicyParams().with_changes(queue_spill_factor=0.5)
@@ -125,7 +137,16 @@ def test_with_other_gateways_work_ahead_is_the_larger_of_the_ledger_and_the_engi
         r = replica(rid)
         reps.append(dataclasses.replace(r, engine=dataclasses.replace(r.engine, waiting_uncached_tokens=queued)))
     snap = snapshot(*reps)
-    assert ledger.with_ahead(snap).prefill_ahead == (("a", 30_000), ("b", 5_000))
-    assert ledger.with_ahead(snap, others=True).prefill_ahead == (("a", 30_000), ("b", 40_000), ("c", 70_000))
+    mine = ledger.with_ahead(snap)
+    assert mine.prefill_ahead == (("a", 30_000), ("b", 5_000)) and not mine.engines_ahead
+    assert [work_ahead(mine, r) for r in mine.replicas] == [30_000, 5_000, 0, 0]
+    shared = ledger.with_ahead(snap, others=True)
+    assert shared.prefill_ahead == mine.prefill_ahead and shared.engines_ahead
+    assert [work_ahead(shared, r) for r in shared.replicas] == [30_000, 40_000, 70_000, 0]
     alone = snapshot(replica("d"))
-    assert PrefillLedger().with_ahead(alone, others=True) is alone
+    assert PrefillLedger().with_ahead(alone) is alone
+    # no request of this gateway's own in flight: the engines' queues still count
+    queued = snapshot(*reps)
+    assert [work_ahead(PrefillLedger().with_ahead(queued, others=True), r) for r in queued.replicas] == [
+        10_000, 40_000, 70_000, 0
+    ]
