@@ -206,12 +206,15 @@ def run_parity(
     repeats: int = 1,
     policies: Sequence[str] = ("kv_aware",),
     sim_draws: int = 1,
+    gateways: int = 1,
     say: Callable[[str], None] = lambda _: None,
 ) -> dict[str, Any]:
     rows: list[dict[str, Any]] = []
     for workload in workloads:
         for seed in seeds:
-            scenario = demo_scenario(seed=seed, duration_s=duration_s, kv_events=kv_events, **WORKLOADS[workload])
+            scenario = demo_scenario(
+                seed=seed, duration_s=duration_s, kv_events=kv_events, gateways=gateways, **WORKLOADS[workload]
+            )
             for policy in policies:
                 name = f"{workload} seed {seed}" + (f" {policy}" if len(policies) > 1 else "")
                 runs: list[dict[str, Any]] = []
@@ -256,6 +259,7 @@ def run_parity(
         "scenarios": {w: WORKLOADS[w] for w in workloads},
         "policies": list(policies),
         "duration_s": duration_s,
+        "gateways": gateways,
         "repeats": repeats,
         "sim_draws": max(repeats, sim_draws),
         "rows": rows,
@@ -310,6 +314,9 @@ def cli_main(argv: list[str]) -> int:
     p.add_argument("--sim-draws", type=int, default=0,
                    help="simulated runs per row (at least --repeats): the simulator's median over more tie-break "
                         "draws, for policies that break ties at random (sticky_least_loaded)")  # fmt: skip
+    p.add_argument("--gateways", type=int, default=1,
+                   help="kvroute gateways sharing state in a fresh Redis, live and simulated (the simulator's "
+                        "gateways re-read the replica table as often as the live ones)")  # fmt: skip
     p.add_argument("--json", type=Path, help="write the JSON here too")
     p.add_argument("--log-dir", type=Path, default=Path("out/parity"), help="gateway and emulator logs")
     ns = p.parse_args(argv)
@@ -329,11 +336,13 @@ def cli_main(argv: list[str]) -> int:
         p.error("--repeats must be >= 1")
     if ns.sim_draws < 0:
         p.error("--sim-draws must be >= 0")
+    if ns.gateways < 1:
+        p.error("--gateways must be >= 1")
     policies = list(dict.fromkeys(x.strip() for x in ns.policies.split(",") if x.strip()))
     if not policies or any(x not in POLICIES for x in policies):
         p.error(f"--policies: a comma list of {sorted(POLICIES)}, not {ns.policies!r}")
     doc = run_parity(workloads, seeds, duration_s=ns.duration, log_dir=ns.log_dir, kv_events=ns.kv_events,
-                     repeats=ns.repeats, policies=policies, sim_draws=ns.sim_draws,
+                     repeats=ns.repeats, policies=policies, sim_draws=ns.sim_draws, gateways=ns.gateways,
                      say=lambda m: print(m, file=sys.stderr, flush=True))  # fmt: skip
     text = json.dumps(doc, indent=2, default=_json_default)
     if ns.json is not None:

@@ -27,6 +27,7 @@ from loadtests.workloads import SessionSpec
 from replica.emulator.profiles import Profile, get_profile, parse_overrides
 from replica.emulator.tokenizer import encode_text, render_chat
 from router.policy.params import PolicyParams
+from router.store.redis import GATEWAY_REPLICA_REFRESH_S, REFRESH_ENV
 
 __all__ = [
     "KV_EVENTS_CONFIG", "DemoScenario", "ceiling", "demo_scenario", "framing_tokens", "prefix_keys", "sim_config",
@@ -146,9 +147,12 @@ class DemoScenario:
 
     def kvroute_env(self) -> dict[str, str]:
         """The gateway's own windows in modelled time (``KVROUTE_*`` settings, docs/CONFIG.md): which
-        sessions count as active on their home and the ramp cap's window, and how often replicas
-        are scraped — a 1 s scrape against a fleet running 10x fast is 10 s stale. Safety TTLs
-        (leases, sessions, replicas) and timeouts stay wall-clock."""
+        sessions count as active on their home and the ramp cap's window, how often replicas are
+        scraped — a 1 s scrape against a fleet running 10x fast is 10 s stale — and, with several
+        gateways, how often each re-reads the others' in-flight counts from Redis (the fast path's
+        table; unscaled, a 10x fleet saw them 0.5 s old and placed new sessions on stale counts:
+        docs/POLICY.md round 41). Safety TTLs (leases, sessions, replicas) and timeouts stay
+        wall-clock."""
         from router.config import HealthConfig
         from router.store.base import StoreConfig
 
@@ -159,6 +163,7 @@ class DemoScenario:
             "KVROUTE_STORE__ACTIVE_WINDOW_S": f"{store.active_window_s * ts:g}",
             "KVROUTE_STORE__RAMP_WINDOW_S": f"{store.ramp_window_s * ts:g}",
             "KVROUTE_HEALTH__SCRAPE_INTERVAL_S": f"{max(0.05, scrape_s * ts):g}",
+            REFRESH_ENV: f"{GATEWAY_REPLICA_REFRESH_S * ts:g}",
         }
 
     def check(self) -> None:
@@ -292,6 +297,10 @@ def sim_config(scenario: DemoScenario) -> tuple[SimConfig, list[SessionSpec]]:
         policy_params=params,
         profile=profile,
         scrape_interval_s=max(0.05, 1.0 * ts) / ts,  # DemoScenario.kvroute_env: KVROUTE_HEALTH__SCRAPE_INTERVAL_S
+        # several gateways share a Redis: each re-reads the replica table every
+        # GATEWAY_REPLICA_REFRESH_S of modelled time (kvroute_env), a request goes to any of them
+        gateways=scenario.gateways,
+        state_lag_s=GATEWAY_REPLICA_REFRESH_S if scenario.gateways > 1 else 0.0,
         sample_interval_s=scenario.sample_interval_s / ts,
         warmup_s=modelled * scenario.warmup_frac,
         duration_s=modelled,

@@ -48,6 +48,9 @@ def test_parity_rejects_a_repeat_count_below_one() -> None:
     proc = subprocess.run([KVROUTE, "bench", "parity", "--sim-draws", "-1"], check=False, capture_output=True,
                           text=True, timeout=60)  # fmt: skip
     assert proc.returncode == 2 and "--sim-draws" in proc.stderr
+    proc = subprocess.run([KVROUTE, "bench", "parity", "--gateways", "0"], check=False, capture_output=True,
+                          text=True, timeout=60)  # fmt: skip
+    assert proc.returncode == 2 and "--gateways" in proc.stderr
 
 
 def _row(policy: str, sim: dict[str, float], live: dict[str, float]) -> dict[str, object]:
@@ -124,6 +127,41 @@ def test_a_tiny_parity_run_compares_the_simulator_with_each_live_run_and_their_m
     assert isinstance(row["within_bounds"], bool)
     assert row["checks"]["chr_abs_diff"] == pytest.approx(abs(row["sim"]["chr"] - row["live"]["chr"]))
     assert (tmp_path / "logs" / "synthetic-1-run1").is_dir() and (tmp_path / "logs" / "synthetic-1-run2").is_dir()
+
+
+@pytest.mark.slow
+def test_a_parity_run_with_two_gateways_shares_redis_live_and_lags_their_tables_in_the_model(tmp_path: Path) -> None:
+    out = tmp_path / "parity.json"
+    argv = [KVROUTE, "bench", "parity", "--workload", "synthetic", "--seeds", "1", "--duration", "6",
+            "--gateways", "2", "--log-dir", str(tmp_path / "logs"), "--json", str(out)]  # fmt: skip
+    proc = subprocess.run(argv, check=False, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert doc["gateways"] == 2 and len(doc["rows"]) == 1
+    row = doc["rows"][0]
+    assert row["live"]["requests"] > 0 and row["live"]["errors"] == 0 and row["sim"]["requests"] > 0
+    logs = sorted(p.name for p in (tmp_path / "logs" / "synthetic-1").iterdir())
+    assert any("redis" in n for n in logs), logs  # the live gateways shared a fresh Redis
+    assert sum(1 for n in logs if "gw0" in n) == sum(1 for n in logs if "gw1" in n) == 1, logs
+
+
+def test_the_simulators_gateways_re_read_the_replica_table_as_often_as_the_live_ones() -> None:
+    """With several gateways each live one re-reads the others' in-flight counts from Redis every
+    ``GATEWAY_REPLICA_REFRESH_S`` of modelled time (``kvroute_env`` scales it to the fleet's clock):
+    the simulator's model of the run has as many gateways, with that state lag."""
+    from loadtests.scenario import demo_scenario, sim_config
+    from router.config import load_config
+    from router.store.redis import GATEWAY_REPLICA_REFRESH_S, gateway_refresh_s
+
+    one = demo_scenario(workload_kind="synthetic", time_scale=0.1)
+    cfg, _ = sim_config(one)
+    assert cfg.gateways == 1 and cfg.state_lag_s == 0.0
+    four = demo_scenario(workload_kind="synthetic", time_scale=0.1, gateways=4)
+    cfg, _ = sim_config(four)
+    assert cfg.gateways == 4 and cfg.state_lag_s == GATEWAY_REPLICA_REFRESH_S
+    env = four.kvroute_env()
+    gateway = load_config(["--port", "0", *four.kvroute_args()], env)
+    assert gateway_refresh_s(gateway, env) == pytest.approx(GATEWAY_REPLICA_REFRESH_S * 0.1)
 
 
 def test_the_ceiling_is_a_fleet_without_contention_that_bounds_the_real_fleets_requests() -> None:
