@@ -207,13 +207,15 @@ def run_parity(
     policies: Sequence[str] = ("kv_aware",),
     sim_draws: int = 1,
     gateways: int = 1,
+    time_scale: float | None = None,
     say: Callable[[str], None] = lambda _: None,
 ) -> dict[str, Any]:
     rows: list[dict[str, Any]] = []
     for workload in workloads:
         for seed in seeds:
             scenario = demo_scenario(
-                seed=seed, duration_s=duration_s, kv_events=kv_events, gateways=gateways, **WORKLOADS[workload]
+                seed=seed, duration_s=duration_s, kv_events=kv_events, gateways=gateways, time_scale=time_scale,
+                **WORKLOADS[workload],
             )
             for policy in policies:
                 name = f"{workload} seed {seed}" + (f" {policy}" if len(policies) > 1 else "")
@@ -260,6 +262,7 @@ def run_parity(
         "policies": list(policies),
         "duration_s": duration_s,
         "gateways": gateways,
+        "time_scale": demo_scenario(time_scale=time_scale).time_scale,
         "repeats": repeats,
         "sim_draws": max(repeats, sim_draws),
         "rows": rows,
@@ -307,6 +310,9 @@ def cli_main(argv: list[str]) -> int:
     p.add_argument("--policies", default="kv_aware",
                    help=f"comma list of {sorted(POLICIES)}: each runs in the simulator and behind the live gateway")
     p.add_argument("--duration", type=float, default=d.duration_s, help="wall seconds of live load per run")
+    p.add_argument("--time-scale", type=float, default=d.time_scale,
+                   help="wall seconds per modelled second of the live fleet (a slower fleet shrinks what the "
+                        "gateways' own latency on a small machine weighs in modelled time; scale --duration with it)")  # fmt: skip
     p.add_argument("--kv-events", action="store_true",
                    help="the replicas publish SGLang's KV events, live and simulated; kvroute routes on exact residency")
     p.add_argument("--repeats", type=int, default=1,
@@ -338,11 +344,14 @@ def cli_main(argv: list[str]) -> int:
         p.error("--sim-draws must be >= 0")
     if ns.gateways < 1:
         p.error("--gateways must be >= 1")
+    if not 0 < ns.time_scale <= 1:
+        p.error("--time-scale must be in (0, 1]")
     policies = list(dict.fromkeys(x.strip() for x in ns.policies.split(",") if x.strip()))
     if not policies or any(x not in POLICIES for x in policies):
         p.error(f"--policies: a comma list of {sorted(POLICIES)}, not {ns.policies!r}")
     doc = run_parity(workloads, seeds, duration_s=ns.duration, log_dir=ns.log_dir, kv_events=ns.kv_events,
                      repeats=ns.repeats, policies=policies, sim_draws=ns.sim_draws, gateways=ns.gateways,
+                     time_scale=ns.time_scale,
                      say=lambda m: print(m, file=sys.stderr, flush=True))  # fmt: skip
     text = json.dumps(doc, indent=2, default=_json_default)
     if ns.json is not None:

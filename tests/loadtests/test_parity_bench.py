@@ -51,6 +51,9 @@ def test_parity_rejects_a_repeat_count_below_one() -> None:
     proc = subprocess.run([KVROUTE, "bench", "parity", "--gateways", "0"], check=False, capture_output=True,
                           text=True, timeout=60)  # fmt: skip
     assert proc.returncode == 2 and "--gateways" in proc.stderr
+    proc = subprocess.run([KVROUTE, "bench", "parity", "--time-scale", "0"], check=False, capture_output=True,
+                          text=True, timeout=60)  # fmt: skip
+    assert proc.returncode == 2 and "--time-scale" in proc.stderr
 
 
 def _row(policy: str, sim: dict[str, float], live: dict[str, float]) -> dict[str, object]:
@@ -130,14 +133,14 @@ def test_a_tiny_parity_run_compares_the_simulator_with_each_live_run_and_their_m
 
 
 @pytest.mark.slow
-def test_a_parity_run_with_two_gateways_shares_redis_live_and_lags_their_tables_in_the_model(tmp_path: Path) -> None:
+def test_a_parity_run_with_two_gateways_on_a_slower_fleet_shares_redis_live_and_lags_their_tables_in_the_model(tmp_path: Path) -> None:
     out = tmp_path / "parity.json"
     argv = [KVROUTE, "bench", "parity", "--workload", "synthetic", "--seeds", "1", "--duration", "6",
-            "--gateways", "2", "--log-dir", str(tmp_path / "logs"), "--json", str(out)]  # fmt: skip
+            "--gateways", "2", "--time-scale", "0.2", "--log-dir", str(tmp_path / "logs"), "--json", str(out)]  # fmt: skip
     proc = subprocess.run(argv, check=False, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     doc = json.loads(out.read_text())
-    assert doc["gateways"] == 2 and len(doc["rows"]) == 1
+    assert doc["gateways"] == 2 and doc["time_scale"] == 0.2 and len(doc["rows"]) == 1
     row = doc["rows"][0]
     assert row["live"]["requests"] > 0 and row["live"]["errors"] == 0 and row["sim"]["requests"] > 0
     logs = sorted(p.name for p in (tmp_path / "logs" / "synthetic-1").iterdir())
