@@ -151,7 +151,7 @@ class DemoScenario:
         scraped — a 1 s scrape against a fleet running 10x fast is 10 s stale — and, with several
         gateways, how often each re-reads the others' in-flight counts from Redis (the fast path's
         table; unscaled, a 10x fleet saw them 0.5 s old and placed new sessions on stale counts:
-        docs/POLICY.md round 41). Safety TTLs (leases, sessions, replicas) and timeouts stay
+        docs/BENCHMARKS.md round 41). Safety TTLs (leases, sessions, replicas) and timeouts stay
         wall-clock."""
         from router.config import HealthConfig
         from router.store.base import StoreConfig
