@@ -115,6 +115,9 @@ def test_tiny_demo_with_two_gateways_on_redis(tmp_path: Path) -> None:
     assert m["gateways"] == 2
     assert m["requests"] > 5 and m["errors"] == 0
     assert m["chr"] > 0.3
+    # the time spent in the gateways, read from both of them
+    assert m["gateway_overhead_source"].endswith("2 gateways)")
+    assert 0 < m["gateway_overhead_p50_ms"] <= m["gateway_overhead_p99_ms"]
 
 
 async def test_engine_settings_reach_the_emulated_fleet_the_floor_and_the_simulator() -> None:
