@@ -16,7 +16,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from loadtests.live import API_PATHS, Outcome
+from loadtests.live import API_PATHS, GATEWAY_ASSIGN, Outcome
 from loadtests.peers import PEERS, find_binary, with_engine_dp
 
 __all__ = ["BENCH_TARGETS", "bench_peers_main", "requests_path", "run_peers_bench", "seeds_table", "summarise_seeds"]
@@ -240,6 +240,11 @@ def bench_peers_main(argv: list[str]) -> int:
         "clients spread their requests over them round robin",
     )
     p.add_argument(
+        "--gateway-assign", choices=GATEWAY_ASSIGN, default="round_robin",
+        help="with several gateways: each request to the next (as behind a Service), or each session's "
+        "requests to one of them (sticky, as a client pod's sidecar)",
+    )
+    p.add_argument(
         "--kv-events", action="store_true",
         help="the replicas (emulated or real) publish SGLang's KV events; kvroute routes on exact residency",
     )
@@ -367,7 +372,7 @@ def _scenario(ns: Any, seed: int) -> Any:
         replicas=ns.replicas, duration_s=ns.duration, sessions=ns.sessions, time_scale=ns.time_scale,
         token_unit=ns.token_unit, profile=ns.profile, seed=seed, host_tier=ns.hicache,
         workload_kind=ns.workload, trace=ns.trace, policy_params=tuple(ns.policy_param), kv_events=ns.kv_events,
-        gateways=ns.gateways, page_size=1 if real else None,  # SGLang's page size on CPU (the ideal caches pages like it)
+        gateways=ns.gateways, gateway_assign=ns.gateway_assign, page_size=1 if real else None,  # SGLang's page size on CPU (the ideal caches pages like it)
         engine_set=tuple(ns.engine_set), session_ids=not ns.no_session_id, api=ns.api,
         dp_size=None if real else ns.engine_dp,  # real engines get theirs from _fleet
     )

@@ -46,6 +46,7 @@ import random
 import re
 import sys
 import time
+import zlib
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
@@ -64,6 +65,7 @@ from router.eventloop import run as run_on_loop
 
 __all__ = [
     "DEFAULT_SESSION_HEADERS",
+    "GATEWAY_ASSIGN",
     "LiveStats",
     "LoadConfig",
     "LoadResult",
@@ -81,12 +83,18 @@ API_PATHS = {"chat": "/v1/chat/completions", "messages": "/v1/messages", "respon
 _BEFORE_FIRST_TOKEN = (b'data: {"type":"response.created"', b'data: {"type":"response.in_progress"')
 
 
+GATEWAY_ASSIGN = ("round_robin", "sticky")
+
+
 @dataclass(frozen=True, slots=True)
 class LoadConfig:
     """How to drive one run. Wall-clock knobs end in ``_s`` and are wall seconds unless named ``modelled``."""
 
     url: str  # base URL, e.g. http://127.0.0.1:8000 (the driver posts to {url}/v1/chat/completions)
-    extra_urls: tuple[str, ...] = ()  # more gateways: requests go round robin over (url, *extra_urls)
+    extra_urls: tuple[str, ...] = ()  # more gateways: (url, *extra_urls), chosen by ``gateway_assign``
+    # "round_robin": request by request, as behind a Service; "sticky": a session's requests to one
+    # gateway (crc32 of its id), as a client pod's sidecar
+    gateway_assign: str = "round_robin"
     replica_urls: tuple[str, ...] = ()  # where to sample per-replica load (the emulated replicas)
     model: str = "default"
     time_scale: float = 1.0  # wall = modelled x time_scale (same knob as the emulator)
@@ -124,6 +132,8 @@ class LoadConfig:
             raise ValueError(f"sample_interval_s must be > 0, got {self.sample_interval_s}")
         if self.page_size is not None and self.page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
+        if self.gateway_assign not in GATEWAY_ASSIGN:
+            raise ValueError(f"gateway_assign must be one of {GATEWAY_ASSIGN}, got {self.gateway_assign!r}")
 
 
 _Ctx = tuple[str, int, int, bool, int | None]
@@ -551,7 +561,9 @@ class _Run:
         status = 0
         error: str | None = None
         try:
-            url = self._urls[self.issued % len(self._urls)]
+            n = len(self._urls)
+            pick = zlib.crc32(sid.encode()) if self.c.gateway_assign == "sticky" else self.issued
+            url = self._urls[pick % n]
             async with self.http.post(url, data=body, headers=headers) as resp:
                 status = resp.status
                 replica = next((resp.headers[h] for h in _REPLICA_HEADERS if h in resp.headers), None)
@@ -843,6 +855,7 @@ def _measures(
             "censored": censored,
             "load_source": "replicas",
             "gateways": 1 + len(config.extra_urls),
+            "gateway_assign": config.gateway_assign,
             "fresh_connections": config.fresh_connections,
             "route_reasons": dict(sorted(reasons.items())),  # X-Kvroute-Reason counts (kvroute only)
             # the engines' prompt tokens per driver token (1 on the emulator): the pool's scale

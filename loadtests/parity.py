@@ -51,6 +51,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from loadtests.live import GATEWAY_ASSIGN
 from loadtests.scenario import DemoScenario, ceiling, demo_scenario, sim_config
 from loadtests.sim.run import run_sim
 from router.policy.registry import POLICIES
@@ -208,6 +209,7 @@ def run_parity(
     sim_draws: int = 1,
     gateways: int = 1,
     time_scale: float | None = None,
+    gateway_assign: str = "round_robin",
     say: Callable[[str], None] = lambda _: None,
 ) -> dict[str, Any]:
     rows: list[dict[str, Any]] = []
@@ -215,7 +217,7 @@ def run_parity(
         for seed in seeds:
             scenario = demo_scenario(
                 seed=seed, duration_s=duration_s, kv_events=kv_events, gateways=gateways, time_scale=time_scale,
-                **WORKLOADS[workload],
+                gateway_assign=gateway_assign, **WORKLOADS[workload],
             )
             for policy in policies:
                 name = f"{workload} seed {seed}" + (f" {policy}" if len(policies) > 1 else "")
@@ -262,6 +264,7 @@ def run_parity(
         "policies": list(policies),
         "duration_s": duration_s,
         "gateways": gateways,
+        "gateway_assign": gateway_assign,
         "time_scale": demo_scenario(time_scale=time_scale).time_scale,
         "repeats": repeats,
         "sim_draws": max(repeats, sim_draws),
@@ -323,6 +326,8 @@ def cli_main(argv: list[str]) -> int:
     p.add_argument("--gateways", type=int, default=1,
                    help="kvroute gateways sharing state in a fresh Redis, live and simulated (the simulator's "
                         "gateways re-read the replica table as often as the live ones)")  # fmt: skip
+    p.add_argument("--gateway-assign", choices=GATEWAY_ASSIGN, default="round_robin",
+                   help="with several gateways: per request, or sticky per session (a sidecar), live and simulated")
     p.add_argument("--json", type=Path, help="write the JSON here too")
     p.add_argument("--log-dir", type=Path, default=Path("out/parity"), help="gateway and emulator logs")
     ns = p.parse_args(argv)
@@ -351,7 +356,7 @@ def cli_main(argv: list[str]) -> int:
         p.error(f"--policies: a comma list of {sorted(POLICIES)}, not {ns.policies!r}")
     doc = run_parity(workloads, seeds, duration_s=ns.duration, log_dir=ns.log_dir, kv_events=ns.kv_events,
                      repeats=ns.repeats, policies=policies, sim_draws=ns.sim_draws, gateways=ns.gateways,
-                     time_scale=ns.time_scale,
+                     time_scale=ns.time_scale, gateway_assign=ns.gateway_assign,
                      say=lambda m: print(m, file=sys.stderr, flush=True))  # fmt: skip
     text = json.dumps(doc, indent=2, default=_json_default)
     if ns.json is not None:

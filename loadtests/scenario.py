@@ -67,6 +67,7 @@ class DemoScenario:
     # sticky policy keeps its CHR; ``--hicache`` turns it on)
     host_tier: bool = False
     gateways: int = 1  # kvroute gateways; > 1 shares state in a fresh Redis
+    gateway_assign: str = "round_robin"  # with several: per request, or "sticky" per session (a sidecar)
     # or "weka": the real Claude Code sessions, "mooncake": Mooncake's Kimi chat sessions (traces/)
     workload_kind: str = "synthetic"
     trace: str | None = None  # the trace file (default: the shared traces' WEKA or Mooncake conversation file)
@@ -186,6 +187,7 @@ class DemoScenario:
             fresh_connections=fresh,
             max_think_modelled_s=self.max_think_modelled_s,
             lanes=self.sessions,
+            gateway_assign=self.gateway_assign,
             page_size=self.page_size,
             session_headers=DEFAULT_SESSION_HEADERS if self.session_ids else (),
             api=self.api,
@@ -301,6 +303,9 @@ def sim_config(scenario: DemoScenario) -> tuple[SimConfig, list[SessionSpec]]:
         # GATEWAY_REPLICA_REFRESH_S of modelled time (kvroute_env), a request goes to any of them
         gateways=scenario.gateways,
         state_lag_s=GATEWAY_REPLICA_REFRESH_S if scenario.gateways > 1 else 0.0,
+        # the live driver's round robin is per request, as the model's random pick; sticky is by the
+        # same hash of the session id
+        gateway_assign="sticky" if scenario.gateway_assign == "sticky" else "random",
         sample_interval_s=scenario.sample_interval_s / ts,
         warmup_s=modelled * scenario.warmup_frac,
         duration_s=modelled,

@@ -117,6 +117,32 @@ async def test_non_streaming_mode(stream: bool) -> None:
     assert result.outcomes[-1].cached_tokens > 0
 
 
+@pytest.mark.parametrize("assign", ["round_robin", "sticky"])
+async def test_with_several_gateways_requests_go_round_robin_or_a_sessions_to_one(assign: str) -> None:
+    """Two emulators stand in for two gateways (each names itself in its replies): round robin
+    spreads a session's requests over both, sticky sends all of a session's to one of them (a
+    client pod's sidecar), chosen by its id as the simulator chooses."""
+    import zlib
+
+    async with running_emulators(2, config=_config(0.01)) as reps:
+        cfg = LoadConfig(url=reps[0].url, extra_urls=(reps[1].url,), time_scale=0.01, token_unit=UNIT,
+                         duration_s=20.0, gateway_assign=assign)  # fmt: skip
+        result = await run_load([_session(f"s{i}", 0.0, 4) for i in range(6)], cfg)
+    m = result.measures
+    assert m["requests"] == 24 and m["errors"] == 0 and m["gateway_assign"] == assign
+    served: dict[str, set[str | None]] = {}
+    for o in result.outcomes:
+        served.setdefault(o.session_id, set()).add(o.replica)
+    names = {r for rs in served.values() for r in rs}
+    assert names == {"replica-0", "replica-1"}
+    if assign == "sticky":
+        assert all(rs == {f"replica-{zlib.crc32(sid.encode()) % 2}"} for sid, rs in served.items()), served
+    else:
+        assert any(len(rs) == 2 for rs in served.values()), served
+    with pytest.raises(ValueError, match="gateway_assign"):
+        LoadConfig(url=reps[0].url, gateway_assign="random")
+
+
 async def test_lanes_keep_a_fixed_number_of_sessions_alive() -> None:
     async with running_emulators(1, config=_config(0.01)) as reps:
         url = reps[0].url

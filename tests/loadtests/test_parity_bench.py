@@ -136,11 +136,13 @@ def test_a_tiny_parity_run_compares_the_simulator_with_each_live_run_and_their_m
 def test_a_parity_run_with_two_gateways_on_a_slower_fleet_shares_redis_live_and_lags_their_tables_in_the_model(tmp_path: Path) -> None:
     out = tmp_path / "parity.json"
     argv = [KVROUTE, "bench", "parity", "--workload", "synthetic", "--seeds", "1", "--duration", "6",
-            "--gateways", "2", "--time-scale", "0.2", "--log-dir", str(tmp_path / "logs"), "--json", str(out)]  # fmt: skip
+            "--gateways", "2", "--gateway-assign", "sticky", "--time-scale", "0.2", "--log-dir", str(tmp_path / "logs"),
+            "--json", str(out)]  # fmt: skip
     proc = subprocess.run(argv, check=False, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     doc = json.loads(out.read_text())
-    assert doc["gateways"] == 2 and doc["time_scale"] == 0.2 and len(doc["rows"]) == 1
+    assert doc["gateways"] == 2 and doc["gateway_assign"] == "sticky" and doc["time_scale"] == 0.2
+    assert len(doc["rows"]) == 1
     row = doc["rows"][0]
     assert row["live"]["requests"] > 0 and row["live"]["errors"] == 0 and row["sim"]["requests"] > 0
     logs = sorted(p.name for p in (tmp_path / "logs" / "synthetic-1").iterdir())
@@ -162,6 +164,9 @@ def test_the_simulators_gateways_re_read_the_replica_table_as_often_as_the_live_
     four = demo_scenario(workload_kind="synthetic", time_scale=0.1, gateways=4)
     cfg, _ = sim_config(four)
     assert cfg.gateways == 4 and cfg.state_lag_s == GATEWAY_REPLICA_REFRESH_S
+    assert cfg.gateway_assign == "random"  # the live round robin is per request too
+    sidecars = demo_scenario(workload_kind="synthetic", gateways=4, gateway_assign="sticky")
+    assert sim_config(sidecars)[0].gateway_assign == "sticky"  # the same hash of the session id
     env = four.kvroute_env()
     gateway = load_config(["--port", "0", *four.kvroute_args()], env)
     assert gateway_refresh_s(gateway, env) == pytest.approx(GATEWAY_REPLICA_REFRESH_S * 0.1)
