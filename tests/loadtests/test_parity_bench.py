@@ -41,19 +41,14 @@ def test_a_median_inside_the_bounds_can_hide_no_run_outside_them() -> None:
     assert [compare(sim, r)["chr_ok"] for r in runs] == [True, True, False]
 
 
-def test_parity_rejects_a_repeat_count_below_one() -> None:
-    proc = subprocess.run([KVROUTE, "bench", "parity", "--repeats", "0"], check=False, capture_output=True,
-                          text=True, timeout=60)  # fmt: skip
-    assert proc.returncode == 2 and "--repeats" in proc.stderr
-    proc = subprocess.run([KVROUTE, "bench", "parity", "--sim-draws", "-1"], check=False, capture_output=True,
-                          text=True, timeout=60)  # fmt: skip
-    assert proc.returncode == 2 and "--sim-draws" in proc.stderr
-    proc = subprocess.run([KVROUTE, "bench", "parity", "--gateways", "0"], check=False, capture_output=True,
-                          text=True, timeout=60)  # fmt: skip
-    assert proc.returncode == 2 and "--gateways" in proc.stderr
-    proc = subprocess.run([KVROUTE, "bench", "parity", "--time-scale", "0"], check=False, capture_output=True,
-                          text=True, timeout=60)  # fmt: skip
-    assert proc.returncode == 2 and "--time-scale" in proc.stderr
+@pytest.mark.parametrize(
+    ("flag", "value"),
+    [("--repeats", "0"), ("--sim-draws", "-1"), ("--gateways", "0"), ("--time-scale", "0"), ("--gateway-assign", "x")],
+)
+def test_parity_rejects_bad_counts_and_scales(flag: str, value: str) -> None:
+    proc = subprocess.run([KVROUTE, "bench", "parity", flag, value], check=False, capture_output=True, text=True,
+                          timeout=60)  # fmt: skip
+    assert proc.returncode == 2 and flag in proc.stderr and "Traceback" not in proc.stderr
 
 
 def _row(policy: str, sim: dict[str, float], live: dict[str, float]) -> dict[str, object]:
