@@ -55,6 +55,7 @@ def test_peers_real_fleet_runs_in_real_time_and_needs_the_runtime(
         replicas, sessions, token_unit, time_scale = 2, 40, 40, 1.0
         duration = REAL_DEFAULTS["duration_s"]
         engine_dp = gateways = 1
+        gateway_assign = "round_robin"
 
     sc = _scenario(NS, 3)
     assert (sc.replicas, sc.time_scale, sc.token_unit, sc.page_size, sc.seed) == (2, 1.0, 40, 1, 3)
@@ -67,6 +68,8 @@ def test_peers_real_fleet_runs_in_real_time_and_needs_the_runtime(
     assert _scenario(NS, 3).dp_size == 1  # a real fleet's ranks are the servers' own (_fleet)
     NS.gateways = 4  # kvroute's gateways on one Redis (the peers run one router each)
     assert _scenario(NS, 3).gateways == 4
+    NS.gateway_assign = "sticky"  # each session's requests to one of them, as a client pod's sidecar
+    assert _scenario(NS, 3).load_config("http://127.0.0.1:1", ()).gateway_assign == "sticky"
     NS.fleet, NS.engine_dp, NS.kv_events = "emulated", 2, True
     args = _scenario(NS, 3).emulator_args()
     assert args[args.index("--dp-size") + 1] == "2"
