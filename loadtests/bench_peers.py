@@ -237,7 +237,7 @@ def bench_peers_main(argv: list[str]) -> int:
     p.add_argument(
         "--gateways", type=int, default=1,
         help="kvroute gateway processes sharing state in a fresh Redis (the peers run one router); the "
-        "clients spread their requests over them round robin",
+        "clients spread their requests over them as --gateway-assign says",
     )
     p.add_argument(
         "--gateway-assign", choices=GATEWAY_ASSIGN, default="round_robin",
