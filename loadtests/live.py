@@ -46,7 +46,6 @@ import random
 import re
 import sys
 import time
-import zlib
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
@@ -58,7 +57,7 @@ import aiohttp
 from loadtests.ideal import InfiniteCache, PooledCache
 from loadtests.measures import EngineQueue
 from loadtests.textgen import Conversation, emulated_tokens
-from loadtests.workloads import SessionSpec, conversation_starts, turn_inputs, turn_overlaps
+from loadtests.workloads import SessionSpec, conversation_starts, sticky_gateway, turn_inputs, turn_overlaps
 from replica.emulator.profiles import Profile
 from replica.emulator.timemodel import alone_ttft_s
 from router.eventloop import run as run_on_loop
@@ -93,7 +92,7 @@ class LoadConfig:
     url: str  # base URL, e.g. http://127.0.0.1:8000 (the driver posts to {url}/v1/chat/completions)
     extra_urls: tuple[str, ...] = ()  # more gateways: (url, *extra_urls), chosen by ``gateway_assign``
     # "round_robin": request by request, as behind a Service; "sticky": a session's requests to one
-    # gateway (crc32 of its id), as a client pod's sidecar
+    # gateway (``workloads.sticky_gateway``, the simulator's pick too), as a client pod's sidecar
     gateway_assign: str = "round_robin"
     replica_urls: tuple[str, ...] = ()  # where to sample per-replica load (the emulated replicas)
     model: str = "default"
@@ -562,8 +561,7 @@ class _Run:
         error: str | None = None
         try:
             n = len(self._urls)
-            pick = zlib.crc32(sid.encode()) if self.c.gateway_assign == "sticky" else self.issued
-            url = self._urls[pick % n]
+            url = self._urls[sticky_gateway(sid, n) if self.c.gateway_assign == "sticky" else self.issued % n]
             async with self.http.post(url, data=body, headers=headers) as resp:
                 status = resp.status
                 replica = next((resp.headers[h] for h in _REPLICA_HEADERS if h in resp.headers), None)

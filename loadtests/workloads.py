@@ -33,6 +33,7 @@ import json
 import math
 import os
 import random
+import zlib
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -53,6 +54,7 @@ __all__ = [
     "read_mooncake",
     "read_weka",
     "runs_of",
+    "sticky_gateway",
     "synthetic_sessions",
     "traces_dir",
     "turn_inputs",
@@ -164,6 +166,12 @@ def turn_inputs(spec: SessionSpec) -> tuple[int, ...]:
         out.append(cur)
         prev_in, prev_out = cur, t.output_tokens
     return tuple(out)
+
+
+def sticky_gateway(session_id: str, gateways: int) -> int:
+    """The gateway a session's requests all go to when each client pod has its own (a sidecar): the
+    same pick in the live driver and the simulator, so that both put a session on the same one."""
+    return zlib.crc32(session_id.encode()) % gateways
 
 
 def conversation_starts(spec: SessionSpec) -> tuple[int, ...]:

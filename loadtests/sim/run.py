@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import random
 import time
-import zlib
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -43,7 +42,7 @@ from loadtests.measures import EngineQueue, MeasureCollector, RequestRecord
 from loadtests.sim.engine import EventLoop
 from loadtests.sim.prompts import ChainNamer, IdealCache, check_page_size
 from loadtests.sim.replica_model import SimReplica
-from loadtests.workloads import SessionSpec, conversation_starts
+from loadtests.workloads import SessionSpec, conversation_starts, sticky_gateway
 from replica.emulator.kv_events import ResidencyFeeder
 from replica.emulator.metrics import QUEUE_BUCKETS, Histogram
 from replica.emulator.profiles import Profile, get_profile
@@ -475,7 +474,7 @@ class _Sim:
         self.uid += 1
         namer = ChainNamer(spec, self.uid, root.uid, self.page, self.cfg.turn_framing_tokens)
         if self.cfg.gateway_assign == "sticky":
-            gw = zlib.crc32(root.spec.routing_key.encode()) % self.cfg.gateways
+            gw = sticky_gateway(root.spec.routing_key, self.cfg.gateways)
         else:
             gw = -1
         chain = _Chain(spec, root, namer, gw, first_turn)

@@ -387,9 +387,10 @@ class ReplicaEngine:
 
     @property
     def pending_prefill_tokens(self) -> int:
-        """Prefill work a new request would wait behind: the uncached rest of the prompts being
-        prefilled plus the whole prompts still queued (their cache match is known only at admission).
-        What SGLang reports as ``num_waiting_uncached_tokens`` (rule 7)."""
+        """Prefill work a new request would wait behind, as SGLang reports it in
+        ``num_waiting_uncached_tokens`` (rule 7): the uncached rest of the prompts being prefilled,
+        plus each queued prompt's uncached part, or under ``fcfs`` its whole prompt at the recent
+        miss rate."""
         ahead = sum(r.req.prompt_tokens - r.prefilled for r in self._prefilling)
         if not self._waiting:
             return ahead
