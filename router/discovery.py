@@ -339,7 +339,7 @@ class Discovery:
     def others_live(self) -> bool:
         """Other live gateways share this store (rule 8's probers as of the last scrape round): the
         prefill their requests queue shows only in the engines' loads (policy rule 8)."""
-        return bool(self._designation[0] - {self.writer_id})
+        return any(w != self.writer_id for w in self._designation[0])
 
     def _leaves_to_another(self, r: ReplicaState, writer: str, probers: frozenset[str]) -> bool:
         """Rules 6-8: whether fresh figures or a fresh check of ``r`` by ``writer`` spare this gateway
