@@ -52,6 +52,10 @@ class Profile:
         (``cache.py`` Rule 6); ``False`` = the finer model (evict exactly what is needed).
     schedule_policy: the order in which waiting requests are admitted, as SGLang's
         ``--schedule-policy`` (``SCHEDULE_POLICIES``; ``timemodel`` Rule 2).
+    prefill_decode_interval, prefill_decode_interval_min_bs: SGLang's ``--prefill-decode-interval``
+        and ``--prefill-decode-interval-min-bs``: after a prefill forward, this many decode rounds
+        run before the next prefill, while at least ``..._min_bs`` requests decode (0 = SGLang's
+        default: prefill first; ``timemodel`` Rule 1).
     """
 
     name: str = "kimi-k2.6-b200-tp4"
@@ -74,6 +78,8 @@ class Profile:
     token_unit: int = 1
     evict_whole_nodes: bool = True
     schedule_policy: str = "fcfs"
+    prefill_decode_interval: int = 0
+    prefill_decode_interval_min_bs: int = 0
 
     def __post_init__(self) -> None:
         problems = []
@@ -81,8 +87,9 @@ class Profile:
                   "chunked_prefill_size", "token_unit"):
             if getattr(self, f) <= 0:
                 problems.append(f"{f} must be > 0")
-        if self.host_capacity_tokens < 0:
-            problems.append("host_capacity_tokens must be >= 0")
+        for f in ("host_capacity_tokens", "prefill_decode_interval", "prefill_decode_interval_min_bs"):
+            if getattr(self, f) < 0:
+                problems.append(f"{f} must be >= 0")
         if self.spec_accept_length < 1.0:
             problems.append("spec_accept_length must be >= 1")
         for f in ("prefill_base_s", "prefill_c_lin_s", "prefill_c_attn_s", "decode_base_s", "decode_per_req_s",

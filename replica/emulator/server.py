@@ -2094,6 +2094,8 @@ class _Handlers:
             "context_length": prof.max_context_tokens, "max_running_requests": prof.max_running_requests,
             "max_total_tokens": None, "chunked_prefill_size": max(1, prof.chunked_prefill_size // prof.token_unit),
             "max_prefill_tokens": 16384, "page_size": prof.page_size, "schedule_policy": prof.schedule_policy,
+            "prefill_decode_interval": prof.prefill_decode_interval,
+            "prefill_decode_interval_min_bs": prof.prefill_decode_interval_min_bs,
             "kv_cache_dtype": "fp8_e4m3", "quantization": "modelopt_fp4",
             # SGLang reports its defaults (ratio 2.0, size 0 GB) whether HiCache is on or not
             "enable_hierarchical_cache": host, "hicache_ratio": (prof.host_capacity_tokens / prof.kv_capacity_tokens)

@@ -13,6 +13,11 @@ Rule 1 (prefill first): when a prefill can run it runs. A prefill forward packs,
         ``chunked_prefill_size`` new tokens. Its duration is
         ``prefill_base_s + Σ new_i x (c_lin + c_attn x (ctx_i + new_i/2))`` plus
         ``host_reload_s_per_token`` per host-tier hit token (reloaded, not recomputed).
+        While a long prompt is prefilled chunk by chunk, nothing decodes: every running request
+        stalls together. With ``prefill_decode_interval`` N > 0 (SGLang's
+        ``--prefill-decode-interval``, off by default), each prefill forward is followed by N
+        decode steps before the next prefill, while at least ``prefill_decode_interval_min_bs``
+        requests (and at least one) decode (SGLang's ``Scheduler._should_defer_prefill``).
 Rule 2 (admission): a waiting request is admitted when a slot is free
         (``max_running_requests``) and the cache can hold all of it (prompt + output,
         ``PrefixCache.try_lock``). Admission follows the queue's order with head-of-line blocking.
@@ -278,6 +283,7 @@ class ReplicaEngine:
         self._prefilling: list[_Req] = []
         self._decoding: list[_Req] = []
         self._op: _Prefill | _Decode | None = None
+        self._defer = 0  # decode steps owed before the next prefill (Rule 1's interval)
         self._t = 0.0
         self._events: list[EngineEvent] = []
         self._hit_rate = 0.0
@@ -307,8 +313,8 @@ class ReplicaEngine:
         if op is None:
             self._t = max(self._t, now)
             self._schedule(self._t)
-        elif isinstance(op, _Decode) and self._running() < self.profile.max_running_requests:
-            op.cut(now)
+        elif isinstance(op, _Decode) and not self._defer and self._running() < self.profile.max_running_requests:
+            op.cut(now)  # (while decode steps are owed, no prefill could start anyway)
 
     def abort(self, rid: str, now: float) -> bool:
         """Abort a request (client went away). Frees its slot and KV. False if unknown or done."""
@@ -501,6 +507,11 @@ class ReplicaEngine:
     def _schedule(self, t: float) -> None:
         p = self.profile
         u = self._unit
+        if self._defer:
+            if self._decoding and len(self._decoding) >= p.prefill_decode_interval_min_bs:
+                self._start_decode(t, self._defer)
+                return
+            self._defer = 0
         if self._waiting and self._running() < p.max_running_requests:
             self._order_waiting()
         budget = self._budget
@@ -550,6 +561,7 @@ class ReplicaEngine:
 
     def _complete_prefill(self, op: _Prefill) -> None:
         t = op.end
+        self._defer = self.profile.prefill_decode_interval
         for r, n in op.items:
             if r.state != _PREFILL:
                 continue  # aborted meanwhile
@@ -570,14 +582,15 @@ class ReplicaEngine:
                 r.state = _DECODE
                 self._decoding.append(r)
 
-    def _start_decode(self, t: float) -> None:
+    def _start_decode(self, t: float, steps: int = 1 << 62) -> None:
+        """A decode segment of every decoding request, of at most ``steps`` steps."""
         p = self.profile
         u = self._unit
         reqs = list(self._decoding)
         b = len(reqs)
         a = self._step_tokens
         ctx = 0.0
-        k_end = 1 << 62
+        k_end = steps
         for r in reqs:
             ctx += r.req.prompt_tokens + r.gen
             k_end = min(k_end, math.ceil((r.req.output_tokens - r.gen) / a - 1e-9))
@@ -588,6 +601,7 @@ class ReplicaEngine:
 
     def _complete_decode(self, op: _Decode) -> None:
         t = op.end
+        self._defer = max(0, self._defer - op.k_end)
         gained = op.k_end * op.step_tokens
         still: list[_Req] = []
         for r in op.reqs:

@@ -1,6 +1,7 @@
 """Real SGLang 0.5.23 servers for this package's tests (``loadtests/real_sglang.py``): two for the
 fleet, each pinned to one CPU with ``OMP_NUM_THREADS=1``, a small KV pool (``POOL_TOKENS``), the tiny
-random Qwen2 of ``replica/build_sglang_cpu_env.sh``, plus a spare one a test may kill. Started once,
+random Qwen2 of ``replica/build_sglang_cpu_env.sh``, plus a spare one a test may kill and one whose
+scheduler lets decodes step between prefill chunks (``INTERVAL_SETS``). Started once,
 together (20-90 s on a busy machine), shared by every test here. Under CI a missing runtime or a
 server that does not start is a failure; elsewhere the tests skip with the reason.
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import re
 import tempfile
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
@@ -20,7 +22,16 @@ from pathlib import Path
 
 import pytest
 
-from loadtests.real_sglang import RealServer, flush_caches, real_sglang_fleet, runtime_missing
+from loadtests.procs import free_port
+from loadtests.real_sglang import (
+    RealServer,
+    flush_caches,
+    real_sglang_fleet,
+    runtime_missing,
+    start_real_server,
+    stop_real_server,
+    wait_healthy,
+)
 from tests.ci import missing
 from tests.router.conftest import fake_replicas, gateway_factory  # noqa: F401 - fixtures used here
 
@@ -31,14 +42,25 @@ CONTEXT_TOKENS = 8_192
 ENGINE_FLAGS = ("--enable-response-store",)
 
 
+# the scheduler test's server (test_scheduler_fidelity.py): small prefill chunks, and after each one
+# INTERVAL decode rounds while at least INTERVAL_MIN_BS requests decode
+CHUNK_TOKENS, INTERVAL, INTERVAL_MIN_BS = 256, 4, 2
+INTERVAL_SETS = (f"chunked-prefill-size={CHUNK_TOKENS}", f"prefill-decode-interval={INTERVAL}",
+                 f"prefill-decode-interval-min-bs={INTERVAL_MIN_BS}")  # fmt: skip
+
+
 @pytest.fixture(scope="package")
 def real_servers() -> Iterator[list[RealServer]]:
-    """Three servers started together (start-up dominates the wall time): the two of the fleet, one
-    on each CPU, and a third that a test may kill. Stopped when this package's tests are done."""
+    """Four servers started together (start-up dominates the wall time): the two of the fleet, one
+    on each CPU, a third that a test may kill, and a fourth with ``INTERVAL_SETS``. Stopped when
+    this package's tests are done."""
     why = runtime_missing()
     if why is not None:
         missing(why)
     with tempfile.TemporaryDirectory(prefix="kvroute-real-sglang-") as tmp:
+        cpus = sorted(os.sched_getaffinity(0))
+        interval = start_real_server(free_port(), cpus[-1], log_dir=Path(tmp), max_total_tokens=POOL_TOKENS,
+                                     context_length=CONTEXT_TOKENS, sets=INTERVAL_SETS)  # fmt: skip
         try:
             with real_sglang_fleet(
                 3,
@@ -47,9 +69,12 @@ def real_servers() -> Iterator[list[RealServer]]:
                 context_length=CONTEXT_TOKENS,
                 extra_flags=ENGINE_FLAGS,
             ) as servers:
-                yield servers
+                wait_healthy([interval])
+                yield [*servers, interval]
         except RuntimeError as exc:
             missing(f"real SGLang servers did not start: {exc}")
+        finally:
+            stop_real_server(interval)
 
 
 @pytest.fixture
@@ -61,6 +86,16 @@ def fleet(real_servers: list[RealServer]) -> list[RealServer]:
             pytest.fail(f"real SGLang on :{s.port} died earlier in the session:\n{s.log_tail()}")
     flush_caches([s.url for s in servers])
     return servers
+
+
+@pytest.fixture
+def interval_server(real_servers: list[RealServer]) -> RealServer:
+    """The fourth server (``INTERVAL_SETS``), its radix cache empty."""
+    s = real_servers[3]
+    if s.proc.poll() is not None:
+        pytest.fail(f"real SGLang on :{s.port} died earlier in the session:\n{s.log_tail()}")
+    flush_caches([s.url])
+    return s
 
 
 @pytest.fixture

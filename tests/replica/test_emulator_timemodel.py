@@ -452,3 +452,45 @@ def test_schedule_policy_orders_the_waiting_queue(policy: str, warm_first: bool)
 def test_schedule_policy_is_validated() -> None:
     with pytest.raises(ValueError, match="schedule_policy"):
         KIMI.with_overrides(schedule_policy="nope")
+
+
+def _decode_through_a_long_prefill(interval: int, min_bs: int = 0) -> tuple[int, int, float]:
+    """One request decoding, then a long cold prompt: how many tokens the decoding request had when
+    the long prompt's prefill began and when its first token came, and that first token's time."""
+    profile = KIMI.with_overrides(page_size=16, prefill_decode_interval=interval, prefill_decode_interval_min_bs=min_bs)
+    e = ReplicaEngine(profile, token_events=True)
+    e.submit(req("dec", "a short question " * 20, 2_000, 16), 0.0)
+    drain(e, until=0.5)
+    e.submit(req("long", "a brand new session's first prompt " * 6_000, 1, 16), 0.5)
+    evs = drain(e)
+    started, ft = first(evs, Started, "long").t, first(evs, FirstToken, "long").t
+    before = max(ev.n for ev in evs if isinstance(ev, Tokens) and ev.rid == "dec" and ev.t <= started)
+    during = max(ev.n for ev in evs if isinstance(ev, Tokens) and ev.rid == "dec" and ev.t <= ft)
+    return before, during, ft - 0.5
+
+
+def test_a_long_prefill_stalls_every_decode_unless_the_interval_lets_them_step() -> None:
+    """SGLang runs a prefill whenever one can run: a long prompt's chunks follow one another and the
+    running requests generate nothing until its last chunk. With ``--prefill-decode-interval`` N
+    each chunk is followed by N decode steps: they keep generating, and the long prompt's first
+    token comes later by about those steps."""
+    chunks = -(-encode_text("a brand new session's first prompt " * 6_000).num_tokens // KIMI.chunked_prefill_size)
+    assert chunks >= 4
+    before, during, ttft = _decode_through_a_long_prefill(0)
+    assert during == before  # stalled for the whole prefill
+    step = KIMI.spec_accept_length
+    before4, during4, ttft4 = _decode_through_a_long_prefill(4)
+    assert before4 == before
+    # 4 steps after every chunk but the last (the last one's first token ends the window)
+    assert during4 - before4 == pytest.approx(4 * step * (chunks - 1), abs=step)
+    decode_s = decode_step_time(KIMI, 1, 60_000)
+    assert ttft < ttft4 < ttft + 4 * (chunks - 1) * 2 * decode_s
+    assert ttft4 - ttft > 4 * (chunks - 1) * 0.5 * decode_s
+    # the interval applies only while at least min_bs requests decode: one is not enough for 2
+    assert _decode_through_a_long_prefill(4, min_bs=2) == (before, during, ttft)
+
+
+def test_prefill_decode_interval_is_validated() -> None:
+    for field in ("prefill_decode_interval", "prefill_decode_interval_min_bs"):
+        with pytest.raises(ValueError, match=field):
+            KIMI.with_overrides(**{field: -1})
