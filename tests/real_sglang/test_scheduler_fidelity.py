@@ -73,16 +73,21 @@ async def _tokens_while_a_long_prompt_prefills(url: str, decoders: int) -> tuple
             await asyncio.gather(*tasks, return_exceptions=True)
 
 
+# tokens a decoding request may get at the window's edges: the steps between the long prompt's send
+# and the start of its prefill (its tokenization; longer on a loaded machine), and the step its first
+# token rides with. Seen here: 1-2.
+EDGE = 8
+
+
 def _check(name: str, prompt_tokens: int, alone: list[int], pair: list[int]) -> None:
     chunks = math.ceil(prompt_tokens / CHUNK_TOKENS)
     assert chunks >= 4, (name, prompt_tokens)
-    # one request decoding (under the interval's minimum): nothing between the chunks; at most the
-    # step under way when the long prompt came and the one its first token rides with
-    assert alone[0] <= 2, (name, alone, chunks)
-    # two decoding: INTERVAL rounds after every chunk but the last (one token each, no speculation),
-    # and as above at the edges
+    steps = INTERVAL * (chunks - 1)
+    # one request decoding (under the interval's minimum): nothing between the chunks
+    assert alone[0] <= EDGE < steps, (name, alone, chunks)
+    # two decoding: INTERVAL rounds after every chunk but the last (one token each, no speculation)
     for n in pair:
-        assert INTERVAL * (chunks - 1) <= n <= INTERVAL * (chunks - 1) + 3, (name, pair, chunks)
+        assert steps <= n <= steps + EDGE, (name, pair, chunks)
 
 
 async def test_a_long_prefill_stalls_the_running_requests_unless_the_interval_lets_them_step(
