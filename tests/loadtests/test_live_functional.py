@@ -13,7 +13,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from loadtests.live import LoadConfig, engine_queue_from_metrics, run_load
 from loadtests.measures import MEASURE_FIELDS
 from loadtests.peers import emulated_fleet
-from loadtests.workloads import SessionSpec, Turn
+from loadtests.workloads import SessionSpec, Turn, sticky_gateway
 from replica.emulator.profiles import get_profile
 from replica.emulator.runner import running_emulators, start_emulators, stop_emulators
 from replica.emulator.server import EmulatorConfig
@@ -122,8 +122,6 @@ async def test_with_several_gateways_requests_go_round_robin_or_a_sessions_to_on
     """Two emulators stand in for two gateways (each names itself in its replies): round robin
     spreads a session's requests over both, sticky sends all of a session's to one of them (a
     client pod's sidecar), chosen by its id as the simulator chooses."""
-    import zlib
-
     async with running_emulators(2, config=_config(0.01)) as reps:
         cfg = LoadConfig(url=reps[0].url, extra_urls=(reps[1].url,), time_scale=0.01, token_unit=UNIT,
                          duration_s=20.0, gateway_assign=assign)  # fmt: skip
@@ -136,7 +134,7 @@ async def test_with_several_gateways_requests_go_round_robin_or_a_sessions_to_on
     names = {r for rs in served.values() for r in rs}
     assert names == {"replica-0", "replica-1"}
     if assign == "sticky":
-        assert all(rs == {f"replica-{zlib.crc32(sid.encode()) % 2}"} for sid, rs in served.items()), served
+        assert all(rs == {f"replica-{sticky_gateway(sid, 2)}"} for sid, rs in served.items()), served
     else:
         assert any(len(rs) == 2 for rs in served.values()), served
     with pytest.raises(ValueError, match="gateway_assign"):

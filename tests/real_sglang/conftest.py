@@ -77,10 +77,8 @@ def real_servers() -> Iterator[list[RealServer]]:
             stop_real_server(interval)
 
 
-@pytest.fixture
-def fleet(real_servers: list[RealServer]) -> list[RealServer]:
-    """The two fleet servers with empty radix caches (each test starts cold)."""
-    servers = real_servers[:2]
+def _cold(servers: list[RealServer]) -> list[RealServer]:
+    """``servers``, each still running, with their radix caches emptied."""
     for s in servers:
         if s.proc.poll() is not None:
             pytest.fail(f"real SGLang on :{s.port} died earlier in the session:\n{s.log_tail()}")
@@ -89,13 +87,15 @@ def fleet(real_servers: list[RealServer]) -> list[RealServer]:
 
 
 @pytest.fixture
+def fleet(real_servers: list[RealServer]) -> list[RealServer]:
+    """The two fleet servers with empty radix caches (each test starts cold)."""
+    return _cold(real_servers[:2])
+
+
+@pytest.fixture
 def interval_server(real_servers: list[RealServer]) -> RealServer:
     """The fourth server (``INTERVAL_SETS``), its radix cache empty."""
-    s = real_servers[3]
-    if s.proc.poll() is not None:
-        pytest.fail(f"real SGLang on :{s.port} died earlier in the session:\n{s.log_tail()}")
-    flush_caches([s.url])
-    return s
+    return _cold(real_servers[3:])[0]
 
 
 @pytest.fixture
