@@ -72,6 +72,8 @@ class Outcomes:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     errors: dict[str, int] = field(default_factory=dict)
+    # per SSE error event: the replica that served it and when its request started
+    stream_errors: list[tuple[str, float]] = field(default_factory=list)
 
     def chr(self) -> float | None:
         return round(self.cached_tokens / self.prompt_tokens, 4) if self.prompt_tokens else None
@@ -174,6 +176,7 @@ class Load:
     async def _one(self, session: aiohttp.ClientSession, gw: str, sid: str, body: dict[str, Any]) -> bool:
         """One request, counted; True when no gateway took the connection."""
         ph = self.phase  # a request counts in the phase it started in
+        t0 = time.monotonic()
         try:
             async with session.post(gw + "/v1/chat/completions", json=body, headers={"Modal-Session-Id": sid}) as r:
                 rid, reason = r.headers.get("X-Kvroute-Replica", ""), r.headers.get("X-Kvroute-Reason", "")
@@ -206,6 +209,7 @@ class Load:
         events = [ln[6:] for ln in text.split("\n") if ln.startswith("data: ")]
         if any('"error"' in e for e in events if e != "[DONE]"):
             ph.error("sse_error_event")
+            ph.stream_errors.append((rid, t0))
             return False
         if not events or events[-1] != "[DONE]":
             ph.lost += 1
@@ -329,6 +333,7 @@ async def _apply(name: str, s: aiohttp.ClientSession, fleet: Fleet, load: Load, 
         while load.streaming.get(vid, 0) < 2 and time.monotonic() < deadline:
             await asyncio.sleep(0.002)
         notes["victim_streams_mid_way_at_kill"] = load.streaming.get(vid, 0)
+        notes["killed_at"] = time.monotonic()
         fleet.emulators[victim].send_signal(signal.SIGKILL)
         fleet.emulators[victim].wait(10)
         notes["killed"] = victim
@@ -369,6 +374,18 @@ async def _apply(name: str, s: aiohttp.ClientSession, fleet: Fleet, load: Load, 
     else:
         raise ValueError(f"unknown fault {name!r}; known: {', '.join(ALL_FAULTS)}")
     return notes
+
+
+def _stream_error_origins(tot: Outcomes, notes: dict[str, Any]) -> dict[str, int]:
+    """For a killed replica: SSE error events that did *not* come from a stream the gateway had already
+    begun on it. The gateway retries a request elsewhere until it has sent the client a 200, so each
+    error event must name the victim and belong to a request that started before the kill. Judged
+    after the fact: at the kill a stream's first bytes can still be in a socket buffer."""
+    if "killed_at" not in notes:
+        return {}
+    vid = str(notes["killed"]).removeprefix("http://")
+    stray = sum(1 for rid, t0 in tot.stream_errors if rid != vid or t0 >= notes["killed_at"])
+    return {"stream_errors_not_under_way_at_kill": stray}
 
 
 def _recovered(before: float | None, after: float | None, tolerance: float = 0.05) -> bool:
@@ -437,6 +454,7 @@ async def run_campaign(
                     tot.completed += o.completed
                     tot.clean_error += o.clean_error
                     tot.lost += o.lost
+                    tot.stream_errors += o.stream_errors
                     for kind, n in o.errors.items():
                         tot.errors[kind] = tot.errors.get(kind, 0) + n
                 results.append({
@@ -453,7 +471,8 @@ async def run_campaign(
                     "chr_after": after.chr(),
                     "chr_recovered": _recovered(before.chr(), after.chr(), chr_tolerance),
                     "requests_before": before.completed + before.clean_error + before.lost,
-                    **notes,
+                    **_stream_error_origins(tot, notes),
+                    **{k: v for k, v in notes.items() if k != "killed_at"},  # (a monotonic instant)
                 })  # fmt: skip
             load.stop.set()
             await asyncio.wait_for(task, client_timeout_s + 5)  # done already unless faults was empty

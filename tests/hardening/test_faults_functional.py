@@ -39,7 +39,9 @@ async def test_every_fault_loses_nothing_and_leaves_no_phantom_load() -> None:
     kill = by["replica_sigkill"]
     assert kill["victim_streams_mid_way_at_kill"] >= 1, kill
     assert set(kill["error_kinds"]) <= {"sse_error_event"}, kill
-    assert kill["clean_errors"] <= kill["victim_streams_mid_way_at_kill"], kill  # only streams already under way
+    # only streams already under way on the victim (counted after the fact: at the kill, a stream's
+    # first bytes can still sit in a socket buffer, so the count above is a lower bound)
+    assert kill["stream_errors_not_under_way_at_kill"] == 0, kill
     # a killed gateway is seen by its clients only as transport errors, never as a silent loss
     assert by["gateway_sigkill"]["streams_mid_way_at_kill"] >= 1
     assert set(by["gateway_sigkill"]["error_kinds"]) <= {"ClientConnectorError", "ClientOSError",
