@@ -6,16 +6,15 @@ adds to the others. `stall_t` charges the stall on the target only (a warm turn'
 `lo` is the shipped rule, `off` no spill. Patched in-process, the policy is not
 edited. Bench model (the simulator's model of the live bench, KV events), one row per seed and variant:
     PYTHONPATH=. python docs/experiments/round43/stall_spill.py ab WORKLOAD[+hc] SEEDS VAR...
-At scale, `kvroute sim`'s arguments, one row:
+At scale, `kvroute sim` on the patched policy (its arguments; the measures go to its --json file):
     PYTHONPATH=. python docs/experiments/round43/stall_spill.py sim VAR <kvroute sim args>
 """
+import itertools
 import json
 import sys
 
-from loadtests.sim import run as sim_run
 from router.model import AffinityBreak, Reason, ReplicaStatus, RouteDecision
 from router.policy import kv_aware
-from router.policy.params import PolicyParams
 from router.policy.prefill import expected_uncached, work_ahead
 
 KEEP = ("chr", "pooled_chr", "ttft_p99_s", "e2e_p99_s", "requests", "dispersion", "dispersion_floor")
@@ -69,26 +68,14 @@ if sys.argv[1] == "ab":
     from loadtests.scenario import demo_scenario
 
     w, seeds = sys.argv[2], [int(x) for x in sys.argv[3].split(",")]
-    for seed in seeds:
-        for VAR in sys.argv[4:]:
-            base, _, hc = w.partition("+")
-            extra = {"host_tier": True} if hc == "hc" else {}
-            m = run_sim_for(demo_scenario(**{**WORKLOADS[base], **extra}, kv_events=True, seed=seed))
-            spills = (m.get("route_reasons") or {}).get("queue_spill", 0)
-            print(json.dumps({"w": w, "seed": seed, "mode": VAR, "spills": spills, **{k: m.get(k) for k in KEEP}}),
-                  flush=True)
-else:
+    base, _, hc = w.partition("+")  # WORKLOAD+hc: with the host tier
+    scenario = {**WORKLOADS[base], "host_tier": hc == "hc" or WORKLOADS[base]["host_tier"]}
+    for seed, VAR in itertools.product(seeds, sys.argv[4:]):
+        m = run_sim_for(demo_scenario(**scenario, kv_events=True, seed=seed))
+        row = {"w": w, "seed": seed, "mode": VAR, "spills": (m.get("route_reasons") or {}).get("queue_spill", 0)}
+        print(json.dumps(row | {k: m.get(k) for k in KEEP}), flush=True)
+else:  # `kvroute sim` itself, on the patched policy
     from loadtests.sim import cli
 
     VAR = sys.argv[2]
-    args = cli.build_parser().parse_args(sys.argv[3:])
-    d = cli._DEFAULTS[args.workload]
-    lanes = args.lanes if args.lanes is not None else int(d["lanes_per_replica"] * args.replicas)
-    profile = cli.get_profile(args.profile).with_overrides(page_size=args.page_size, **dict(args.set))
-    specs = cli.load_workload(args, lanes, profile.context_length)
-    cfg = cli._sim_config(args, profile, lanes, args.duration or d["duration_s"], args.warmup or d["warmup_s"])
-    params = PolicyParams().with_changes(**{k: float(v) for k, v in args.param})
-    m = sim_run.run_sim(specs, cfg, policy=kv_aware.KvAwarePolicy(params)).measures
-    spills = (m.get("route_reasons") or {}).get("queue_spill", 0)
-    print(json.dumps({"w": f"{args.workload}-{args.replicas}", "seed": args.seed, "mode": VAR, "spills": spills,
-                      **{k: m.get(k) for k in KEEP}}), flush=True)
+    raise SystemExit(cli.cli_main(sys.argv[3:]))
