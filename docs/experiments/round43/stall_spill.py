@@ -13,51 +13,29 @@ import itertools
 import json
 import sys
 
-from router.model import AffinityBreak, Reason, ReplicaStatus, RouteDecision
 from router.policy import kv_aware
-from router.policy.prefill import expected_uncached, work_ahead
+from router.policy.prefill import expected_uncached
 
 KEEP = ("chr", "pooled_chr", "ttft_p99_s", "e2e_p99_s", "requests", "dispersion", "dispersion_floor")
 SHIPPED = kv_aware.KvAwarePolicy._queue_spill
 VAR = "lo"
 
 
-def _stall_spill(self, view, request, snapshot, home, kept):
-    theta = self.params.queue_spill_factor
-    prompt = request.prompt_tokens_estimate
-    if theta <= 0 or prompt <= 0 or not (snapshot.prefill_ahead or snapshot.engines_ahead):
-        return None
-    at_home = work_ahead(snapshot, home)
-    if at_home <= 0:
-        return None
-    cost_home = at_home + expected_uncached(request, snapshot, home.id) * (1 + (home.in_flight if VAR == "stall" else 0))
-    resident = snapshot.session.resident_on if snapshot.session is not None else ()
-    # (as shipped: no replica can cost less than the prompt less the most of it cached anywhere else)
-    if cost_home <= theta * (prompt - max((t for r, t in resident if r != home.id), default=0)):
-        return None
-    best = None
-    for r in view.pool:
-        if r.id == home.id or r.status is not ReplicaStatus.ACTIVE:
-            continue
-        if not view.panic and r.in_flight >= view.hard_bound:
-            continue
-        if r.host_capacity_tokens - r.engine.host_used_tokens < prompt:
-            continue
-        cost = work_ahead(snapshot, r) + expected_uncached(request, snapshot, r.id) * (1 + r.in_flight)
-        if best is None or (cost, r.id) < best[:2]:
-            best = (cost, r.id, r)
-    if best is None or cost_home <= theta * best[0]:
-        return None
-    t = best[2]
-    return RouteDecision(t.id, Reason.QUEUE_SPILL, kept, ((t.id, kv_aware.load_score(t, 0, self.params)),),
-                         AffinityBreak.OVERLOAD_SPILL)
+def _charged(request, snapshot, replica_id):
+    """Rule 8's uncached part on a replica, times (1 + its requests in flight) for the variants: in
+    `kv_aware` only rule 8 calls it, so patching it there changes the rule's costs and nothing else."""
+    u = expected_uncached(request, snapshot, replica_id)
+    sess, r = snapshot.session, snapshot.replica(replica_id)
+    at_home = sess is not None and sess.session_id == request.session_key and replica_id == sess.home
+    if r is None or (VAR == "stall_t" and at_home):
+        return u
+    return u * (1 + r.in_flight)
 
 
 def _queue_spill(self, view, request, snapshot, home, kept):
     if VAR == "off":
         return None
-    if VAR in ("stall", "stall_t"):
-        return _stall_spill(self, view, request, snapshot, home, kept)
+    kv_aware.expected_uncached = _charged if VAR in ("stall", "stall_t") else expected_uncached
     return SHIPPED(self, view, request, snapshot, home, kept)
 
 
