@@ -22,7 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from replica.emulator.server import EmulatorConfig, make_emulator_app
 from router.gateway.serve import RunningGateway, start_gateway
 from router.observability.surface import OperatorSurface, operator_surface_from_config
-from tests.router.conftest import fast_config, wait_for
+from tests.router.conftest import fast_config, rerun_start_up_probes, wait_for
 
 TOKEN = "metrics-admin-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -86,7 +86,8 @@ async def stack_factory() -> AsyncIterator[Callable[..., Awaitable[Stack]]]:
         gw = await start_gateway(config, extra_setup=(surface.setup,))
         st = Stack(reps, gw, surface)
         started.append(st)
-        await _until_all_active(gw)
+        await rerun_start_up_probes(gw)
+        await wait_for(lambda: _all_active(gw), timeout_s=10)
         return st
 
     yield make
@@ -95,24 +96,6 @@ async def stack_factory() -> AsyncIterator[Callable[..., Awaitable[Stack]]]:
         await st.gateway.store.close()
         for r in st.replicas:
             await r.stop()
-
-
-async def _until_all_active(gw: RunningGateway, timeout_s: float = 20.0) -> None:
-    """Wait until every replica is ACTIVE with engine figures. A start-up round whose probe ran past
-    its timeout on a loaded machine leaves a replica JOINING for a whole health interval (60 s in some
-    tests): after each quiet second, run the next rounds now instead of waiting for them."""
-    discovery = gw.runtime.discovery
-    assert discovery is not None
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while not await _all_active(gw):
-        if loop.time() > deadline:
-            raise AssertionError(f"replicas not all active in {timeout_s:g} s: {await gw.store.replicas()}")
-        try:
-            await wait_for(lambda: _all_active(gw), timeout_s=1.0)
-        except AssertionError:
-            await discovery.check_health_once()
-            await discovery.scrape_once()
 
 
 async def _all_active(gw: RunningGateway) -> bool:
