@@ -452,11 +452,11 @@ def fast_config(replicas: list[str], **overrides: Any) -> GatewayConfig:
     return GatewayConfig(**base)
 
 
-async def rerun_start_up_probes(gw: RunningGateway, timeout_s: float = 10.0) -> None:
+async def rerun_start_up_probes(gw: RunningGateway, timeout_s: float = 10.0, *, all_join: bool = False) -> None:
     """A test with a long health interval leans on the start-up round, but a probe that ran past its
     timeout on a loaded machine leaves its replica JOINING for the whole interval. While a JOINING
-    replica answers ``/health`` with 200, run the next rounds now (bounded: a replica the rounds keep
-    JOINING for a reason of their own is left so)."""
+    replica answers ``/health`` with 200 (``all_join``: while any is JOINING), run the next rounds now,
+    for at most ``timeout_s`` (a replica the rounds keep JOINING for a reason of their own is left so)."""
     import aiohttp
 
     from router.model import ReplicaStatus
@@ -477,7 +477,7 @@ async def rerun_start_up_probes(gw: RunningGateway, timeout_s: float = 10.0) -> 
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2.0)) as s:
         while loop.time() < deadline:
             joining = [r for r in await gw.store.replicas() if r.status is ReplicaStatus.JOINING]
-            if not [r for r in joining if await answers(s, r.url)]:
+            if not [r for r in joining if all_join or await answers(s, r.url)]:
                 return
             await discovery.check_health_once()
             await discovery.scrape_once()

@@ -86,7 +86,7 @@ async def stack_factory() -> AsyncIterator[Callable[..., Awaitable[Stack]]]:
         gw = await start_gateway(config, extra_setup=(surface.setup,))
         st = Stack(reps, gw, surface)
         started.append(st)
-        await rerun_start_up_probes(gw)
+        await rerun_start_up_probes(gw, all_join=True)
         await wait_for(lambda: _all_active(gw), timeout_s=10)
         return st
 
