@@ -125,6 +125,29 @@ def test_the_ledger_sums_each_replicas_prefill_until_the_first_token() -> None:
     assert ledger.ahead() == () and len(ledger) == 0
 
 
+@pytest.mark.parametrize("seed", range(5))
+def test_the_ledgers_view_is_every_replicas_sum_by_id_through_any_order_of_events(seed: int) -> None:
+    """The view is kept sorted as replicas come and go (not sorted on each read): against the sums of
+    the requests still without a first token, after each of 2,000 random sends and first tokens."""
+    rng = random.Random(seed)
+    ledger, open_ = PrefillLedger(), {}
+    for i in range(2_000):
+        if open_ and rng.random() < 0.5:
+            lease = rng.choice(sorted(open_))
+            del open_[lease]
+            ledger.prefilled(lease)
+        else:
+            lease, rid, tokens = f"l{i}", f"r{rng.randrange(40):02d}", rng.choice((0, 1, 500, 30_000))
+            ledger.sent(lease, rid, tokens)
+            if tokens:
+                open_[lease] = (rid, tokens)
+        want: dict[str, int] = {}
+        for rid, tokens in open_.values():
+            want[rid] = want.get(rid, 0) + tokens
+        assert ledger.ahead() == tuple(sorted(want.items())), i
+        assert len(ledger) == len(open_)
+
+
 def test_with_other_gateways_work_ahead_is_the_larger_of_the_ledger_and_the_engines_queue() -> None:
     """Another gateway's requests are not in this gateway's ledger, only in the engine's own report
     of its queued uncached prefill: with others, each replica's work ahead is the larger of the two
