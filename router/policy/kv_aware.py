@@ -412,7 +412,8 @@ class KvAwarePolicy:
         cost_home = at_home + expected_uncached(request, snapshot, home.id)
         resident = snapshot.session.resident_on if snapshot.session is not None else ()
         # no replica can cost less than the prompt less the most of it cached anywhere else
-        if cost_home <= theta * (prompt - max((t for r, t in resident if r != home.id), default=0)):
+        floor = prompt - max((t for r, t in resident if r != home.id), default=0)
+        if cost_home <= theta * floor:
             return None
         best: tuple[int, ReplicaId, ReplicaState] | None = None
         for r in view.pool:
@@ -428,6 +429,8 @@ class KvAwarePolicy:
             # (docs/POLICY.md round 39)
             if best is None or (cost, r.id) < best[:2]:
                 best = (cost, r.id, r)
+                if cost <= floor:  # the pool is in id order and none costs less: the rest cannot win
+                    break
         if best is None or cost_home <= theta * best[0]:
             return None
         target = best[2]
