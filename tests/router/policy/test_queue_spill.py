@@ -125,6 +125,35 @@ def test_the_ledger_sums_each_replicas_prefill_until_the_first_token() -> None:
     assert ledger.ahead() == () and len(ledger) == 0
 
 
+@pytest.mark.parametrize("seed", range(200))
+def test_the_target_is_the_cheapest_replica_then_the_lowest_id_on_any_fleet(seed: int) -> None:
+    """Against a scan of every replica (the rule stops at the first one at the floor no replica can go
+    under): random work ahead, residency and host room on twelve replicas."""
+    rng = random.Random(seed)
+    ids = [f"r{i:02d}" for i in range(12)]
+    reps = [replica(rid, host=rng.choice((HOST, HOST, 0))) for rid in ids]
+    resident = tuple((rid, rng.choice((30_000, CTX))) for rid in ids[1:] if rng.random() < 0.2)
+    sess = dataclasses.replace(session("s1", "r00", ctx=CTX), resident_on=resident)
+    ahead = {rid: rng.choice((0, 0, 20_000, 60_000, 150_000)) for rid in ids[1:]}
+    ahead["r00"] = rng.choice((150_000, 250_000, 400_000))
+    snap = dataclasses.replace(
+        snapshot(*reps, sess=sess), prefill_ahead=tuple(sorted((r, t) for r, t in ahead.items() if t))
+    )
+    req = request("s1", prompt=PROMPT)
+    d = KvAwarePolicy().route(req, snap, random.Random(1))
+
+    def cost(r: ReplicaState) -> int:
+        return work_ahead(snap, r) + expected_uncached(req, snap, r.id)
+
+    home = snap.replica("r00")
+    assert home is not None
+    floor = PROMPT - max((t for _, t in resident), default=0)
+    eligible = [r for r in snap.replicas if r.id != "r00" and r.host_capacity_tokens >= PROMPT]
+    best = min(eligible, key=lambda r: (cost(r), r.id), default=None)
+    spills = best is not None and cost(home) > 2.0 * max(floor, cost(best))
+    assert (d.replica_id, d.reason) == ((best.id, Reason.QUEUE_SPILL) if spills and best else ("r00", Reason.AFFINITY))
+
+
 @pytest.mark.parametrize("seed", range(5))
 def test_the_ledgers_view_is_every_replicas_sum_by_id_through_any_order_of_events(seed: int) -> None:
     """The view is kept sorted as replicas come and go (not sorted on each read): against the sums of
