@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
+from types import MappingProxyType
 
 __all__ = [
     "MAX_CHAINS",
@@ -288,6 +289,9 @@ def fleet_totals(replicas: tuple[ReplicaState, ...]) -> FleetTotals:
     )
 
 
+_NO_AHEAD: Mapping[ReplicaId, int] = MappingProxyType({})
+
+
 @dataclass(frozen=True, slots=True)
 class ClusterSnapshot:
     """What the policy sees for one request: all replicas plus the request's own session."""
@@ -304,8 +308,8 @@ class ClusterSnapshot:
     totals: FleetTotals | None = field(default=None, compare=False)
     # the prefill work ahead of a new request on each replica as this gateway knows it: the expected
     # uncached prompt tokens of its own requests there that have no first token yet
-    # (``router.policy.prefill.PrefillLedger``), sorted by id, replicas with none left out (rule 8)
-    prefill_ahead: tuple[tuple[ReplicaId, int], ...] = ()
+    # (``router.policy.prefill.PrefillLedger``), replicas with none left out (rule 8); read-only
+    prefill_ahead: Mapping[ReplicaId, int] = field(default_factory=lambda: _NO_AHEAD)
     # other gateways send to this fleet too: a replica's work ahead is at least its engine's own
     # report of its queue (``router.policy.prefill.work_ahead``; read per replica, where rule 8 looks)
     engines_ahead: bool = False

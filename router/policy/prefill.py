@@ -14,8 +14,9 @@ takes, per replica, the larger of the ledger and the engine's own report of its 
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
+from collections.abc import Mapping
+from types import MappingProxyType
 
 from router.model import ClusterSnapshot, ReplicaId, ReplicaState, RouteRequest
 
@@ -45,32 +46,24 @@ def work_ahead(snapshot: ClusterSnapshot, replica: ReplicaState) -> int:
     """The prefill work ahead of a new request on ``replica`` (a replica of ``snapshot``): this
     gateway's ledger entry, and with other gateways (``engines_ahead``) at least the engine's own
     report of its queue."""
-    ahead = snapshot.prefill_ahead
-    i = bisect.bisect_left(ahead, (replica.id,))
-    own = ahead[i][1] if i < len(ahead) and ahead[i][0] == replica.id else 0
+    own = snapshot.prefill_ahead.get(replica.id, 0)
     return max(own, replica.engine.waiting_uncached_tokens) if snapshot.engines_ahead else own
 
 
 class PrefillLedger:
-    __slots__ = ("_ahead", "_entries", "_ids", "_view")
+    __slots__ = ("_ahead", "_entries", "_view")
 
     def __init__(self) -> None:
         self._entries: dict[str, tuple[ReplicaId, int]] = {}  # lease id -> (replica, uncached tokens)
         self._ahead: dict[ReplicaId, int] = {}
-        # the keys of ``_ahead`` kept sorted as they come and go: the view is read on every request,
-        # and sorting a fleet's entries each time was a tenth of a 1,000-replica simulation
-        self._ids: list[ReplicaId] = []
-        self._view: tuple[tuple[ReplicaId, int], ...] | None = ()
+        self._view: Mapping[ReplicaId, int] | None = MappingProxyType({})
 
     def sent(self, lease_id: str, replica_id: ReplicaId, uncached_tokens: int) -> None:
         """A request was sent to ``replica_id`` expecting to compute ``uncached_tokens`` there."""
         if uncached_tokens <= 0 or lease_id in self._entries:
             return
         self._entries[lease_id] = (replica_id, uncached_tokens)
-        before = self._ahead.get(replica_id)
-        if before is None:
-            bisect.insort(self._ids, replica_id)
-        self._ahead[replica_id] = (before or 0) + uncached_tokens
+        self._ahead[replica_id] = self._ahead.get(replica_id, 0) + uncached_tokens
         self._view = None
 
     def prefilled(self, lease_id: str) -> None:
@@ -85,7 +78,6 @@ class PrefillLedger:
             self._ahead[rid] = left
         else:
             del self._ahead[rid]
-            del self._ids[bisect.bisect_left(self._ids, rid)]
         self._view = None
 
     def with_ahead(self, snapshot: ClusterSnapshot, *, others: bool = False) -> ClusterSnapshot:
@@ -101,11 +93,11 @@ class PrefillLedger:
             return snapshot
         return dataclasses.replace(snapshot, prefill_ahead=ahead, engines_ahead=others)
 
-    def ahead(self) -> tuple[tuple[ReplicaId, int], ...]:
-        """``ClusterSnapshot.prefill_ahead``: (replica, tokens) for every replica with some, by id."""
+    def ahead(self) -> Mapping[ReplicaId, int]:
+        """``ClusterSnapshot.prefill_ahead``: the tokens ahead on every replica with some. A read-only
+        copy, made once per change: a snapshot that holds it never sees the ledger move on."""
         if self._view is None:
-            ids = self._ids
-            self._view = tuple(zip(ids, map(self._ahead.__getitem__, ids), strict=True))
+            self._view = MappingProxyType(dict(self._ahead))
         return self._view
 
     def __len__(self) -> int:

@@ -181,10 +181,8 @@ def _diff(path: str, live: Any, sim: Any) -> Iterator[str]:
             lr != sr or not KEYS.same(lk, sk) for (lk, lr), (sk, sr) in zip(live, sim, strict=False)
         ):
             yield f"{path}: {live!r} vs {sim!r}"
-    elif name == "prefill_ahead":  # (replica, uncached tokens) of the requests without a first token
-        if [r for r, _ in live] != [r for r, _ in sim] or any(
-            not _close(float(a), float(b)) for (_, a), (_, b) in zip(live, sim, strict=True)
-        ):
+    elif name == "prefill_ahead":  # replica -> uncached tokens of the requests without a first token
+        if sorted(live) != sorted(sim) or any(not _close(float(live[r]), float(sim[r])) for r in live):
             yield f"{path}: {live!r} vs {sim!r}"
     elif name == "url":
         return  # sim://... vs http://...

@@ -82,7 +82,7 @@ async def test_a_warm_turn_behind_a_long_prefill_leaves_home_for_that_request_on
     assert (where != home) == (reason == "queue_spill")
     snap = await rt.store.snapshot(SID)
     assert snap.session is not None and snap.session.home == home  # not rebound
-    assert len(rt.prefill) == 0 and rt.prefill.ahead() == ()  # nothing left ahead of anyone
+    assert len(rt.prefill) == 0 and rt.prefill.ahead() == {}  # nothing left ahead of anyone
 
 
 async def _scraped(rt: Any) -> bool:
