@@ -56,7 +56,7 @@ class PrefillLedger:
     def __init__(self) -> None:
         self._entries: dict[str, tuple[ReplicaId, int]] = {}  # lease id -> (replica, uncached tokens)
         self._ahead: dict[ReplicaId, int] = {}
-        self._view: Mapping[ReplicaId, int] | None = MappingProxyType({})
+        self._view: Mapping[ReplicaId, int] | None = None  # made on first read after a change
 
     def sent(self, lease_id: str, replica_id: ReplicaId, uncached_tokens: int) -> None:
         """A request was sent to ``replica_id`` expecting to compute ``uncached_tokens`` there."""

@@ -182,7 +182,7 @@ def _diff(path: str, live: Any, sim: Any) -> Iterator[str]:
         ):
             yield f"{path}: {live!r} vs {sim!r}"
     elif name == "prefill_ahead":  # replica -> uncached tokens of the requests without a first token
-        if sorted(live) != sorted(sim) or any(not _close(float(live[r]), float(sim[r])) for r in live):
+        if live.keys() != sim.keys() or any(not _close(float(live[r]), float(sim[r])) for r in live):
             yield f"{path}: {live!r} vs {sim!r}"
     elif name == "url":
         return  # sim://... vs http://...

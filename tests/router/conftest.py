@@ -17,12 +17,14 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import aiohttp
 import pytest
 from aiohttp import web
 
 from router.clock import SystemClock
 from router.config import GatewayConfig
 from router.gateway.serve import RunningGateway, start_gateway
+from router.model import ReplicaStatus
 from router.store.memory import MemoryStore
 
 MODEL = "moonshotai/Kimi-K2.6"
@@ -457,10 +459,6 @@ async def rerun_start_up_probes(gw: RunningGateway, timeout_s: float = 10.0, *, 
     timeout on a loaded machine leaves its replica JOINING for the whole interval. While a JOINING
     replica answers ``/health`` with 200 (``all_join``: while any is JOINING), run the next rounds now,
     for at most ``timeout_s`` (a replica the rounds keep JOINING for a reason of their own is left so)."""
-    import aiohttp
-
-    from router.model import ReplicaStatus
-
     discovery = gw.runtime.discovery
     if discovery is None:
         return

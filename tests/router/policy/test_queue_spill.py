@@ -160,7 +160,7 @@ def _check_cheapest_target(seed: int) -> None:
 
 
 @pytest.mark.parametrize("seed", range(5))
-def test_the_ledgers_view_is_every_replicas_sum_by_id_through_any_order_of_events(seed: int) -> None:
+def test_the_ledgers_view_is_every_replicas_sum_through_any_order_of_events(seed: int) -> None:
     """Against the sums of the requests still without a first token, after each of 2,000 random sends
     and first tokens; a view handed out earlier does not change with the ledger."""
     rng = random.Random(seed)
