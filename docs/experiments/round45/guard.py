@@ -11,6 +11,7 @@ Bench model, one row per seed and variant (analyse with docs/experiments/round43
 At scale, `kvroute sim` on the patched policy (its arguments; the measures go to its --json file):
     PYTHONPATH=. python docs/experiments/round45/guard.py sim VAR <kvroute sim args>
 """
+
 import itertools
 import json
 import sys
@@ -57,7 +58,9 @@ def _guarded(self, view, request, snapshot, home, kept):
         return None
     target = best[2]
     score = kv_aware.load_score(target, 0, self.params)
-    return RouteDecision(target.id, Reason.QUEUE_SPILL, kept, ((target.id, score),), AffinityBreak.OVERLOAD_SPILL)
+    return RouteDecision(
+        target.id, Reason.QUEUE_SPILL, kept, ((target.id, score),), AffinityBreak.OVERLOAD_SPILL
+    )
 
 
 def _queue_spill(self, view, request, snapshot, home, kept):
@@ -79,7 +82,12 @@ if sys.argv[1] == "ab":
     scenario = {**WORKLOADS[base], "host_tier": hc == "hc" or WORKLOADS[base]["host_tier"]}
     for seed, VAR in itertools.product(seeds, sys.argv[4:]):
         m = run_sim_for(demo_scenario(**scenario, kv_events=True, seed=seed))
-        row = {"w": w, "seed": seed, "mode": VAR, "spills": (m.get("route_reasons") or {}).get("queue_spill", 0)}
+        row = {
+            "w": w,
+            "seed": seed,
+            "mode": VAR,
+            "spills": (m.get("route_reasons") or {}).get("queue_spill", 0),
+        }
         print(json.dumps(row | {k: m.get(k) for k in KEEP}), flush=True)
 else:  # `kvroute sim` itself, on the patched policy
     from loadtests.sim import cli
