@@ -61,10 +61,12 @@ from loadtests.workloads import SessionSpec, conversation_starts, sticky_gateway
 from replica.emulator.profiles import Profile
 from replica.emulator.timemodel import alone_ttft_s
 from router.eventloop import run as run_on_loop
+from router.model import Reason
 
 __all__ = [
     "DEFAULT_SESSION_HEADERS",
     "GATEWAY_ASSIGN",
+    "HomeChanges",
     "LiveStats",
     "LoadConfig",
     "LoadResult",
@@ -410,6 +412,29 @@ def rendered_turns(spec: SessionSpec, token_unit: int) -> Iterator[tuple[Convers
         yield conv, continuation
 
 
+# route reasons of a request that leaves its session's home for itself only: the binding stays
+# (rule 8's spill, an overflow or a conversation followed to one, a retry, a pinned request)
+_AWAY_REASONS: frozenset[str] = frozenset({Reason.QUEUE_SPILL, Reason.THICC_SPLIT, Reason.RETRY, Reason.PINNED})
+
+
+class HomeChanges:
+    """Counts session moves from the responses, as the simulator counts them
+    (``loadtests.sim.run``'s ``_count_move``). A router that names its reason (kvroute's
+    ``X-Kvroute-Reason``) binds sessions: a move is a change of home, and a request away from home
+    for itself only (``_AWAY_REASONS``) is none, nor is the turn that comes back after it. A router
+    that names none: a move is the main conversation's request on another replica than its last."""
+
+    def __init__(self) -> None:
+        self._home: dict[str, str] = {}
+
+    def moved(self, sid: str, replica: str, *, main: bool, reason: str | None) -> bool:
+        if (reason is None and not main) or reason in _AWAY_REASONS:
+            return False
+        prev = self._home.get(sid)
+        self._home[sid] = replica
+        return prev is not None and prev != replica
+
+
 class _Run:
     def __init__(
         self,
@@ -439,6 +464,7 @@ class _Run:
         self.pool_ratio = 1.0
         self.tasks: list[asyncio.Task[None]] = []
         self.last_replica: dict[str, str] = {}
+        self.homes = HomeChanges()
         self.move_times: list[float] = []  # modelled t of each session home change
         self.issued = 0
         self._urls = [u.rstrip("/") + API_PATHS[config.api] for u in (config.url, *config.extra_urls)]
@@ -635,9 +661,9 @@ class _Run:
                 brk = "moved"
             else:
                 brk = "evicted"
+        if ok and replica is not None and self.homes.moved(sid, replica, main=main, reason=reason):
+            self.move_times.append((t_start - self.t0) / c.time_scale)
         if ok and main and replica is not None:
-            if prev is not None and prev != replica:
-                self.move_times.append((t_start - self.t0) / c.time_scale)
             self.last_replica[sid] = replica
         t_rel = (t_start - self.t0) / c.time_scale
         out = Outcome(

@@ -6,7 +6,15 @@ from pathlib import Path
 
 import pytest
 
-from loadtests.live import FleetKv, LiveStats, LoadConfig, _load_from_metrics, _load_from_state, _Run
+from loadtests.live import (
+    FleetKv,
+    HomeChanges,
+    LiveStats,
+    LoadConfig,
+    _load_from_metrics,
+    _load_from_state,
+    _Run,
+)
 from loadtests.report import comparison_table, load_values, plot_load, plot_ttft_cdf, replica_means
 
 
@@ -203,3 +211,41 @@ def test_the_live_driver_renders_mooncake_as_the_simulator_names_it() -> None:
     assert abs(sim - live) <= 0.01, (sim, live)
     sim, live = _ideal_hits(100, 400)
     assert live - sim > 0.025, (sim, live)
+
+
+# (session, replica, main, route reason, counted as a move): kvroute names its reason on every
+# response; the peers name none
+_KVROUTE_TURNS = [
+    ("s", "r1", True, "placed_new", False),
+    ("s", "r1", True, "affinity", False),
+    ("s", "r2", True, "queue_spill", False),  # rule 8: this request only, the session stays bound
+    ("s", "r1", True, "affinity", False),  # back home after a spill: no move either
+    ("s", "r3", False, "thicc_split", False),  # a sub-agent on an overflow
+    ("s", "r3", False, "thicc_split", False),  # its conversation followed there
+    ("s", "r2", True, "retry", False),
+    ("s", "r1", True, "affinity", False),
+    ("s", "r4", True, "placed_evicted", True),  # its cache was gone: a new home
+    ("s", "r4", False, "affinity", False),
+    ("s", "r5", True, "reassigned_overload", True),
+    ("t", "r5", True, "placed_new", False),  # another session's first request
+    ("t", "r1", True, "reassigned_gone", True),
+]
+_PEER_TURNS = [
+    ("s", "r1", True, None, False),
+    ("s", "r2", False, None, False),  # a sub-agent elsewhere: the main conversation's replica counts
+    ("s", "r1", True, None, False),
+    ("s", "r2", True, None, True),
+    ("t", "r2", True, None, False),
+]
+
+
+@pytest.mark.parametrize("turns", [_KVROUTE_TURNS, _PEER_TURNS], ids=["kvroute", "peer"])
+def test_a_move_is_a_change_of_home_as_the_simulator_counts_it(
+    turns: list[tuple[str, str, bool, str | None, bool]],
+) -> None:
+    """A request that leaves home for itself only (rule 8's spill, an overflow, a retry) is no move,
+    nor is the turn back home: live had counted each spill twice (WEKA seed 7: 64 moves live against
+    the simulator's 2)."""
+    homes = HomeChanges()
+    got = [homes.moved(sid, rep, main=main, reason=reason) for sid, rep, main, reason, _ in turns]
+    assert got == [want for *_, want in turns]
