@@ -16,58 +16,29 @@ import itertools
 import json
 import sys
 
-from router.model import AffinityBreak, Reason, ReplicaStatus, RouteDecision
 from router.policy import kv_aware
-from router.policy.prefill import expected_uncached, work_ahead
 
 KEEP = ("chr", "pooled_chr", "ttft_p99_s", "e2e_p99_s", "requests", "dispersion", "dispersion_floor")
 SHIPPED = kv_aware.KvAwarePolicy._queue_spill
 VAR = "lo"
 
 
-def _guarded(self, view, request, snapshot, home, kept):
-    """The shipped `_queue_spill` (main at 3e87b45) with the guard: one `continue` added."""
-    theta = self.params.queue_spill_factor
-    prompt = request.prompt_tokens_estimate
-    if theta <= 0 or prompt <= 0 or not (snapshot.prefill_ahead or snapshot.engines_ahead):
-        return None
-    at_home = work_ahead(snapshot, home)
-    if at_home <= 0:
-        return None
-    cost_home = at_home + expected_uncached(request, snapshot, home.id)
-    resident = snapshot.session.resident_on if snapshot.session is not None else ()
-    floor = prompt - max((t for r, t in resident if r != home.id), default=0)
-    if cost_home <= theta * floor:
-        return None
-    best = None
-    for r in view.pool:
-        if r.id == home.id or r.status is not ReplicaStatus.ACTIVE:
-            continue
-        if not view.panic and r.in_flight >= view.hard_bound:
-            continue
-        if r.host_capacity_tokens - r.engine.host_used_tokens < prompt:
-            continue
-        if r.in_flight > home.in_flight or (VAR == "lt" and r.in_flight == home.in_flight):
-            continue
-        cost = work_ahead(snapshot, r) + expected_uncached(request, snapshot, r.id)
-        if best is None or (cost, r.id) < best[:2]:
-            best = (cost, r.id, r)
-            if cost <= floor:
-                break
-    if best is None or cost_home <= theta * best[0]:
-        return None
-    target = best[2]
-    score = kv_aware.load_score(target, 0, self.params)
-    return RouteDecision(
-        target.id, Reason.QUEUE_SPILL, kept, ((target.id, score),), AffinityBreak.OVERLOAD_SPILL
-    )
+class _Guarded:
+    """The view rule 8 reads (its pool, panic flag and hard bound), its pool cut to the replicas
+    with no more (`le`) or fewer (`lt`) requests in flight than home: the shipped rule then runs
+    unchanged on it."""
+
+    def __init__(self, view, home):
+        self.panic, self.hard_bound = view.panic, view.hard_bound
+        n = home.in_flight
+        self.pool = tuple(r for r in view.pool if r.in_flight < n or (VAR == "le" and r.in_flight == n))
 
 
 def _queue_spill(self, view, request, snapshot, home, kept):
     if VAR == "off":
         return None
     if VAR in ("le", "lt"):
-        return _guarded(self, view, request, snapshot, home, kept)
+        view = _Guarded(view, home)
     return SHIPPED(self, view, request, snapshot, home, kept)
 
 
