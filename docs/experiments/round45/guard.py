@@ -12,13 +12,11 @@ At scale, `kvroute sim` on the patched policy (its arguments; the measures go to
     PYTHONPATH=. python docs/experiments/round45/guard.py sim VAR <kvroute sim args>
 """
 
-import itertools
-import json
 import sys
 
+from docs.experiments.rule8_ab import main
 from router.policy import kv_aware
 
-KEEP = ("chr", "pooled_chr", "ttft_p99_s", "e2e_p99_s", "requests", "dispersion", "dispersion_floor")
 SHIPPED = kv_aware.KvAwarePolicy._queue_spill
 VAR = "lo"
 
@@ -44,24 +42,10 @@ def _queue_spill(self, view, request, snapshot, home, kept):
 
 kv_aware.KvAwarePolicy._queue_spill = _queue_spill
 
-if sys.argv[1] == "ab":
-    from loadtests.parity import WORKLOADS, run_sim_for
-    from loadtests.scenario import demo_scenario
 
-    w, seeds = sys.argv[2], [int(x) for x in sys.argv[3].split(",")]
-    base, _, hc = w.partition("+")  # WORKLOAD+hc: with the host tier
-    scenario = {**WORKLOADS[base], "host_tier": hc == "hc" or WORKLOADS[base]["host_tier"]}
-    for seed, VAR in itertools.product(seeds, sys.argv[4:]):
-        m = run_sim_for(demo_scenario(**scenario, kv_events=True, seed=seed))
-        row = {
-            "w": w,
-            "seed": seed,
-            "mode": VAR,
-            "spills": (m.get("route_reasons") or {}).get("queue_spill", 0),
-        }
-        print(json.dumps(row | {k: m.get(k) for k in KEEP}), flush=True)
-else:  # `kvroute sim` itself, on the patched policy
-    from loadtests.sim import cli
+def _set_variant(name):
+    global VAR
+    VAR = name
 
-    VAR = sys.argv[2]
-    raise SystemExit(cli.cli_main(sys.argv[3:]))
+
+raise SystemExit(main(sys.argv[1:], _set_variant))
