@@ -9,40 +9,32 @@ edited. Bench model (the simulator's model of the live bench, KV events), one ro
 At scale, `kvroute sim` on the patched policy (its arguments; the measures go to its --json file):
     PYTHONPATH=. python docs/experiments/round43/stall_spill.py sim VAR <kvroute sim args>
 """
+
+import functools
 import sys
 
-from docs.experiments.rule8_ab import main
+from docs.experiments.rule8_ab import SHIPPED, main
 from router.policy import kv_aware
 from router.policy.prefill import expected_uncached
 
-SHIPPED = kv_aware.KvAwarePolicy._queue_spill
-VAR = "lo"
 
-
-def _charged(request, snapshot, replica_id):
+def _charged(var, request, snapshot, replica_id):
     """Rule 8's uncached part on a replica, times (1 + its requests in flight) for the variants: in
     `kv_aware` only rule 8 calls it, so patching it there changes the rule's costs and nothing else."""
     u = expected_uncached(request, snapshot, replica_id)
     sess, r = snapshot.session, snapshot.replica(replica_id)
     at_home = sess is not None and sess.session_id == request.session_key and replica_id == sess.home
-    if r is None or (VAR == "stall_t" and at_home):
+    if r is None or (var == "stall_t" and at_home):
         return u
     return u * (1 + r.in_flight)
 
 
-def _queue_spill(self, view, request, snapshot, home, kept):
-    if VAR == "off":
+def _queue_spill(var, self, view, request, snapshot, home, kept):
+    if var == "off":
         return None
-    kv_aware.expected_uncached = _charged if VAR in ("stall", "stall_t") else expected_uncached
+    stall = var in ("stall", "stall_t")
+    kv_aware.expected_uncached = functools.partial(_charged, var) if stall else expected_uncached
     return SHIPPED(self, view, request, snapshot, home, kept)
 
 
-kv_aware.KvAwarePolicy._queue_spill = _queue_spill
-
-
-def _set_variant(name):
-    global VAR
-    VAR = name
-
-
-raise SystemExit(main(sys.argv[1:], _set_variant))
+raise SystemExit(main(sys.argv[1:], _queue_spill))

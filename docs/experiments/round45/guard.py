@@ -14,11 +14,7 @@ At scale, `kvroute sim` on the patched policy (its arguments; the measures go to
 
 import sys
 
-from docs.experiments.rule8_ab import main
-from router.policy import kv_aware
-
-SHIPPED = kv_aware.KvAwarePolicy._queue_spill
-VAR = "lo"
+from docs.experiments.rule8_ab import SHIPPED, main
 
 
 class _Guarded:
@@ -26,26 +22,18 @@ class _Guarded:
     with no more (`le`) or fewer (`lt`) requests in flight than home: the shipped rule then runs
     unchanged on it."""
 
-    def __init__(self, view, home):
+    def __init__(self, view, home, strict):
         self.panic, self.hard_bound = view.panic, view.hard_bound
         n = home.in_flight
-        self.pool = tuple(r for r in view.pool if r.in_flight < n or (VAR == "le" and r.in_flight == n))
+        self.pool = tuple(r for r in view.pool if r.in_flight < n or (not strict and r.in_flight == n))
 
 
-def _queue_spill(self, view, request, snapshot, home, kept):
-    if VAR == "off":
+def _queue_spill(var, self, view, request, snapshot, home, kept):
+    if var == "off":
         return None
-    if VAR in ("le", "lt"):
-        view = _Guarded(view, home)
+    if var in ("le", "lt"):
+        view = _Guarded(view, home, strict=var == "lt")
     return SHIPPED(self, view, request, snapshot, home, kept)
 
 
-kv_aware.KvAwarePolicy._queue_spill = _queue_spill
-
-
-def _set_variant(name):
-    global VAR
-    VAR = name
-
-
-raise SystemExit(main(sys.argv[1:], _set_variant))
+raise SystemExit(main(sys.argv[1:], _queue_spill))
