@@ -415,6 +415,8 @@ def rendered_turns(spec: SessionSpec, token_unit: int) -> Iterator[tuple[Convers
 # route reasons of a request that leaves its session's home for itself only: the binding stays
 # (rule 8's spill, an overflow or a conversation followed to one, a retry, a pinned request)
 _AWAY_REASONS: frozenset[str] = frozenset({Reason.QUEUE_SPILL, Reason.THICC_SPLIT, Reason.RETRY, Reason.PINNED})
+# the reasons of kvroute's baselines, which bind no session
+_UNBOUND_REASONS: frozenset[str] = frozenset({Reason.RANDOM, Reason.ROUND_ROBIN, Reason.LEAST_LOADED, Reason.HASH})
 
 
 class HomeChanges:
@@ -422,13 +424,14 @@ class HomeChanges:
     (``loadtests.sim.run``'s ``_count_move``). A router that names its reason (kvroute's
     ``X-Kvroute-Reason``) binds sessions: a move is a change of home, and a request away from home
     for itself only (``_AWAY_REASONS``) is none, nor is the turn that comes back after it. A router
-    that names none: a move is the main conversation's request on another replica than its last."""
+    that binds none (no reason named, or a baseline's): a move is the main conversation's request
+    on another replica than its last."""
 
     def __init__(self) -> None:
         self._home: dict[str, str] = {}
 
     def moved(self, sid: str, replica: str, *, main: bool, reason: str | None) -> bool:
-        if (reason is None and not main) or reason in _AWAY_REASONS:
+        if reason in _AWAY_REASONS or (not main and (reason is None or reason in _UNBOUND_REASONS)):
             return False
         prev = self._home.get(sid)
         self._home[sid] = replica

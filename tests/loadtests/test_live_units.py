@@ -237,9 +237,13 @@ _PEER_TURNS = [
     ("s", "r2", True, None, True),
     ("t", "r2", True, None, False),
 ]
+# kvroute's baselines name a reason but bind nothing: counted as the peers are
+_BASELINE_TURNS = [(sid, rep, main, None if reason is None else "random", want) for sid, rep, main, reason, want in _PEER_TURNS]
 
 
-@pytest.mark.parametrize("turns", [_KVROUTE_TURNS, _PEER_TURNS], ids=["kvroute", "peer"])
+@pytest.mark.parametrize(
+    "turns", [_KVROUTE_TURNS, _PEER_TURNS, _BASELINE_TURNS], ids=["kvroute", "peer", "kvroute-baseline"]
+)
 def test_a_move_is_a_change_of_home_as_the_simulator_counts_it(
     turns: list[tuple[str, str, bool, str | None, bool]],
 ) -> None:
