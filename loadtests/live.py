@@ -469,6 +469,7 @@ class _Run:
         self.last_replica: dict[str, str] = {}
         self.homes = HomeChanges()
         self.move_times: list[float] = []  # modelled t of each session home change
+        self.lanes_spent_at: list[float] = []  # modelled t at which each lane ran out of sessions
         self.issued = 0
         self._urls = [u.rstrip("/") + API_PATHS[config.api] for u in (config.url, *config.extra_urls)]
 
@@ -510,6 +511,8 @@ class _Run:
             if self.stopping.is_set():
                 return
             await self.chain(spec, float(spec.start_s) - self.modelled_now() if i == 0 else 0.0)
+        if not self.stopping.is_set():
+            self.lanes_spent_at.append(self.modelled_now())
 
     async def chain(self, spec: SessionSpec, delay_modelled_s: float) -> None:
         """Run one chain (a session or a branch) closed-loop; branches spawn after their parent turn."""
@@ -781,6 +784,7 @@ async def run_load(
         else:
             for i in range(min(config.lanes, len(sessions))):
                 run.tasks.append(asyncio.create_task(run.lane(sessions[i :: config.lanes])))
+            run.lanes_spent_at.extend([0.0] * (config.lanes - len(run.tasks)))  # lanes with no session at all
         censored = 0
 
         async def all_done() -> None:
@@ -835,7 +839,11 @@ def _measures(
 
     warm_modelled = config.warmup_s / config.time_scale
     end_modelled = min(wall_s, config.duration_s) / config.time_scale
-    col = MeasureCollector(warmup_s=warm_modelled, end_s=end_modelled, replicas=max(len(config.replica_urls), 1))
+    col = MeasureCollector(
+        warmup_s=warm_modelled, end_s=end_modelled, replicas=max(len(config.replica_urls), 1), lanes=config.lanes
+    )
+    for t in run.lanes_spent_at:
+        col.lane_spent(t)
     profile = config.floor_profile
     for o in run.outcomes:
         e2e = o.e2e_s if o.e2e_s is not None else math.nan

@@ -69,6 +69,11 @@ Definitions (exact, so that tests can pin them):
     falls in +Inf); ``engine_queue_share`` = Δ queue sum / Δ TTFT sum, the share of the engines'
     time to first token spent waiting (for free KV or behind other prefills) rather than computing.
     None when the engines do not report them or nothing was observed in between.
+  * ``lanes_spent``: lanes (a driver that keeps N sessions alive runs the workload's sessions back to
+    back in N lanes) whose sessions ran out before the measured window ended (``lane_spent``, at any
+    time before ``end_s``). A spent lane sends nothing more, so ``requests`` then measures the
+    workload's pool as well as the router: a router that serves a lane faster empties it sooner.
+    None when the driver runs no lanes (``lanes`` not given to the constructor).
 """
 
 from __future__ import annotations
@@ -120,6 +125,7 @@ MEASURE_FIELDS: tuple[str, ...] = (
     "engine_queue_mean_s",
     "engine_queue_p99_s",
     "engine_queue_share",
+    "lanes_spent",
 )
 
 
@@ -210,10 +216,14 @@ def percentile(values: Sequence[float], q: float) -> float | None:
 class MeasureCollector:
     """Accumulates records and samples; ``result()`` returns the measures dict."""
 
-    def __init__(self, *, warmup_s: float = 0.0, end_s: float | None = None, replicas: int = 0) -> None:
+    def __init__(
+        self, *, warmup_s: float = 0.0, end_s: float | None = None, replicas: int = 0, lanes: int | None = None
+    ) -> None:
         self.warmup_s = warmup_s
         self.end_s = end_s
         self.replicas = replicas
+        self.lanes = lanes
+        self._lanes_spent = 0
         self._records: list[RequestRecord] = []
         self._load_count: Counter[int] = Counter()  # pooled per-replica in-flight values
         self._by_replica: dict[str, list[int]] = {}  # replica -> [samples, sum of loads]
@@ -255,6 +265,11 @@ class MeasureCollector:
         self._moved += 1
         if by_scaleup:
             self._moved_by_scaleup += 1
+
+    def lane_spent(self, t: float) -> None:
+        """A lane ran out of sessions at time ``t`` (its last session's main chain ended)."""
+        if self.end_s is None or t < self.end_s:
+            self._lanes_spent += 1
 
     def add_gateway_overhead(self, ms: float) -> None:
         self._overhead_ms.append(ms)
@@ -345,6 +360,7 @@ class MeasureCollector:
                 {k: v / sum_in for k, v in sorted(beyond_pool.items())} if routed and pooled is not None else {}
             ),
             **self._engine_queue,
+            "lanes_spent": None if self.lanes is None else self._lanes_spent,
         }
 
     def _dispersion_between(self) -> float | None:

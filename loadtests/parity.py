@@ -91,7 +91,7 @@ WORKLOADS: dict[str, dict[str, Any]] = {
 
 COMPARED = ("chr", "ideal_chr", "pooled_chr", "routing_loss", "dispersion", "dispersion_floor", "dispersion_sticky", "dispersion_between", "p_load_ge12",
             "ttft_p50_s", "ttft_p99_s", "ttft_floor_p99_s", "engine_queue_p99_s", "engine_queue_share", "e2e_p99_s", "requests", "errors", "sessions_moved", "route_reasons",
-            "cold_prefill_by_route", "routing_loss_by_route")  # fmt: skip
+            "cold_prefill_by_route", "routing_loss_by_route", "lanes_spent")  # fmt: skip
 
 
 def run_sim_for(

@@ -212,6 +212,13 @@ def _print_table(results: list[SimResult], quiet: bool) -> None:
             str(m["requests"]), *([_fmt(m.get("requests_of_ceiling"))] if ceiling else []), str(m["errors"]),
             _fmt(r.stats["wall_s"], 1),
         )
+    spent = [f"{r.policy} {r.measures['lanes_spent']}" for r in results if r.measures.get("lanes_spent")]
+    if spent:
+        t.caption = (
+            f"lanes out of sessions before the window ended: {', '.join(spent)}. Requests then also measure the"
+            " workload's pool (a policy that serves a lane faster empties it sooner): use more --sessions or a"
+            " shorter --duration"
+        )
     Console(stderr=True, width=max(200, Console(stderr=True).width)).print(t)
 
 

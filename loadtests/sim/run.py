@@ -311,7 +311,9 @@ class _Sim:
         self.ideal = IdealCache(self.page)
         prof = cfg.profile
         self.pooled = PooledCache(cfg.replicas * prof.capacity_tokens, self.page, cfg.replicas * prof.host_tokens)
-        self.measures = MeasureCollector(warmup_s=cfg.warmup_s, end_s=cfg.duration_s, replicas=cfg.replicas)
+        self.measures = MeasureCollector(
+            warmup_s=cfg.warmup_s, end_s=cfg.duration_s, replicas=cfg.replicas, lanes=cfg.lanes or None
+        )
         # the engines' own queue-time and TTFT histograms, fleet totals, as the live driver reads them
         # from /metrics at the warm-up's end and after the run (``engine_queue_*``)
         self.queue_hist = Histogram(QUEUE_BUCKETS)
@@ -509,7 +511,9 @@ class _Sim:
         chain.root.open -= 1
         if self.cfg.striped_lanes and chain.spec.parent is None:
             nxt = chain.root.index + self.cfg.lanes
-            if t < self.end and nxt < len(self.specs):
+            if nxt >= len(self.specs):
+                self.measures.lane_spent(t)
+            elif t < self.end:
                 self._schedule_start(t, nxt)
         if chain.root.open == 0:
             self._root_done(t, chain.root)
@@ -519,7 +523,9 @@ class _Sim:
         self.live_roots -= 1
         if self.cfg.striped_lanes:
             return  # the lane went on when the main chain ended
-        if self.cfg.lanes > 0 and t < self.end and self.next_root < len(self.specs):
+        if self.cfg.lanes > 0 and self.next_root >= len(self.specs):
+            self.measures.lane_spent(t)
+        elif self.cfg.lanes > 0 and t < self.end:
             self.next_root += 1
             self._schedule_start(t, self.next_root - 1)
 
@@ -819,6 +825,8 @@ class _Sim:
         else:
             for i, s in enumerate(self.specs):
                 self._schedule_start(s.start_s, i)
+        for _ in range(cfg.lanes - len(self.specs)):  # lanes with no session at all
+            self.measures.lane_spent(0.0)
         for ev in cfg.scale:
             self.loop.at(ev.at_s, self._scale, ev)
         for fe in cfg.failures:

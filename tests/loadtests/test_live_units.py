@@ -68,6 +68,11 @@ def test_plots_and_table(tmp_path: Path) -> None:
     table = comparison_table({"kv_aware": {"chr": 0.9, "affinity_breaks": {"evicted": 2}}, "hash": {"chr": 0.5}})
     assert [c.header for c in table.columns] == ["measure", "kv_aware", "hash"]
     assert "0.900" in list(table.columns[1].cells)
+    assert table.caption is None
+    # a router whose lanes ran out of sessions is named under the table: its requests measure the pool too
+    spent = comparison_table({"kvroute": {"requests": 90, "lanes_spent": 3}, "peer": {"requests": 95, "lanes_spent": 0}})
+    assert isinstance(spent.caption, str) and spent.caption.startswith("kvroute: lanes ran out")
+    assert "3" in list(spent.columns[1].cells) and "0" in list(spent.columns[2].cells)
 
 
 def test_histogram_quantiles_interpolate_within_buckets() -> None:

@@ -229,3 +229,19 @@ def test_engine_queue_measures_difference_two_readings() -> None:
     c = MeasureCollector()
     c.set_engine_queue(before, after)
     assert c.result()["engine_queue_share"] == pytest.approx(0.5)
+
+
+def test_lanes_spent_counts_lanes_that_ran_out_before_the_window_ended() -> None:
+    m = MeasureCollector(warmup_s=10.0, end_s=100.0, lanes=4)
+    m.lane_spent(0.0)  # a lane with no session at all
+    m.lane_spent(50.0)
+    m.lane_spent(100.0)  # at the end: it sent all it could within the window
+    m.lane_spent(150.0)  # after it (drain): not spent in the window
+    assert m.result()["lanes_spent"] == 2
+    # no lanes: no figure; the figure is a count, 0 when every lane still had sessions
+    assert MeasureCollector(end_s=100.0).result()["lanes_spent"] is None
+    assert MeasureCollector(end_s=100.0, lanes=3).result()["lanes_spent"] == 0
+    # no window end: every report counts
+    open_ended = MeasureCollector(lanes=1)
+    open_ended.lane_spent(1e9)
+    assert open_ended.result()["lanes_spent"] == 1

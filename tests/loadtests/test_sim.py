@@ -334,3 +334,27 @@ def test_a_warm_turn_behind_a_long_prefill_spills_in_the_simulator_as_in_the_gat
     reasons = res.measures["route_reasons"]
     assert reasons.get("queue_spill", 0) == spills
     assert reasons.get("placed_new") == 1 and sum(reasons.values()) == 4
+
+
+def _chat(sid: str, turns: int) -> SessionSpec:
+    return SessionSpec(
+        sid, 0.0, shared_prefix_tokens=400, turns=tuple(Turn(300, 20, think_s=2.0 if k else 0.0) for k in range(turns))
+    )
+
+
+@pytest.mark.parametrize("striped", [True, False])
+def test_lanes_spent_names_lanes_that_ran_out_of_sessions(striped: bool) -> None:
+    """Both ways of running lanes report the lanes whose sessions ran out before the window ended, as
+    the live driver does: a small pool is spent early, a large one not within a short window."""
+    cfg = SimConfig(replicas=2, profile=default_profile(256), lanes=2, striped_lanes=striped, duration_s=600.0)
+    pool = [_chat(f"s{i}", 3) for i in range(5)]
+    m = run_sim(pool, cfg).measures
+    assert m["requests"] == 15 and m["lanes_spent"] == 2
+    # a lane with no session at all is spent from the start
+    assert run_sim(pool[:2], replace(cfg, lanes=3)).measures["lanes_spent"] == 3
+    # a pool the window does not reach the end of: no lane is spent
+    long = [_chat(f"l{i}", 40) for i in range(4)]
+    m = run_sim(long, replace(cfg, duration_s=30.0)).measures
+    assert m["requests"] > 0 and m["lanes_spent"] == 0
+    # without lanes (each session at its own start time) there is no figure
+    assert run_sim(pool, replace(cfg, lanes=0, striped_lanes=False)).measures["lanes_spent"] is None

@@ -195,3 +195,17 @@ def test_bench_sim_reports_cost_and_measures_of_a_tiny_fleet(tmp_path: Path, cap
         assert m["ttft_p99_s"] > 0 and m["dispersion"] >= 0
         assert 0 <= m["dispersion_between"] <= m["dispersion"] and m["dispersion_floor"] is not None
         assert isinstance(m["cold_prefill_by_cause"], dict)
+
+
+def test_cli_says_when_lanes_ran_out_of_sessions(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A pool the run empties (10 sessions, 8 lanes, 600 s): the table names each policy's spent lanes,
+    so nobody reads its requests as the policy's alone."""
+    out = tmp_path / "sim.json"
+    argv = ["--replicas", "2", "--policies", "kv_aware,hash", "--sessions", "10", "--lanes", "8",
+            "--synthetic", "turns_median=3", "--duration", "600", "--warmup", "10", "--seed", "1",
+            "--json", str(out)]  # fmt: skip
+    assert cli_main(argv) == 0
+    data = json.loads(out.read_text())
+    assert all(m["lanes_spent"] >= 1 for m in data.values())
+    err = " ".join(capsys.readouterr().err.split())
+    assert "lanes out of sessions before the window ended: kv_aware" in err and "hash" in err
