@@ -77,12 +77,11 @@ def comparison_table(results: Mapping[str, Mapping[str, Any]], title: str = "mea
         table.add_row(label, *(_fmt(m.get(key), fmt) for m in results.values()))
     breaks = [m.get("affinity_breaks") or {} for m in results.values()]
     table.add_row("affinity breaks", *(", ".join(f"{k} {v}" for k, v in b.items()) or "0" for b in breaks))
-    spent = [name for name, m in results.items() if m.get("lanes_spent")]
+    spent = [f"{name} {m['lanes_spent']}" for name, m in results.items() if m.get("lanes_spent")]
     if spent:
         table.caption = (
-            f"{', '.join(spent)}: lanes ran out of sessions before the window ended, so requests also measure"
-            " the workload's pool (a router that serves a lane faster empties it sooner): use more sessions"
-            " or a shorter run"
+            f"lanes out of sessions before the window ended: {', '.join(spent)}. A spent lane sends nothing"
+            " more, so requests also measure the workload's pool: use more sessions or a shorter run"
         )
     return table
 

@@ -215,9 +215,8 @@ def _print_table(results: list[SimResult], quiet: bool) -> None:
     spent = [f"{r.policy} {r.measures['lanes_spent']}" for r in results if r.measures.get("lanes_spent")]
     if spent:
         t.caption = (
-            f"lanes out of sessions before the window ended: {', '.join(spent)}. Requests then also measure the"
-            " workload's pool (a policy that serves a lane faster empties it sooner): use more --sessions or a"
-            " shorter --duration"
+            f"lanes out of sessions before the window ended: {', '.join(spent)}. A spent lane sends nothing"
+            " more, so requests also measure the workload's pool: use more --sessions or a shorter --duration"
         )
     Console(stderr=True, width=max(200, Console(stderr=True).width)).print(t)
 

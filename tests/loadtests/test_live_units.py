@@ -71,7 +71,8 @@ def test_plots_and_table(tmp_path: Path) -> None:
     assert table.caption is None
     # a router whose lanes ran out of sessions is named under the table: its requests measure the pool too
     spent = comparison_table({"kvroute": {"requests": 90, "lanes_spent": 3}, "peer": {"requests": 95, "lanes_spent": 0}})
-    assert isinstance(spent.caption, str) and spent.caption.startswith("kvroute: lanes ran out")
+    assert isinstance(spent.caption, str)
+    assert spent.caption.startswith("lanes out of sessions before the window ended: kvroute 3. ")
     assert "3" in list(spent.columns[1].cells) and "0" in list(spent.columns[2].cells)
 
 
