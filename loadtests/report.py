@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["comparison_table", "load_values", "plot_load", "plot_ttft_cdf", "replica_means"]
+__all__ = ["comparison_table", "load_values", "plot_load", "plot_ttft_cdf", "replica_means", "spent_lanes_caption"]
 
 _ROWS: tuple[tuple[str, str, str], ...] = (
     ("chr", "CHR", "{:.3f}"),
@@ -77,13 +77,19 @@ def comparison_table(results: Mapping[str, Mapping[str, Any]], title: str = "mea
         table.add_row(label, *(_fmt(m.get(key), fmt) for m in results.values()))
     breaks = [m.get("affinity_breaks") or {} for m in results.values()]
     table.add_row("affinity breaks", *(", ".join(f"{k} {v}" for k, v in b.items()) or "0" for b in breaks))
-    spent = [f"{name} {m['lanes_spent']}" for name, m in results.items() if m.get("lanes_spent")]
-    if spent:
-        table.caption = (
-            f"lanes out of sessions before the window ended: {', '.join(spent)}. A spent lane sends nothing"
-            " more, so requests also measure the workload's pool: use more sessions or a shorter run"
-        )
+    table.caption = spent_lanes_caption(results, "use more sessions or a shorter run")
     return table
+
+
+def spent_lanes_caption(results: Mapping[str, Mapping[str, Any]], hint: str) -> str | None:
+    """The note under a table whose routers ran lanes out of sessions (``lanes_spent``), else None."""
+    spent = [f"{name} {m['lanes_spent']}" for name, m in results.items() if m.get("lanes_spent")]
+    if not spent:
+        return None
+    return (
+        f"lanes out of sessions before the window ended: {', '.join(spent)}. A spent lane sends nothing"
+        f" more, so requests also measure the workload's pool: {hint}"
+    )
 
 
 def load_values(samples: Sequence[tuple[float, Sequence[int]]]) -> list[int]:

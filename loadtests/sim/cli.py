@@ -212,12 +212,9 @@ def _print_table(results: list[SimResult], quiet: bool) -> None:
             str(m["requests"]), *([_fmt(m.get("requests_of_ceiling"))] if ceiling else []), str(m["errors"]),
             _fmt(r.stats["wall_s"], 1),
         )
-    spent = [f"{r.policy} {r.measures['lanes_spent']}" for r in results if r.measures.get("lanes_spent")]
-    if spent:
-        t.caption = (
-            f"lanes out of sessions before the window ended: {', '.join(spent)}. A spent lane sends nothing"
-            " more, so requests also measure the workload's pool: use more --sessions or a shorter --duration"
-        )
+    from loadtests.report import spent_lanes_caption
+
+    t.caption = spent_lanes_caption({r.policy: r.measures for r in results}, "use more --sessions or a shorter --duration")
     Console(stderr=True, width=max(200, Console(stderr=True).width)).print(t)
 
 
